@@ -1,0 +1,88 @@
+#include "fp8moe/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace fp8moe {
+
+constexpr size_t kAlign = 64;
+
+Result<size_t> CheckedNumElements(const Shape& shape, size_t elem_size,
+                                  size_t max_bytes) {
+  size_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) {
+      return InvalidArgument("shape " + ShapeToString(shape) +
+                             " has a negative dimension");
+    }
+    const size_t ud = static_cast<size_t>(d);
+    if (ud != 0 && n > max_bytes / ud) {
+      return ResourceExhausted("shape " + ShapeToString(shape) +
+                               " is too large to allocate");
+    }
+    n *= ud;
+  }
+  if (elem_size != 0 && n > max_bytes / elem_size) {
+    return ResourceExhausted("shape " + ShapeToString(shape) +
+                             " is too large to allocate");
+  }
+  return n;
+}
+
+std::string ShapeToString(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+size_t TensorView::num_elements() const {
+  size_t n = 1;
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+void Tensor::Free::operator()(uint8_t* p) const { std::free(p); }
+
+Result<Tensor> Tensor::Create(DType dtype, Shape shape) {
+  auto n = CheckedNumElements(shape, DTypeSize(dtype));
+  if (!n.ok()) return n.status();
+  const size_t bytes = *n * DTypeSize(dtype);
+  const size_t padded = (bytes + kAlign - 1) / kAlign * kAlign + kAlign;
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(kAlign, padded));
+  if (p == nullptr) {
+    return ResourceExhausted("cannot allocate " + std::to_string(bytes) +
+                             " bytes for a tensor of shape " +
+                             ShapeToString(shape));
+  }
+  std::memset(p + bytes, 0, padded - bytes);
+  Tensor t;
+  t.dtype_ = dtype;
+  t.shape_ = std::move(shape);
+  t.num_elements_ = *n;
+  t.bytes_.reset(p);
+  return t;
+}
+
+Result<Tensor> Tensor::Zeros(DType dtype, Shape shape) {
+  auto t = Create(dtype, std::move(shape));
+  if (t.ok()) std::memset(t->data(), 0, t->num_bytes());
+  return t;
+}
+
+Status Tensor::Reshape(Shape shape) {
+  auto n = CheckedNumElements(shape, DTypeSize(dtype_));
+  if (!n.ok()) return n.status();
+  if (*n != num_elements_) {
+    return InvalidArgument("cannot reshape " + ShapeToString(shape_) + " to " +
+                           ShapeToString(shape) +
+                           ": the element counts differ");
+  }
+  shape_ = std::move(shape);
+  return OkStatus();
+}
+
+}  // namespace fp8moe

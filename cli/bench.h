@@ -1,0 +1,20 @@
+// Entry points of `fp8moe bench ...`.
+#ifndef FP8MOE_CLI_BENCH_H_
+#define FP8MOE_CLI_BENCH_H_
+
+#include <cstdint>
+
+namespace fp8moe::bench {
+
+struct BenchOptions {
+  bool json = false;
+  int threads = 2;
+  int reps = 5;
+  int64_t elements = int64_t{64} << 20;  // bench quant
+};
+
+int BenchQuant(const BenchOptions& opt);
+
+}  // namespace fp8moe::bench
+
+#endif  // FP8MOE_CLI_BENCH_H_

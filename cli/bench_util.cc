@@ -1,0 +1,82 @@
+#include "cli/bench_util.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+namespace fp8moe::bench {
+
+double NowSeconds() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double BestSeconds(int reps, const std::function<void()>& fn) {
+  fn();
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = NowSeconds();
+    fn();
+    best = std::min(best, NowSeconds() - t0);
+  }
+  return best;
+}
+
+double MemcpyGBs(size_t bytes, int threads, int reps) {
+  auto* src = static_cast<char*>(std::aligned_alloc(64, bytes));
+  auto* dst = static_cast<char*>(std::aligned_alloc(64, bytes));
+  std::memset(src, 1, bytes);
+  std::memset(dst, 2, bytes);
+  const double t = BestSeconds(reps, [&] {
+#pragma omp parallel num_threads(threads)
+    {
+      const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+      const size_t per = (bytes / nt) & ~size_t{63};
+      const size_t b = per * id, e = id == nt - 1 ? bytes : b + per;
+      std::memcpy(dst + b, src + b, e - b);
+    }
+  });
+  std::free(src);
+  std::free(dst);
+  return 2.0 * static_cast<double>(bytes) / t / 1e9;
+}
+
+void Table::Print() const {
+  std::vector<size_t> w(columns.size());
+  for (size_t c = 0; c < columns.size(); ++c) w[c] = columns[c].size();
+  for (const auto& r : rows) {
+    for (size_t c = 0; c < r.size() && c < w.size(); ++c) w[c] = std::max(w[c], r[c].size());
+  }
+  std::printf("\n%s\n", title.c_str());
+  auto line = [&](const std::vector<std::string>& cells) {
+    for (size_t c = 0; c < columns.size(); ++c) {
+      const std::string& s = c < cells.size() ? cells[c] : "";
+      if (c == 0) {
+        std::printf("%-*s", static_cast<int>(w[c]), s.c_str());
+      } else {
+        std::printf("  %*s", static_cast<int>(w[c]), s.c_str());
+      }
+    }
+    std::printf("\n");
+  };
+  line(columns);
+  size_t total = 0;
+  for (size_t x : w) total += x + 2;
+  std::printf("%s\n", std::string(total - 2, '-').c_str());
+  for (const auto& r : rows) line(r);
+  for (const auto& n : notes) std::printf("%s\n", n.c_str());
+}
+
+std::string Fixed(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", decimals, v);
+  return buf;
+}
+
+}  // namespace fp8moe::bench

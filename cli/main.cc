@@ -1,0 +1,80 @@
+// The fp8moe command: info, bench, op (train and checkpoint come with the
+// trainer). Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input.
+#include <omp.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/bench.h"
+#include "cli/op.h"
+#include "fp8moe/numerics.h"
+#include "fp8moe/version.h"
+
+namespace {
+
+int Info() {
+  std::printf("fp8moe %s\n", fp8moe::kVersion);
+  std::printf("simd target: %s (chosen at run time)\n", fp8moe::SimdTargetName());
+  std::printf("threads: %d (OpenMP; set OMP_NUM_THREADS to change)\n",
+              omp_get_max_threads());
+  return 0;
+}
+
+std::string OpList() {
+  std::string s = "ops:\n";
+  for (const auto& op : fp8moe::cli::AllOps()) {
+    s += "  " + op.name + std::string(op.name.size() < 12 ? 12 - op.name.size() : 1, ' ') +
+         op.summary + "\n    keys:";
+    for (const auto& k : op.keys.flags()) s += " " + k.name + "=" + k.default_value;
+    s += "\n";
+  }
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"fp8moe: FP8 quantization-aware training of Mixture-of-Experts models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string(fp8moe::kVersion));
+
+  auto* info = app.add_subcommand("info", "version, SIMD target, threads");
+
+  fp8moe::bench::BenchOptions bopt;
+  bopt.threads = omp_get_max_threads();
+  std::string bench_what;
+  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant");
+  bench->add_option("what", bench_what, "which benchmark: quant")
+      ->required()
+      ->check(CLI::IsMember({"quant"}));
+  bench->add_flag("--json", bopt.json, "print JSON instead of a table");
+  bench->add_option("--threads", bopt.threads, "threads (default: OpenMP's)")
+      ->check(CLI::Range(1, 1024));
+  bench->add_option("--reps", bopt.reps, "timed repetitions (best is kept)")
+      ->check(CLI::Range(1, 1000));
+  bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
+      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 32));
+
+  std::string op_name, in_path, out_path;
+  std::vector<std::string> op_keys;
+  auto* op = app.add_subcommand("op", "run one operation on tensors from a safetensors file");
+  op->add_option("name", op_name, "the op")->required();
+  op->add_option("keys", op_keys, "key=value settings of the op");
+  op->add_option("--in", in_path, "input .safetensors")->required();
+  op->add_option("--out", out_path, "output .safetensors (written atomically)")->required();
+  op->footer(OpList());
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  if (*info) return Info();
+  if (*bench) return fp8moe::bench::BenchQuant(bopt);
+  if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);
+  return 2;
+}

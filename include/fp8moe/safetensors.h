@@ -1,0 +1,77 @@
+// Reading and writing safetensors files
+// (https://github.com/huggingface/safetensors).
+//
+// Layout: an 8-byte little-endian u64 header length N, N bytes of UTF-8 JSON,
+// then the byte buffer. The JSON maps each tensor name to
+// {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]} (offsets into
+// the byte buffer) and may hold "__metadata__": {string: string}.
+//
+// Dtypes: F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL, F8_E4M3
+// (e4m3fn) and F8_E5M2 (e5m2). The fnuz formats have no safetensors name; they
+// are stored as U8 plus a metadata entry "<tensor>.format": "e4m3fnuz" or
+// "e5m2fnuz". Metadata keys ending in ".format" are therefore reserved.
+//
+// The reader is strict, like the official implementation: the tensors, sorted
+// by offset, must tile the byte buffer exactly (no overlaps, holes or trailing
+// bytes), and BOOL bytes must be 0 or 1 (anything else is not a valid bool).
+// Error codes: kDataLoss for a malformed or truncated file,
+// kInvalidArgument for a well-formed file we do not support (unknown dtype or
+// format), kResourceExhausted for sizes over the limits, kNotFound / kIoError
+// for files that cannot be opened or read.
+#ifndef FP8MOE_SAFETENSORS_H_
+#define FP8MOE_SAFETENSORS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "fp8moe/status.h"
+#include "fp8moe/tensor.h"
+
+namespace fp8moe {
+
+// The official implementation refuses headers longer than this; so do we.
+inline constexpr size_t kSafetensorsMaxHeaderBytes = 100'000'000;
+
+// The contents of one safetensors file.
+struct SafetensorsFile {
+  // Named tensors. Reading yields them in byte-buffer order (the order they
+  // were written in); writing lays them out in this order.
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  // User-visible "__metadata__" entries; the "<tensor>.format" entries that
+  // encode fnuz dtypes are consumed by the reader and added by the writer.
+  std::map<std::string, std::string> metadata;
+
+  // The tensor named `name`, or nullptr.
+  const Tensor* Find(std::string_view name) const;
+  Tensor* Find(std::string_view name);
+  // Appends a tensor; an error if the name is already taken.
+  Status Add(std::string name, Tensor tensor);
+};
+
+// Parses a complete safetensors file held in memory; every tensor is copied
+// into its own Tensor, so `data` may be freed afterwards.
+Result<SafetensorsFile> ParseSafetensors(const uint8_t* data, size_t size);
+
+// Reads the safetensors file at `path`. Tensor bytes are read straight into
+// their Tensors (the file is never held in memory whole). Errors name `path`.
+Result<SafetensorsFile> ReadSafetensors(const std::string& path);
+
+// The exact bytes WriteSafetensors writes for `file`: compact JSON header with
+// "__metadata__" first and the tensors in order, each entry as
+// {"dtype","shape","data_offsets"} (as the official writer does), padded with
+// spaces to a multiple of 8 bytes; the tensors contiguous in order.
+Result<std::vector<uint8_t>> SerializeSafetensors(const SafetensorsFile& file);
+
+// Writes `file` to `path` atomically: a temporary file in the same directory
+// is written, fsynced and renamed over `path`, then the directory is fsynced.
+// On failure the temporary file is removed and `path` is left as it was.
+Status WriteSafetensors(const std::string& path, const SafetensorsFile& file);
+
+}  // namespace fp8moe
+
+#endif  // FP8MOE_SAFETENSORS_H_

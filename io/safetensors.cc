@@ -1,0 +1,685 @@
+// Safetensors reader and writer. Depends only on base/, nlohmann_json and the
+// standard library (plus POSIX file calls) so the fuzzer can build it alone.
+#include "fp8moe/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+
+namespace fp8moe {
+namespace {
+
+// The format is little-endian; we copy bytes as they are.
+static_assert(std::endian::native == std::endian::little,
+              "safetensors I/O assumes a little-endian host");
+
+using Json = nlohmann::json;
+
+struct NamedDType {
+  std::string_view name;
+  DType dtype;
+};
+constexpr NamedDType kDTypes[] = {
+    {"F64", DType::kF64},      {"F32", DType::kF32},
+    {"F16", DType::kF16},      {"BF16", DType::kBF16},
+    {"I64", DType::kI64},      {"I32", DType::kI32},
+    {"I16", DType::kI16},      {"I8", DType::kI8},
+    {"U64", DType::kU64},      {"U32", DType::kU32},
+    {"U16", DType::kU16},      {"U8", DType::kU8},
+    {"BOOL", DType::kBool},    {"F8_E4M3", DType::kE4M3FN},
+    {"F8_E5M2", DType::kE5M2},
+};
+// Formats without a safetensors dtype, stored as U8 + "<name>.format".
+constexpr NamedDType kFormats[] = {
+    {"e4m3fnuz", DType::kE4M3FNUZ},
+    {"e5m2fnuz", DType::kE5M2FNUZ},
+};
+constexpr std::string_view kFormatSuffix = ".format";
+constexpr std::string_view kMetadataKey = "__metadata__";
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() &&
+         s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// A name quoted and escaped for an error message (names may hold anything).
+std::string Quote(std::string_view s) {
+  return Json(std::string(s))
+      .dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+std::string Range(uint64_t begin, uint64_t end) {
+  // Appended piecewise: GCC 12 warns falsely (-Wrestrict) on "[" + string.
+  std::string s = "[";
+  s += std::to_string(begin);
+  s += ", ";
+  s += std::to_string(end);
+  s += ')';
+  return s;
+}
+
+std::string SupportedDTypes() {
+  std::string s;
+  for (const NamedDType& d : kDTypes) {
+    if (!s.empty()) s += ", ";
+    s += d.name;
+  }
+  return s;
+}
+
+// The safetensors name for `dtype` ("U8" for the fnuz formats).
+std::string_view StDTypeName(DType dtype) {
+  for (const NamedDType& d : kDTypes) {
+    if (d.dtype == dtype) return d.name;
+  }
+  return "U8";
+}
+
+// One validated header entry.
+struct Entry {
+  std::string name;
+  DType dtype = DType::kU8;
+  Shape shape;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  size_t header_pos = 0;  // position of the key in the JSON text
+};
+
+struct Header {
+  std::vector<Entry> entries;  // sorted by data offset
+  std::map<std::string, std::string> metadata;
+};
+
+Status EntryError(const std::string& name, const std::string& what) {
+  return DataLoss("safetensors header: tensor " + Quote(name) + ": " + what);
+}
+
+// A non-negative JSON integer that fits `max`, or an error naming the value
+// as `prefix` + index + `suffix` (built only on error: shapes can be long).
+Status ToUint(const std::string& name, const char* prefix, size_t index,
+              const char* suffix, const Json& v, uint64_t max, uint64_t* out) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() <= max) {
+    *out = v.get<uint64_t>();
+    return OkStatus();
+  }
+  const std::string what = prefix + std::to_string(index) + suffix;
+  if (v.is_number_unsigned()) {
+    return EntryError(name, what + " (" + std::to_string(v.get<uint64_t>()) +
+                                ") is too large");
+  }
+  if (v.is_number_integer()) {
+    return EntryError(
+        name, what + " is negative (" + std::to_string(v.get<int64_t>()) + ")");
+  }
+  return EntryError(
+      name, what + " is not an integer (" +
+                v.dump(-1, ' ', false, Json::error_handler_t::replace) + ")");
+}
+
+// Looks up a required field of a tensor entry.
+Result<const Json*> Field(const std::string& name, const Json& entry,
+                          const char* field) {
+  auto it = entry.find(field);
+  if (it == entry.end()) {
+    return EntryError(name, std::string("missing field \"") + field + "\"");
+  }
+  return &*it;
+}
+
+// Validates one tensor entry against a byte buffer of `buffer_size` bytes.
+Status ParseEntry(const std::string& name, const Json& v, uint64_t buffer_size,
+                  Entry* e) {
+  e->name = name;
+  if (!v.is_object()) return EntryError(name, "entry is not a JSON object");
+
+  FP8MOE_ASSIGN_OR_RETURN(const Json* dtype, Field(name, v, "dtype"));
+  if (!dtype->is_string()) {
+    return EntryError(name, "field \"dtype\" is not a string");
+  }
+  const std::string& dname = dtype->get_ref<const std::string&>();
+  const NamedDType* found = nullptr;
+  for (const NamedDType& d : kDTypes) {
+    if (d.name == dname) found = &d;
+  }
+  if (found == nullptr) {
+    return InvalidArgument("safetensors header: tensor " + Quote(name) +
+                           ": unsupported dtype " + Quote(dname) +
+                           "; supported: " + SupportedDTypes());
+  }
+  e->dtype = found->dtype;
+
+  FP8MOE_ASSIGN_OR_RETURN(const Json* shape, Field(name, v, "shape"));
+  if (!shape->is_array()) {
+    return EntryError(name, "field \"shape\" is not an array");
+  }
+  e->shape.reserve(shape->size());
+  for (size_t i = 0; i < shape->size(); ++i) {
+    uint64_t d = 0;
+    FP8MOE_RETURN_IF_ERROR(ToUint(name, "shape dimension ", i, "", (*shape)[i],
+                                  std::numeric_limits<int64_t>::max(), &d));
+    e->shape.push_back(static_cast<int64_t>(d));
+  }
+  auto n = CheckedNumElements(e->shape, DTypeSize(e->dtype));
+  if (!n.ok()) {
+    return ResourceExhausted("safetensors header: tensor " + Quote(name) +
+                             ": " + n.status().message());
+  }
+
+  FP8MOE_ASSIGN_OR_RETURN(const Json* offsets, Field(name, v, "data_offsets"));
+  if (!offsets->is_array() || offsets->size() != 2) {
+    return EntryError(name,
+                      "field \"data_offsets\" is not an array of 2 integers");
+  }
+  const uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  FP8MOE_RETURN_IF_ERROR(
+      ToUint(name, "data_offsets[", 0, "]", (*offsets)[0], kMax, &e->begin));
+  FP8MOE_RETURN_IF_ERROR(
+      ToUint(name, "data_offsets[", 1, "]", (*offsets)[1], kMax, &e->end));
+  if (e->begin > e->end) {
+    return EntryError(name, "data_offsets begin " + std::to_string(e->begin) +
+                                " is past end " + std::to_string(e->end));
+  }
+  if (e->end > buffer_size) {
+    return EntryError(name, "data_offsets " + Range(e->begin, e->end) +
+                                " lie outside the byte buffer of " +
+                                std::to_string(buffer_size) + " bytes");
+  }
+  const uint64_t need = *n * DTypeSize(e->dtype);
+  if (e->end - e->begin != need) {
+    return EntryError(
+        name, "data_offsets span " + std::to_string(e->end - e->begin) +
+                  " bytes but shape " + ShapeToString(e->shape) + " of " +
+                  dname + " needs " + std::to_string(need));
+  }
+  return OkStatus();
+}
+
+// Turns U8 tensors named by "<tensor>.format" entries into fnuz tensors and
+// keeps the other metadata entries.
+Status ApplyFormats(std::map<std::string, std::string> raw, Header* h) {
+  std::map<std::string_view, Entry*> by_name;
+  for (Entry& e : h->entries) by_name.emplace(e.name, &e);
+  for (auto& [key, value] : raw) {
+    if (!EndsWith(key, kFormatSuffix)) {
+      h->metadata.emplace(key, std::move(value));
+      continue;
+    }
+    const std::string_view tensor =
+        std::string_view(key).substr(0, key.size() - kFormatSuffix.size());
+    const std::string where = "safetensors __metadata__ entry " + Quote(key);
+    const NamedDType* format = nullptr;
+    for (const NamedDType& f : kFormats) {
+      if (f.name == value) format = &f;
+    }
+    if (format == nullptr) {
+      return InvalidArgument(where + ": unknown format " + Quote(value) +
+                             "; supported: e4m3fnuz, e5m2fnuz");
+    }
+    auto it = by_name.find(tensor);
+    if (it == by_name.end()) {
+      return DataLoss(where + ": names no tensor " + Quote(tensor));
+    }
+    if (it->second->dtype != DType::kU8) {
+      return DataLoss(where + ": tensor " + Quote(tensor) + " is " +
+                      std::string(StDTypeName(it->second->dtype)) +
+                      ", but a format can only be given for a U8 tensor");
+    }
+    it->second->dtype = format->dtype;
+  }
+  return OkStatus();
+}
+
+// Sorts the entries by offset and checks that they tile [0, buffer_size)
+// exactly, as the official reader requires.
+Status CheckTiling(uint64_t buffer_size, std::vector<Entry>* entries) {
+  std::sort(entries->begin(), entries->end(),
+            [](const Entry& a, const Entry& b) {
+              if (a.begin != b.begin) return a.begin < b.begin;
+              if (a.end != b.end) return a.end < b.end;
+              return a.header_pos < b.header_pos;
+            });
+  uint64_t cursor = 0;
+  const Entry* prev = nullptr;
+  for (const Entry& e : *entries) {
+    if (e.begin < cursor) {
+      return DataLoss("safetensors header: tensor " + Quote(e.name) +
+                      " (bytes " + Range(e.begin, e.end) +
+                      ") overlaps tensor " + Quote(prev->name) + " (bytes " +
+                      Range(prev->begin, prev->end) + ")");
+    }
+    if (e.begin > cursor) {
+      return DataLoss("safetensors header: bytes " + Range(cursor, e.begin) +
+                      " of the byte buffer before tensor " + Quote(e.name) +
+                      " belong to no tensor (a hole)");
+    }
+    cursor = e.end;
+    prev = &e;
+  }
+  if (cursor != buffer_size) {
+    return DataLoss("safetensors header: the last " +
+                    std::to_string(buffer_size - cursor) +
+                    " bytes of the byte buffer (from offset " +
+                    std::to_string(cursor) + ") belong to no tensor");
+  }
+  return OkStatus();
+}
+
+// Parses and validates the JSON header for a byte buffer of `buffer_size`.
+Result<Header> ParseHeader(const uint8_t* text, size_t size,
+                           uint64_t buffer_size) {
+  // Key positions at depth 1 give empty tensors sharing an offset a stable
+  // order (the one they were written in); Json itself sorts keys by name.
+  std::map<std::string, size_t> key_pos;
+  // nlohmann stops at a NUL as if the input ended there, silently ignoring
+  // what follows; valid JSON never holds a raw NUL, so refuse it here.
+  if (const void* nul = size ? std::memchr(text, '\0', size) : nullptr) {
+    return DataLoss(
+        "safetensors header is not valid JSON: NUL byte at header offset " +
+        std::to_string(static_cast<const uint8_t*>(nul) - text));
+  }
+  Json root;
+  try {
+    root = Json::parse(
+        text, text + size,
+        [&key_pos](int depth, Json::parse_event_t event, Json& parsed) {
+          if (depth == 1 && event == Json::parse_event_t::key) {
+            key_pos.emplace(parsed.get<std::string>(), key_pos.size());
+          }
+          return true;
+        });
+  } catch (const Json::exception& ex) {
+    return DataLoss(std::string("safetensors header is not valid JSON: ") +
+                    ex.what());
+  }
+  if (!root.is_object()) {
+    return DataLoss("safetensors header is not a JSON object");
+  }
+
+  Header h;
+  std::map<std::string, std::string> raw_metadata;
+  h.entries.reserve(root.size());
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    if (it.key() == kMetadataKey) {
+      if (!it->is_object()) {
+        return DataLoss("safetensors header: __metadata__ is not an object");
+      }
+      for (auto m = it->begin(); m != it->end(); ++m) {
+        if (!m->is_string()) {
+          return DataLoss("safetensors header: __metadata__ entry " +
+                          Quote(m.key()) + " is not a string");
+        }
+        raw_metadata.emplace(m.key(), m->get<std::string>());
+      }
+      continue;
+    }
+    Entry& e = h.entries.emplace_back();
+    e.header_pos = key_pos[it.key()];
+    FP8MOE_RETURN_IF_ERROR(ParseEntry(it.key(), *it, buffer_size, &e));
+  }
+  FP8MOE_RETURN_IF_ERROR(ApplyFormats(std::move(raw_metadata), &h));
+  FP8MOE_RETURN_IF_ERROR(CheckTiling(buffer_size, &h.entries));
+  return h;
+}
+
+// Checks the 8-byte prefix of a file of `file_size` bytes; returns N.
+Result<uint64_t> HeaderLength(const uint8_t* prefix, uint64_t file_size) {
+  if (file_size < 8) {
+    return DataLoss("safetensors file is " + std::to_string(file_size) +
+                    " bytes, shorter than its 8-byte header length");
+  }
+  uint64_t n = 0;
+  std::memcpy(&n, prefix, 8);
+  if (n > file_size - 8) {
+    return DataLoss("safetensors header length " + std::to_string(n) +
+                    " runs past the end of the file (" +
+                    std::to_string(file_size) + " bytes)");
+  }
+  if (n > kSafetensorsMaxHeaderBytes) {
+    return ResourceExhausted("safetensors header length " + std::to_string(n) +
+                             " exceeds the limit of " +
+                             std::to_string(kSafetensorsMaxHeaderBytes) +
+                             " bytes");
+  }
+  return n;
+}
+
+// Bool tensors must hold 0 or 1: any other byte is not a valid C++ bool.
+Status CheckBool(const Entry& e, const Tensor& t) {
+  if (e.dtype != DType::kBool) return OkStatus();
+  const uint8_t* p = t.data_as<uint8_t>();
+  for (size_t i = 0; i < t.num_bytes(); ++i) {
+    if (p[i] > 1) {
+      return DataLoss("safetensors: tensor " + Quote(e.name) +
+                      ": BOOL element " + std::to_string(i) +
+                      " has byte value " + std::to_string(p[i]) +
+                      " (only 0 and 1 are valid)");
+    }
+  }
+  return OkStatus();
+}
+
+// Allocates each tensor and lets `fill(entry, dst)` supply its bytes.
+template <typename Fill>
+Result<SafetensorsFile> Materialize(Header h, Fill fill) {
+  SafetensorsFile file;
+  file.metadata = std::move(h.metadata);
+  file.tensors.reserve(h.entries.size());
+  for (Entry& e : h.entries) {
+    FP8MOE_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(e.dtype, e.shape));
+    if (t.num_bytes() > 0) FP8MOE_RETURN_IF_ERROR(fill(e, t.data()));
+    FP8MOE_RETURN_IF_ERROR(CheckBool(e, t));
+    file.tensors.emplace_back(std::move(e.name), std::move(t));
+  }
+  return file;
+}
+
+// ---- POSIX helpers ----
+
+std::string Errno(int err) { return std::strerror(err); }
+
+Status OpenError(const std::string& path, int err) {
+  std::string m = "cannot open '" + path + "': " + Errno(err);
+  return err == ENOENT ? NotFound(std::move(m)) : IoError(std::move(m));
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { Close(); }
+  int get() const { return fd_; }
+  // Closes now; returns the errno of a failed close, or 0.
+  int Close() {
+    if (fd_ < 0) return 0;
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    return rc == 0 ? 0 : errno;
+  }
+
+ private:
+  int fd_;
+};
+
+// Reads exactly `n` bytes at `offset`.
+Status PreadAll(int fd, void* dst, size_t n, uint64_t offset) {
+  auto* p = static_cast<uint8_t*>(dst);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, p, n, static_cast<off_t>(offset));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return IoError("read failed: " + Errno(errno));
+    }
+    if (got == 0) {
+      return DataLoss(
+          "the file ended early (was it truncated while being "
+          "read?)");
+    }
+    p += got;
+    n -= static_cast<size_t>(got);
+    offset += static_cast<uint64_t>(got);
+  }
+  return OkStatus();
+}
+
+// Writes all `n` bytes; returns 0 or the errno.
+int WriteAll(int fd, const void* src, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  while (n > 0) {
+    const ssize_t put = ::write(fd, p, n);
+    if (put < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    p += put;
+    n -= static_cast<size_t>(put);
+  }
+  return 0;
+}
+
+Status WithPath(const std::string& path, const Status& s) {
+  return Status(s.code(), path + ": " + s.message());
+}
+
+// The 8-byte length and the padded JSON header for `file`.
+Result<std::string> BuildPrefix(const SafetensorsFile& file) {
+  // Escaping goes through nlohmann so names with quotes or control characters
+  // stay valid JSON; invalid UTF-8 is refused rather than written.
+  auto quote = [](const std::string& s) -> Result<std::string> {
+    try {
+      return Json(s).dump(-1, ' ', false, Json::error_handler_t::strict);
+    } catch (const Json::exception&) {
+      return InvalidArgument("safetensors: " + Quote(s) +
+                             " is not valid UTF-8");
+    }
+  };
+  std::map<std::string, std::string> metadata;
+  for (const auto& [key, value] : file.metadata) {
+    if (EndsWith(key, kFormatSuffix)) {
+      return InvalidArgument(
+          "safetensors: metadata key " + Quote(key) +
+          " is reserved (keys ending in \".format\" encode fnuz dtypes)");
+    }
+    metadata.emplace(key, value);
+  }
+  std::set<std::string_view> names;
+  for (const auto& [name, tensor] : file.tensors) {
+    if (name == kMetadataKey) {
+      return InvalidArgument(
+          "safetensors: a tensor cannot be named "
+          "\"__metadata__\"");
+    }
+    if (!names.insert(name).second) {
+      return InvalidArgument("safetensors: duplicate tensor name " +
+                             Quote(name));
+    }
+    if (tensor.data() == nullptr) {
+      return InvalidArgument("safetensors: tensor " + Quote(name) +
+                             " holds no data (a default-constructed Tensor)");
+    }
+    for (const NamedDType& f : kFormats) {
+      if (f.dtype == tensor.dtype()) {
+        metadata[name + std::string(kFormatSuffix)] = std::string(f.name);
+      }
+    }
+  }
+
+  std::string json = "{";
+  if (!metadata.empty()) {
+    json += "\"__metadata__\":{";
+    bool first = true;
+    for (const auto& [key, value] : metadata) {
+      if (!first) json += ',';
+      first = false;
+      FP8MOE_ASSIGN_OR_RETURN(std::string k, quote(key));
+      FP8MOE_ASSIGN_OR_RETURN(std::string v, quote(value));
+      json += k + ':' + v;
+    }
+    json += '}';
+  }
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : file.tensors) {
+    if (json.size() > 1) json += ',';
+    FP8MOE_ASSIGN_OR_RETURN(std::string n, quote(name));
+    json += n + ":{\"dtype\":\"" + std::string(StDTypeName(tensor.dtype())) +
+            "\",\"shape\":[";
+    for (size_t i = 0; i < tensor.shape().size(); ++i) {
+      if (i) json += ',';
+      json += std::to_string(tensor.shape()[i]);
+    }
+    const uint64_t end = offset + tensor.num_bytes();
+    json += "],\"data_offsets\":[" + std::to_string(offset) + ',' +
+            std::to_string(end) + "]}";
+    offset = end;
+  }
+  json += '}';
+  // Pad with spaces (valid JSON whitespace) so the buffer starts 8-aligned.
+  json.append((8 - json.size() % 8) % 8, ' ');
+  if (json.size() > kSafetensorsMaxHeaderBytes) {
+    return ResourceExhausted("safetensors: header of " +
+                             std::to_string(json.size()) +
+                             " bytes exceeds the limit of " +
+                             std::to_string(kSafetensorsMaxHeaderBytes));
+  }
+  const uint64_t n = json.size();
+  std::string prefix(8, '\0');
+  std::memcpy(prefix.data(), &n, 8);
+  return prefix + json;
+}
+
+std::string DirName(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+}  // namespace
+
+const Tensor* SafetensorsFile::Find(std::string_view name) const {
+  for (const auto& [n, t] : tensors) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+Tensor* SafetensorsFile::Find(std::string_view name) {
+  for (auto& [n, t] : tensors) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
+
+Status SafetensorsFile::Add(std::string name, Tensor tensor) {
+  if (Find(name) != nullptr) {
+    return InvalidArgument("safetensors: a tensor named " + Quote(name) +
+                           " already exists");
+  }
+  tensors.emplace_back(std::move(name), std::move(tensor));
+  return OkStatus();
+}
+
+Result<SafetensorsFile> ParseSafetensors(const uint8_t* data, size_t size) {
+  if (data == nullptr && size != 0) {
+    return InvalidArgument("ParseSafetensors: null data");
+  }
+  FP8MOE_ASSIGN_OR_RETURN(const uint64_t n, HeaderLength(data, size));
+  const uint8_t* buffer = data + 8 + n;
+  FP8MOE_ASSIGN_OR_RETURN(Header h, ParseHeader(data + 8, n, size - 8 - n));
+  return Materialize(std::move(h), [buffer](const Entry& e, void* dst) {
+    std::memcpy(dst, buffer + e.begin, e.end - e.begin);
+    return OkStatus();
+  });
+}
+
+Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return OpenError(path, errno);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) {
+    return IoError("cannot stat '" + path + "': " + Errno(errno));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return InvalidArgument("'" + path + "' is not a regular file");
+  }
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  // Every error past this point is prefixed with the path.
+  uint8_t prefix[8] = {};
+  if (file_size >= 8) {
+    Status s = PreadAll(fd.get(), prefix, 8, 0);
+    if (!s.ok()) return WithPath(path, s);
+  }
+  auto n = HeaderLength(prefix, file_size);
+  if (!n.ok()) return WithPath(path, n.status());
+  std::vector<uint8_t> text(*n);
+  Status s = PreadAll(fd.get(), text.data(), *n, 8);
+  if (!s.ok()) return WithPath(path, s);
+  auto h = ParseHeader(text.data(), text.size(), file_size - 8 - *n);
+  if (!h.ok()) return WithPath(path, h.status());
+  const uint64_t base = 8 + *n;
+  auto file = Materialize(std::move(*h), [&](const Entry& e, void* dst) {
+    return PreadAll(fd.get(), dst, e.end - e.begin, base + e.begin);
+  });
+  if (!file.ok()) return WithPath(path, file.status());
+  return file;
+}
+
+Result<std::vector<uint8_t>> SerializeSafetensors(const SafetensorsFile& file) {
+  FP8MOE_ASSIGN_OR_RETURN(std::string prefix, BuildPrefix(file));
+  size_t total = prefix.size();
+  for (const auto& [name, t] : file.tensors) total += t.num_bytes();
+  std::vector<uint8_t> out;
+  out.reserve(total);
+  out.insert(out.end(), prefix.begin(), prefix.end());
+  for (const auto& [name, t] : file.tensors) {
+    const auto* p = static_cast<const uint8_t*>(t.data());
+    out.insert(out.end(), p, p + t.num_bytes());
+  }
+  return out;
+}
+
+Status WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
+  // Everything that can be checked is checked before the disk is touched.
+  FP8MOE_ASSIGN_OR_RETURN(std::string prefix, BuildPrefix(file));
+
+  // A fresh name per attempt; O_EXCL so two writers never share a temp file.
+  static std::atomic<uint64_t> counter{0};
+  std::string tmp;
+  int raw_fd = -1;
+  for (int attempt = 0; attempt < 100 && raw_fd < 0; ++attempt) {
+    tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
+          std::to_string(counter.fetch_add(1));
+    raw_fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (raw_fd < 0 && errno != EEXIST) break;
+  }
+  if (raw_fd < 0) {
+    return IoError("cannot write '" + path + "': cannot create '" + tmp +
+                   "': " + Errno(errno));
+  }
+  Fd fd(raw_fd);
+  auto fail = [&](const char* what, int err) {
+    fd.Close();
+    ::unlink(tmp.c_str());
+    return IoError("cannot write '" + path + "': " + what + " '" + tmp +
+                   "': " + Errno(err));
+  };
+
+  if (int err = WriteAll(fd.get(), prefix.data(), prefix.size())) {
+    return fail("write to", err);
+  }
+  for (const auto& [name, t] : file.tensors) {
+    if (int err = WriteAll(fd.get(), t.data(), t.num_bytes())) {
+      return fail("write to", err);
+    }
+  }
+  if (::fsync(fd.get()) != 0) return fail("fsync of", errno);
+  if (int err = fd.Close()) return fail("close of", err);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    return fail("rename onto the target of", errno);
+  }
+
+  // Make the rename itself durable. Some file systems cannot fsync a
+  // directory (EINVAL); the data is then as safe as they allow.
+  const std::string dir = DirName(path);
+  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.get() < 0) {
+    return IoError("wrote '" + path + "' but cannot open its directory '" +
+                   dir + "' to fsync it: " + Errno(errno));
+  }
+  if (::fsync(dfd.get()) != 0 && errno != EINVAL) {
+    return IoError("wrote '" + path + "' but cannot fsync its directory '" +
+                   dir + "': " + Errno(errno));
+  }
+  return OkStatus();
+}
+
+}  // namespace fp8moe

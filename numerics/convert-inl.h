@@ -1,0 +1,268 @@
+// Per-target SIMD conversions between f32, bf16 and the fp8 formats.
+// Included once per Highway target (foreach_target.h); the vector helpers are
+// also used by the packing code of the grouped matmul kernels.
+//
+// Decode (PERFORMANCE.md): put the 7 magnitude bits where an f32's exponent
+// and mantissa start, OR in the sign, read the result as an f32 and multiply
+// by 2^(127 - bias). Exact for normals and subnormals as long as f32
+// subnormals are not flushed (we never set DAZ/FTZ or build -ffast-math).
+// Special codes (NaN, e5m2 inf) are blended in afterwards.
+//
+// Encode: in the normal range, add the round-to-nearest-even bias to the f32
+// bits and shift away the dropped mantissa bits; in the subnormal range, add a
+// magic constant whose ulp is the format's subnormal quantum so the FPU does
+// the rounding. Both give the same bits as EncodeFp8 (fp8.cc).
+
+#if defined(FP8MOE_NUMERICS_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FP8MOE_NUMERICS_CONVERT_INL_H_
+#undef FP8MOE_NUMERICS_CONVERT_INL_H_
+#else
+#define FP8MOE_NUMERICS_CONVERT_INL_H_
+#endif
+
+#include <bit>
+#include <cstring>
+
+#include "hwy/cache_control.h"
+#include "hwy/highway.h"
+#include "numerics/fp8_spec.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fp8moe {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// codes: u32 lanes holding fp8 codes (0..255) -> f32 lanes, exact.
+template <Fp8Format kFormat, class DF>
+HWY_INLINE hn::Vec<DF> DecodeFp8Vec(DF df,
+                                    hn::Vec<hn::RebindToUnsigned<DF>> codes) {
+  constexpr Fp8Spec s = SpecOf(kFormat);
+  constexpr int kShift = 23 - s.mantissa_bits;
+  const hn::RebindToUnsigned<DF> du;
+  const auto mag = hn::And(codes, hn::Set(du, 0x7Fu));
+  const auto sign = hn::ShiftLeft<24>(hn::And(codes, hn::Set(du, 0x80u)));
+  const auto placed = hn::Or(hn::ShiftLeft<kShift>(mag), sign);
+  auto bits = hn::BitCast(
+      du, hn::Mul(hn::BitCast(df, placed),
+                  hn::BitCast(df, hn::Set(du, Pow2Bits(127 - s.bias)))));
+  const auto qnan = hn::Or(sign, hn::Set(du, 0x7FC00000u));
+  if constexpr (s.fnuz) {
+    bits = hn::IfThenElse(hn::Eq(codes, hn::Set(du, 0x80u)),
+                          hn::Set(du, 0xFFC00000u), bits);
+  } else if constexpr (s.has_inf) {
+    const auto inf = hn::Or(sign, hn::Set(du, 0x7F800000u));
+    bits = hn::IfThenElse(hn::Eq(mag, hn::Set(du, 0x7Cu)), inf, bits);
+    const hn::RebindToSigned<DF> di;
+    const auto is_nan = hn::RebindMask(
+        du, hn::Gt(hn::BitCast(di, mag), hn::Set(di, 0x7C)));
+    bits = hn::IfThenElse(is_nan, qnan, bits);
+  } else {
+    bits = hn::IfThenElse(hn::Eq(mag, hn::Set(du, 0x7Fu)), qnan, bits);
+  }
+  return hn::BitCast(df, bits);
+}
+
+// f32 lanes -> u32 lanes holding fp8 codes (0..255), round to nearest even.
+template <Fp8Format kFormat, bool kSaturate, class DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8Vec(DF df,
+                                                          hn::Vec<DF> v) {
+  constexpr Fp8Spec s = SpecOf(kFormat);
+  constexpr int kShift = 23 - s.mantissa_bits;
+  constexpr int kMinExp = 1 - s.bias;  // exponent of the smallest normal
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const auto bits = hn::BitCast(du, v);
+  const auto sign = hn::And(bits, hn::Set(du, 0x80000000u));
+  auto abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
+  // Non-negative f32 bit patterns order like the values, so integer
+  // comparisons on them are exact and NaN (above inf's bits) is easy to find.
+  const auto is_nan = hn::RebindMask(
+      du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x7F800000)));
+  if constexpr (kSaturate) {
+    // NaN lanes become max here; they are replaced by the NaN code below.
+    abs = hn::BitCast(du, hn::Min(hn::BitCast(di, abs),
+                                  hn::Set(di, std::bit_cast<int32_t>(s.max))));
+  }
+  // Normal range: round the mantissa to mantissa_bits, then re-bias.
+  const auto lsb = hn::And(hn::ShiftRight<kShift>(abs), hn::Set(du, 1u));
+  const auto rounded =
+      hn::Add(abs, hn::Add(hn::Set(du, (1u << (kShift - 1)) - 1u), lsb));
+  const auto normal =
+      hn::Sub(hn::ShiftRight<kShift>(rounded),
+              hn::Set(du, static_cast<uint32_t>(127 - s.bias)
+                              << s.mantissa_bits));
+  // Subnormal range: magic = 2^(kMinExp - mantissa_bits + 23) has an ulp equal
+  // to the subnormal quantum, so abs + magic rounds abs to that quantum.
+  const auto magic =
+      hn::BitCast(df, hn::Set(du, Pow2Bits(kMinExp - s.mantissa_bits + 23)));
+  const auto a = hn::BitCast(df, abs);
+  const auto sub =
+      hn::Sub(hn::BitCast(du, hn::Add(a, magic)), hn::BitCast(du, magic));
+  const auto is_sub = hn::RebindMask(
+      du, hn::Lt(a, hn::BitCast(df, hn::Set(du, Pow2Bits(kMinExp)))));
+  auto mag = hn::IfThenElse(is_sub, sub, normal);
+
+  auto special = is_nan;  // lanes whose magnitude is a NaN/inf code
+  if constexpr (!kSaturate) {
+    const auto overflow = hn::RebindMask(
+        du, hn::Gt(hn::BitCast(di, mag), hn::Set(di, s.max_code)));
+    mag = hn::IfThenElse(overflow, hn::Set(du, s.has_inf ? 0x7Cu : s.nan_code),
+                         mag);
+    special = hn::Or(special, overflow);
+  }
+  mag = hn::IfThenElse(is_nan, hn::Set(du, s.nan_code), mag);
+  if constexpr (s.fnuz) {
+    // No -0: the sign survives only on non-zero values. NaN is 0x80 itself.
+    const auto sign8 = hn::IfThenElseZero(
+        hn::RebindMask(du, hn::Ne(mag, hn::Zero(du))), hn::ShiftRight<24>(sign));
+    return hn::IfThenElse(special, hn::Set(du, 0x80u), hn::Or(mag, sign8));
+  } else {
+    return hn::Or(mag, hn::ShiftRight<24>(sign));
+  }
+}
+
+// f32 lanes -> u32 lanes holding bf16 bits, round to nearest even.
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToBf16Vec(DF df,
+                                                          hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto bits = hn::BitCast(du, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded =
+      hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb)));
+  const auto qnan = hn::Or(hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 0x8000u)),
+                           hn::Set(du, 0x7FC0u));
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), qnan, rounded);
+}
+
+// ---- Span loops. Full vectors in the main loop; the tail goes through a
+// small zero-padded buffer so no load or store passes the end of a span. ----
+
+template <Fp8Format kFormat, bool kSaturate>
+void EncodeFp8SpanT(const float* HWY_RESTRICT x, uint8_t* HWY_RESTRICT codes,
+                    size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const size_t N = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto c = EncodeFp8Vec<kFormat, kSaturate>(df, hn::LoadU(df, x + i));
+    hn::StoreU(hn::DemoteTo(d8, hn::BitCast(di, c)), d8, codes + i);
+  }
+  if (i < n) {
+    HWY_ALIGN float in[hn::MaxLanes(df)] = {};
+    HWY_ALIGN uint8_t out[hn::MaxLanes(df)];
+    std::memcpy(in, x + i, (n - i) * sizeof(float));
+    const auto c = EncodeFp8Vec<kFormat, kSaturate>(df, hn::Load(df, in));
+    hn::Store(hn::DemoteTo(d8, hn::BitCast(di, c)), d8, out);
+    std::memcpy(codes + i, out, n - i);
+  }
+}
+
+// kStream: non-temporal stores for outputs far larger than the caches, so the
+// output lines are not read before being overwritten (saves a third of the
+// memory traffic when decoding 1 byte into 4).
+template <Fp8Format kFormat, bool kStream>
+void DecodeFp8SpanT(const uint8_t* HWY_RESTRICT codes, float* HWY_RESTRICT out,
+                    size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const size_t N = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto v = DecodeFp8Vec<kFormat>(df, hn::PromoteTo(du, hn::LoadU(d8, codes + i)));
+    if constexpr (kStream) {
+      hn::Stream(v, df, out + i);
+    } else {
+      hn::StoreU(v, df, out + i);
+    }
+  }
+  if (i < n) {
+    HWY_ALIGN uint8_t in[hn::MaxLanes(df)] = {};
+    HWY_ALIGN float tmp[hn::MaxLanes(df)];
+    std::memcpy(in, codes + i, n - i);
+    hn::Store(DecodeFp8Vec<kFormat>(df, hn::PromoteTo(du, hn::Load(d8, in))),
+              df, tmp);
+    std::memcpy(out + i, tmp, (n - i) * sizeof(float));
+  }
+  if constexpr (kStream) hwy::FlushStream();
+}
+
+template <Fp8Format kFormat>
+void DecodeFp8ToBf16SpanT(const uint8_t* HWY_RESTRICT codes,
+                          uint16_t* HWY_RESTRICT out, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t N = hn::Lanes(df);
+  // Every fp8 value is a bf16 value, so the upper half of the f32 is exact.
+  auto one = [&](const uint8_t* in, uint16_t* o) {
+    const auto f = DecodeFp8Vec<kFormat>(df, hn::PromoteTo(du, hn::LoadU(d8, in)));
+    const auto hi = hn::ShiftRight<16>(hn::BitCast(du, f));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, hi)), d16, o);
+  };
+  size_t i = 0;
+  for (; i + N <= n; i += N) one(codes + i, out + i);
+  if (i < n) {
+    HWY_ALIGN uint8_t in[hn::MaxLanes(df)] = {};
+    HWY_ALIGN uint16_t tmp[hn::MaxLanes(df)];
+    std::memcpy(in, codes + i, n - i);
+    one(in, tmp);
+    std::memcpy(out + i, tmp, (n - i) * sizeof(uint16_t));
+  }
+}
+
+inline void F32ToBf16SpanT(const float* HWY_RESTRICT x,
+                           uint16_t* HWY_RESTRICT out, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t N = hn::Lanes(df);
+  auto one = [&](const float* in, uint16_t* o) {
+    const auto b = F32ToBf16Vec(df, hn::LoadU(df, in));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, o);
+  };
+  size_t i = 0;
+  for (; i + N <= n; i += N) one(x + i, out + i);
+  if (i < n) {
+    HWY_ALIGN float in[hn::MaxLanes(df)] = {};
+    HWY_ALIGN uint16_t tmp[hn::MaxLanes(df)];
+    std::memcpy(in, x + i, (n - i) * sizeof(float));
+    one(in, tmp);
+    std::memcpy(out + i, tmp, (n - i) * sizeof(uint16_t));
+  }
+}
+
+template <bool kStream>
+void Bf16ToF32SpanT(const uint16_t* HWY_RESTRICT bits,
+                    float* HWY_RESTRICT out, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t N = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto v = hn::BitCast(
+        df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, bits + i))));
+    if constexpr (kStream) {
+      hn::Stream(v, df, out + i);
+    } else {
+      hn::StoreU(v, df, out + i);
+    }
+  }
+  for (; i < n; ++i) {
+    const uint32_t b = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(out + i, &b, sizeof(b));
+  }
+  if constexpr (kStream) hwy::FlushStream();
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fp8moe
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard toggle

@@ -1,0 +1,318 @@
+// Quantizers against their plain-loop twins, and the properties DESIGN 3.2
+// promises: scale formula, saturation, NaN/Inf confined to their scaling
+// group, tail rows never read, group tiles from valid rows only.
+#include <omp.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fp8moe/quant.h"
+
+namespace fp8moe {
+namespace {
+
+constexpr QuantDType kDTypes[] = {QuantDType::kE4M3FN, QuantDType::kE4M3FNUZ,
+                                  QuantDType::kE5M2, QuantDType::kE5M2FNUZ,
+                                  QuantDType::kInt8};
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+uint32_t Bits(float f) { return std::bit_cast<uint32_t>(f); }
+
+class QuantTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = std::random_device{}();
+    std::printf("random seed %u\n", seed_);
+    rng_.seed(seed_);
+  }
+  // Values whose magnitude varies by row/channel over many binades, so some
+  // groups reach the subnormal range of every format.
+  std::vector<float> Random(size_t n, int64_t period) {
+    std::vector<float> v(n);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::uniform_int_distribution<int> ex(-30, 20);
+    float mag = 1.0f;
+    for (size_t i = 0; i < n; ++i) {
+      if (i % static_cast<size_t>(period) == 0) mag = std::ldexp(1.0f, ex(rng_));
+      v[i] = nd(rng_) * mag;
+    }
+    return v;
+  }
+  unsigned seed_;
+  std::mt19937 rng_;
+};
+
+void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(Bits(a[i]), Bits(b[i])) << "at " << i << ": " << a[i] << " vs " << b[i];
+  }
+}
+
+const Calibration kCalibs[] = {Calibration::AbsMax(),
+                               Calibration::Fixed(-224.0f, 224.0f),
+                               Calibration::Fixed(-0.01f, 0.003f)};
+
+TEST_F(QuantTest, TensorMatchesReference) {
+  for (QuantDType d : kDTypes) {
+    for (const Calibration& cal : kCalibs) {
+      for (int64_t n : {0, 1, 7, 33, 1000, 300001}) {
+        const auto x = Random(static_cast<size_t>(n), 1 << 30);
+        std::vector<uint8_t> q1(n, 0xA5), q2(n, 0x5A);
+        float s1 = kNaN, s2 = kNaN;
+        ASSERT_TRUE(QuantizeTensor(x.data(), n, d, cal, q1.data(), &s1).ok());
+        ASSERT_TRUE(reference::QuantizeTensor(x.data(), n, d, cal, q2.data(), &s2).ok());
+        ASSERT_EQ(q1, q2) << QuantDTypeName(d) << " n " << n;
+        ASSERT_EQ(Bits(s1), Bits(s2));
+      }
+    }
+  }
+}
+
+TEST_F(QuantTest, RowsMatchReference) {
+  for (QuantDType d : kDTypes) {
+    for (const Calibration& cal : kCalibs) {
+      for (int64_t block : {0, 128, 512, 5}) {
+        for (auto [rows, cols, valid] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1},
+                                         {9, 1000, 7}, {3, 256, 3}, {64, 517, 0},
+                                         {200, 1100, 150}}) {
+          const auto x = Random(static_cast<size_t>(rows * cols), cols);
+          const int64_t nb = NumBlocks(cols, block);
+          std::vector<uint8_t> q1(rows * cols, 0xA5), q2(rows * cols, 0x5A);
+          std::vector<float> s1(rows * nb, kNaN), s2(rows * nb, -kNaN);
+          ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, valid, block, d, cal,
+                                   q1.data(), s1.data()).ok());
+          ASSERT_TRUE(reference::QuantizeRows(x.data(), rows, cols, valid, block,
+                                              d, cal, q2.data(), s2.data()).ok());
+          ASSERT_EQ(q1, q2) << QuantDTypeName(d) << " block " << block;
+          ExpectSameBits(s1, s2);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(QuantTest, ChannelsMatchReference) {
+  for (QuantDType d : kDTypes) {
+    for (const Calibration& cal : kCalibs) {
+      for (auto [e, k, n] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1},
+                             {3, 17, 33}, {2, 256, 512}, {4, 0, 8}}) {
+        const auto w = Random(static_cast<size_t>(e * k * n), 97);
+        std::vector<uint8_t> q1(e * k * n, 0xA5), q2(e * k * n, 0x5A);
+        std::vector<float> s1(e * n, kNaN), s2(e * n, -kNaN);
+        ASSERT_TRUE(QuantizeChannels(w.data(), e, k, n, d, cal, q1.data(), s1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeChannels(w.data(), e, k, n, d, cal, q2.data(),
+                                                s2.data()).ok());
+        ASSERT_EQ(q1, q2);
+        ExpectSameBits(s1, s2);
+      }
+    }
+  }
+}
+
+TEST_F(QuantTest, GroupTilesMatchReferenceAndPerTileChannels) {
+  const int64_t c = 37;
+  const std::vector<int32_t> sizes = {5, 0, 64, 1, 0, 130, 0};
+  int64_t valid = 0;
+  for (int32_t s : sizes) valid += s;
+  const int64_t m = valid + 11;  // tail rows
+  for (QuantDType d : kDTypes) {
+    for (int64_t tile_m : {0, 1, 16, 64, 1000}) {
+      auto x = Random(static_cast<size_t>(m * c), c * 3);
+      for (int64_t i = valid * c; i < m * c; ++i) x[i] = kNaN;  // poisoned tail
+      const int64_t tiles = *NumGroupTiles(sizes.data(), 7, m, tile_m);
+      std::vector<uint8_t> q1(m * c, 0xA5), q2(m * c, 0x5A);
+      std::vector<float> s1(tiles * c, kNaN), s2(tiles * c, -kNaN);
+      const Calibration cal = Calibration::AbsMax();
+      ASSERT_TRUE(QuantizeGroupTileChannels(x.data(), m, c, sizes.data(), 7, tile_m,
+                                            d, cal, q1.data(), s1.data()).ok());
+      ASSERT_TRUE(reference::QuantizeGroupTileChannels(x.data(), m, c, sizes.data(), 7,
+                                                       tile_m, d, cal, q2.data(),
+                                                       s2.data()).ok());
+      ASSERT_EQ(q1, q2);
+      ExpectSameBits(s1, s2);
+      for (float s : s1) ASSERT_FALSE(std::isnan(s)) << "tail reached a scale";
+      for (int64_t i = valid * c; i < m * c; ++i) ASSERT_EQ(q1[i], 0);
+      // Independent construction: each tile alone through QuantizeChannels.
+      int64_t row = 0, t = 0;
+      for (int32_t size : sizes) {
+        const int64_t step = tile_m ? tile_m : std::max<int64_t>(size, 1);
+        for (int64_t t0 = 0; t0 < size || (tile_m == 0 && t0 == 0); t0 += step, ++t) {
+          const int64_t rows = std::min<int64_t>(step, size - t0);
+          std::vector<uint8_t> qt(rows * c);
+          std::vector<float> st(c);
+          ASSERT_TRUE(QuantizeChannels(x.data() + (row + t0) * c, 1, rows, c, d, cal,
+                                       qt.data(), st.data()).ok());
+          for (int64_t j = 0; j < c; ++j) ASSERT_EQ(Bits(st[j]), Bits(s1[t * c + j]));
+          if (!qt.empty()) {
+            ASSERT_EQ(0, std::memcmp(qt.data(), q1.data() + (row + t0) * c, qt.size()));
+          }
+        }
+        row += size;
+      }
+      ASSERT_EQ(t, tiles);
+      // Dequantize: valid rows match element-wise dequantization, tail is 0.
+      std::vector<float> back(m * c, kNaN);
+      ASSERT_TRUE(DequantizeGroupTileChannels(q1.data(), m, c, sizes.data(), 7, tile_m,
+                                              s1.data(), d, back.data()).ok());
+      for (int64_t i = valid * c; i < m * c; ++i) ASSERT_EQ(back[i], 0.0f);
+    }
+  }
+}
+
+TEST(Quant, ScaleFormulaAndFixedCalibration) {
+  EXPECT_EQ(ScaleFromAmax(448.0f, QuantDType::kE4M3FN), 1.0f);
+  EXPECT_EQ(ScaleFromAmax(0.0f, QuantDType::kE4M3FN), 1e-12f / 448.0f);
+  EXPECT_EQ(ScaleFromAmax(254.0f, QuantDType::kInt8), 2.0f);
+  EXPECT_TRUE(std::isnan(ScaleFromAmax(kNaN, QuantDType::kE5M2)));
+  const auto cal = *Calibration::Parse("fixed,-224,224");
+  EXPECT_EQ(cal.ToString(), "fixed,-224,224");
+  const std::vector<float> x = {1.0f, -300.0f, 224.0f, 500.0f, 0.25f};
+  std::vector<uint8_t> q(x.size());
+  float s = 0;
+  ASSERT_TRUE(QuantizeTensor(x.data(), 5, QuantDType::kE4M3FN, cal, q.data(), &s).ok());
+  EXPECT_EQ(s, 0.5f);  // DESIGN 3.2: fixed,-224,224 gives e4m3fn scale 0.5
+  EXPECT_EQ(DequantizeValue(q[1], s, QuantDType::kE4M3FN), -224.0f);  // clipped
+  EXPECT_EQ(DequantizeValue(q[3], s, QuantDType::kE4M3FN), 224.0f);
+  EXPECT_EQ(DequantizeValue(q[0], s, QuantDType::kE4M3FN), 1.0f);
+  for (const char* bad : {"", "absmin", "fixed", "fixed,1", "fixed,a,2",
+                          "fixed,1,inf", "fixed,0,0", "fixed,1,2x"}) {
+    EXPECT_FALSE(Calibration::Parse(bad).ok()) << bad;
+  }
+  EXPECT_TRUE(Calibration::Parse("absmax").ok());
+}
+
+TEST_F(QuantTest, ZeroRowsInfAndNaNStayInTheirGroup) {
+  const int64_t rows = 6, cols = 300;
+  for (QuantDType d : kDTypes) {
+    auto x = Random(rows * cols, cols);
+    std::fill(x.begin(), x.begin() + cols, 0.0f);  // row 0 all zero
+    x[1 * cols + 17] = std::numeric_limits<float>::infinity();
+    x[2 * cols + 3] = kNaN;
+    std::vector<uint8_t> q(rows * cols);
+    std::vector<float> s(rows);
+    ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, 0, d,
+                             Calibration::AbsMax(), q.data(), s.data()).ok());
+    EXPECT_EQ(s[0], 1e-12f / QuantMax(d));
+    for (int64_t j = 0; j < cols; ++j) EXPECT_EQ(q[j], 0);
+    EXPECT_TRUE(std::isinf(s[1]));
+    EXPECT_TRUE(std::isnan(s[2]));
+    // Rows 3..5 are exactly what quantizing them alone gives.
+    std::vector<uint8_t> q_alone(3 * cols);
+    std::vector<float> s_alone(3);
+    ASSERT_TRUE(QuantizeRows(x.data() + 3 * cols, 3, cols, 3, 0, d,
+                             Calibration::AbsMax(), q_alone.data(), s_alone.data()).ok());
+    EXPECT_EQ(0, std::memcmp(q_alone.data(), q.data() + 3 * cols, 3 * cols));
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(s_alone[i], s[3 + i]);
+    // Per tensor: one NaN makes the one scale NaN.
+    float st = 0;
+    ASSERT_TRUE(QuantizeTensor(x.data(), rows * cols, d, Calibration::AbsMax(),
+                               q.data(), &st).ok());
+    EXPECT_TRUE(std::isnan(st));
+  }
+}
+
+TEST_F(QuantTest, TailRowsNeverReachAScale) {
+  const int64_t rows = 40, cols = 129, valid = 23;
+  for (QuantDType d : kDTypes) {
+    auto x = Random(rows * cols, cols);
+    auto poisoned = x;
+    for (int64_t i = valid * cols; i < rows * cols; ++i) {
+      poisoned[i] = (i % 2) ? kNaN : std::numeric_limits<float>::infinity();
+    }
+    for (int64_t block : {0, 128}) {
+      const int64_t nb = NumBlocks(cols, block);
+      std::vector<uint8_t> q1(rows * cols), q2(rows * cols);
+      std::vector<float> s1(rows * nb, kNaN), s2(rows * nb, kNaN);
+      ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, valid, block, d,
+                               Calibration::AbsMax(), q1.data(), s1.data()).ok());
+      ASSERT_TRUE(QuantizeRows(poisoned.data(), rows, cols, valid, block, d,
+                               Calibration::AbsMax(), q2.data(), s2.data()).ok());
+      EXPECT_EQ(q1, q2);
+      ExpectSameBits(s1, s2);
+      for (int64_t i = valid * nb; i < rows * nb; ++i) EXPECT_EQ(s2[i], 0.0f);
+      for (int64_t i = valid * cols; i < rows * cols; ++i) EXPECT_EQ(q2[i], 0);
+    }
+  }
+}
+
+TEST_F(QuantTest, DequantizeErrorIsWithinHalfAStep) {
+  const int64_t rows = 50, cols = 256;
+  for (QuantDType d : kDTypes) {
+    const auto x = Random(rows * cols, cols);
+    std::vector<uint8_t> q(rows * cols);
+    std::vector<float> s(rows), back(rows * cols);
+    ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, 0, d, Calibration::AbsMax(),
+                             q.data(), s.data()).ok());
+    DequantizeRows(q.data(), rows, cols, 0, s.data(), d, back.data());
+    // Relative half-ulp in the normal range, half the smallest step below it.
+    const bool is_int8 = d == QuantDType::kInt8;
+    const int man = (d == QuantDType::kE4M3FN || d == QuantDType::kE4M3FNUZ) ? 3 : 2;
+    const float min_step = is_int8 ? 1.0f
+                                   : DecodeFp8(1, static_cast<Fp8Format>(d));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = x[r * cols + j], b = back[r * cols + j];
+        ASSERT_EQ(b, DequantizeValue(q[r * cols + j], s[r], d));
+        const double rel = is_int8 ? 0.0 : std::ldexp(1.0, -(man + 1));
+        const double bound = std::max(std::fabs(v) * rel, 0.5 * min_step * s[r]) * (1 + 1e-6);
+        ASSERT_LE(std::fabs(static_cast<double>(b) - v), bound)
+            << QuantDTypeName(d) << " x " << v << " back " << b;
+      }
+    }
+  }
+}
+
+TEST_F(QuantTest, ThreadCountDoesNotChangeBits) {
+  const int64_t rows = 512, cols = 1024;
+  const auto x = Random(rows * cols, cols);
+  const int saved = omp_get_max_threads();
+  std::vector<uint8_t> a(rows * cols), b(rows * cols);
+  std::vector<float> sa(rows), sb(rows);
+  float ta = 0, tb = 0;
+  omp_set_num_threads(1);
+  ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, 0, QuantDType::kE4M3FN,
+                           Calibration::AbsMax(), a.data(), sa.data()).ok());
+  ASSERT_TRUE(QuantizeTensor(x.data(), rows * cols, QuantDType::kInt8,
+                             Calibration::AbsMax(), a.data(), &ta).ok());
+  omp_set_num_threads(std::max(2, saved));
+  ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, 0, QuantDType::kE4M3FN,
+                           Calibration::AbsMax(), b.data(), sb.data()).ok());
+  ASSERT_TRUE(QuantizeTensor(x.data(), rows * cols, QuantDType::kInt8,
+                             Calibration::AbsMax(), b.data(), &tb).ok());
+  omp_set_num_threads(saved);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(sa, sb);
+  EXPECT_EQ(ta, tb);
+}
+
+TEST(Quant, BadArgumentsAreClearErrors) {
+  float x[4] = {1, 2, 3, 4};
+  uint8_t q[4];
+  float s[4];
+  const int32_t neg[2] = {2, -1};
+  const int32_t big[2] = {3, 2};
+  auto st = QuantizeGroupTileChannels(x, 4, 1, neg, 2, 0, QuantDType::kE4M3FN,
+                                      Calibration::AbsMax(), q, s);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("group_sizes[1]"), std::string::npos) << st.message();
+  st = QuantizeGroupTileChannels(x, 4, 1, big, 2, 0, QuantDType::kE4M3FN,
+                                 Calibration::AbsMax(), q, s);
+  EXPECT_NE(st.message().find("exceeds"), std::string::npos) << st.message();
+  const int32_t ok[2] = {1, 1};
+  EXPECT_FALSE(NumGroupTiles(ok, 2, 4, -1).ok());
+  EXPECT_FALSE(QuantizeRows(x, 2, 2, 3, 0, QuantDType::kInt8, Calibration::AbsMax(), q, s).ok());
+  EXPECT_FALSE(QuantizeRows(x, 2, 2, 2, -4, QuantDType::kInt8, Calibration::AbsMax(), q, s).ok());
+  EXPECT_FALSE(ParseQuantDType("fp8").ok());
+  EXPECT_EQ(*ParseQuantDType("int8"), QuantDType::kInt8);
+  EXPECT_EQ(QuantStorageDType(QuantDType::kE5M2FNUZ), DType::kE5M2FNUZ);
+}
+
+}  // namespace
+}  // namespace fp8moe

@@ -1,0 +1,124 @@
+// Per-target SIMD pieces of quantization: amax by integer max over |x| bits
+// (non-negative f32 bit patterns order like their values and NaN sorts above
+// inf, so one integer max is exact and propagates NaN), and the division by
+// the scale fused with the saturating fp8 encode or the int8 round and clamp.
+
+#if defined(FP8MOE_QUANT_QUANTIZE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FP8MOE_QUANT_QUANTIZE_INL_H_
+#undef FP8MOE_QUANT_QUANTIZE_INL_H_
+#else
+#define FP8MOE_QUANT_QUANTIZE_INL_H_
+#endif
+
+#include <cstring>
+
+#include "fp8moe/quant.h"
+#include "hwy/highway.h"
+#include "numerics/convert-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fp8moe {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// |x| bits as i32 lanes.
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> AbsBits(DF df, hn::Vec<DF> v) {
+  const hn::RebindToSigned<DF> di;
+  return hn::And(hn::BitCast(di, v), hn::Set(di, 0x7FFFFFFF));
+}
+
+// max over i of |x[i]| bits; > 0x7F800000 means a NaN was seen.
+inline uint32_t AbsMaxBitsT(const float* HWY_RESTRICT x, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const size_t N = hn::Lanes(df);
+  auto m0 = hn::Zero(di), m1 = hn::Zero(di);
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    m0 = hn::Max(m0, AbsBits(df, hn::LoadU(df, x + i)));
+    m1 = hn::Max(m1, AbsBits(df, hn::LoadU(df, x + i + N)));
+  }
+  int32_t m = hn::GetLane(hn::MaxOfLanes(di, hn::Max(m0, m1)));
+  for (; i < n; ++i) {
+    int32_t b;
+    std::memcpy(&b, x + i, 4);
+    m = std::max(m, b & 0x7FFFFFFF);
+  }
+  return static_cast<uint32_t>(m);
+}
+
+// acc[i] = max(acc[i], |x[i]| bits) for i < n: the per-channel amax of a
+// row-major matrix, one row at a time.
+inline void AbsMaxAccumulateT(const float* HWY_RESTRICT x, size_t n,
+                              int32_t* HWY_RESTRICT acc) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const size_t N = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    hn::StoreU(hn::Max(hn::LoadU(di, acc + i), AbsBits(df, hn::LoadU(df, x + i))),
+               di, acc + i);
+  }
+  for (; i < n; ++i) {
+    int32_t b;
+    std::memcpy(&b, x + i, 4);
+    acc[i] = std::max(acc[i], b & 0x7FFFFFFF);
+  }
+}
+
+// Codes of x / scale in u32 lanes (int8 codes as their byte value).
+template <QuantDType kDType, class DF>
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> QuantizeVec(DF df, hn::Vec<DF> x,
+                                                       hn::Vec<DF> scale) {
+  const hn::RebindToSigned<DF> di;
+  const auto v = hn::Div(x, scale);  // a true division, as DESIGN 3.2 asks
+  if constexpr (kDType == QuantDType::kInt8) {
+    const auto clamped = hn::Min(hn::Max(hn::IfThenZeroElse(hn::IsNaN(v), v),
+                                         hn::Set(df, -127.0f)),
+                                 hn::Set(df, 127.0f));
+    return hn::And(hn::ConvertTo(di, hn::Round(clamped)), hn::Set(di, 0xFF));
+  } else {
+    constexpr Fp8Format f = static_cast<Fp8Format>(kDType);
+    return hn::BitCast(di, EncodeFp8Vec<f, true>(df, v));
+  }
+}
+
+// q[i] = code of x[i] / scales[per_lane ? i : 0].
+template <QuantDType kDType, bool kPerLane>
+void QuantizeSpanT(const float* HWY_RESTRICT x, size_t n,
+                   const float* HWY_RESTRICT scales, uint8_t* HWY_RESTRICT q) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const size_t N = hn::Lanes(df);
+  const auto one_scale = hn::Set(df, scales[0]);
+  auto scale_at = [&](const float* s) {
+    if constexpr (kPerLane) {
+      return hn::LoadU(df, s);
+    } else {
+      return one_scale;
+    }
+  };
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto c = QuantizeVec<kDType>(df, hn::LoadU(df, x + i), scale_at(scales + i));
+    hn::StoreU(hn::DemoteTo(d8, c), d8, q + i);
+  }
+  if (i < n) {
+    HWY_ALIGN float xin[hn::MaxLanes(df)] = {};
+    HWY_ALIGN float sin[hn::MaxLanes(df)];
+    HWY_ALIGN uint8_t out[hn::MaxLanes(df)];
+    std::memcpy(xin, x + i, (n - i) * sizeof(float));
+    for (size_t j = 0; j < N; ++j) sin[j] = kPerLane ? 1.0f : scales[0];
+    if (kPerLane) std::memcpy(sin, scales + i, (n - i) * sizeof(float));
+    const auto c = QuantizeVec<kDType>(df, hn::Load(df, xin), hn::Load(df, sin));
+    hn::Store(hn::DemoteTo(d8, c), d8, out);
+    std::memcpy(q + i, out, n - i);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fp8moe
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard toggle

@@ -1,0 +1,280 @@
+// Fast quantizers: SIMD spans from quantize-inl.h, threads over rows, tiles
+// or chunks. Each has a plain-loop twin in quantize_reference.cc and gives the
+// same bits for any thread count (amax is a max, which is exact).
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "fp8moe/quant.h"
+#include "quant/quant_internal.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "quant/quantize.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "quant/quantize-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fp8moe {
+namespace HWY_NAMESPACE {
+
+void QuantizeSpan(const float* x, size_t n, const float* scales, bool per_lane,
+                  QuantDType dtype, uint8_t* q) {
+#define FP8MOE_Q(D)                                             \
+  return per_lane ? QuantizeSpanT<D, true>(x, n, scales, q)   \
+                  : QuantizeSpanT<D, false>(x, n, scales, q)
+  switch (dtype) {
+    case QuantDType::kE4M3FN: FP8MOE_Q(QuantDType::kE4M3FN);
+    case QuantDType::kE4M3FNUZ: FP8MOE_Q(QuantDType::kE4M3FNUZ);
+    case QuantDType::kE5M2: FP8MOE_Q(QuantDType::kE5M2);
+    case QuantDType::kE5M2FNUZ: FP8MOE_Q(QuantDType::kE5M2FNUZ);
+    case QuantDType::kInt8: FP8MOE_Q(QuantDType::kInt8);
+  }
+#undef FP8MOE_Q
+}
+
+uint32_t AbsMaxBits(const float* x, size_t n) { return AbsMaxBitsT(x, n); }
+
+void AbsMaxAccumulate(const float* x, size_t n, int32_t* acc) {
+  AbsMaxAccumulateT(x, n, acc);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fp8moe
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace fp8moe {
+
+HWY_EXPORT(QuantizeSpan);
+HWY_EXPORT(AbsMaxBits);
+HWY_EXPORT(AbsMaxAccumulate);
+
+namespace {
+
+constexpr int64_t kChunk = int64_t{1} << 16;
+constexpr int64_t kParallelMin = int64_t{1} << 18;
+
+float AmaxFromBits(uint32_t bits) {
+  if (bits > 0x7F800000u) return std::numeric_limits<float>::quiet_NaN();
+  return std::bit_cast<float>(bits);
+}
+
+float Scale(float amax, QuantDType dtype, const Calibration& calib) {
+  if (calib.kind == Calibration::Kind::kFixed) {
+    return ScaleFromAmax(calib.FixedAmax(), dtype);
+  }
+  return ScaleFromAmax(amax, dtype);
+}
+
+void QuantizeOneScale(const float* x, int64_t n, float scale, QuantDType dtype,
+                      uint8_t* q) {
+  HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &scale, false,
+                                     dtype, q);
+}
+
+float AbsMax(const float* x, int64_t n) {
+  return AmaxFromBits(
+      HWY_DYNAMIC_DISPATCH(AbsMaxBits)(x, static_cast<size_t>(n)));
+}
+
+// amax over x [n] with the chunks in parallel (max is exact: order-free).
+float AbsMaxParallel(const float* x, int64_t n) {
+  if (n < kParallelMin) return AbsMax(x, n);
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  uint32_t best = 0;
+#pragma omp parallel for schedule(static) reduction(max : best)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t b = c * kChunk;
+    best = std::max(best, HWY_DYNAMIC_DISPATCH(AbsMaxBits)(
+                              x + b, static_cast<size_t>(std::min(kChunk, n - b))));
+  }
+  return AmaxFromBits(best);
+}
+
+// Per-channel scales of the `rows` rows of x [rows, c] starting at x.
+void ChannelScales(const float* x, int64_t rows, int64_t c, QuantDType dtype,
+                   const Calibration& calib, int32_t* acc, float* scales) {
+  std::fill(acc, acc + c, 0);
+  if (calib.kind == Calibration::Kind::kAbsMax) {
+    for (int64_t r = 0; r < rows; ++r) {
+      HWY_DYNAMIC_DISPATCH(AbsMaxAccumulate)(x + r * c, static_cast<size_t>(c), acc);
+    }
+  }
+  for (int64_t j = 0; j < c; ++j) {
+    scales[j] = Scale(AmaxFromBits(static_cast<uint32_t>(acc[j])), dtype, calib);
+  }
+}
+
+}  // namespace
+
+Status QuantizeTensor(const float* x, int64_t n, QuantDType dtype,
+                      const Calibration& calib, uint8_t* q, float* scale) {
+  FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"n", n}}));
+  const float s = Scale(
+      calib.kind == Calibration::Kind::kAbsMax ? AbsMaxParallel(x, n) : 0.0f,
+      dtype, calib);
+  *scale = s;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t b = c * kChunk;
+    QuantizeOneScale(x + b, std::min(kChunk, n - b), s, dtype, q + b);
+  }
+  return OkStatus();
+}
+
+Status QuantizeRows(const float* x, int64_t rows, int64_t cols,
+                    int64_t valid_rows, int64_t block_size, QuantDType dtype,
+                    const Calibration& calib, uint8_t* q, float* scales) {
+  FP8MOE_RETURN_IF_ERROR(internal::CheckRowArgs(rows, cols, valid_rows, block_size));
+  const int64_t nb = NumBlocks(cols, block_size);
+  const int64_t bs = block_size > 0 ? block_size : cols;
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r >= valid_rows) {  // tail row: never read
+      if (cols > 0) std::memset(q + r * cols, 0, static_cast<size_t>(cols));
+      std::fill(scales + r * nb, scales + (r + 1) * nb, 0.0f);
+      continue;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
+      const float* xr = x + r * cols + c0;
+      const float s = Scale(
+          calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xr, len) : 0.0f,
+          dtype, calib);
+      scales[r * nb + b] = s;
+      QuantizeOneScale(xr, len, s, dtype, q + r * cols + c0);
+    }
+  }
+  return OkStatus();
+}
+
+Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
+                        QuantDType dtype, const Calibration& calib, uint8_t* q,
+                        float* scales) {
+  FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"experts", experts}, {"k", k}, {"n", n}}));
+  std::vector<int32_t> acc(static_cast<size_t>(n));
+  for (int64_t e = 0; e < experts; ++e) {
+    const float* we = w + e * k * n;
+    float* se = scales + e * n;
+    ChannelScales(we, k, n, dtype, calib, acc.data(), se);
+#pragma omp parallel for schedule(static) if (k * n >= kParallelMin)
+    for (int64_t i = 0; i < k; ++i) {
+      HWY_DYNAMIC_DISPATCH(QuantizeSpan)(we + i * n, static_cast<size_t>(n), se,
+                                         true, dtype, q + e * k * n + i * n);
+    }
+  }
+  return OkStatus();
+}
+
+Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
+                                 const int32_t* group_sizes, int64_t groups,
+                                 int64_t tile_m, QuantDType dtype,
+                                 const Calibration& calib, uint8_t* q,
+                                 float* scales) {
+  FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"m", m}, {"c", c}}));
+  FP8MOE_ASSIGN_OR_RETURN(const int64_t num_tiles,
+                          NumGroupTiles(group_sizes, groups, m, tile_m));
+  const auto tiles = internal::GroupTiles(group_sizes, groups, tile_m);
+  const int64_t row = tiles.empty() ? 0 : tiles.back().first + tiles.back().rows;
+  if (m > row && c > 0) {  // tail rows
+    std::memset(q + row * c, 0, static_cast<size_t>((m - row) * c));
+  }
+#pragma omp parallel
+  {
+    std::vector<int32_t> acc(static_cast<size_t>(c));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const auto [r0, rows] = tiles[static_cast<size_t>(t)];
+      float* st = scales + t * c;
+      ChannelScales(x + r0 * c, rows, c, dtype, calib, acc.data(), st);
+      for (int64_t i = 0; i < rows; ++i) {
+        HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x + (r0 + i) * c, static_cast<size_t>(c),
+                                           st, true, dtype, q + (r0 + i) * c);
+      }
+    }
+  }
+  return OkStatus();
+}
+
+// ---- Dequantization: a 256-entry table of decoded codes times the scale.
+
+namespace {
+struct DecodeTable {
+  float v[256];
+  explicit DecodeTable(QuantDType dtype) {
+    for (int i = 0; i < 256; ++i) v[i] = DequantizeValue(static_cast<uint8_t>(i), 1.0f, dtype);
+  }
+};
+void DequantizeSpan(const uint8_t* q, int64_t n, const float* scales,
+                    bool per_lane, const DecodeTable& t, float* x) {
+  if (per_lane) {
+    for (int64_t i = 0; i < n; ++i) x[i] = t.v[q[i]] * scales[i];
+  } else {
+    const float s = scales[0];
+    for (int64_t i = 0; i < n; ++i) x[i] = t.v[q[i]] * s;
+  }
+}
+}  // namespace
+
+void DequantizeTensor(const uint8_t* q, int64_t n, float scale,
+                      QuantDType dtype, float* x) {
+  const DecodeTable t(dtype);
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t b = c * kChunk;
+    DequantizeSpan(q + b, std::min(kChunk, n - b), &scale, false, t, x + b);
+  }
+}
+
+void DequantizeRows(const uint8_t* q, int64_t rows, int64_t cols,
+                    int64_t block_size, const float* scales, QuantDType dtype,
+                    float* x) {
+  const DecodeTable t(dtype);
+  const int64_t nb = NumBlocks(cols, block_size);
+  const int64_t bs = block_size > 0 ? block_size : cols;
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
+      DequantizeSpan(q + r * cols + c0, len, scales + r * nb + b, false, t,
+                     x + r * cols + c0);
+    }
+  }
+}
+
+void DequantizeChannels(const uint8_t* q, int64_t experts, int64_t k,
+                        int64_t n, const float* scales, QuantDType dtype,
+                        float* w) {
+  const DecodeTable t(dtype);
+#pragma omp parallel for schedule(static) if (experts * k * n >= kParallelMin)
+  for (int64_t r = 0; r < experts * k; ++r) {
+    DequantizeSpan(q + r * n, n, scales + (r / k) * n, true, t, w + r * n);
+  }
+}
+
+Status DequantizeGroupTileChannels(const uint8_t* q, int64_t m, int64_t c,
+                                   const int32_t* group_sizes, int64_t groups,
+                                   int64_t tile_m, const float* scales,
+                                   QuantDType dtype, float* x) {
+  FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"m", m}, {"c", c}}));
+  FP8MOE_RETURN_IF_ERROR(NumGroupTiles(group_sizes, groups, m, tile_m).status());
+  const DecodeTable t(dtype);
+  const auto tiles = internal::GroupTiles(group_sizes, groups, tile_m);
+  int64_t row = 0;  // end of the valid rows
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    for (int64_t r = tiles[i].first; r < tiles[i].first + tiles[i].rows; ++r) {
+      DequantizeSpan(q + r * c, c, scales + static_cast<int64_t>(i) * c, true,
+                     t, x + r * c);
+    }
+    row = tiles[i].first + tiles[i].rows;
+  }
+  std::fill(x + row * c, x + m * c, 0.0f);  // tail rows
+  return OkStatus();
+}
+
+}  // namespace fp8moe
+#endif  // HWY_ONCE
