@@ -55,6 +55,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1024));
   bench->add_option("--reps", bopt.reps, "timed repetitions (best is kept)")
       ->check(CLI::Range(1, 1000));
+  std::string simd;
+  app.add_option("--simd", simd, "restrict SIMD dispatch to this target and below (e.g. AVX2)")
+      ->envname("FP8MOE_SIMD");
   bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 32));
 
@@ -72,6 +75,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;
+  }
+  if (!simd.empty()) {
+    const fp8moe::Status s = fp8moe::RestrictSimdTarget(simd);
+    if (!s.ok()) {
+      std::fprintf(stderr, "error: --simd: %s\n", s.message().c_str());
+      return 2;
+    }
   }
   if (*info) return Info();
   if (*bench) return fp8moe::bench::BenchQuant(bopt);

@@ -1,6 +1,7 @@
 // Run-time dispatch and threading for the span conversions in convert-inl.h.
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "fp8moe/numerics.h"
 
@@ -156,6 +157,21 @@ void Bf16ToF32Span(const uint16_t* bits, float* out, size_t n) {
 }
 
 const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+Status RestrictSimdTarget(std::string_view name) {
+  std::string names;
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    if (name == hwy::TargetName(t)) {
+      // Smaller bits are better targets: disable every one better than t.
+      hwy::DisableTargets(t - 1);
+      return OkStatus();
+    }
+    names += (names.empty() ? "" : ", ") + std::string(hwy::TargetName(t));
+  }
+  return InvalidArgument("SIMD target '" + std::string(name) +
+                         "' is not available; this CPU and build support: " +
+                         names);
+}
 
 }  // namespace fp8moe
 #endif  // HWY_ONCE

@@ -81,6 +81,11 @@ void Bf16ToF32Span(const uint16_t* bits, float* out, size_t n);
 // e.g. "AVX2".
 const char* SimdTargetName();
 
+// Restricts run-time dispatch (of every fp8moe kernel) to the named target
+// and the ones below it, e.g. "AVX2" on an AVX-512 machine to measure or test
+// the AVX2 path. An error names the targets this CPU and build support.
+Status RestrictSimdTarget(std::string_view name);
+
 }  // namespace fp8moe
 
 #endif  // FP8MOE_NUMERICS_H_
