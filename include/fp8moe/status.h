@@ -92,6 +92,7 @@ class [[nodiscard]] Result {
   T* operator->() { return &Checked(); }
   const T* operator->() const { return &const_cast<Result*>(this)->Checked(); }
   T& operator*() & { return Checked(); }
+  T&& operator*() && { return std::move(Checked()); }
   const T& operator*() const& { return const_cast<Result*>(this)->Checked(); }
 
  private:

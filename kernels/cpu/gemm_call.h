@@ -1,0 +1,116 @@
+// The description of one grouped GEMM that gmm.cc plans and the per-target
+// executor (gemm_exec.cc) runs. Plain data, no SIMD types, so the planner
+// stays target-independent.
+//
+// Every pass computes, for each work item, an output tile
+//   C[i, j] = sum_r A(i, r) * B(r, j)
+// over the item's reduction range, then an epilogue writes it out:
+//   kFwd   A = lhs rows of group g   [rows, K],  B = rhs[g]        [K, N]
+//   kDlhs  A = dout rows of group g  [rows, N],  B = rhs[g]^T      [N, K]
+//   kTgmm  A = lhs^T of group g      [K, rows],  B = dout rows     [rows, N]
+// Work items never share an output element, so the result does not depend
+// on how items are spread over threads.
+#ifndef FP8MOE_KERNELS_CPU_GEMM_CALL_H_
+#define FP8MOE_KERNELS_CPU_GEMM_CALL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "fp8moe/dtype.h"
+#include "fp8moe/numerics.h"
+
+namespace fp8moe::internal {
+
+enum class Pass : uint8_t { kFwd, kDlhs, kTgmm };
+
+// How a source element becomes a value.
+enum class SrcKind : uint8_t {
+  kF32,   // f32
+  kBf16,  // bf16 bits
+  kFp8,   // fp8 codes: DecodeFp8, then the optional scale
+  kI8,    // int8 codes (integer GEMM only)
+};
+
+// A row-major 2-D source, element (r, c) at data + r * ld + c. For rhs the
+// group g's matrix starts group_stride elements further per group.
+struct Source {
+  SrcKind kind = SrcKind::kF32;
+  const void* data = nullptr;
+  int64_t ld = 0;
+  int64_t group_stride = 0;
+  Fp8Format fp8 = Fp8Format::kE4M3FN;
+  // Optional scales of kFp8 sources: value = dec(q) * scale with
+  //   col_scale[g * col_scale_group_stride + c]            (per channel), or
+  //   tile_scale[row_tile[r] * tile_scale_ld + c]          (per row tile).
+  const float* col_scale = nullptr;
+  int64_t col_scale_group_stride = 0;
+  const int32_t* row_tile = nullptr;
+  const float* tile_scale = nullptr;
+  int64_t tile_scale_ld = 0;
+  // Round the scaled value to bf16 (the fake-QAT weight copy's values).
+  bool round_bf16 = false;
+};
+
+// What happens to the finished f32 (or int32) tile.
+struct Epilogue {
+  enum class Kind : uint8_t {
+    kStore,    // out = C
+    kSwiGlu,   // C holds gate | up halves: out = silu(gate) * up, h_out = C
+    kDSwiGlu,  // C is da: out = dh from da and h
+    kAccumulateF32,  // (internal) C is the f32 output itself
+  };
+  Kind kind = Kind::kStore;
+  // out[i, col] with i the absolute row; F32 or BF16.
+  void* out = nullptr;
+  DType out_dtype = DType::kF32;
+  int64_t out_ld = 0;
+  // Optional scaling before anything else: C * row_scale[i] * col_scale[col]
+  // (native fp8 and int8: the activation and weight scales).
+  const float* row_scale = nullptr;
+  const float* col_scale = nullptr;  // + g * col_scale_group_stride
+  int64_t col_scale_group_stride = 0;
+  // kSwiGlu: the pre-activation h_out [M, 2F] (optional). kDSwiGlu: h [M, 2K].
+  void* h = nullptr;
+  DType h_dtype = DType::kF32;
+  int64_t h_ld = 0;
+  int64_t half = 0;  // F (kSwiGlu) or K (kDSwiGlu): offset of the up half
+};
+
+struct WorkItem {
+  int32_t group;
+  int64_t row0, rows;  // output rows (absolute for kFwd/kDlhs; K rows for kTgmm)
+  int64_t col0, cols;  // output columns (logical: kSwiGlu counts a's columns)
+  int64_t red0, red_len;  // reduction range (kTgmm: absolute rows of the group)
+};
+
+struct GemmCall {
+  Pass pass = Pass::kFwd;
+  bool integer = false;  // int8 x int8 with int32 accumulation
+  Source a, b;
+  // kFwd / kDlhs: the reduction length (K or N). kTgmm: per item.
+  int64_t red_len = 0;
+  // Native fp8 with K-blocks: partial sums per block of `block` reduction
+  // steps are scaled by a_block_scale[i * a_block_scale_ld + block index].
+  const float* a_block_scale = nullptr;
+  int64_t a_block_scale_ld = 0;
+  int64_t block = 0;
+  Epilogue epi;
+  // Output of kTgmm: drhs[g] [K, N] f32 at out + g * out_group_stride.
+  int64_t out_group_stride = 0;
+  int64_t kc = 256;  // reduction block (even)
+  std::vector<WorkItem> items;
+};
+
+// Runs a planned call on the best SIMD target of this CPU.
+void ExecuteGemm(const GemmCall& call);
+
+// The register tile of the kernel ExecuteGemm would use, for planning tiles.
+struct KernelShape {
+  int64_t mr, nr;
+  bool bf16_pairs;  // AVX512-BF16 dot products for bf16-exact operands
+};
+KernelShape GemmKernelShape(bool integer);
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_KERNELS_CPU_GEMM_CALL_H_

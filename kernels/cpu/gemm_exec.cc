@@ -1,0 +1,391 @@
+// Runs a planned GemmCall: threads over work items, BLIS-style blocking
+// inside an item, the microkernels of microkernels-inl.h, and the fused
+// epilogues (scales, SwiGLU, dSwiGLU, bf16 output).
+//
+// Inside an item (rows x cols of output, reduction R):
+//   for each reduction block of kc:         pack B [kc x cols]   (L2 / L3)
+//     for each block of mc rows:            pack A [mc x kc]     (L2)
+//       for each NR panel of B:             B micro-panel        (L1)
+//         for each MR panel of A:           microkernel -> C tile
+// A is packed once per (row block, reduction block) and reused over all the
+// item's columns; B once per reduction block and reused over all its rows.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "fp8moe/numerics.h"
+#include "kernels/cpu/gemm_call.h"
+#include "kernels/cpu/pack.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/gemm_exec.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "kernels/cpu/microkernels-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fp8moe {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using internal::ColumnRuns;
+using internal::Epilogue;
+using internal::GemmCall;
+using internal::Operand;
+using internal::PanelKind;
+using internal::Pass;
+using internal::WorkItem;
+
+constexpr int64_t kMC = 96;  // rows per packed A block (a multiple of MR)
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<uint8_t[], AlignedFree>;
+Buffer Allocate(size_t bytes) {
+  bytes = (bytes + 63) / 64 * 64 + 64;
+  return Buffer(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
+}
+
+PanelKind ChooseKind(const GemmCall& call) {
+  if (call.integer) return PanelKind::kI16Pairs;
+  // bf16 pairs only where every operand value is a bf16 value, so the
+  // products are those of the f32 kernel (fp8 codes, bf16 data, or scaled
+  // codes rounded to bf16).
+  auto bf16_exact = [](const internal::Source& s) {
+    if (s.kind == internal::SrcKind::kBf16) return true;
+    if (s.kind != internal::SrcKind::kFp8) return false;
+    return s.round_bf16 || (s.col_scale == nullptr && s.tile_scale == nullptr);
+  };
+  if (CpuHasAvx512Bf16() && bf16_exact(call.a) && bf16_exact(call.b)) {
+    return PanelKind::kBf16Pairs;
+  }
+  return PanelKind::kF32;
+}
+
+// C tile [MR x NR] at c (ldc) += A panel x B panel over kc.
+void RunKernel(PanelKind kind, int64_t kc, const void* ap, const void* bp,
+               void* c, int64_t ldc, bool load_c, const float* row_scale) {
+  const size_t ukc = static_cast<size_t>(kc), uldc = static_cast<size_t>(ldc);
+  switch (kind) {
+    case PanelKind::kF32:
+      MicroF32<kMR, kNV>(ukc, static_cast<const float*>(ap),
+                         static_cast<const float*>(bp), static_cast<float*>(c),
+                         uldc, load_c, row_scale);
+      return;
+    case PanelKind::kI16Pairs:
+      MicroI16<kMR, kNV>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
+                         static_cast<const uint32_t*>(bp),
+                         static_cast<int32_t*>(c), uldc, load_c);
+      return;
+    case PanelKind::kBf16Pairs:
+#if HWY_TARGET == HWY_AVX3
+      MicroBf16Pairs<kMR>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
+                          static_cast<const uint32_t*>(bp),
+                          static_cast<float*>(c), uldc, load_c, row_scale);
+#endif
+      return;
+  }
+}
+
+// ---- Epilogue --------------------------------------------------------------
+
+// Stores n f32 values to an F32 or BF16 row.
+void StoreRow(const float* v, int64_t n, void* out, DType dtype) {
+  if (dtype == DType::kF32) {
+    std::memcpy(out, v, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    F32ToBf16Span(v, static_cast<uint16_t*>(out), static_cast<size_t>(n));
+  }
+}
+
+void LoadRow(const void* in, DType dtype, int64_t n, float* v) {
+  if (dtype == DType::kF32) {
+    std::memcpy(v, in, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    Bf16ToF32Span(static_cast<const uint16_t*>(in), v, static_cast<size_t>(n));
+  }
+}
+
+void* RowPtr(void* base, DType dtype, int64_t row, int64_t ld, int64_t col) {
+  return static_cast<uint8_t*>(base) + (row * ld + col) * DTypeSize(dtype);
+}
+
+// silu and its derivative over rows, vectorised. The tail runs the same
+// vector code on a padded copy, so an element's bits never depend on where
+// a tile boundary puts it.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Sigmoid(D d, V g) {
+  const auto one = hn::Set(d, 1.0f);
+  return hn::Div(one, hn::Add(one, hn::Exp(d, hn::Neg(g))));
+}
+
+// out = silu(gate) * up
+void SiluMulRow(const float* gate, const float* up, int64_t n, float* out) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  auto one = [&](const float* g_in, const float* u_in, float* o) {
+    const auto g = hn::LoadU(d, g_in);
+    hn::StoreU(hn::Mul(hn::Mul(g, Sigmoid(d, g)), hn::LoadU(d, u_in)), d, o);
+  };
+  int64_t j = 0;
+  for (; j + N <= n; j += N) one(gate + j, up + j, out + j);
+  if (j < n) {
+    HWY_ALIGN float g[hn::MaxLanes(d)] = {}, u[hn::MaxLanes(d)] = {}, o[hn::MaxLanes(d)];
+    const size_t bytes = static_cast<size_t>(n - j) * sizeof(float);
+    std::memcpy(g, gate + j, bytes);
+    std::memcpy(u, up + j, bytes);
+    one(g, u, o);
+    std::memcpy(out + j, o, bytes);
+  }
+}
+
+// dgate = da * up * silu'(gate), dup = da * silu(gate); dgate may alias da.
+void DSiluRow(const float* da, const float* gate, const float* up, int64_t n,
+              float* dgate, float* dup) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  auto one = [&](const float* a_in, const float* g_in, const float* u_in, float* dg,
+                 float* du) {
+    const auto g = hn::LoadU(d, g_in);
+    const auto a = hn::LoadU(d, a_in);
+    const auto sig = Sigmoid(d, g);
+    const auto dsilu = hn::Mul(sig, hn::MulAdd(g, hn::Sub(hn::Set(d, 1.0f), sig), hn::Set(d, 1.0f)));
+    hn::StoreU(hn::Mul(hn::Mul(a, hn::LoadU(d, u_in)), dsilu), d, dg);
+    hn::StoreU(hn::Mul(a, hn::Mul(g, sig)), d, du);
+  };
+  int64_t j = 0;
+  for (; j + N <= n; j += N) one(da + j, gate + j, up + j, dgate + j, dup + j);
+  if (j < n) {
+    HWY_ALIGN float a[hn::MaxLanes(d)] = {}, g[hn::MaxLanes(d)] = {}, u[hn::MaxLanes(d)] = {};
+    HWY_ALIGN float dg[hn::MaxLanes(d)], du[hn::MaxLanes(d)];
+    const size_t bytes = static_cast<size_t>(n - j) * sizeof(float);
+    std::memcpy(a, da + j, bytes);
+    std::memcpy(g, gate + j, bytes);
+    std::memcpy(u, up + j, bytes);
+    one(a, g, u, dg, du);
+    std::memcpy(dgate + j, dg, bytes);
+    std::memcpy(dup + j, du, bytes);
+  }
+}
+
+// Writes an item's finished tile C [rows x width] (f32 or int32).
+void RunEpilogue(const GemmCall& call, const WorkItem& it, const void* cbuf,
+                 int64_t ldc, int64_t run_stride, bool c_is_int,
+                 std::vector<float>* scratch) {
+  const Epilogue& e = call.epi;
+  const int64_t w = it.cols;
+  scratch->resize(static_cast<size_t>(4 * w));
+  float* v0 = scratch->data();   // run 0 (or the only run)
+  float* v1 = v0 + w;            // run 1 (SwiGLU up)
+  float* t0 = v1 + w;
+  float* t1 = t0 + w;
+  const float* col_scale =
+      e.col_scale ? e.col_scale + it.group * e.col_scale_group_stride : nullptr;
+  const int runs = e.kind == Epilogue::Kind::kSwiGlu ? 2 : 1;
+  for (int64_t i = 0; i < it.rows; ++i) {
+    const int64_t row = it.row0 + i;
+    for (int run = 0; run < runs; ++run) {
+      float* v = run == 0 ? v0 : v1;
+      const int64_t off = i * ldc + run * run_stride;
+      if (c_is_int) {
+        const int32_t* c = static_cast<const int32_t*>(cbuf) + off;
+        for (int64_t j = 0; j < w; ++j) v[j] = static_cast<float>(c[j]);
+      } else {
+        std::memcpy(v, static_cast<const float*>(cbuf) + off,
+                    static_cast<size_t>(w) * sizeof(float));
+      }
+      if (e.row_scale != nullptr || col_scale != nullptr) {
+        const float rs = e.row_scale != nullptr ? e.row_scale[row] : 1.0f;
+        const float* cs = col_scale + (run == 0 ? it.col0 : e.half + it.col0);
+        for (int64_t j = 0; j < w; ++j) v[j] = v[j] * rs * cs[j];
+      }
+    }
+    switch (e.kind) {
+      case Epilogue::Kind::kStore:
+      case Epilogue::Kind::kAccumulateF32:
+        StoreRow(v0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);
+        break;
+      case Epilogue::Kind::kSwiGlu:
+        if (e.h != nullptr) {
+          StoreRow(v0, w, RowPtr(e.h, e.h_dtype, row, e.h_ld, it.col0), e.h_dtype);
+          StoreRow(v1, w, RowPtr(e.h, e.h_dtype, row, e.h_ld, e.half + it.col0), e.h_dtype);
+        }
+        SiluMulRow(v0, v1, w, t0);
+        StoreRow(t0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);
+        break;
+      case Epilogue::Kind::kDSwiGlu:
+        LoadRow(RowPtr(e.h, e.h_dtype, row, e.h_ld, it.col0), e.h_dtype, w, t0);
+        LoadRow(RowPtr(e.h, e.h_dtype, row, e.h_ld, e.half + it.col0), e.h_dtype, w, t1);
+        DSiluRow(v0, t0, t1, w, v0, v1);  // in place: v0 is read before written
+        StoreRow(v0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);
+        StoreRow(v1, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, e.half + it.col0), e.out_dtype);
+        break;
+    }
+  }
+}
+
+// ---- Items -----------------------------------------------------------------
+
+struct ThreadBuffers {
+  Buffer ap, bp, c;
+  std::vector<float> epi;
+};
+
+void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
+             ThreadBuffers* tb) {
+  const int64_t mr = static_cast<int64_t>(kMR);
+  const int64_t nr = static_cast<int64_t>(KernelNR());
+  const bool is_int = kind == PanelKind::kI16Pairs;
+  const bool swiglu = call.epi.kind == Epilogue::Kind::kSwiGlu;
+  ColumnRuns runs;
+  runs.count = it.cols;
+  runs.start[0] = it.col0;
+  if (swiglu) {
+    runs.runs = 2;
+    runs.start[1] = call.epi.half + it.col0;
+  }
+  const int64_t per_run = (it.cols + nr - 1) / nr;
+  const int64_t run_stride = per_run * nr;
+  const int64_t width = run_stride * runs.runs;  // packed C columns
+
+  // Where C lives: straight in an f32 output when nothing else must happen
+  // to it, else a per-thread scratch tile finished by the epilogue.
+  const bool direct = call.epi.kind == Epilogue::Kind::kAccumulateF32;
+  void* c;
+  int64_t ldc;
+  if (direct) {
+    float* out = static_cast<float*>(call.epi.out) + it.group * call.out_group_stride;
+    c = out + it.row0 * call.epi.out_ld + it.col0;
+    ldc = call.epi.out_ld;
+  } else {
+    c = tb->c.get();
+    ldc = width;
+  }
+  const int64_t elem = 4;  // f32 or int32
+
+  const Operand opa{&call.a, it.group, call.pass == Pass::kTgmm};
+  const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
+  const int64_t red0 = it.red0, red1 = it.red0 + it.red_len;
+  if (red1 == red0) {  // nothing to reduce: the tile is zero
+    for (int64_t i = 0; i < it.rows; ++i) {
+      std::memset(static_cast<uint8_t*>(c) + i * ldc * elem, 0,
+                  static_cast<size_t>((direct ? it.cols : width) * elem));
+    }
+  }
+  const int64_t kc_step = call.a_block_scale ? call.block : call.kc;
+  alignas(64) uint8_t edge[64 * 64 * 4];
+  alignas(64) float rs[64];
+  for (int64_t r0 = red0; r0 < red1; r0 += kc_step) {
+    const int64_t kc = std::min(kc_step, red1 - r0);
+    const bool load_c = r0 != red0;
+    const int64_t panels_b = internal::PackB(opb, kind, r0, kc, runs, nr, tb->bp.get());
+    const int64_t bstride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * nr * 4;
+    const int64_t astride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * mr * 4;
+    for (int64_t m0 = 0; m0 < it.rows; m0 += kMC) {
+      const int64_t mc = std::min<int64_t>(kMC, it.rows - m0);
+      internal::PackA(opa, kind, it.row0 + m0, mc, r0, kc, mr, tb->ap.get());
+      const int64_t panels_a = (mc + mr - 1) / mr;
+      for (int64_t q = 0; q < panels_b; ++q) {
+        const int64_t jq = (q % per_run) * nr;
+        const int64_t col = (q / per_run) * run_stride + jq;  // column in C
+        const int64_t valid_c = std::min(nr, it.cols - jq);
+        const uint8_t* bpan = tb->bp.get() + q * bstride;
+        for (int64_t p = 0; p < panels_a; ++p) {
+          const int64_t row = m0 + p * mr;
+          const int64_t valid_r = std::min(mr, it.rows - row);
+          const uint8_t* apan = tb->ap.get() + p * astride;
+          const float* row_scale = nullptr;
+          if (call.a_block_scale != nullptr) {
+            const int64_t b = r0 / call.block;
+            for (int64_t ii = 0; ii < mr; ++ii) {
+              rs[ii] = ii < valid_r
+                           ? call.a_block_scale[(it.row0 + row + ii) * call.a_block_scale_ld + b]
+                           : 0.0f;
+            }
+            row_scale = rs;
+          }
+          uint8_t* ct = static_cast<uint8_t*>(c) + (row * ldc + col) * elem;
+          // The scratch tile has room for whole panels; an f32 output does not.
+          const bool full = !direct || (valid_r == mr && valid_c == nr);
+          if (full) {
+            RunKernel(kind, kc, apan, bpan, ct, ldc, load_c, row_scale);
+            continue;
+          }
+          // Edge tile: run the full tile on a local copy, keep the valid part.
+          for (int64_t ii = 0; ii < valid_r; ++ii) {
+            std::memcpy(edge + ii * nr * elem, ct + ii * ldc * elem,
+                        static_cast<size_t>(valid_c * elem));
+          }
+          RunKernel(kind, kc, apan, bpan, edge, nr, load_c, row_scale);
+          for (int64_t ii = 0; ii < valid_r; ++ii) {
+            std::memcpy(ct + ii * ldc * elem, edge + ii * nr * elem,
+                        static_cast<size_t>(valid_c * elem));
+          }
+        }
+      }
+    }
+  }
+  if (!direct) RunEpilogue(call, it, c, ldc, run_stride, is_int, &tb->epi);
+}
+
+void ExecuteGemm(const GemmCall& call) {
+  if (call.items.empty()) return;
+  const PanelKind kind = ChooseKind(call);
+  const int64_t mr = static_cast<int64_t>(kMR);
+  const int64_t nr = static_cast<int64_t>(KernelNR());
+  const int64_t kc = call.a_block_scale ? call.block : call.kc;
+  int64_t max_rows = 0, max_cols = 0;
+  for (const WorkItem& it : call.items) {
+    max_rows = std::max(max_rows, it.rows);
+    max_cols = std::max(max_cols, it.cols);
+  }
+  const int runs = call.epi.kind == Epilogue::Kind::kSwiGlu ? 2 : 1;
+  const int64_t width = runs * ((max_cols + nr - 1) / nr) * nr;
+  const size_t ap_bytes = static_cast<size_t>((kMC + mr) * (kc + 2) * 4);
+  const size_t bp_bytes = static_cast<size_t>(width * (kc + 2) * 4);
+  const size_t c_bytes = static_cast<size_t>((max_rows + mr) * width * 4);
+  const int64_t n_items = static_cast<int64_t>(call.items.size());
+#pragma omp parallel
+  {
+    ThreadBuffers tb;
+    tb.ap = Allocate(ap_bytes);
+    tb.bp = Allocate(bp_bytes);
+    if (call.epi.kind != Epilogue::Kind::kAccumulateF32) tb.c = Allocate(c_bytes);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      RunItem(call, kind, call.items[static_cast<size_t>(i)], &tb);
+    }
+  }
+}
+
+void KernelShapeOf(bool integer, internal::KernelShape* out) {
+  out->mr = static_cast<int64_t>(kMR);
+  out->nr = static_cast<int64_t>(KernelNR());
+  out->bf16_pairs = !integer && CpuHasAvx512Bf16();
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fp8moe
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace fp8moe::internal {
+
+HWY_EXPORT(ExecuteGemm);
+HWY_EXPORT(KernelShapeOf);
+
+void ExecuteGemm(const GemmCall& call) { HWY_DYNAMIC_DISPATCH(ExecuteGemm)(call); }
+
+KernelShape GemmKernelShape(bool integer) {
+  KernelShape s;
+  HWY_DYNAMIC_DISPATCH(KernelShapeOf)(integer, &s);
+  return s;
+}
+
+}  // namespace fp8moe::internal
+#endif  // HWY_ONCE

@@ -1,0 +1,305 @@
+// The fast GMM, dLHS and TGMM: validate, run the pre-passes a mode needs
+// (activation quantization over valid rows, the fake-QAT BF16 weight copy,
+// TGMM gradient quantization), plan work items, and hand the call to the
+// per-target executor (gemm_exec.cc). Reference twins: reference/.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "fp8moe/gmm.h"
+#include "fp8moe/numerics.h"
+#include "kernels/cpu/gemm_call.h"
+#include "kernels/gmm_problem.h"
+
+namespace fp8moe {
+namespace {
+
+using internal::Epilogue;
+using internal::GemmCall;
+using internal::GmmProblem;
+using internal::Pass;
+using internal::Source;
+using internal::SrcKind;
+using internal::WorkItem;
+
+// Per-shape defaults (see docs/kernels.md for the cache model behind them).
+constexpr int64_t kDefaultTileM = 512;   // rows of a GMM / dLHS work item
+constexpr int64_t kDefaultTileN = 1024;  // columns of a work item
+constexpr int64_t kDefaultKc = 256;      // reduction block
+constexpr int64_t kDefaultTgmmTileK = 256;
+constexpr int64_t kDefaultTgmmTileN = 512;
+
+int64_t EvenUp(int64_t v) { return v + (v & 1); }
+
+Source Plain(const TensorView& t, int64_t ld) {
+  Source s;
+  s.data = t.data;
+  s.ld = ld;
+  switch (t.dtype) {
+    case DType::kF32: s.kind = SrcKind::kF32; break;
+    case DType::kBF16: s.kind = SrcKind::kBf16; break;
+    case DType::kI8: s.kind = SrcKind::kI8; break;
+    default:
+      s.kind = SrcKind::kFp8;
+      s.fp8 = *Fp8FormatOf(t.dtype);
+      break;
+  }
+  return s;
+}
+
+// rhs [e, k, n] as a per-group source with its per-channel scale, if codes.
+Source RhsSource(const TensorView& rhs, const TensorView* scale,
+                 const GmmProblem& p) {
+  Source s = Plain(rhs, p.n);
+  s.group_stride = p.k * p.n;
+  if (scale != nullptr && s.kind == SrcKind::kFp8) {
+    s.col_scale = scale->as<float>();
+    s.col_scale_group_stride = p.n;
+  }
+  return s;
+}
+
+// Writes zeros to rows [from, rows) of a row-major F32/BF16 matrix.
+void ZeroRows(const TensorView& t, int64_t from) {
+  const int64_t rows = t.shape[0];
+  if (from >= rows) return;
+  const size_t row_bytes = static_cast<size_t>(t.shape[1]) * DTypeSize(t.dtype);
+  std::memset(static_cast<uint8_t*>(t.data) + static_cast<size_t>(from) * row_bytes, 0,
+              static_cast<size_t>(rows - from) * row_bytes);
+}
+
+// Work items over the rows of each group x the output columns.
+void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len,
+                   int64_t tile_m, int64_t tile_n, std::vector<WorkItem>* items) {
+  for (int64_t g = 0; g < p.e; ++g) {
+    const int64_t r0 = p.offsets[g], r1 = p.offsets[g + 1];
+    for (int64_t m = r0; m < r1; m += tile_m) {
+      for (int64_t c = 0; c < cols; c += tile_n) {
+        items->push_back({static_cast<int32_t>(g), m, std::min(tile_m, r1 - m), c,
+                          std::min(tile_n, cols - c), 0, red_len});
+      }
+    }
+  }
+}
+
+// The fake-QAT weight copy: w[e,k,n] = bf16(f32(q) * s[e,n]).
+Result<Tensor> DequantizeToBf16(const TensorView& codes, const float* scale,
+                                const GmmProblem& p) {
+  FP8MOE_ASSIGN_OR_RETURN(Tensor w, Tensor::Create(DType::kBF16, {p.e, p.k, p.n}));
+  FP8MOE_ASSIGN_OR_RETURN(const Fp8Format f, Fp8FormatOf(codes.dtype));
+  const uint8_t* q = codes.as<uint8_t>();
+  uint16_t* out = w.data_as<uint16_t>();
+  const int64_t rows = p.e * p.k;
+#pragma omp parallel
+  {
+    std::vector<float> tmp(static_cast<size_t>(p.n));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      DecodeFp8Span(q + r * p.n, tmp.data(), static_cast<size_t>(p.n), f);
+      const float* s = scale + (r / p.k) * p.n;
+      for (int64_t j = 0; j < p.n; ++j) tmp[j] *= s[j];
+      F32ToBf16Span(tmp.data(), out + r * p.n, static_cast<size_t>(p.n));
+    }
+  }
+  return w;
+}
+
+// Quantizes the valid rows of lhs [m, k] (F32 or BF16) per row (or K-block).
+Status QuantizeLhs(const TensorView& lhs, const GmmProblem& p, int64_t block,
+                   QuantDType dtype, Tensor* codes, Tensor* scales) {
+  const int64_t rows = p.valid_rows, nb = NumBlocks(p.k, block);
+  FP8MOE_ASSIGN_OR_RETURN(*codes, Tensor::Create(QuantStorageDType(dtype), {rows, p.k}));
+  FP8MOE_ASSIGN_OR_RETURN(*scales, Tensor::Create(DType::kF32, {rows, nb}));
+  if (lhs.dtype == DType::kF32) {
+    return QuantizeRows(lhs.as<float>(), rows, p.k, rows, block, dtype,
+                        Calibration::AbsMax(), codes->data_as<uint8_t>(),
+                        scales->data_as<float>());
+  }
+  // BF16 rows: widen a chunk at a time (exact), then quantize it.
+  constexpr int64_t kChunk = 64;
+  std::vector<float> tmp(static_cast<size_t>(kChunk * p.k));
+  for (int64_t r = 0; r < rows; r += kChunk) {
+    const int64_t n = std::min(kChunk, rows - r);
+    Bf16ToF32Span(lhs.as<uint16_t>() + r * p.k, tmp.data(), static_cast<size_t>(n * p.k));
+    FP8MOE_RETURN_IF_ERROR(QuantizeRows(tmp.data(), n, p.k, n, block, dtype,
+                                        Calibration::AbsMax(),
+                                        codes->data_as<uint8_t>() + r * p.k,
+                                        scales->data_as<float>() + r * nb));
+  }
+  return OkStatus();
+}
+
+void SetOutput(const TensorView& out, Epilogue* e) {
+  e->out = out.data;
+  e->out_dtype = out.dtype;
+  e->out_ld = out.shape[1];
+}
+
+}  // namespace
+
+Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
+           const TensorView* rhs_scale, const TensorView& group_sizes,
+           const TensorView& out, const TensorView* h_out) {
+  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
+                          internal::CheckGmm(o, lhs, rhs, rhs_scale, group_sizes, out, h_out));
+  GemmCall call;
+  call.pass = Pass::kFwd;
+  call.red_len = p.k;
+  call.kc = EvenUp(o.tiles.k.value_or(kDefaultKc));
+  call.a = Plain(lhs, p.k);
+  call.b = RhsSource(rhs, rhs_scale, p);
+  Tensor copy, qa, sa;  // outlive the call
+  switch (o.mode) {
+    case GmmMode::kF32:
+    case GmmMode::kBf16:
+      break;
+    case GmmMode::kFakeQat: {
+      FP8MOE_ASSIGN_OR_RETURN(copy, DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
+      TensorView v = copy.view();
+      call.b = RhsSource(v, nullptr, p);
+      break;
+    }
+    case GmmMode::kNativeFp8:
+    case GmmMode::kInt8: {
+      const bool int8 = o.mode == GmmMode::kInt8;
+      const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
+      FP8MOE_RETURN_IF_ERROR(
+          QuantizeLhs(lhs, p, block, int8 ? QuantDType::kInt8 : o.fp8_dtype, &qa, &sa));
+      call.a = Plain(qa.view(), p.k);
+      call.b.col_scale = nullptr;  // the weight scale is applied at the end
+      call.integer = int8;
+      if (block > 0) {
+        call.a_block_scale = sa.data_as<float>();
+        call.a_block_scale_ld = NumBlocks(p.k, block);
+        call.block = block;
+      } else {
+        call.epi.row_scale = sa.data_as<float>();
+      }
+      call.epi.col_scale = rhs_scale->as<float>();
+      call.epi.col_scale_group_stride = p.n;
+      break;
+    }
+  }
+  SetOutput(out, &call.epi);
+  const bool swiglu = o.epilogue == GmmEpilogue::kSwiGlu;
+  const int64_t cols = swiglu ? p.n / 2 : p.n;
+  if (swiglu) {
+    call.epi.kind = Epilogue::Kind::kSwiGlu;
+    call.epi.half = p.n / 2;
+    if (h_out != nullptr) {
+      call.epi.h = h_out->data;
+      call.epi.h_dtype = h_out->dtype;
+      call.epi.h_ld = p.n;
+      ZeroRows(*h_out, p.valid_rows);
+    }
+  } else if (out.dtype == DType::kF32 && call.epi.col_scale == nullptr) {
+    call.epi.kind = Epilogue::Kind::kAccumulateF32;
+  }
+  ZeroRows(out, p.valid_rows);
+  RowGroupItems(p, cols, p.k, o.tiles.m.value_or(kDefaultTileM),
+                o.tiles.n.value_or(kDefaultTileN), &call.items);
+  internal::ExecuteGemm(call);
+  return OkStatus();
+}
+
+Status GmmDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rhs,
+               const TensorView* rhs_scale, const TensorView& group_sizes,
+               const TensorView& out, const TensorView* h) {
+  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
+                          internal::CheckDlhs(o, dout, rhs, rhs_scale, group_sizes, out, h));
+  GemmCall call;
+  call.pass = Pass::kDlhs;
+  call.red_len = p.n;
+  call.kc = EvenUp(o.tiles.k.value_or(kDefaultKc));
+  call.a = Plain(dout, p.n);
+  call.b = RhsSource(rhs, rhs_scale, p);
+  Tensor copy;
+  if (o.mode == GmmMode::kFakeQat) {
+    FP8MOE_ASSIGN_OR_RETURN(copy, DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
+    TensorView v = copy.view();
+    call.b = RhsSource(v, nullptr, p);
+  } else if (o.mode == GmmMode::kBf16 && p.rhs_codes) {
+    call.b.round_bf16 = true;  // per-tile dequantization to the copy's values
+  }
+  SetOutput(out, &call.epi);
+  if (o.epilogue == GmmEpilogue::kDSwiGlu) {
+    call.epi.kind = Epilogue::Kind::kDSwiGlu;
+    call.epi.half = p.k;
+    call.epi.h = h->data;
+    call.epi.h_dtype = h->dtype;
+    call.epi.h_ld = 2 * p.k;
+  } else if (out.dtype == DType::kF32) {
+    call.epi.kind = Epilogue::Kind::kAccumulateF32;
+  }
+  ZeroRows(out, p.valid_rows);
+  RowGroupItems(p, p.k, p.n, o.tiles.m.value_or(kDefaultTileM),
+                o.tiles.n.value_or(kDefaultTileN), &call.items);
+  internal::ExecuteGemm(call);
+  return OkStatus();
+}
+
+Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
+            const TensorView& dout, const TensorView& group_sizes,
+            const TensorView& drhs) {
+  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
+                          internal::CheckTgmm(o, quant, lhs, dout, group_sizes, drhs));
+  GemmCall call;
+  call.pass = Pass::kTgmm;
+  call.a = Plain(lhs, p.k);
+  call.b = Plain(dout, p.n);
+  Tensor qg, sg;
+  std::vector<int32_t> row_tile;
+  const int64_t quant_tile =
+      quant.per_group ? 0 : o.tiles.m.value_or(internal::kTgmmDefaultQuantTile);
+  if (quant.dout_dtype) {
+    const int32_t* sizes = group_sizes.as<int32_t>();
+    FP8MOE_ASSIGN_OR_RETURN(const int64_t tiles, NumGroupTiles(sizes, p.e, p.m, quant_tile));
+    FP8MOE_ASSIGN_OR_RETURN(qg, Tensor::Create(QuantStorageDType(*quant.dout_dtype), {p.m, p.n}));
+    FP8MOE_ASSIGN_OR_RETURN(sg, Tensor::Create(DType::kF32, {std::max<int64_t>(tiles, 1), p.n}));
+    FP8MOE_RETURN_IF_ERROR(QuantizeGroupTileChannels(
+        dout.as<float>(), p.m, p.n, sizes, p.e, quant_tile, *quant.dout_dtype,
+        Calibration::AbsMax(), qg.data_as<uint8_t>(), sg.data_as<float>()));
+    // The tile of every valid row, in the order QuantizeGroupTileChannels uses.
+    row_tile.assign(static_cast<size_t>(std::max<int64_t>(p.valid_rows, 1)), 0);
+    int32_t t = 0;
+    for (int64_t g = 0; g < p.e; ++g) {
+      const int64_t size = sizes[g];
+      if (quant_tile == 0) {
+        for (int64_t i = 0; i < size; ++i) row_tile[p.offsets[g] + i] = t;
+        ++t;
+      } else {
+        for (int64_t i = 0; i < size; ++i) {
+          row_tile[p.offsets[g] + i] = t + static_cast<int32_t>(i / quant_tile);
+        }
+        t += static_cast<int32_t>((size + quant_tile - 1) / quant_tile);
+      }
+    }
+    TensorView qv = qg.view();
+    call.b = Plain(qv, p.n);
+    call.b.row_tile = row_tile.data();
+    call.b.tile_scale = sg.data_as<float>();
+    call.b.tile_scale_ld = p.n;
+  }
+  call.kc = EvenUp(o.tiles.m.value_or(kDefaultKc));
+  call.epi.kind = Epilogue::Kind::kAccumulateF32;
+  call.epi.out = drhs.data;
+  call.epi.out_ld = p.n;
+  call.out_group_stride = p.k * p.n;
+  const int64_t tile_k = o.tiles.k.value_or(kDefaultTgmmTileK);
+  const int64_t tile_n = o.tiles.n.value_or(kDefaultTgmmTileN);
+  for (int64_t g = 0; g < p.e; ++g) {
+    for (int64_t k = 0; k < p.k; k += tile_k) {
+      for (int64_t n = 0; n < p.n; n += tile_n) {
+        call.items.push_back({static_cast<int32_t>(g), k, std::min(tile_k, p.k - k), n,
+                              std::min(tile_n, p.n - n), p.offsets[g],
+                              p.offsets[g + 1] - p.offsets[g]});
+      }
+    }
+  }
+  internal::ExecuteGemm(call);
+  return OkStatus();
+}
+
+}  // namespace fp8moe

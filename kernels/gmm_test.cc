@@ -1,0 +1,644 @@
+// The fast GMM / dLHS / TGMM against their reference twins on fresh random
+// data, in every mode, with empty groups, NaN-poisoned tail rows and outputs,
+// odd shapes, every thread count and several tilings.
+//
+// Error bound of every f32-accumulating mode: the fast kernel and the
+// reference multiply the same values (the quantization pre-passes are shared
+// and exact), so they differ only by f32 summation: |fast - ref| <=
+// gamma_R * sum_r |a_r b_r| (gamma_R = R u / (1 - R u), u = 2^-24, R the
+// reduction length), times the scales. sum |a b| is computed by running the
+// reference on |A| and |B|. bf16 outputs add half a bf16 ulp; SwiGLU and
+// dSwiGLU propagate the bound through the activation. int8 is exact.
+#include <omp.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fp8moe/gmm.h"
+#include "fp8moe/numerics.h"
+#include "fp8moe/quant.h"
+#include "hwy/targets.h"
+
+namespace fp8moe {
+namespace {
+
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+Tensor Make(DType d, Shape s) { return std::move(Tensor::Create(d, std::move(s))).value(); }
+
+struct Rng {
+  std::mt19937 gen;
+  explicit Rng(unsigned seed) : gen(seed) {}
+  float Normal() { return std::normal_distribution<float>(0.0f, 1.0f)(gen); }
+  int Int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); }
+};
+
+unsigned Seed() {
+  const unsigned s = std::random_device{}();
+  std::printf("random seed %u\n", s);
+  return s;
+}
+
+// Random group sizes summing to at most m, with empty groups.
+std::vector<int32_t> Groups(Rng& r, int64_t e, int64_t m) {
+  std::vector<int32_t> s(static_cast<size_t>(e), 0);
+  int64_t left = m - r.Int(0, static_cast<int>(std::min<int64_t>(m, 5)));  // tail rows
+  for (int64_t g = 0; g < e && left > 0; ++g) {
+    if (r.Int(0, 3) == 0) continue;  // empty
+    const int64_t take = g + 1 == e ? left : r.Int(0, static_cast<int>(left));
+    s[static_cast<size_t>(g)] = static_cast<int32_t>(take);
+    left -= take;
+  }
+  return s;
+}
+
+int64_t Sum(const std::vector<int32_t>& s) {
+  int64_t t = 0;
+  for (int32_t v : s) t += v;
+  return t;
+}
+
+// f32 [rows, cols] of normal values; rows >= valid are NaN/Inf (tail).
+Tensor RandomF32(Rng& r, Shape shape, int64_t valid_rows = -1) {
+  Tensor t = Make(DType::kF32, shape);
+  const int64_t cols = shape.back();
+  float* p = t.data_as<float>();
+  for (size_t i = 0; i < t.num_elements(); ++i) {
+    const bool tail = valid_rows >= 0 && static_cast<int64_t>(i) / cols >= valid_rows;
+    p[i] = tail ? ((i % 3) ? kNaN : std::numeric_limits<float>::infinity()) : r.Normal();
+  }
+  return t;
+}
+
+Tensor ToBf16(const Tensor& f) {
+  Tensor t = Make(DType::kBF16, f.shape());
+  F32ToBf16Span(f.data_as<float>(), t.data_as<uint16_t>(), f.num_elements());
+  return t;
+}
+
+// |x| of a tensor of values or codes (fp8 sign bit cleared, int8 negated).
+Tensor Abs(const Tensor& t) {
+  Tensor a = Make(t.dtype(), t.shape());
+  std::memcpy(a.data(), t.data(), t.num_bytes());
+  const size_t n = t.num_elements();
+  switch (t.dtype()) {
+    case DType::kF32:
+      for (size_t i = 0; i < n; ++i) a.data_as<float>()[i] = std::fabs(a.data_as<float>()[i]);
+      break;
+    case DType::kBF16:
+      for (size_t i = 0; i < n; ++i) a.data_as<uint16_t>()[i] &= 0x7FFF;
+      break;
+    case DType::kI8:
+      for (size_t i = 0; i < n; ++i) {
+        int8_t& v = a.data_as<int8_t>()[i];
+        v = static_cast<int8_t>(v < 0 ? -v : v);
+      }
+      break;
+    case DType::kI32:
+      break;
+    default:  // fp8 codes (no NaN codes occur in quantized weights)
+      for (size_t i = 0; i < n; ++i) a.data_as<uint8_t>()[i] &= 0x7F;
+      break;
+  }
+  return a;
+}
+
+Tensor Poisoned(DType d, Shape s) {
+  Tensor t = Make(d, std::move(s));
+  if (d == DType::kF32) {
+    for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = kNaN;
+  } else {
+    for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<uint16_t>()[i] = 0x7FC1;
+  }
+  return t;
+}
+
+float ValueAt(const Tensor& t, size_t i) {
+  return t.dtype() == DType::kF32 ? t.data_as<float>()[i] : Bf16ToF32(t.data_as<uint16_t>()[i]);
+}
+
+// A weight [E, K, N] in the mode's representation (+ scale for codes).
+struct Weight {
+  Tensor w, scale;
+  bool codes = false;
+};
+
+Weight MakeWeight(Rng& r, DType dtype, int64_t e, int64_t k, int64_t n) {
+  Tensor f = RandomF32(r, {e, k, n});
+  Weight out;
+  if (dtype == DType::kF32) {
+    out.w = std::move(f);
+  } else if (dtype == DType::kBF16) {
+    out.w = ToBf16(f);
+  } else {
+    const QuantDType q = *QuantDTypeOf(dtype);
+    out.w = Make(dtype, {e, k, n});
+    out.scale = Make(DType::kF32, {e, n});
+    EXPECT_TRUE(QuantizeChannels(f.data_as<float>(), e, k, n, q, Calibration::AbsMax(),
+                                 out.w.data_as<uint8_t>(), out.scale.data_as<float>()).ok());
+    out.codes = true;
+  }
+  return out;
+}
+
+TensorView View(Tensor& t) { return t.view(); }
+
+// Expects |got - want| <= bound element-wise over valid rows; tail rows 0.
+void ExpectWithin(const Tensor& got, const Tensor& want, const std::vector<double>& bound,
+                  int64_t valid_rows, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape());
+  const int64_t cols = got.shape().back();
+  const size_t valid = static_cast<size_t>(valid_rows * cols);
+  for (size_t i = 0; i < got.num_elements(); ++i) {
+    const float g = ValueAt(got, i), w = ValueAt(want, i);
+    if (i >= valid && got.rank() == 2) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(g), 0u) << what << ": tail element " << i;
+      continue;
+    }
+    ASSERT_FALSE(std::isnan(g)) << what << ": NaN at " << i;
+    ASSERT_LE(std::fabs(static_cast<double>(g) - w), bound[i])
+        << what << ": element " << i << " got " << g << " want " << w;
+  }
+}
+
+double Gamma(int64_t r) {
+  const double u = std::ldexp(1.0, -24);
+  return (r * u) / (1 - r * u) + 4 * u;
+}
+
+std::vector<double> AbsBound(const Tensor& abs_ref, int64_t red, bool bf16_out,
+                             const Tensor& ref) {
+  std::vector<double> b(abs_ref.num_elements());
+  for (size_t i = 0; i < b.size(); ++i) {
+    b[i] = Gamma(red) * ValueAt(abs_ref, i) + 1e-30;
+    if (bf16_out) b[i] += std::ldexp(std::fabs(ValueAt(ref, i)), -7) + b[i];
+  }
+  return b;
+}
+
+struct FwdCase {
+  GmmMode mode;
+  DType lhs_dtype, rhs_dtype, out_dtype = DType::kF32;
+  QuantDType fp8 = QuantDType::kE4M3FN;
+  int64_t block = 0;
+  bool swiglu = false;
+};
+
+std::string Name(const FwdCase& c) {
+  return std::string(GmmModeName(c.mode)) + " lhs " + std::string(DTypeName(c.lhs_dtype)) +
+         " rhs " + std::string(DTypeName(c.rhs_dtype)) + " out " +
+         std::string(DTypeName(c.out_dtype)) + " block " + std::to_string(c.block) +
+         (c.swiglu ? " swiglu" : "");
+}
+
+std::vector<FwdCase> AllFwdCases() {
+  std::vector<FwdCase> v;
+  for (DType out : {DType::kF32, DType::kBF16}) {
+    for (bool sw : {false, true}) {
+      v.push_back({GmmMode::kF32, DType::kF32, DType::kF32, out, QuantDType::kE4M3FN, 0, sw});
+      v.push_back({GmmMode::kBf16, DType::kBF16, DType::kBF16, out, QuantDType::kE4M3FN, 0, sw});
+      v.push_back({GmmMode::kFakeQat, DType::kBF16, DType::kE4M3FN, out, QuantDType::kE4M3FN, 0, sw});
+      v.push_back({GmmMode::kFakeQat, DType::kBF16, DType::kE5M2, out, QuantDType::kE4M3FN, 0, sw});
+      for (int64_t block : {0, 128, 512}) {
+        v.push_back({GmmMode::kNativeFp8, DType::kBF16, DType::kE4M3FN, out, QuantDType::kE4M3FN, block, sw});
+      }
+      v.push_back({GmmMode::kNativeFp8, DType::kF32, DType::kE4M3FNUZ, out, QuantDType::kE4M3FNUZ, 0, sw});
+      v.push_back({GmmMode::kInt8, DType::kF32, DType::kI8, out, QuantDType::kE4M3FN, 0, sw});
+      v.push_back({GmmMode::kInt8, DType::kBF16, DType::kI8, out, QuantDType::kE4M3FN, 0, sw});
+    }
+  }
+  return v;
+}
+
+// Runs one forward case on a fresh random problem and checks it.
+void CheckFwd(Rng& r, const FwdCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
+              const GmmTiles& tiles = {}) {
+  SCOPED_TRACE(Name(c) + " M " + std::to_string(m) + " K " + std::to_string(k) + " N " +
+               std::to_string(n) + " E " + std::to_string(e));
+  if (c.swiglu) n += n % 2;
+  std::vector<int32_t> sizes = Groups(r, e, m);
+  const int64_t valid = Sum(sizes);
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor lf = RandomF32(r, {m, k}, valid);
+  Tensor lhs = c.lhs_dtype == DType::kF32 ? std::move(lf) : ToBf16(lf);
+  Weight w = MakeWeight(r, c.rhs_dtype, e, k, n);
+  GmmOptions o;
+  o.mode = c.mode;
+  o.fp8_dtype = c.fp8;
+  o.lhs_quant_block_size = c.block;
+  o.epilogue = c.swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
+  o.tiles = tiles;
+  const int64_t oc = c.swiglu ? n / 2 : n;
+  Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
+  Tensor h = Poisoned(DType::kF32, {m, n}), href = Poisoned(DType::kF32, {m, n});
+  TensorView sv = w.codes ? w.scale.view() : TensorView{};
+  const TensorView* scale = w.codes ? &sv : nullptr;
+  TensorView hv = h.view(), hrv = href.view();
+  ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), scale, gs.view(), out.view(), c.swiglu ? &hv : nullptr).ok());
+  ASSERT_TRUE(reference::Gmm(o, lhs.view(), w.w.view(), scale, gs.view(), ref.view(),
+                             c.swiglu ? &hrv : nullptr).ok());
+  // sum |a b| per element of h, from the reference on absolute operands.
+  GmmOptions oa = o;
+  oa.epilogue = GmmEpilogue::kNone;
+  Tensor al = Abs(lhs), aw = Abs(w.w);
+  Tensor habs = Poisoned(DType::kF32, {m, n});
+  ASSERT_TRUE(reference::Gmm(oa, al.view(), aw.view(), scale, gs.view(), habs.view()).ok());
+  const bool exact = c.mode == GmmMode::kInt8;
+  Tensor zero_ref = Poisoned(DType::kF32, {m, n});
+  std::vector<double> hb(habs.num_elements());
+  for (size_t i = 0; i < hb.size(); ++i) {
+    hb[i] = (exact ? 4 * std::ldexp(1.0, -24) : Gamma(k)) * ValueAt(habs, i) + 1e-30;
+  }
+  if (!c.swiglu) {
+    std::vector<double> b = hb;
+    if (c.out_dtype == DType::kBF16) {
+      for (size_t i = 0; i < b.size(); ++i) b[i] += std::ldexp(std::fabs(ValueAt(ref, i)), -7) + hb[i];
+    }
+    ExpectWithin(out, ref, b, valid, "out");
+    return;
+  }
+  ExpectWithin(h, href, hb, valid, "h");
+  std::vector<double> b(static_cast<size_t>(m * oc));
+  for (int64_t i = 0; i < valid; ++i) {
+    for (int64_t j = 0; j < oc; ++j) {
+      const double g = ValueAt(href, i * n + j), u = ValueAt(href, i * n + oc + j);
+      const double eg = hb[i * n + j], eu = hb[i * n + oc + j];
+      const double s = 1 / (1 + std::exp(-g));
+      const double ds = std::fabs(s * (1 + g * (1 - s)));
+      const double v = std::fabs(g * s * u);
+      double bound = ds * std::fabs(u) * eg + std::fabs(g * s) * eu + 1e-5 * v + 1e-30;
+      if (c.out_dtype == DType::kBF16) bound += std::ldexp(v, -7);
+      b[i * oc + j] = bound;
+    }
+  }
+  ExpectWithin(out, ref, b, valid, "out");
+}
+
+TEST(Gmm, EveryModeMatchesReference) {
+  Rng r(Seed());
+  for (const FwdCase& c : AllFwdCases()) {
+    CheckFwd(r, c, 200, 560, 72, 5);  // several row and reduction blocks
+    CheckFwd(r, c, 37, 130, 70, 4);
+  }
+}
+
+
+TEST(Gmm, SmallShapeSweep) {
+  Rng r(Seed());
+  const std::vector<FwdCase> cases = AllFwdCases();
+  // Every M, K and N in 1..67 and every E in 1..5 appears at least once.
+  for (int v = 1; v <= 67; ++v) {
+    const FwdCase& c = cases[static_cast<size_t>(v) % cases.size()];
+    CheckFwd(r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
+    CheckFwd(r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
+    CheckFwd(r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+  }
+  for (int e = 1; e <= 5; ++e) {
+    for (const FwdCase& c : cases) CheckFwd(r, c, r.Int(1, 67), r.Int(1, 67), r.Int(1, 67), e);
+  }
+}
+
+// ---- dLHS ------------------------------------------------------------------
+
+struct DlhsCase {
+  GmmMode mode;
+  DType rhs_dtype;
+  DType out_dtype = DType::kF32;
+  bool dswiglu = false;
+};
+
+void CheckDlhs(Rng& r, const DlhsCase& c, int64_t m, int64_t k, int64_t n, int64_t e) {
+  SCOPED_TRACE(std::string(GmmModeName(c.mode)) + " rhs " + std::string(DTypeName(c.rhs_dtype)) +
+               (c.dswiglu ? " dswiglu" : "") + " M " + std::to_string(m) + " K " +
+               std::to_string(k) + " N " + std::to_string(n));
+  std::vector<int32_t> sizes = Groups(r, e, m);
+  const int64_t valid = Sum(sizes);
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor df = RandomF32(r, {m, n}, valid);
+  Tensor dout = c.mode == GmmMode::kF32 ? std::move(df) : ToBf16(df);
+  Weight w = MakeWeight(r, c.rhs_dtype, e, k, n);
+  GmmOptions o;
+  o.mode = c.mode;
+  o.epilogue = c.dswiglu ? GmmEpilogue::kDSwiGlu : GmmEpilogue::kNone;
+  const int64_t oc = c.dswiglu ? 2 * k : k;
+  Tensor hsave = RandomF32(r, {m, 2 * k}, valid);
+  TensorView hv = hsave.view();
+  Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
+  TensorView sv = w.codes ? w.scale.view() : TensorView{};
+  const TensorView* scale = w.codes ? &sv : nullptr;
+  ASSERT_TRUE(GmmDlhs(o, dout.view(), w.w.view(), scale, gs.view(), out.view(),
+                      c.dswiglu ? &hv : nullptr).ok());
+  ASSERT_TRUE(reference::GmmDlhs(o, dout.view(), w.w.view(), scale, gs.view(), ref.view(),
+                                 c.dswiglu ? &hv : nullptr).ok());
+  GmmOptions oa = o;
+  oa.epilogue = GmmEpilogue::kNone;
+  Tensor ad = Abs(dout), aw = Abs(w.w);
+  Tensor dabs = Poisoned(DType::kF32, {m, k}), da = Poisoned(DType::kF32, {m, k});
+  ASSERT_TRUE(reference::GmmDlhs(oa, ad.view(), aw.view(), scale, gs.view(), dabs.view()).ok());
+  ASSERT_TRUE(reference::GmmDlhs(oa, dout.view(), w.w.view(), scale, gs.view(), da.view()).ok());
+  std::vector<double> b(static_cast<size_t>(m * oc), 0.0);
+  for (int64_t i = 0; i < valid; ++i) {
+    for (int64_t j = 0; j < k; ++j) {
+      const double eda = Gamma(n) * ValueAt(dabs, i * k + j) + 1e-30;
+      if (!c.dswiglu) {
+        b[i * k + j] = eda + (c.out_dtype == DType::kBF16
+                                  ? std::ldexp(std::fabs(ValueAt(ref, i * k + j)), -7) + eda
+                                  : 0);
+        continue;
+      }
+      const double g = ValueAt(hsave, i * 2 * k + j), u = ValueAt(hsave, i * 2 * k + k + j);
+      const double a = ValueAt(da, i * k + j);
+      const double s = 1 / (1 + std::exp(-g)), ds = s * (1 + g * (1 - s));
+      for (int half = 0; half < 2; ++half) {
+        const double coef = half == 0 ? std::fabs(u * ds) : std::fabs(g * s);
+        const double v = std::fabs(a) * coef;
+        // silu'(g) = s (1 + g (1 - s)) cancels near g = -1.28, so its f32
+        // rounding error scales with the terms, not with the result.
+        const double terms = half == 0 ? std::fabs(u) * (1 + std::fabs(g)) : std::fabs(g);
+        double bound = coef * eda + 1e-5 * std::fabs(a) * terms + 1e-30;
+        if (c.out_dtype == DType::kBF16) bound += std::ldexp(v, -7);
+        b[i * oc + half * k + j] = bound;
+      }
+    }
+  }
+  ExpectWithin(out, ref, b, valid, "dlhs");
+}
+
+std::vector<DlhsCase> AllDlhsCases() {
+  std::vector<DlhsCase> v;
+  for (DType out : {DType::kF32, DType::kBF16}) {
+    for (bool ds : {false, true}) {
+      v.push_back({GmmMode::kF32, DType::kF32, out, ds});
+      v.push_back({GmmMode::kF32, DType::kE4M3FN, out, ds});
+      v.push_back({GmmMode::kBf16, DType::kBF16, out, ds});
+      v.push_back({GmmMode::kBf16, DType::kE4M3FN, out, ds});
+      v.push_back({GmmMode::kFakeQat, DType::kE4M3FN, out, ds});
+      v.push_back({GmmMode::kFakeQat, DType::kE5M2, out, ds});
+    }
+  }
+  return v;
+}
+
+TEST(GmmDlhs, EveryModeMatchesReference) {
+  Rng r(Seed());
+  for (const DlhsCase& c : AllDlhsCases()) {
+    CheckDlhs(r, c, 300, 96, 640, 5);
+    CheckDlhs(r, c, 41, 70, 130, 3);
+  }
+  for (int v = 1; v <= 67; ++v) {
+    const auto cases = AllDlhsCases();
+    const DlhsCase& c = cases[static_cast<size_t>(v) % cases.size()];
+    CheckDlhs(r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
+    CheckDlhs(r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
+    CheckDlhs(r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+  }
+}
+
+TEST(GmmDlhs, NativeFromCodesIsBitIdenticalToFakeQat) {
+  Rng r(Seed());
+  for (DType codes : {DType::kE4M3FN, DType::kE5M2}) {
+    for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+      const int64_t m = 333, k = 200, n = 520, e = 6;
+      std::vector<int32_t> sizes = Groups(r, e, m);
+      Tensor gs = Make(DType::kI32, {e});
+      std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+      Tensor dout = ToBf16(RandomF32(r, {m, n}, Sum(sizes)));
+      Weight w = MakeWeight(r, codes, e, k, n);
+      TensorView sv = w.scale.view();
+      Tensor a = Poisoned(out_dtype, {m, k}), b = Poisoned(out_dtype, {m, k});
+      GmmOptions native, fake;
+      native.mode = GmmMode::kBf16;
+      fake.mode = GmmMode::kFakeQat;
+      native.tiles.k = 64;  // different tilings must not matter either
+      native.tiles.n = 48;
+      ASSERT_TRUE(GmmDlhs(native, dout.view(), w.w.view(), &sv, gs.view(), a.view()).ok());
+      ASSERT_TRUE(GmmDlhs(fake, dout.view(), w.w.view(), &sv, gs.view(), b.view()).ok());
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.num_bytes()));
+    }
+  }
+}
+
+// ---- TGMM ------------------------------------------------------------------
+
+struct TgmmCase {
+  GmmMode mode;
+  DType lhs_dtype;
+  std::optional<QuantDType> quant;
+  bool per_group = true;
+};
+
+void CheckTgmm(Rng& r, const TgmmCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
+               const GmmTiles& tiles = {}) {
+  SCOPED_TRACE(std::string(GmmModeName(c.mode)) + " lhs " + std::string(DTypeName(c.lhs_dtype)) +
+               (c.quant ? " quant " + std::string(QuantDTypeName(*c.quant)) : "") +
+               (c.per_group ? "" : " per-tile") + " M " + std::to_string(m) + " K " +
+               std::to_string(k) + " N " + std::to_string(n));
+  std::vector<int32_t> sizes = Groups(r, e, m);
+  const int64_t valid = Sum(sizes);
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor lf = RandomF32(r, {m, k}, valid);
+  Tensor lhs;
+  if (c.lhs_dtype == DType::kF32) {
+    lhs = std::move(lf);
+  } else if (c.lhs_dtype == DType::kBF16) {
+    lhs = ToBf16(lf);
+  } else {  // fp8 codes of the forward's quantized activation
+    lhs = Make(c.lhs_dtype, {m, k});
+    std::vector<float> s(static_cast<size_t>(m));
+    ASSERT_TRUE(QuantizeRows(lf.data_as<float>(), m, k, valid, 0, *QuantDTypeOf(c.lhs_dtype),
+                             Calibration::AbsMax(), lhs.data_as<uint8_t>(), s.data()).ok());
+    for (int64_t i = valid * k; i < m * k; ++i) lhs.data_as<uint8_t>()[i] = 0x7F;  // NaN
+  }
+  Tensor dofs = RandomF32(r, {m, n}, valid);
+  Tensor dout = (c.quant || c.mode == GmmMode::kF32) ? std::move(dofs) : ToBf16(dofs);
+  GmmOptions o;
+  o.mode = c.mode;
+  o.tiles = tiles;
+  TgmmQuant q;
+  q.dout_dtype = c.quant;
+  q.per_group = c.per_group;
+  Tensor got = Poisoned(DType::kF32, {e, k, n}), want = Poisoned(DType::kF32, {e, k, n});
+  ASSERT_TRUE(Tgmm(o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());
+  ASSERT_TRUE(reference::Tgmm(o, q, lhs.view(), dout.view(), gs.view(), want.view()).ok());
+  Tensor al = Abs(lhs), ad = Abs(dout);
+  Tensor babs = Poisoned(DType::kF32, {e, k, n});
+  ASSERT_TRUE(reference::Tgmm(o, q, al.view(), ad.view(), gs.view(), babs.view()).ok());
+  for (size_t i = 0; i < got.num_elements(); ++i) {
+    const int64_t g = static_cast<int64_t>(i) / (k * n);
+    const float gv = got.data_as<float>()[i], wv = want.data_as<float>()[i];
+    ASSERT_FALSE(std::isnan(gv)) << "NaN at " << i;
+    if (sizes[static_cast<size_t>(g)] == 0) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(gv), 0u) << "empty group " << g << " not zero";
+      continue;
+    }
+    const double bound = Gamma(sizes[static_cast<size_t>(g)]) * babs.data_as<float>()[i] * 1.0001 + 1e-30;
+    ASSERT_LE(std::fabs(static_cast<double>(gv) - wv), bound) << "element " << i;
+  }
+}
+
+std::vector<TgmmCase> AllTgmmCases() {
+  return {
+      {GmmMode::kF32, DType::kF32, std::nullopt},
+      {GmmMode::kBf16, DType::kBF16, std::nullopt},
+      {GmmMode::kBf16, DType::kE4M3FN, std::nullopt},
+      {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, true},
+      {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE4M3FN, true},
+      {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, false},
+      {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE4M3FN, false},
+  };
+}
+
+TEST(Tgmm, EveryModeMatchesReference) {
+  Rng r(Seed());
+  for (const TgmmCase& c : AllTgmmCases()) {
+    CheckTgmm(r, c, 700, 96, 80, 5);
+    CheckTgmm(r, c, 300, 37, 130, 4, GmmTiles{33, 16, 40});
+  }
+  const auto cases = AllTgmmCases();
+  for (int v = 1; v <= 67; ++v) {
+    const TgmmCase& c = cases[static_cast<size_t>(v) % cases.size()];
+    CheckTgmm(r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
+    CheckTgmm(r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
+    CheckTgmm(r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+  }
+}
+
+// The kernels of every SIMD target this CPU runs (AVX-512 with or without
+// bf16 dot products, AVX2, SSE4, scalar) against the reference.
+TEST(Gmm, EveryTargetMatchesReference) {
+  Rng r(Seed());
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (const FwdCase& c : AllFwdCases()) CheckFwd(r, c, 45, 70, 40, 3);
+    CheckDlhs(r, {GmmMode::kBf16, DType::kE4M3FN, DType::kF32, true}, 50, 40, 70, 3);
+    CheckDlhs(r, {GmmMode::kF32, DType::kF32}, 50, 40, 70, 3);
+    CheckTgmm(r, {GmmMode::kBf16, DType::kBF16, std::nullopt}, 90, 40, 50, 3);
+    CheckTgmm(r, {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, false}, 90, 40, 50, 3,
+              GmmTiles{16, {}, {}});
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// ---- Determinism: threads and tiles ------------------------------------------
+
+// Runs fn (which fills `out`) under 1 and 2 threads and several tilings; all
+// results must have the same bits.
+void ExpectSameBitsEverywhere(const std::function<void(const GmmTiles&, Tensor*)>& fn,
+                              Tensor* first) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  fn({}, first);
+  const std::vector<GmmTiles> tilings = {{}, {GmmTiles{7, 2, 5}}, {GmmTiles{64, 64, 256}},
+                                         {GmmTiles{1000, 1000, 1000}}};
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    for (const GmmTiles& t : tilings) {
+      Tensor other = Make(first->dtype(), first->shape());
+      fn(t, &other);
+      ASSERT_EQ(0, std::memcmp(other.data(), first->data(), first->num_bytes()))
+          << "threads " << threads << " tiles " << t.m.value_or(0) << "," << t.k.value_or(0)
+          << "," << t.n.value_or(0);
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
+  Rng r(Seed());
+  const int64_t m = 900, k = 300, n = 200, e = 7;
+  std::vector<int32_t> sizes = Groups(r, e, m);
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
+  Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
+  for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kInt8}) {
+    SCOPED_TRACE(GmmModeName(mode));
+    const DType wd = mode == GmmMode::kF32 ? DType::kF32
+                     : mode == GmmMode::kBf16 ? DType::kBF16
+                     : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
+    Weight w = MakeWeight(r, wd, e, k, n);
+    TensorView sv = w.codes ? w.scale.view() : TensorView{};
+    Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
+    Tensor first = Make(DType::kF32, {m, n / 2});
+    ExpectSameBitsEverywhere(
+        [&](const GmmTiles& t, Tensor* out) {
+          GmmOptions o;
+          o.mode = mode;
+          o.tiles = t;
+          o.epilogue = GmmEpilogue::kSwiGlu;
+          ASSERT_TRUE(Gmm(o, l.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
+                          out->view()).ok());
+        },
+        &first);
+  }
+  Tensor dout = RandomF32(r, {m, n}, Sum(sizes));
+  Tensor first = Make(DType::kF32, {e, k, n});
+  ExpectSameBitsEverywhere(
+      [&](const GmmTiles& t, Tensor* out) {
+        GmmOptions o;
+        o.mode = GmmMode::kF32;
+        o.tiles = t;
+        ASSERT_TRUE(Tgmm(o, {}, lhs32.view(), dout.view(), gs.view(), out->view()).ok());
+      },
+      &first);
+}
+
+// ---- Errors ----------------------------------------------------------------------
+
+TEST(Gmm, BadArgumentsAreClearErrors) {
+  Tensor lhs = Make(DType::kBF16, {10, 8}), rhs = Make(DType::kBF16, {2, 8, 6});
+  Tensor out = Make(DType::kF32, {10, 6}), gs = Make(DType::kI32, {2});
+  std::memset(lhs.data(), 0, lhs.num_bytes());
+  std::memset(rhs.data(), 0, rhs.num_bytes());
+  auto run = [&](const GmmOptions& o, std::vector<int32_t> sizes) {
+    std::memcpy(gs.data(), sizes.data(), 8);
+    return Gmm(o, lhs.view(), rhs.view(), nullptr, gs.view(), out.view());
+  };
+  GmmOptions o;
+  EXPECT_TRUE(run(o, {3, 4}).ok());
+  auto expect = [](const Status& s, const char* needle) {
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+  };
+  expect(run(o, {3, -1}), "negative");
+  expect(run(o, {8, 4}), "exceeds");
+  GmmOptions t = o;
+  t.tiles.m = 0;
+  expect(run(t, {1, 1}), "tile m");
+  t = o;
+  t.tiles.k = 3;
+  expect(run(t, {1, 1}), "multiple of 2");
+  t = o;
+  t.tiles.n = -5;
+  expect(run(t, {1, 1}), "tile n");
+  t = o;
+  t.mode = GmmMode::kF32;
+  expect(run(t, {1, 1}), "dtype bf16");
+  t = o;
+  t.mode = GmmMode::kNativeFp8;
+  expect(run(t, {1, 1}), "codes");
+  t = o;
+  t.epilogue = GmmEpilogue::kSwiGlu;
+  expect(run(t, {1, 1}), "shape");
+  Tensor codes = Make(DType::kE4M3FN, {2, 8, 6});
+  GmmOptions nat;
+  nat.mode = GmmMode::kNativeFp8;
+  expect(Gmm(nat, lhs.view(), codes.view(), nullptr, gs.view(), out.view()), "rhs_scale");
+  Tensor dout = Make(DType::kBF16, {10, 6});
+  Tensor drhs = Make(DType::kF32, {3, 8, 6});
+  expect(Tgmm(o, {}, lhs.view(), dout.view(), gs.view(), drhs.view()), "entries");
+}
+
+}  // namespace
+}  // namespace fp8moe
