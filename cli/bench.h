@@ -3,6 +3,7 @@
 #define FP8MOE_CLI_BENCH_H_
 
 #include <cstdint>
+#include <string>
 
 namespace fp8moe::bench {
 
@@ -11,9 +12,12 @@ struct BenchOptions {
   int threads = 2;
   int reps = 5;
   int64_t elements = int64_t{64} << 20;  // bench quant
+  std::string shape;        // bench gmm: only shapes whose name contains this
+  bool all_passes = true;   // bench gmm: dlhs and tgmm too (else fwd only)
 };
 
 int BenchQuant(const BenchOptions& opt);
+int BenchGmm(const BenchOptions& opt);
 
 }  // namespace fp8moe::bench
 

@@ -9,6 +9,7 @@ const std::vector<OpDef>& AllOps() {
   static const std::vector<OpDef> ops = [] {
     std::vector<OpDef> v;
     RegisterNumericsOps(&v);
+    RegisterGmmOps(&v);
     return v;
   }();
   return ops;

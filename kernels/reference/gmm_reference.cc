@@ -95,8 +95,9 @@ void FloatProduct(const GmmProblem& p, const TensorView& lhs,
 // per row, per K-block when lhs_quant_block_size > 0, over its valid rows
 // only, to codes qa [M, K] + scales sa [M, blocks]; then
 // h[i, n] = (sum_b sa[i, b] * sum_{k in b} qa qw) * sw[g, n], in double,
-// rounded once to f32. The code sums are exact: int8 in int64, and fp8
-// products (at most 8 significant bits, exponents within +-18) in double.
+// rounded once to f32. The code sums are exact: int8 in int64, and fp8 in
+// double (every e4m3 product is a multiple of 2^-20 below 2^18, so any sum of
+// fewer than 2^15 of them fits the 53-bit significand).
 Status QuantizedProduct(const GmmOptions& o, const GmmProblem& p,
                         const TensorView& lhs, const TensorView& rhs,
                         const TensorView& rhs_scale, std::vector<float>* h) {

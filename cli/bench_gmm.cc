@@ -1,0 +1,236 @@
+// `fp8moe bench gmm`: GFLOP/s of every GMM pass and mode on the shapes of
+// the issue, each next to OpenBLAS sgemm on a dense GEMM of the same FLOPs
+// measured in the same run; GB/s next to memcpy for the weight-bound decode
+// shape.
+//
+// FLOPs: 2 * valid_rows * K * N per pass (SwiGLU counts both halves).
+// Bytes (decode): the weight once in its stored type + lhs + output.
+#include <omp.h>
+
+#include <cblas.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/bench.h"
+#include "cli/bench_util.h"
+#include "fp8moe/gmm.h"
+#include "fp8moe/numerics.h"
+#include "fp8moe/quant.h"
+
+namespace fp8moe::bench {
+namespace {
+
+Tensor New(DType d, Shape s) {
+  auto t = Tensor::Create(d, std::move(s));
+  if (!t.ok()) {
+    std::fprintf(stderr, "error: %s\n", t.status().ToString().c_str());
+    std::exit(1);
+  }
+  return std::move(t).value();
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+Tensor RandomF32(std::mt19937& rng, Shape s, float sd) {
+  Tensor t = New(DType::kF32, std::move(s));
+  std::normal_distribution<float> nd(0.0f, sd);
+  for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = nd(rng);
+  return t;
+}
+
+Tensor ToBf16(const Tensor& f) {
+  Tensor t = New(DType::kBF16, f.shape());
+  F32ToBf16Span(f.data_as<float>(), t.data_as<uint16_t>(), f.num_elements());
+  return t;
+}
+
+struct Shape4 {
+  std::string name;
+  int64_t e, m, k, n;
+  bool swiglu;
+  bool uneven;
+  bool weight_bound;  // report GB/s
+};
+
+std::vector<int32_t> GroupSizes(const Shape4& s) {
+  std::vector<int32_t> g(static_cast<size_t>(s.e), static_cast<int32_t>(s.m / s.e));
+  if (s.uneven) {  // a fixed uneven pattern with empty groups, summing to m
+    int64_t left = s.m;
+    for (int64_t i = 0; i < s.e; ++i) {
+      int64_t v = (i % 8 == 3 || i % 8 == 6) ? 0 : (s.m / s.e) * (1 + (i % 5)) / 2;
+      if (i == s.e - 1) v = left;
+      v = std::min(v, left);
+      g[static_cast<size_t>(i)] = static_cast<int32_t>(v);
+      left -= v;
+    }
+  }
+  return g;
+}
+
+struct Row {
+  std::string shape, pass, mode;
+  double seconds, gflops, ratio, gbs = 0, gbs_ratio = 0;
+};
+
+}  // namespace
+
+int BenchGmm(const BenchOptions& opt) {
+  omp_set_num_threads(opt.threads);
+  openblas_set_num_threads(opt.threads);
+  std::vector<Shape4> shapes = {
+      {"train-fill wi", 8, 16384, 1024, 2048, true, false, false},
+      {"train-fill wo", 8, 16384, 1024, 1024, false, false, false},
+      {"fine-grained", 64, 16384, 1024, 512, false, true, false},
+      {"decode", 8, 64, 2048, 4096, false, false, true},
+  };
+  if (!opt.shape.empty()) {
+    std::vector<Shape4> keep;
+    for (const auto& s : shapes) {
+      if (s.name.find(opt.shape) != std::string::npos) keep.push_back(s);
+    }
+    shapes = keep;
+  }
+  std::mt19937 rng(7);
+  std::vector<Row> rows;
+  const double memcpy_gbs = MemcpyGBs(size_t{256} << 20, opt.threads, opt.reps);
+  for (const Shape4& s : shapes) {
+    const std::vector<int32_t> sizes = GroupSizes(s);
+    int64_t valid = 0;
+    for (int32_t v : sizes) valid += v;
+    Tensor gs = New(DType::kI32, {s.e});
+    std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+    const double flops = 2.0 * static_cast<double>(valid) * s.k * s.n;
+
+    // Ceiling: a dense sgemm of the same FLOPs, [valid, K] x [K, N].
+    Tensor a = RandomF32(rng, {valid, s.k}, 1.0f), b = RandomF32(rng, {s.k, s.n}, 0.03f);
+    Tensor c = New(DType::kF32, {valid, s.n});
+    const double t_sgemm = BestSeconds(opt.reps, [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(valid),
+                  static_cast<int>(s.n), static_cast<int>(s.k), 1.0f, a.data_as<float>(),
+                  static_cast<int>(s.k), b.data_as<float>(), static_cast<int>(s.n), 0.0f,
+                  c.data_as<float>(), static_cast<int>(s.n));
+    });
+    const double sgemm_gflops = flops / t_sgemm / 1e9;
+    rows.push_back({s.name, "sgemm", "openblas", t_sgemm, sgemm_gflops, 1.0});
+
+    // Operands in every representation.
+    Tensor x32 = RandomF32(rng, {s.m, s.k}, 1.0f);
+    Tensor x16 = ToBf16(x32);
+    Tensor w32 = RandomF32(rng, {s.e, s.k, s.n}, 0.03f);
+    Tensor w16 = ToBf16(w32);
+    Tensor wq = New(DType::kE4M3FN, {s.e, s.k, s.n}), ws = New(DType::kF32, {s.e, s.n});
+    Check(QuantizeChannels(w32.data_as<float>(), s.e, s.k, s.n, QuantDType::kE4M3FN,
+                           Calibration::AbsMax(), wq.data_as<uint8_t>(), ws.data_as<float>()));
+    Tensor w8 = New(DType::kI8, {s.e, s.k, s.n}), w8s = New(DType::kF32, {s.e, s.n});
+    Check(QuantizeChannels(w32.data_as<float>(), s.e, s.k, s.n, QuantDType::kInt8,
+                           Calibration::AbsMax(), w8.data_as<uint8_t>(), w8s.data_as<float>()));
+    const int64_t oc = s.swiglu ? s.n / 2 : s.n;
+    Tensor out = New(DType::kBF16, {s.m, oc});
+    Tensor out32 = New(DType::kF32, {s.m, oc});
+    TensorView wsv = ws.view(), w8sv = w8s.view();
+
+    auto add = [&](const std::string& pass, const std::string& mode, double weight_bytes,
+                   const std::function<void()>& fn) {
+      const double t = BestSeconds(opt.reps, fn);
+      Row r{s.name, pass, mode, t, flops / t / 1e9, flops / t / 1e9 / sgemm_gflops};
+      if (s.weight_bound) {
+        r.gbs = weight_bytes / t / 1e9;
+        r.gbs_ratio = r.gbs / memcpy_gbs;
+      }
+      rows.push_back(r);
+      if (!opt.json) {
+        std::fprintf(stderr, "  %-14s %-5s %-10s %8.2f ms %7.1f GFLOP/s\n", s.name.c_str(),
+                     pass.c_str(), mode.c_str(), t * 1e3, r.gflops);
+      }
+    };
+    const double act = static_cast<double>(valid) * s.k, outb = static_cast<double>(valid) * oc;
+    const double wn = static_cast<double>(s.e) * s.k * s.n;
+    auto fwd = [&](GmmMode mode, Tensor& lhs, Tensor& rhs, TensorView* scale, double bytes) {
+      GmmOptions o;
+      o.mode = mode;
+      o.epilogue = s.swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
+      Tensor& o_t = mode == GmmMode::kF32 ? out32 : out;
+      add("fwd", std::string(GmmModeName(mode)), bytes, [&] {
+        Check(Gmm(o, lhs.view(), rhs.view(), scale, gs.view(), o_t.view()));
+      });
+    };
+    fwd(GmmMode::kF32, x32, w32, nullptr, 4 * (wn + act + outb));
+    fwd(GmmMode::kBf16, x16, w16, nullptr, 2 * (wn + act + outb));
+    fwd(GmmMode::kFakeQat, x16, wq, &wsv, wn + 2 * (act + outb));
+    fwd(GmmMode::kNativeFp8, x16, wq, &wsv, wn + 2 * (act + outb));
+    fwd(GmmMode::kInt8, x16, w8, &w8sv, wn + 2 * (act + outb));
+
+    if (opt.all_passes && !s.weight_bound) {
+      // dLHS: dout [M, N] x w^T -> [M, K].
+      Tensor d16 = ToBf16(RandomF32(rng, {s.m, s.n}, 1.0f));
+      Tensor d32 = RandomF32(rng, {s.m, s.n}, 1.0f);
+      Tensor dl = New(DType::kBF16, {s.m, s.k}), dl32 = New(DType::kF32, {s.m, s.k});
+      GmmOptions o;
+      o.mode = GmmMode::kF32;
+      add("dlhs", "f32", 0, [&] { Check(GmmDlhs(o, d32.view(), w32.view(), nullptr, gs.view(), dl32.view())); });
+      o.mode = GmmMode::kBf16;
+      add("dlhs", "bf16", 0, [&] { Check(GmmDlhs(o, d16.view(), w16.view(), nullptr, gs.view(), dl.view())); });
+      add("dlhs", "native", 0, [&] { Check(GmmDlhs(o, d16.view(), wq.view(), &wsv, gs.view(), dl.view())); });
+      o.mode = GmmMode::kFakeQat;
+      add("dlhs", "fake_qat", 0, [&] { Check(GmmDlhs(o, d16.view(), wq.view(), &wsv, gs.view(), dl.view())); });
+      // TGMM: x^T [K, M] x dout [M, N] -> [E, K, N].
+      Tensor dw = New(DType::kF32, {s.e, s.k, s.n});
+      Tensor xq = New(DType::kE4M3FN, {s.m, s.k});
+      std::vector<float> xs(static_cast<size_t>(s.m));
+      Check(QuantizeRows(x32.data_as<float>(), s.m, s.k, s.m, 0, QuantDType::kE4M3FN,
+                         Calibration::AbsMax(), xq.data_as<uint8_t>(), xs.data()));
+      GmmOptions t;
+      t.mode = GmmMode::kF32;
+      add("tgmm", "f32", 0, [&] { Check(Tgmm(t, {}, x32.view(), d32.view(), gs.view(), dw.view())); });
+      t.mode = GmmMode::kBf16;
+      add("tgmm", "bf16", 0, [&] { Check(Tgmm(t, {}, x16.view(), d16.view(), gs.view(), dw.view())); });
+      t.mode = GmmMode::kF32;
+      TgmmQuant q;
+      q.dout_dtype = QuantDType::kE5M2;
+      add("tgmm", "fp8_full", 0, [&] { Check(Tgmm(t, q, xq.view(), d32.view(), gs.view(), dw.view())); });
+      q.per_group = false;
+      add("tgmm", "fp8_inkern", 0, [&] { Check(Tgmm(t, q, xq.view(), d32.view(), gs.view(), dw.view())); });
+    }
+  }
+
+  Table t;
+  t.title = "fp8moe bench gmm: " + std::to_string(opt.threads) + " threads, SIMD " +
+            SimdTargetName();
+  t.columns = {"shape", "pass", "mode", "ms", "GFLOP/s", "x sgemm", "GB/s", "x memcpy"};
+  nlohmann::json js = nlohmann::json::array();
+  for (const Row& r : rows) {
+    t.rows.push_back({r.shape, r.pass, r.mode, Fixed(r.seconds * 1e3, 2), Fixed(r.gflops, 1),
+                      Fixed(r.ratio, 2), r.gbs > 0 ? Fixed(r.gbs, 1) : "",
+                      r.gbs > 0 ? Fixed(r.gbs_ratio, 2) : ""});
+    js.push_back({{"shape", r.shape}, {"pass", r.pass}, {"mode", r.mode}, {"seconds", r.seconds},
+                  {"gflops", r.gflops}, {"ratio_to_sgemm", r.ratio}, {"gbs", r.gbs},
+                  {"ratio_to_memcpy", r.gbs_ratio}});
+  }
+  t.notes.push_back("sgemm: OpenBLAS " + std::string(openblas_get_corename()) +
+                    ", dense [valid rows, K] x [K, N], same FLOPs, same run");
+  t.notes.push_back("memcpy ceiling (same run): " + Fixed(memcpy_gbs, 1) +
+                    " GB/s; decode GB/s counts weight (stored type) + activations + output");
+  if (opt.json) {
+    nlohmann::json j = {{"bench", "gmm"}, {"threads", opt.threads},
+                        {"simd_target", SimdTargetName()}, {"memcpy_gbs", memcpy_gbs},
+                        {"rows", js}};
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    t.Print();
+  }
+  return 0;
+}
+
+}  // namespace fp8moe::bench
