@@ -513,6 +513,19 @@ TEST(Tgmm, EveryModeMatchesReference) {
   }
 }
 
+// Groups of at most 12 rows with whole 32-column panels take the kernels that
+// read the weight without packing it (bf16-pair CPUs); odd K, several
+// reduction blocks, K-blocks and SwiGLU's two column runs included.
+TEST(Gmm, SmallGroupsMatchReference) {
+  Rng r(Seed());
+  for (int64_t k : {3, 257, 600}) {
+    for (const FwdCase& c : AllFwdCases()) {
+      CheckFwd(r, c, 40, k, 96, 8);
+      CheckFwd(r, c, 12, k, 64, 1);
+    }
+  }
+}
+
 // The kernels of every SIMD target this CPU runs (AVX-512 with or without
 // bf16 dot products, AVX2, SSE4, scalar) against the reference.
 TEST(Gmm, EveryTargetMatchesReference) {

@@ -227,6 +227,34 @@ void DecodeFp8ToBf16SpanT(const uint8_t* HWY_RESTRICT codes,
   }
 }
 
+template <Fp8Format kFormat>
+void DequantizeFp8ToBf16SpanT(const uint8_t* HWY_RESTRICT codes,
+                              const float* HWY_RESTRICT scales,
+                              uint16_t* HWY_RESTRICT out, size_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t N = hn::Lanes(df);
+  auto one = [&](const uint8_t* c, const float* s, uint16_t* o) {
+    const auto v = hn::Mul(DecodeFp8Vec<kFormat>(df, hn::PromoteTo(du, hn::LoadU(d8, c))),
+                           hn::LoadU(df, s));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, F32ToBf16Vec(df, v))), d16, o);
+  };
+  size_t i = 0;
+  for (; i + N <= n; i += N) one(codes + i, scales + i, out + i);
+  if (i < n) {
+    HWY_ALIGN uint8_t c[hn::MaxLanes(df)] = {};
+    HWY_ALIGN float s[hn::MaxLanes(df)] = {};
+    HWY_ALIGN uint16_t o[hn::MaxLanes(df)];
+    std::memcpy(c, codes + i, n - i);
+    std::memcpy(s, scales + i, (n - i) * sizeof(float));
+    one(c, s, o);
+    std::memcpy(out + i, o, (n - i) * sizeof(uint16_t));
+  }
+}
+
 inline void F32ToBf16SpanT(const float* HWY_RESTRICT x,
                            uint16_t* HWY_RESTRICT out, size_t n) {
   const hn::ScalableTag<float> df;

@@ -59,6 +59,20 @@ void DecodeFp8ToBf16Span(const uint8_t* codes, uint16_t* out, size_t n,
   }
 }
 
+void DequantizeFp8ToBf16Span(const uint8_t* codes, const float* scales,
+                             uint16_t* out, size_t n, Fp8Format format) {
+  switch (format) {
+    case Fp8Format::kE4M3FN:
+      return DequantizeFp8ToBf16SpanT<Fp8Format::kE4M3FN>(codes, scales, out, n);
+    case Fp8Format::kE4M3FNUZ:
+      return DequantizeFp8ToBf16SpanT<Fp8Format::kE4M3FNUZ>(codes, scales, out, n);
+    case Fp8Format::kE5M2:
+      return DequantizeFp8ToBf16SpanT<Fp8Format::kE5M2>(codes, scales, out, n);
+    case Fp8Format::kE5M2FNUZ:
+      return DequantizeFp8ToBf16SpanT<Fp8Format::kE5M2FNUZ>(codes, scales, out, n);
+  }
+}
+
 void F32ToBf16Span(const float* x, uint16_t* out, size_t n) {
   F32ToBf16SpanT(x, out, n);
 }
@@ -81,6 +95,7 @@ HWY_EXPORT(EncodeFp8Span);
 HWY_EXPORT(DecodeFp8Span);
 HWY_EXPORT(DecodeFp8ToBf16Span);
 HWY_EXPORT(F32ToBf16Span);
+HWY_EXPORT(DequantizeFp8ToBf16Span);
 HWY_EXPORT(Bf16ToF32Span);
 HWY_EXPORT(TargetName);
 
@@ -140,6 +155,14 @@ void DecodeFp8ToBf16Span(const uint8_t* codes, uint16_t* out, size_t n,
   ForChunks(n, [&](size_t b, size_t e) {
     HWY_DYNAMIC_DISPATCH(DecodeFp8ToBf16Span)(codes + b, out + b, e - b,
                                               format);
+  });
+}
+
+void DequantizeFp8ToBf16Span(const uint8_t* codes, const float* scales,
+                             uint16_t* out, size_t n, Fp8Format format) {
+  ForChunks(n, [&](size_t b, size_t e) {
+    HWY_DYNAMIC_DISPATCH(DequantizeFp8ToBf16Span)(codes + b, scales + b, out + b,
+                                                  e - b, format);
   });
 }
 

@@ -3,6 +3,9 @@
 #ifndef FP8MOE_NUMERICS_FP8_SPEC_H_
 #define FP8MOE_NUMERICS_FP8_SPEC_H_
 
+#include <bit>
+#include <cstdint>
+
 #include "fp8moe/numerics.h"
 
 namespace fp8moe {
@@ -22,6 +25,11 @@ constexpr const Fp8Spec& SpecOf(Fp8Format f) {
 
 // 2^e as f32 bits, for |e| <= 126 (normal range).
 constexpr uint32_t Pow2Bits(int e) { return static_cast<uint32_t>(e + 127) << 23; }
+constexpr float kPow2(int e) { return std::bit_cast<float>(Pow2Bits(e)); }
+// The bf16 bits of a value that is exactly a bf16 value (no rounding).
+constexpr uint16_t F32ToBf16Const(float v) {
+  return static_cast<uint16_t>(std::bit_cast<uint32_t>(v) >> 16);
+}
 
 }  // namespace fp8moe
 

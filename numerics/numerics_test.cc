@@ -215,6 +215,27 @@ TEST(Fp8Decode, SpansMatchScalarOnEveryTarget) {
   });
 }
 
+TEST(Fp8Decode, DequantizeToBf16MatchesScalarOnEveryTarget) {
+  std::mt19937 rng(Seed());
+  std::uniform_real_distribution<float> us(1e-6f, 4.0f);
+  std::vector<uint8_t> codes(256 * 5 + 3);
+  std::vector<float> scales(codes.size());
+  for (size_t i = 0; i < codes.size(); ++i) {
+    codes[i] = static_cast<uint8_t>(i);
+    scales[i] = us(rng);
+  }
+  ForEachTarget([&] {
+    for (Fp8Format f : kFormats) {
+      std::vector<uint16_t> out(codes.size() + 8, 0xA5A5);
+      DequantizeFp8ToBf16Span(codes.data(), scales.data(), out.data(), codes.size() - 1, f);
+      for (size_t i = 0; i + 1 < codes.size(); ++i) {
+        ASSERT_EQ(out[i], F32ToBf16(DecodeFp8(codes[i], f) * scales[i])) << i;
+      }
+      ASSERT_EQ(out[codes.size() - 1], 0xA5A5);
+    }
+  });
+}
+
 // ---- Encode ------------------------------------------------------------
 
 TEST(Fp8Encode, KnownEdges) {

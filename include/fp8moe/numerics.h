@@ -69,6 +69,10 @@ void DecodeFp8Span(const uint8_t* codes, float* out, size_t n,
 // codes[n] -> bf16 bits out[n] (exact: every fp8 value is a bf16 value)
 void DecodeFp8ToBf16Span(const uint8_t* codes, uint16_t* out, size_t n,
                          Fp8Format format);
+// codes[n], scales[n] -> bf16 bits out[n] = bf16(f32(decode(codes[i])) *
+// scales[i]): the values of a dequantized BF16 weight copy.
+void DequantizeFp8ToBf16Span(const uint8_t* codes, const float* scales,
+                             uint16_t* out, size_t n, Fp8Format format);
 // x[n] -> codes[n]
 void EncodeFp8Span(const float* x, uint8_t* codes, size_t n, Fp8Format format,
                    bool saturate);

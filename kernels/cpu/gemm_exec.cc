@@ -14,12 +14,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "fp8moe/numerics.h"
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/pack.h"
+#include "kernels/cpu/scratch.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/gemm_exec.cc"
@@ -42,14 +42,7 @@ using internal::WorkItem;
 
 constexpr int64_t kMC = 96;  // rows per packed A block (a multiple of MR)
 
-struct AlignedFree {
-  void operator()(void* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<uint8_t[], AlignedFree>;
-Buffer Allocate(size_t bytes) {
-  bytes = (bytes + 63) / 64 * 64 + 64;
-  return Buffer(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
-}
+using internal::GrowBuffer;
 
 PanelKind ChooseKind(const GemmCall& call) {
   if (call.integer) return PanelKind::kI16Pairs;
@@ -78,6 +71,14 @@ void RunKernel(PanelKind kind, int64_t kc, const void* ap, const void* bp,
                          uldc, load_c, row_scale);
       return;
     case PanelKind::kI16Pairs:
+#if HWY_TARGET == HWY_AVX3
+      if (CpuHasAvx512Vnni()) {
+        MicroI16Vnni<kMR>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
+                          static_cast<const uint32_t*>(bp), static_cast<int32_t*>(c),
+                          uldc, load_c);
+        return;
+      }
+#endif
       MicroI16<kMR, kNV>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
                          static_cast<const uint32_t*>(bp),
                          static_cast<int32_t*>(c), uldc, load_c);
@@ -232,13 +233,56 @@ void RunEpilogue(const GemmCall& call, const WorkItem& it, const void* cbuf,
 // ---- Items -----------------------------------------------------------------
 
 struct ThreadBuffers {
-  Buffer ap, bp, c;
+  GrowBuffer ap, bp, c;
+  uint8_t* ap_ptr = nullptr;
+  uint8_t* bp_ptr = nullptr;
+  uint8_t* c_ptr = nullptr;
   std::vector<float> epi;
 };
+thread_local ThreadBuffers tls_buffers;
+
+#if HWY_TARGET == HWY_AVX3
+// Items of at most MR rows on bf16-pair kernels read B straight from the
+// weight (MicroBf16PairsDirect) instead of packing it: B is used once.
+bool UseDirectB(const GemmCall& call, PanelKind kind, const WorkItem& it) {
+  const internal::Source& b = call.b;
+  return kind == PanelKind::kBf16Pairs && call.pass == Pass::kFwd &&
+         it.rows <= static_cast<int64_t>(kMR) && it.cols % 32 == 0 &&
+         (b.kind == internal::SrcKind::kBf16 ||
+          (b.kind == internal::SrcKind::kFp8 && b.col_scale == nullptr &&
+           b.tile_scale == nullptr && !b.round_bf16 &&
+           (b.fp8 == Fp8Format::kE4M3FN || b.fp8 == Fp8Format::kE4M3FNUZ)));
+}
+
+template <size_t MR>
+void RunDirect(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
+               size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale) {
+  if (b.kind == internal::SrcKind::kBf16) {
+    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+  }
+  if (MR == 8 && CpuHasAvx512Vbmi()) {  // byte-table decode; 8 rows leave room for the tables
+    if (b.fp8 == Fp8Format::kE4M3FN) {
+      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+    }
+    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+  }
+  if (b.fp8 == Fp8Format::kE4M3FN) {
+    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+  }
+  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+}
+#endif
 
 void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
              ThreadBuffers* tb) {
+#if HWY_TARGET == HWY_AVX3
+  const bool direct_b = UseDirectB(call, kind, it);
+  // A panel as tall as the item: 8 rows when that is enough.
+  const int64_t mr = direct_b && it.rows <= 8 ? 8 : static_cast<int64_t>(kMR);
+#else
+  const bool direct_b = false;
   const int64_t mr = static_cast<int64_t>(kMR);
+#endif
   const int64_t nr = static_cast<int64_t>(KernelNR());
   const bool is_int = kind == PanelKind::kI16Pairs;
   const bool swiglu = call.epi.kind == Epilogue::Kind::kSwiGlu;
@@ -263,7 +307,7 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
     c = out + it.row0 * call.epi.out_ld + it.col0;
     ldc = call.epi.out_ld;
   } else {
-    c = tb->c.get();
+    c = tb->c_ptr;
     ldc = width;
   }
   const int64_t elem = 4;  // f32 or int32
@@ -283,22 +327,23 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
   for (int64_t r0 = red0; r0 < red1; r0 += kc_step) {
     const int64_t kc = std::min(kc_step, red1 - r0);
     const bool load_c = r0 != red0;
-    const int64_t panels_b = internal::PackB(opb, kind, r0, kc, runs, nr, tb->bp.get());
+    const int64_t panels_b =
+        direct_b ? runs.runs * per_run : internal::PackB(opb, kind, r0, kc, runs, nr, tb->bp_ptr);
     const int64_t bstride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * nr * 4;
     const int64_t astride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * mr * 4;
     for (int64_t m0 = 0; m0 < it.rows; m0 += kMC) {
       const int64_t mc = std::min<int64_t>(kMC, it.rows - m0);
-      internal::PackA(opa, kind, it.row0 + m0, mc, r0, kc, mr, tb->ap.get());
+      internal::PackA(opa, kind, it.row0 + m0, mc, r0, kc, mr, tb->ap_ptr);
       const int64_t panels_a = (mc + mr - 1) / mr;
       for (int64_t q = 0; q < panels_b; ++q) {
         const int64_t jq = (q % per_run) * nr;
         const int64_t col = (q / per_run) * run_stride + jq;  // column in C
         const int64_t valid_c = std::min(nr, it.cols - jq);
-        const uint8_t* bpan = tb->bp.get() + q * bstride;
+        const uint8_t* bpan = tb->bp_ptr + q * bstride;
         for (int64_t p = 0; p < panels_a; ++p) {
           const int64_t row = m0 + p * mr;
           const int64_t valid_r = std::min(mr, it.rows - row);
-          const uint8_t* apan = tb->ap.get() + p * astride;
+          const uint8_t* apan = tb->ap_ptr + p * astride;
           const float* row_scale = nullptr;
           if (call.a_block_scale != nullptr) {
             const int64_t b = r0 / call.block;
@@ -312,6 +357,38 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
           uint8_t* ct = static_cast<uint8_t*>(c) + (row * ldc + col) * elem;
           // The scratch tile has room for whole panels; an f32 output does not.
           const bool full = !direct || (valid_r == mr && valid_c == nr);
+#if HWY_TARGET == HWY_AVX3
+          if (direct_b) {
+            // Source columns of this panel: run start + offset in the run.
+            const int64_t src_col = runs.start[q / per_run] + jq;
+            const size_t esize = call.b.kind == internal::SrcKind::kBf16 ? 2 : 1;
+            const uint8_t* src = static_cast<const uint8_t*>(call.b.data) +
+                                 (it.group * call.b.group_stride + r0 * call.b.ld + src_col) * esize;
+            const size_t ldb = static_cast<size_t>(call.b.ld) * esize;
+            float* cdst = reinterpret_cast<float*>(full ? ct : edge);
+            const size_t ld = static_cast<size_t>(full ? ldc : nr);
+            if (!full) {
+              for (int64_t ii = 0; ii < valid_r; ++ii) {
+                std::memcpy(edge + ii * nr * elem, ct + ii * ldc * elem,
+                            static_cast<size_t>(valid_c * elem));
+              }
+            }
+            if (mr == 8) {
+              RunDirect<8>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
+                           src, ldb, cdst, ld, load_c, row_scale);
+            } else {
+              RunDirect<kMR>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
+                             src, ldb, cdst, ld, load_c, row_scale);
+            }
+            if (!full) {
+              for (int64_t ii = 0; ii < valid_r; ++ii) {
+                std::memcpy(ct + ii * ldc * elem, edge + ii * nr * elem,
+                            static_cast<size_t>(valid_c * elem));
+              }
+            }
+            continue;
+          }
+#endif
           if (full) {
             RunKernel(kind, kc, apan, bpan, ct, ldc, load_c, row_scale);
             continue;
@@ -352,10 +429,14 @@ void ExecuteGemm(const GemmCall& call) {
   const int64_t n_items = static_cast<int64_t>(call.items.size());
 #pragma omp parallel
   {
-    ThreadBuffers tb;
-    tb.ap = Allocate(ap_bytes);
-    tb.bp = Allocate(bp_bytes);
-    if (call.epi.kind != Epilogue::Kind::kAccumulateF32) tb.c = Allocate(c_bytes);
+    ThreadBuffers& tb = tls_buffers;
+    tb.ap_ptr = tb.ap.Get(ap_bytes);
+    tb.bp_ptr = tb.bp.Get(bp_bytes);
+    if (call.epi.kind != Epilogue::Kind::kAccumulateF32) tb.c_ptr = tb.c.Get(c_bytes);
+    if (tb.ap_ptr == nullptr || tb.bp_ptr == nullptr ||
+        (call.epi.kind != Epilogue::Kind::kAccumulateF32 && tb.c_ptr == nullptr)) {
+      std::abort();  // a few MB of packing buffers could not be allocated
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
       RunItem(call, kind, call.items[static_cast<size_t>(i)], &tb);

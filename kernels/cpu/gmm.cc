@@ -11,6 +11,7 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "kernels/cpu/gemm_call.h"
+#include "kernels/cpu/scratch.h"
 #include "kernels/gmm_problem.h"
 
 namespace fp8moe {
@@ -84,51 +85,57 @@ void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len,
   }
 }
 
-// The fake-QAT weight copy: w[e,k,n] = bf16(f32(q) * s[e,n]).
-Result<Tensor> DequantizeToBf16(const TensorView& codes, const float* scale,
-                                const GmmProblem& p) {
-  FP8MOE_ASSIGN_OR_RETURN(Tensor w, Tensor::Create(DType::kBF16, {p.e, p.k, p.n}));
+// The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), written into a
+// buffer the calling thread keeps across calls, as a trainer keeps the copy's
+// buffer from step to step (it stays allocated: that memory is what fake QAT
+// costs over native).
+thread_local internal::GrowBuffer tls_weight_copy;
+
+Result<TensorView> DequantizeToBf16(const TensorView& codes, const float* scale,
+                                    const GmmProblem& p) {
+  const int64_t rows = p.e * p.k;
+  auto* out = reinterpret_cast<uint16_t*>(
+      tls_weight_copy.Get(static_cast<size_t>(std::max<int64_t>(rows * p.n, 1)) * 2));
+  if (out == nullptr) return ResourceExhausted("cannot allocate the BF16 weight copy");
   FP8MOE_ASSIGN_OR_RETURN(const Fp8Format f, Fp8FormatOf(codes.dtype));
   const uint8_t* q = codes.as<uint8_t>();
-  uint16_t* out = w.data_as<uint16_t>();
-  const int64_t rows = p.e * p.k;
-#pragma omp parallel
-  {
-    std::vector<float> tmp(static_cast<size_t>(p.n));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      DecodeFp8Span(q + r * p.n, tmp.data(), static_cast<size_t>(p.n), f);
-      const float* s = scale + (r / p.k) * p.n;
-      for (int64_t j = 0; j < p.n; ++j) tmp[j] *= s[j];
-      F32ToBf16Span(tmp.data(), out + r * p.n, static_cast<size_t>(p.n));
-    }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    DequantizeFp8ToBf16Span(q + r * p.n, scale + (r / p.k) * p.n, out + r * p.n,
+                            static_cast<size_t>(p.n), f);
   }
-  return w;
+  return TensorView{out, DType::kBF16, {p.e, p.k, p.n}};
 }
 
-// Quantizes the valid rows of lhs [m, k] (F32 or BF16) per row (or K-block).
+// Codes and scales of the activation, kept by the calling thread across
+// calls (see scratch.h).
+struct LhsQuant {
+  internal::GrowBuffer codes, scales, widened;
+};
+thread_local LhsQuant tls_lhs;
+
+// Quantizes the valid rows of lhs [m, k] (F32 or BF16) per row (or K-block)
+// into codes [valid, k] and scales [valid, blocks] (thread-local scratch).
 Status QuantizeLhs(const TensorView& lhs, const GmmProblem& p, int64_t block,
-                   QuantDType dtype, Tensor* codes, Tensor* scales) {
+                   QuantDType dtype, uint8_t** codes, float** scales) {
   const int64_t rows = p.valid_rows, nb = NumBlocks(p.k, block);
-  FP8MOE_ASSIGN_OR_RETURN(*codes, Tensor::Create(QuantStorageDType(dtype), {rows, p.k}));
-  FP8MOE_ASSIGN_OR_RETURN(*scales, Tensor::Create(DType::kF32, {rows, nb}));
+  *codes = tls_lhs.codes.Get(static_cast<size_t>(std::max<int64_t>(rows * p.k, 1)));
+  *scales = reinterpret_cast<float*>(
+      tls_lhs.scales.Get(static_cast<size_t>(std::max<int64_t>(rows * nb, 1)) * 4));
+  if (*codes == nullptr || *scales == nullptr) {
+    return ResourceExhausted("cannot allocate the activation codes of a GMM");
+  }
   if (lhs.dtype == DType::kF32) {
     return QuantizeRows(lhs.as<float>(), rows, p.k, rows, block, dtype,
-                        Calibration::AbsMax(), codes->data_as<uint8_t>(),
-                        scales->data_as<float>());
+                        Calibration::AbsMax(), *codes, *scales);
   }
-  // BF16 rows: widen a chunk at a time (exact), then quantize it.
-  constexpr int64_t kChunk = 64;
-  std::vector<float> tmp(static_cast<size_t>(kChunk * p.k));
-  for (int64_t r = 0; r < rows; r += kChunk) {
-    const int64_t n = std::min(kChunk, rows - r);
-    Bf16ToF32Span(lhs.as<uint16_t>() + r * p.k, tmp.data(), static_cast<size_t>(n * p.k));
-    FP8MOE_RETURN_IF_ERROR(QuantizeRows(tmp.data(), n, p.k, n, block, dtype,
-                                        Calibration::AbsMax(),
-                                        codes->data_as<uint8_t>() + r * p.k,
-                                        scales->data_as<float>() + r * nb));
-  }
-  return OkStatus();
+  // BF16 rows: widen them (exact), then quantize; both steps run threaded.
+  float* wide = reinterpret_cast<float*>(
+      tls_lhs.widened.Get(static_cast<size_t>(std::max<int64_t>(rows * p.k, 1)) * 4));
+  if (wide == nullptr) return ResourceExhausted("cannot allocate a GMM scratch buffer");
+  Bf16ToF32Span(lhs.as<uint16_t>(), wide, static_cast<size_t>(rows * p.k));
+  return QuantizeRows(wide, rows, p.k, rows, block, dtype, Calibration::AbsMax(),
+                      *codes, *scales);
 }
 
 void SetOutput(const TensorView& out, Epilogue* e) {
@@ -150,32 +157,33 @@ Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
   call.kc = EvenUp(o.tiles.k.value_or(kDefaultKc));
   call.a = Plain(lhs, p.k);
   call.b = RhsSource(rhs, rhs_scale, p);
-  Tensor copy, qa, sa;  // outlive the call
+  uint8_t* qa = nullptr;
+  float* sa = nullptr;
   switch (o.mode) {
     case GmmMode::kF32:
     case GmmMode::kBf16:
       break;
     case GmmMode::kFakeQat: {
-      FP8MOE_ASSIGN_OR_RETURN(copy, DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
-      TensorView v = copy.view();
-      call.b = RhsSource(v, nullptr, p);
+      FP8MOE_ASSIGN_OR_RETURN(const TensorView copy,
+                              DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
+      call.b = RhsSource(copy, nullptr, p);
       break;
     }
     case GmmMode::kNativeFp8:
     case GmmMode::kInt8: {
       const bool int8 = o.mode == GmmMode::kInt8;
       const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
-      FP8MOE_RETURN_IF_ERROR(
-          QuantizeLhs(lhs, p, block, int8 ? QuantDType::kInt8 : o.fp8_dtype, &qa, &sa));
-      call.a = Plain(qa.view(), p.k);
+      const QuantDType qd = int8 ? QuantDType::kInt8 : o.fp8_dtype;
+      FP8MOE_RETURN_IF_ERROR(QuantizeLhs(lhs, p, block, qd, &qa, &sa));
+      call.a = Plain(TensorView{qa, QuantStorageDType(qd), {p.valid_rows, p.k}}, p.k);
       call.b.col_scale = nullptr;  // the weight scale is applied at the end
       call.integer = int8;
       if (block > 0) {
-        call.a_block_scale = sa.data_as<float>();
+        call.a_block_scale = sa;
         call.a_block_scale_ld = NumBlocks(p.k, block);
         call.block = block;
       } else {
-        call.epi.row_scale = sa.data_as<float>();
+        call.epi.row_scale = sa;
       }
       call.epi.col_scale = rhs_scale->as<float>();
       call.epi.col_scale_group_stride = p.n;
@@ -215,11 +223,10 @@ Status GmmDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rh
   call.kc = EvenUp(o.tiles.k.value_or(kDefaultKc));
   call.a = Plain(dout, p.n);
   call.b = RhsSource(rhs, rhs_scale, p);
-  Tensor copy;
   if (o.mode == GmmMode::kFakeQat) {
-    FP8MOE_ASSIGN_OR_RETURN(copy, DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
-    TensorView v = copy.view();
-    call.b = RhsSource(v, nullptr, p);
+    FP8MOE_ASSIGN_OR_RETURN(const TensorView copy,
+                            DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
+    call.b = RhsSource(copy, nullptr, p);
   } else if (o.mode == GmmMode::kBf16 && p.rhs_codes) {
     call.b.round_bf16 = true;  // per-tile dequantization to the copy's values
   }

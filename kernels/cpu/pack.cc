@@ -65,6 +65,9 @@ class RowReader {
       for (size_t j = 0; j < un; ++j) dst[j] = static_cast<uint16_t>(static_cast<int16_t>(q[j]));
     } else if (s_.kind == SrcKind::kFp8 && !scaled()) {
       DecodeFp8ToBf16Span(p, dst, un, s_.fp8);
+    } else if (s_.kind == SrcKind::kFp8 && col_scale_ != nullptr && s_.round_bf16) {
+      // The fake-QAT copy's values, in one pass.
+      DequantizeFp8ToBf16Span(p, col_scale_ + c0, dst, un, s_.fp8);
     } else {
       F32(r, c0, n, tmp);
       F32ToBf16Span(tmp, dst, un);

@@ -1,0 +1,161 @@
+// Configuration of the MoE layer and its quantization-aware training
+// (DESIGN 3.4, 3.5, 4): the flags with their MaxText names, a typed MoeConfig
+// converted and validated from a Config, and the pure mapping from a config
+// to the dtypes the expert GMMs are handed (seed 003).
+//
+// Every invalid combination is an error whose message names the flag(s) and
+// the fix; nothing falls back silently. configs/base.yml is
+// MoeConfigSchema() written out with its defaults; docs/config.md explains
+// the modes and the rules.
+#ifndef FP8MOE_MOE_CONFIG_H_
+#define FP8MOE_MOE_CONFIG_H_
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "fp8moe/config.h"
+#include "fp8moe/dtype.h"
+#include "fp8moe/gmm.h"
+#include "fp8moe/quant.h"
+#include "fp8moe/status.h"
+
+namespace fp8moe {
+
+// The MoE and QAT flags, each with its MaxText name, type, default, a doc
+// line and (for enums) its choices.
+ConfigSchema MoeConfigSchema();
+
+// Adds the flags of MoeConfigSchema() to `schema` in the same order, so a
+// larger schema (the trainer's) can hold them. Fails if a name is taken.
+Status AddMoeConfigFlags(ConfigSchema* schema);
+
+// The `quantization` flag: a hand-crafted scheme or the fp8_full recipe.
+enum class MoeQuantization : uint8_t {
+  kNone,
+  kInt8,
+  kFp8,
+  kNanooFp8,
+  kFp8Full
+};
+
+// The flag's spelling: "", "int8", "fp8", "nanoo_fp8", "fp8_full".
+std::string_view MoeQuantizationName(MoeQuantization quantization);
+
+// The `remat_policy` flag: what the backward recomputes.
+enum class MoeRematPolicy : uint8_t {
+  kFull,        // "full": x_sorted is recomputed (gathered again) in backward
+  kMoeXSorted,  // "moe_x_sorted": x_sorted is saved by the forward
+};
+
+// The `fp8_fake_quant_hoist` flag: where fake QAT's weight quantization runs.
+enum class Fp8FakeQuantHoist : uint8_t {
+  kNone,     // "": no hoisting
+  kGather8,  // "gather8": quantize once per step, gather the FP8 codes
+};
+
+// Tiles of one expert weight's three GMMs. GmmTiles' m/k/n are unset for a
+// flag at -1 (chosen per shape). The w{i,o}_tile_{pass}_{dim} flags map as:
+//   wi [E, D, 2F]  fwd:  m = batch_seq, k = embed_dim,  n = mlp_dim
+//                  dlhs: m = batch_seq, k = mlp_dim (reduction),
+//                        n = embed_dim (output columns)
+//                  drhs: m = batch_seq (reduction rows),
+//                        k = embed_dim (output rows), n = mlp_dim
+//   wo [E, F, D]   the same with embed_dim and mlp_dim swapped:
+//                  fwd:  m = batch_seq, k = mlp_dim,   n = embed_dim
+//                  dlhs: m = batch_seq, k = embed_dim, n = mlp_dim
+//                  drhs: m = batch_seq, k = mlp_dim,   n = embed_dim
+struct MoeGmmTiles {
+  GmmTiles fwd, dlhs, drhs;
+};
+
+// Typed MoE / QAT configuration; field names are the flag names. The
+// defaults are the schema's.
+struct MoeConfig {
+  // Activation and GMM operand type in unquantized mode: kBF16 or kF32.
+  DType dtype = DType::kBF16;
+  int64_t num_experts = 8;
+  int64_t num_experts_per_tok = 2;
+  bool norm_topk_prob = false;
+  double load_balance_loss_weight = 0.01;
+
+  bool sparse_matmul = true;           // must be true (validated)
+  double capacity_factor = -1.0;       // must be -1 (validated)
+  double ragged_buffer_factor = -1.0;  // <= 0 dropless, > 0 x balanced size
+
+  MoeQuantization quantization = MoeQuantization::kNone;
+  bool use_qwix_quantization = false;  // "recipe mode"
+  Calibration weight_quantization_calibration_method;
+  Calibration act_quantization_calibration_method;
+  Calibration bwd_quantization_calibration_method;
+  QuantDType bwd_quantization_dtype = QuantDType::kE5M2;  // or kE4M3FN
+  bool moe_bwd_inkernel_quant = false;
+
+  bool fp8_moe_fake_quant = false;
+  Fp8FakeQuantHoist fp8_fake_quant_hoist = Fp8FakeQuantHoist::kNone;
+  bool fp8_moe_native_fwd = false;
+  bool fp8_moe_native_bwd_dlhs = false;
+  int64_t moe_lhs_quant_block_size = 0;  // 0, 128 or 512
+
+  int64_t ici_tensor_parallelism = 1;
+  MoeRematPolicy remat_policy = MoeRematPolicy::kFull;
+
+  MoeGmmTiles wi_tiles;  // wi_tile_{fwd,dlhs,drhs}_*
+  MoeGmmTiles wo_tiles;  // wo_tile_{fwd,dlhs,drhs}_*
+};
+
+// Converts `c` (which must hold every flag of MoeConfigSchema(), e.g. from
+// LoadConfig) to a MoeConfig and validates it with ValidateMoeConfig.
+Result<MoeConfig> MoeConfigFrom(const Config& c);
+
+// Checks every rule of DESIGN 3.5 and the value ranges. All violations are
+// reported in one InvalidArgument, each naming the flag(s) and the fix.
+Status ValidateMoeConfig(const MoeConfig& config);
+
+// The QAT mode of the routed-expert GMMs (DESIGN 3.4).
+enum class MoeQatMode : uint8_t {
+  kNone,           // GMMs in `dtype`
+  kFakeQat,        // fp8_moe_fake_quant: BF16 copy of the FP8 weight
+  kNativeFwd,      // + fp8_moe_native_fwd: FP8 x FP8 forward
+  kNativeFwdDlhs,  // + fp8_moe_native_bwd_dlhs: dLHS from the codes too
+  kRecipeFp8Full,  // quantization=fp8_full, use_qwix_quantization=true
+  kHandCrafted,    // quantization=int8|fp8|nanoo_fp8, recipe mode off
+};
+
+// "none", "fake_qat", "native_fwd", "native_fwd_dlhs", "fp8_full",
+// "hand_crafted".
+std::string_view MoeQatModeName(MoeQatMode mode);
+
+// The quantize dtypes a GMM's operands are handed; nullopt = unquantized.
+struct GmmQuantDtypes {
+  std::optional<QuantDType> lhs, rhs;
+  bool operator==(const GmmQuantDtypes&) const = default;
+};
+
+// What the layer hands the expert GMMs in one QAT mode.
+struct MoeQuantPlan {
+  MoeQatMode mode = MoeQatMode::kNone;
+  // What the forward GMMs (wi and wo) are handed. Fake QAT: rhs holds
+  // e4m3fn codes, lhs stays unquantized (BF16).
+  GmmQuantDtypes fwd;
+  // The gradient's quantize dtype in the backward GMMs; fp8_full only.
+  std::optional<QuantDType> bwd_dtype;
+  // fp8_full with moe_bwd_inkernel_quant: dW operands quantized per
+  // (group m-tile, channel) inside the TGMM.
+  bool inkernel_bwd = false;
+  bool operator==(const MoeQuantPlan&) const = default;
+};
+
+// The plan of `config`, which should have passed ValidateMoeConfig:
+//   use_qwix_quantization=false: int8 -> int8, fp8 -> e4m3fn,
+//     nanoo_fp8 -> e4m3fnuz (lhs and rhs, kHandCrafted); "" -> kNone or
+//     fake / native QAT from the fp8_moe_* flags (rhs e4m3fn codes; lhs
+//     e4m3fn for native forward, unquantized for fake QAT).
+//   use_qwix_quantization=true: fp8_full -> kRecipeFp8Full (lhs and rhs
+//     e4m3fn, bwd_dtype from bwd_quantization_dtype); any other scheme
+//     leaves the GMMs unquantized (kNone).
+MoeQuantPlan PlanMoeQuantization(const MoeConfig& config);
+
+}  // namespace fp8moe
+
+#endif  // FP8MOE_MOE_CONFIG_H_

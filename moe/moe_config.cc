@@ -1,0 +1,671 @@
+#include "fp8moe/moe_config.h"
+
+#include <array>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fp8moe {
+namespace {
+
+// ---- The tile flags ----
+
+// One w{i,o}_tile_{pass}_{dim} flag and the GmmTiles member it sets. The
+// mapping is the one documented at MoeGmmTiles.
+struct TileFlag {
+  const char* name;
+  MoeGmmTiles MoeConfig::*weight;
+  GmmTiles MoeGmmTiles::*pass;
+  std::optional<int64_t> GmmTiles::*axis;
+  const char* doc;
+};
+
+using C = MoeConfig;
+using P = MoeGmmTiles;
+using T = GmmTiles;
+
+// In flag order: wi then wo, fwd / dlhs / drhs, batch_seq / embed_dim /
+// mlp_dim. The docs name the GMM (M rows of the sorted buffer, D = embed
+// dim, F = MoE MLP dim, wi fused to 2F columns) and the role of the tile.
+constexpr std::array<TileFlag, 18> kTileFlags = {{
+    {"wi_tile_fwd_batch_seq", &C::wi_tiles, &P::fwd, &T::m,
+     "wi forward GMM (x_sorted [M, D] x wi -> [M, 2F]): rows per tile (m)."},
+    {"wi_tile_fwd_embed_dim", &C::wi_tiles, &P::fwd, &T::k,
+     "wi forward GMM: reduction block over D (k; even)."},
+    {"wi_tile_fwd_mlp_dim", &C::wi_tiles, &P::fwd, &T::n,
+     "wi forward GMM: output columns over 2F (n)."},
+    {"wi_tile_dlhs_batch_seq", &C::wi_tiles, &P::dlhs, &T::m,
+     "wi dLHS GMM (dh [M, 2F] x wi^T -> dx_sorted [M, D]): rows per tile (m)."},
+    {"wi_tile_dlhs_embed_dim", &C::wi_tiles, &P::dlhs, &T::n,
+     "wi dLHS GMM: output columns over D (n)."},
+    {"wi_tile_dlhs_mlp_dim", &C::wi_tiles, &P::dlhs, &T::k,
+     "wi dLHS GMM: reduction block over 2F (k; even)."},
+    {"wi_tile_drhs_batch_seq", &C::wi_tiles, &P::drhs, &T::m,
+     "wi weight-gradient TGMM (x_sorted^T x dh -> dwi): reduction rows per "
+     "block (m; also the in-kernel quantization tile)."},
+    {"wi_tile_drhs_embed_dim", &C::wi_tiles, &P::drhs, &T::k,
+     "wi weight-gradient TGMM: output rows over D (k; even)."},
+    {"wi_tile_drhs_mlp_dim", &C::wi_tiles, &P::drhs, &T::n,
+     "wi weight-gradient TGMM: output columns over 2F (n)."},
+    {"wo_tile_fwd_batch_seq", &C::wo_tiles, &P::fwd, &T::m,
+     "wo forward GMM (a [M, F] x wo -> [M, D]): rows per tile (m)."},
+    {"wo_tile_fwd_embed_dim", &C::wo_tiles, &P::fwd, &T::n,
+     "wo forward GMM: output columns over D (n)."},
+    {"wo_tile_fwd_mlp_dim", &C::wo_tiles, &P::fwd, &T::k,
+     "wo forward GMM: reduction block over F (k; even)."},
+    {"wo_tile_dlhs_batch_seq", &C::wo_tiles, &P::dlhs, &T::m,
+     "wo dLHS GMM (dy [M, D] x wo^T -> da [M, F]): rows per tile (m)."},
+    {"wo_tile_dlhs_embed_dim", &C::wo_tiles, &P::dlhs, &T::k,
+     "wo dLHS GMM: reduction block over D (k; even)."},
+    {"wo_tile_dlhs_mlp_dim", &C::wo_tiles, &P::dlhs, &T::n,
+     "wo dLHS GMM: output columns over F (n)."},
+    {"wo_tile_drhs_batch_seq", &C::wo_tiles, &P::drhs, &T::m,
+     "wo weight-gradient TGMM (a^T x dy -> dwo): reduction rows per block "
+     "(m; also the in-kernel quantization tile)."},
+    {"wo_tile_drhs_embed_dim", &C::wo_tiles, &P::drhs, &T::n,
+     "wo weight-gradient TGMM: output columns over D (n)."},
+    {"wo_tile_drhs_mlp_dim", &C::wo_tiles, &P::drhs, &T::k,
+     "wo weight-gradient TGMM: output rows over F (k; even)."},
+}};
+
+std::optional<int64_t>& TileField(MoeConfig& c, const TileFlag& f) {
+  return c.*f.weight.*f.pass.*f.axis;
+}
+const std::optional<int64_t>& TileField(const MoeConfig& c, const TileFlag& f) {
+  return c.*f.weight.*f.pass.*f.axis;
+}
+
+// ---- Schema ----
+
+// Every flag except the tiles, in base.yml's order. The docs say what each
+// flag does in fp8moe; base.yml carries the same text.
+const std::vector<FlagSpec>& PlainFlags() {
+  static const std::vector<FlagSpec>* const flags = new std::vector<FlagSpec>{
+      // Layer shape and routing.
+      {"dtype",
+       FlagType::kString,
+       "bfloat16",
+       "Activation and GMM operand type in unquantized mode: bfloat16, or "
+       "float32 for exact checks.",
+       {"bfloat16", "float32"}},
+      {"num_experts", FlagType::kInt, "8",
+       "Number of routed experts E (at least 1)."},
+      {"num_experts_per_tok", FlagType::kInt, "2",
+       "Experts each token is routed to (top-k), from 1 to num_experts."},
+      {"norm_topk_prob", FlagType::kBool, "false",
+       "Renormalize each token's k routing weights to sum to 1."},
+      {"load_balance_loss_weight", FlagType::kFloat, "0.01",
+       "Weight of the load-balancing auxiliary loss; 0 turns it off."},
+      // Dispatch and buffers.
+      {"sparse_matmul", FlagType::kBool, "true",
+       "Run the experts as ragged grouped matmuls; the only path fp8moe "
+       "implements, so false is an error."},
+      {"capacity_factor", FlagType::kFloat, "-1.0",
+       "MaxText's dense-path capacity; accepted for compatibility but must "
+       "stay -1 (ragged_buffer_factor sizes the sparse buffer)."},
+      {"ragged_buffer_factor", FlagType::kFloat, "-1.0",
+       "Sorted-token buffer: <= 0 dropless (tokens x k rows); > 0 factor x "
+       "the balanced size, overflowing steps rerun dropless."},
+      // Quantization schemes and the fp8_full recipe.
+      {"quantization",
+       FlagType::kString,
+       "",
+       "Expert GMM quantization: \"\" none; int8, fp8 (e4m3fn), nanoo_fp8 "
+       "(e4m3fnuz) hand-crafted; fp8_full the recipe (recipe mode only).",
+       {"", "int8", "fp8", "nanoo_fp8", "fp8_full"}},
+      {"use_qwix_quantization", FlagType::kBool, "false",
+       "Recipe mode (MaxText's name): fp8_full runs its recipe, any other "
+       "quantization leaves the expert GMMs unquantized."},
+      {"weight_quantization_calibration_method", FlagType::kString, "absmax",
+       "Weight amax: absmax (per expert and channel) or fixed,a,b (amax = "
+       "max(|a|, |b|); the STE zeroes gradients outside)."},
+      {"act_quantization_calibration_method", FlagType::kString, "absmax",
+       "Activation amax: absmax (per row) or fixed,a,b (amax = max(|a|, "
+       "|b|))."},
+      {"bwd_quantization_calibration_method", FlagType::kString, "absmax",
+       "Gradient amax in the fp8_full backward: absmax or fixed,a,b; only "
+       "fp8_full reads it."},
+      {"bwd_quantization_dtype",
+       FlagType::kString,
+       "e5m2",
+       "FP8 format of the gradient in the fp8_full backward GMMs: e5m2 or "
+       "e4m3 (e4m3fn); only fp8_full reads it.",
+       {"e5m2", "e4m3"}},
+      {"moe_bwd_inkernel_quant", FlagType::kBool, "false",
+       "fp8_full: quantize the weight-gradient operands inside the TGMM, per "
+       "(group m-tile, channel) over valid rows only."},
+      // Fake and native QAT.
+      {"fp8_moe_fake_quant", FlagType::kBool, "false",
+       "Fake QAT: expert weights become FP8 codes + per-channel scales, "
+       "dequantized to a BF16 copy for BF16 GMMs."},
+      {"fp8_fake_quant_hoist",
+       FlagType::kString,
+       "",
+       "gather8: quantize the weights once per step and all-gather the FP8 "
+       "codes; \"\" none. Needs fp8_moe_fake_quant.",
+       {"", "gather8"}},
+      {"fp8_moe_native_fwd", FlagType::kBool, "false",
+       "Forward GMMs run FP8 x FP8 from the codes, activations quantized in "
+       "the kernel; needs fake quant, gather8, an unsplit K."},
+      {"fp8_moe_native_bwd_dlhs", FlagType::kBool, "false",
+       "Backward dLHS reads the codes, dequantizing tile by tile (no BF16 "
+       "weight copy); needs fp8_moe_native_fwd."},
+      {"moe_lhs_quant_block_size", FlagType::kInt, "0",
+       "Native forward activation scale: 0 one per row over the full K; 128 "
+       "or 512 one per K-block."},
+      // Parallelism and memory.
+      {"ici_tensor_parallelism", FlagType::kInt, "1",
+       "Tensor-parallel split of the contraction dims (D for wi, F for wo); "
+       "fp8moe has none, so it must be 1."},
+      {"remat_policy",
+       FlagType::kString,
+       "full",
+       "full: recompute x_sorted in the backward; moe_x_sorted: save it from "
+       "the forward.",
+       {"full", "moe_x_sorted"}},
+  };
+  return *flags;
+}
+
+// ---- Conversion ----
+
+Result<MoeQuantization> ParseQuantization(const std::string& s) {
+  if (s.empty()) return MoeQuantization::kNone;
+  if (s == "int8") return MoeQuantization::kInt8;
+  if (s == "fp8") return MoeQuantization::kFp8;
+  if (s == "nanoo_fp8") return MoeQuantization::kNanooFp8;
+  if (s == "fp8_full") return MoeQuantization::kFp8Full;
+  return InvalidArgument("quantization='" + s +
+                         "' is not a scheme; set quantization to one of '', "
+                         "int8, fp8, nanoo_fp8, fp8_full");
+}
+
+// ---- Messages ----
+
+std::string Num(int64_t v) { return std::to_string(v); }
+
+// Shortest text that reads back as `v`: 1.25, -1, 0.01.
+std::string Num(double v) {
+  char buf[64];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+}
+
+std::string QuantizationFlag(MoeQuantization q) {
+  const std::string_view name = MoeQuantizationName(q);
+  return name.empty() ? "quantization=''" : "quantization=" + std::string(name);
+}
+
+std::string Join(const std::vector<std::string>& parts, const char* sep) {
+  std::string out;
+  for (const std::string& p : parts) {
+    if (!out.empty()) out += sep;
+    out += p;
+  }
+  return out;
+}
+
+// All of `problems` in one error, so a user fixes them in one go.
+Status Report(const std::vector<std::string>& problems) {
+  if (problems.empty()) return OkStatus();
+  if (problems.size() == 1) {
+    return InvalidArgument("invalid MoE configuration: " + problems[0]);
+  }
+  return InvalidArgument("invalid MoE configuration (" +
+                         std::to_string(problems.size()) + " problems):\n  - " +
+                         Join(problems, "\n  - "));
+}
+
+// Appends the problems of one rule group to `out`. Split up only to keep
+// each function readable; the order is the order of the report.
+void CheckShape(const MoeConfig& c, std::vector<std::string>* out) {
+  if (c.dtype != DType::kBF16 && c.dtype != DType::kF32) {
+    out->push_back("dtype=" + std::string(DTypeName(c.dtype)) +
+                   " is not supported; set dtype=bfloat16 or dtype=float32");
+  }
+  if (c.num_experts < 1) {
+    out->push_back("num_experts=" + Num(c.num_experts) +
+                   " must be at least 1; set num_experts to a positive count");
+  }
+  if (c.num_experts_per_tok < 1) {
+    out->push_back("num_experts_per_tok=" + Num(c.num_experts_per_tok) +
+                   " must be at least 1; set num_experts_per_tok=1 or more");
+  } else if (c.num_experts >= 1 && c.num_experts_per_tok > c.num_experts) {
+    out->push_back("num_experts_per_tok=" + Num(c.num_experts_per_tok) +
+                   " exceeds num_experts=" + Num(c.num_experts) +
+                   " (a token cannot pick more experts than exist); set "
+                   "num_experts_per_tok=" +
+                   Num(c.num_experts) + " or lower, or raise num_experts");
+  }
+  if (c.load_balance_loss_weight < 0) {
+    out->push_back(
+        "load_balance_loss_weight=" + Num(c.load_balance_loss_weight) +
+        " is negative and would reward imbalanced routing; set "
+        "load_balance_loss_weight=0 (off) or a positive weight");
+  }
+}
+
+void CheckDispatch(const MoeConfig& c, std::vector<std::string>* out) {
+  if (!c.sparse_matmul) {
+    out->push_back(
+        "sparse_matmul=false selects MaxText's dense (capacity-based) MoE "
+        "path, which fp8moe does not implement; set sparse_matmul=true");
+  }
+  if (c.capacity_factor != -1.0) {
+    out->push_back(
+        "capacity_factor=" + Num(c.capacity_factor) +
+        " has no effect: capacity_factor sizes MaxText's dense path, and "
+        "fp8moe's sparse buffer is sized by ragged_buffer_factor; set "
+        "ragged_buffer_factor=" +
+        Num(c.capacity_factor) +
+        " instead and drop capacity_factor (or set "
+        "capacity_factor=-1)");
+  }
+  if (c.ici_tensor_parallelism < 1) {
+    out->push_back("ici_tensor_parallelism=" + Num(c.ici_tensor_parallelism) +
+                   " must be at least 1; set ici_tensor_parallelism=1");
+  } else if (c.ici_tensor_parallelism > 1) {
+    // Accepting it would run unsplit anyway: a silent fallback.
+    out->push_back("ici_tensor_parallelism=" + Num(c.ici_tensor_parallelism) +
+                   ": fp8moe has no tensor parallelism (it runs data and "
+                   "expert parallel); set ici_tensor_parallelism=1");
+  }
+}
+
+void CheckQuantization(const MoeConfig& c, std::vector<std::string>* out) {
+  const bool fp8_full = c.quantization == MoeQuantization::kFp8Full;
+  if (fp8_full && !c.use_qwix_quantization) {
+    out->push_back(
+        "quantization=fp8_full is a recipe and runs only in recipe mode; set "
+        "use_qwix_quantization=true");
+  }
+  if (c.moe_bwd_inkernel_quant && !fp8_full) {
+    out->push_back(
+        "moe_bwd_inkernel_quant=true quantizes the fp8_full "
+        "recipe's weight-gradient operands, but " +
+        QuantizationFlag(c.quantization) +
+        "; set quantization=fp8_full or drop "
+        "moe_bwd_inkernel_quant");
+  }
+  if (c.moe_bwd_inkernel_quant && !c.use_qwix_quantization) {
+    out->push_back(
+        "moe_bwd_inkernel_quant=true requires recipe mode; set "
+        "use_qwix_quantization=true (with quantization=fp8_full) or drop "
+        "moe_bwd_inkernel_quant");
+  }
+  if (c.bwd_quantization_dtype != QuantDType::kE5M2 &&
+      c.bwd_quantization_dtype != QuantDType::kE4M3FN) {
+    out->push_back("bwd_quantization_dtype=" +
+                   std::string(QuantDTypeName(c.bwd_quantization_dtype)) +
+                   " is not supported; set bwd_quantization_dtype=e5m2 or "
+                   "bwd_quantization_dtype=e4m3");
+  } else if (c.bwd_quantization_dtype != QuantDType::kE5M2 && !fp8_full) {
+    // Values other than the default would be ignored outside fp8_full.
+    out->push_back(
+        "bwd_quantization_dtype=e4m3 is read only by the fp8_full "
+        "recipe, but " +
+        QuantizationFlag(c.quantization) +
+        "; drop bwd_quantization_dtype or set quantization=fp8_full "
+        "use_qwix_quantization=true");
+  }
+  if (c.bwd_quantization_calibration_method.kind !=
+          Calibration::Kind::kAbsMax &&
+      !fp8_full) {
+    out->push_back("bwd_quantization_calibration_method=" +
+                   c.bwd_quantization_calibration_method.ToString() +
+                   " is read only by the fp8_full recipe, but " +
+                   QuantizationFlag(c.quantization) +
+                   "; drop bwd_quantization_calibration_method or set "
+                   "quantization=fp8_full use_qwix_quantization=true");
+  }
+  const std::pair<const char*, const Calibration*> calibrations[] = {
+      {"weight_quantization_calibration_method",
+       &c.weight_quantization_calibration_method},
+      {"act_quantization_calibration_method",
+       &c.act_quantization_calibration_method},
+      {"bwd_quantization_calibration_method",
+       &c.bwd_quantization_calibration_method},
+  };
+  for (const auto& [name, calib] : calibrations) {
+    if (calib->kind != Calibration::Kind::kFixed) continue;
+    const float amax = calib->FixedAmax();
+    if (!std::isfinite(calib->lo) || !std::isfinite(calib->hi) || !(amax > 0)) {
+      out->push_back(std::string(name) + "=" + calib->ToString() +
+                     " has no finite non-zero range; set " + name +
+                     "=absmax or fixed,a,b with finite a, b not both 0");
+    }
+  }
+}
+
+void CheckQat(const MoeConfig& c, std::vector<std::string>* out) {
+  const bool gather8 = c.fp8_fake_quant_hoist == Fp8FakeQuantHoist::kGather8;
+  if (c.fp8_moe_native_fwd) {
+    if (!c.fp8_moe_fake_quant) {
+      out->push_back(
+          "fp8_moe_native_fwd=true requires fp8_moe_fake_quant=true (the "
+          "native forward reads the FP8 weight codes fake QAT makes); set "
+          "fp8_moe_fake_quant=true or drop fp8_moe_native_fwd");
+    }
+    if (!gather8) {
+      out->push_back(
+          "fp8_moe_native_fwd=true requires fp8_fake_quant_hoist=gather8 (it "
+          "reads the codes quantized once per step and gathered as FP8); set "
+          "fp8_fake_quant_hoist=gather8 or drop fp8_moe_native_fwd");
+    }
+    if (!c.sparse_matmul) {
+      out->push_back(
+          "fp8_moe_native_fwd=true requires sparse_matmul=true; set "
+          "sparse_matmul=true");
+    }
+    if (c.ici_tensor_parallelism != 1) {
+      out->push_back(
+          "fp8_moe_native_fwd=true requires an unsplit contraction dim (the "
+          "activation scale spans the whole K: D for wi, F for wo), but "
+          "ici_tensor_parallelism=" +
+          Num(c.ici_tensor_parallelism) +
+          " splits it; set ici_tensor_parallelism=1 or drop "
+          "fp8_moe_native_fwd");
+    }
+  }
+  if (c.fp8_moe_native_bwd_dlhs && !c.fp8_moe_native_fwd) {
+    out->push_back(
+        "fp8_moe_native_bwd_dlhs=true requires fp8_moe_native_fwd=true; set "
+        "fp8_moe_native_fwd=true (with its requirements) or drop "
+        "fp8_moe_native_bwd_dlhs");
+  }
+  if (gather8 && !c.fp8_moe_fake_quant) {
+    out->push_back(
+        "fp8_fake_quant_hoist=gather8 without fp8_moe_fake_quant=true has "
+        "nothing to hoist; set fp8_moe_fake_quant=true or drop "
+        "fp8_fake_quant_hoist");
+  }
+
+  // Fake QAT and the native flags built on it claim the expert GMMs, as does
+  // any quantization scheme: the two cannot both run.
+  std::vector<std::string> set, names;  // "flag=true" and "flag"
+  for (const auto& [on, name] :
+       {std::pair{c.fp8_moe_fake_quant, "fp8_moe_fake_quant"},
+        std::pair{c.fp8_moe_native_fwd, "fp8_moe_native_fwd"},
+        std::pair{c.fp8_moe_native_bwd_dlhs, "fp8_moe_native_bwd_dlhs"}}) {
+    if (!on) continue;
+    set.push_back(std::string(name) + "=true");
+    names.push_back(name);
+  }
+  if (!set.empty()) {
+    if (c.quantization != MoeQuantization::kNone) {
+      out->push_back(Join(set, ", ") + " and " +
+                     QuantizationFlag(c.quantization) +
+                     " both claim the expert GMMs; drop one: set "
+                     "quantization='' to keep fake/native QAT, or drop " +
+                     Join(names, ", ") + " to keep the scheme");
+    } else if (c.use_qwix_quantization) {
+      // Recipe mode never runs the fake-QAT path (MaxText raises for a
+      // Qwix-intercepted native call), so the flags would be ignored.
+      out->push_back(Join(set, ", ") +
+                     " with use_qwix_quantization=true: recipe mode does not "
+                     "run fake or native QAT; set use_qwix_quantization=false "
+                     "or drop " +
+                     Join(names, ", "));
+    }
+  }
+
+  const int64_t bs = c.moe_lhs_quant_block_size;
+  if (bs != 0 && bs != 128 && bs != 512) {
+    out->push_back("moe_lhs_quant_block_size=" + Num(bs) +
+                   " is not supported; set moe_lhs_quant_block_size=0 (one "
+                   "scale per row over the full K), 128 or 512");
+  } else if (bs != 0 && !c.fp8_moe_native_fwd) {
+    out->push_back("moe_lhs_quant_block_size=" + Num(bs) +
+                   " only applies to the native forward's activation "
+                   "quantization; set fp8_moe_native_fwd=true or drop "
+                   "moe_lhs_quant_block_size");
+  }
+}
+
+void CheckTiles(const MoeConfig& c, std::vector<std::string>* out) {
+  for (const TileFlag& f : kTileFlags) {
+    const std::optional<int64_t>& v = TileField(c, f);
+    if (!v) continue;
+    const std::string name = f.name;
+    if (*v <= 0) {
+      out->push_back(name + "=" + Num(*v) + " is not a tile size; set " + name +
+                     "=-1 (chosen per shape) or a positive size");
+    } else if (f.axis == &GmmTiles::k && *v % 2 != 0) {
+      // The GMM would refuse it on the first step; say so at load time.
+      out->push_back(
+          name + "=" + Num(*v) +
+          " is odd, but it is a k tile and the kernels reduce k in "
+          "pairs; set " +
+          name + "=" +
+          Num(*v == std::numeric_limits<int64_t>::max() ? *v - 1 : *v + 1) +
+          " (even) or -1");
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+Status AddMoeConfigFlags(ConfigSchema* schema) {
+  for (const FlagSpec& spec : PlainFlags()) {
+    FP8MOE_RETURN_IF_ERROR(schema->Add(spec));
+  }
+  for (const TileFlag& f : kTileFlags) {
+    FP8MOE_RETURN_IF_ERROR(
+        schema->Add({f.name, FlagType::kInt, "-1",
+                     std::string(f.doc) + " -1 = chosen per shape."}));
+  }
+  return OkStatus();
+}
+
+ConfigSchema MoeConfigSchema() {
+  ConfigSchema schema;
+  if (Status s = AddMoeConfigFlags(&schema); !s.ok()) {
+    // The flags are constants of this file: a failure is a bug here.
+    std::fprintf(stderr, "fp8moe: MoeConfigSchema: %s\n", s.ToString().c_str());
+    std::abort();
+  }
+  return schema;
+}
+
+std::string_view MoeQuantizationName(MoeQuantization quantization) {
+  switch (quantization) {
+    case MoeQuantization::kNone:
+      return "";
+    case MoeQuantization::kInt8:
+      return "int8";
+    case MoeQuantization::kFp8:
+      return "fp8";
+    case MoeQuantization::kNanooFp8:
+      return "nanoo_fp8";
+    case MoeQuantization::kFp8Full:
+      return "fp8_full";
+  }
+  return "?";
+}
+
+std::string_view MoeQatModeName(MoeQatMode mode) {
+  switch (mode) {
+    case MoeQatMode::kNone:
+      return "none";
+    case MoeQatMode::kFakeQat:
+      return "fake_qat";
+    case MoeQatMode::kNativeFwd:
+      return "native_fwd";
+    case MoeQatMode::kNativeFwdDlhs:
+      return "native_fwd_dlhs";
+    case MoeQatMode::kRecipeFp8Full:
+      return "fp8_full";
+    case MoeQatMode::kHandCrafted:
+      return "hand_crafted";
+  }
+  return "?";
+}
+
+Result<MoeConfig> MoeConfigFrom(const Config& c) {
+  MoeConfig m;
+  std::vector<std::string> problems;
+
+  // The schema's choices already restrict the enum strings; these checks
+  // matter only for a Config from a schema that declares the names alone.
+  const std::string& dtype = c.GetString("dtype");
+  if (dtype == "bfloat16") {
+    m.dtype = DType::kBF16;
+  } else if (dtype == "float32") {
+    m.dtype = DType::kF32;
+  } else {
+    problems.push_back("dtype='" + dtype +
+                       "' is not supported; set dtype=bfloat16 or "
+                       "dtype=float32");
+  }
+  m.num_experts = c.GetInt("num_experts");
+  m.num_experts_per_tok = c.GetInt("num_experts_per_tok");
+  m.norm_topk_prob = c.GetBool("norm_topk_prob");
+  m.load_balance_loss_weight = c.GetFloat("load_balance_loss_weight");
+
+  m.sparse_matmul = c.GetBool("sparse_matmul");
+  m.capacity_factor = c.GetFloat("capacity_factor");
+  m.ragged_buffer_factor = c.GetFloat("ragged_buffer_factor");
+
+  if (Result<MoeQuantization> q =
+          ParseQuantization(c.GetString("quantization"));
+      q.ok()) {
+    m.quantization = *q;
+  } else {
+    problems.push_back(q.status().message());
+  }
+  m.use_qwix_quantization = c.GetBool("use_qwix_quantization");
+  const std::pair<const char*, Calibration MoeConfig::*> calibrations[] = {
+      {"weight_quantization_calibration_method",
+       &MoeConfig::weight_quantization_calibration_method},
+      {"act_quantization_calibration_method",
+       &MoeConfig::act_quantization_calibration_method},
+      {"bwd_quantization_calibration_method",
+       &MoeConfig::bwd_quantization_calibration_method},
+  };
+  for (const auto& [name, field] : calibrations) {
+    const std::string& text = c.GetString(name);
+    Result<Calibration> calib = Calibration::Parse(text);
+    if (calib.ok()) {
+      m.*field = *calib;
+    } else {
+      problems.push_back(std::string(name) + "='" + text +
+                         "': " + calib.status().message() + "; set " + name +
+                         "=absmax or e.g. " + name + "=fixed,-224,224");
+    }
+  }
+  const std::string& bwd_dtype = c.GetString("bwd_quantization_dtype");
+  if (bwd_dtype == "e5m2") {
+    m.bwd_quantization_dtype = QuantDType::kE5M2;
+  } else if (bwd_dtype == "e4m3") {
+    m.bwd_quantization_dtype = QuantDType::kE4M3FN;
+  } else {
+    problems.push_back("bwd_quantization_dtype='" + bwd_dtype +
+                       "' is not supported; set bwd_quantization_dtype=e5m2 "
+                       "or bwd_quantization_dtype=e4m3");
+  }
+  m.moe_bwd_inkernel_quant = c.GetBool("moe_bwd_inkernel_quant");
+
+  m.fp8_moe_fake_quant = c.GetBool("fp8_moe_fake_quant");
+  const std::string& hoist = c.GetString("fp8_fake_quant_hoist");
+  if (hoist.empty()) {
+    m.fp8_fake_quant_hoist = Fp8FakeQuantHoist::kNone;
+  } else if (hoist == "gather8") {
+    m.fp8_fake_quant_hoist = Fp8FakeQuantHoist::kGather8;
+  } else {
+    problems.push_back("fp8_fake_quant_hoist='" + hoist +
+                       "' is not supported; set fp8_fake_quant_hoist=gather8 "
+                       "or drop it");
+  }
+  m.fp8_moe_native_fwd = c.GetBool("fp8_moe_native_fwd");
+  m.fp8_moe_native_bwd_dlhs = c.GetBool("fp8_moe_native_bwd_dlhs");
+  m.moe_lhs_quant_block_size = c.GetInt("moe_lhs_quant_block_size");
+
+  m.ici_tensor_parallelism = c.GetInt("ici_tensor_parallelism");
+  const std::string& remat = c.GetString("remat_policy");
+  if (remat == "full") {
+    m.remat_policy = MoeRematPolicy::kFull;
+  } else if (remat == "moe_x_sorted") {
+    m.remat_policy = MoeRematPolicy::kMoeXSorted;
+  } else {
+    problems.push_back("remat_policy='" + remat +
+                       "' is not supported; set remat_policy=full or "
+                       "remat_policy=moe_x_sorted");
+  }
+
+  // -1 means "chosen per shape"; every other value is kept as given so that
+  // ValidateMoeConfig can name it.
+  for (const TileFlag& f : kTileFlags) {
+    const int64_t v = c.GetInt(f.name);
+    TileField(m, f) = v == -1 ? std::nullopt : std::optional<int64_t>(v);
+  }
+
+  FP8MOE_RETURN_IF_ERROR(Report(problems));
+  FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(m));
+  return m;
+}
+
+Status ValidateMoeConfig(const MoeConfig& config) {
+  std::vector<std::string> problems;
+  CheckShape(config, &problems);
+  CheckDispatch(config, &problems);
+  CheckQuantization(config, &problems);
+  CheckQat(config, &problems);
+  CheckTiles(config, &problems);
+  return Report(problems);
+}
+
+MoeQuantPlan PlanMoeQuantization(const MoeConfig& config) {
+  MoeQuantPlan plan;
+  const auto both = [](QuantDType d) { return GmmQuantDtypes{d, d}; };
+  if (config.use_qwix_quantization) {
+    // Recipe mode: only fp8_full declares a GMM rule (seed 003, behaviour 2
+    // and 3); every other scheme leaves the GMMs unquantized.
+    if (config.quantization == MoeQuantization::kFp8Full) {
+      plan.mode = MoeQatMode::kRecipeFp8Full;
+      plan.fwd = both(QuantDType::kE4M3FN);
+      plan.bwd_dtype = config.bwd_quantization_dtype;
+      plan.inkernel_bwd = config.moe_bwd_inkernel_quant;
+    }
+    return plan;
+  }
+  // Hand-crafted rule: every scheme names its forward dtype (behaviour 1).
+  switch (config.quantization) {
+    case MoeQuantization::kInt8:
+      plan.mode = MoeQatMode::kHandCrafted;
+      plan.fwd = both(QuantDType::kInt8);
+      return plan;
+    case MoeQuantization::kFp8:
+      plan.mode = MoeQatMode::kHandCrafted;
+      plan.fwd = both(QuantDType::kE4M3FN);
+      return plan;
+    case MoeQuantization::kNanooFp8:
+      plan.mode = MoeQatMode::kHandCrafted;
+      plan.fwd = both(QuantDType::kE4M3FNUZ);
+      return plan;
+    case MoeQuantization::kFp8Full:
+      // A recipe with no hand-crafted rule (ValidateMoeConfig rejects it).
+      return plan;
+    case MoeQuantization::kNone:
+      break;
+  }
+  if (config.fp8_moe_native_fwd) {
+    plan.mode = config.fp8_moe_native_bwd_dlhs ? MoeQatMode::kNativeFwdDlhs
+                                               : MoeQatMode::kNativeFwd;
+    plan.fwd = both(QuantDType::kE4M3FN);
+  } else if (config.fp8_moe_fake_quant) {
+    plan.mode = MoeQatMode::kFakeQat;
+    plan.fwd.rhs = QuantDType::kE4M3FN;  // codes, dequantized to a BF16 copy
+  }
+  return plan;
+}
+
+}  // namespace fp8moe
