@@ -1,17 +1,58 @@
 #include "fp8moe/tensor.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
+#include <unordered_map>
 
-#include <sys/mman.h>
-#include <algorithm>
+#include "fp8moe/memory.h"
 
 namespace fp8moe {
 
 constexpr size_t kAlign = 64;
 constexpr size_t kHugeAlign = size_t{2} << 20;
 constexpr size_t kHugeMin = size_t{4} << 20;
+// Freed large blocks are kept for reuse, up to this many bytes: a training
+// step allocates the same activation and gradient buffers every step, and
+// fresh memory costs a page fault and a page clear per page (a quarter of a
+// MoE layer step before this pool).
+constexpr size_t kPoolMaxBytes = size_t{2} << 30;
+
+class LargeBlockPool {
+ public:
+  // A cached block of exactly `bytes`, or nullptr.
+  void* Take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find(bytes);
+    if (it == free_.end()) return nullptr;
+    void* p = it->second;
+    free_.erase(it);
+    cached_ -= bytes;
+    return p;
+  }
+  // Keeps the block if there is room; else the caller frees it.
+  bool Give(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cached_ + bytes > kPoolMaxBytes) return false;
+    free_.emplace(bytes, p);
+    cached_ += bytes;
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_multimap<size_t, void*> free_;
+  size_t cached_ = 0;
+};
+
+LargeBlockPool& Pool() {
+  static LargeBlockPool* pool = new LargeBlockPool;  // never destroyed: outlives tensors
+  return *pool;
+}
 
 Result<size_t> CheckedNumElements(const Shape& shape, size_t elem_size,
                                   size_t max_bytes) {
@@ -50,7 +91,11 @@ size_t TensorView::num_elements() const {
   return n;
 }
 
-void Tensor::Free::operator()(uint8_t* p) const { std::free(p); }
+void Tensor::Free::operator()(uint8_t* p) const {
+  internal::TrackRelease(static_cast<int64_t>(bytes));
+  if (bytes >= kHugeMin && Pool().Give(p, bytes)) return;
+  std::free(p);
+}
 
 Result<Tensor> Tensor::Create(DType dtype, Shape shape) {
   auto n = CheckedNumElements(shape, DTypeSize(dtype));
@@ -63,8 +108,11 @@ Result<Tensor> Tensor::Create(DType dtype, Shape shape) {
   const bool huge = bytes >= kHugeMin;
   const size_t align = huge ? kHugeAlign : kAlign;
   const size_t padded = (bytes + kAlign + align - 1) / align * align;
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(align, padded));
-  if (p != nullptr && huge) madvise(p, padded, MADV_HUGEPAGE);  // a hint: failure is fine
+  auto* p = huge ? static_cast<uint8_t*>(Pool().Take(padded)) : nullptr;
+  if (p == nullptr) {
+    p = static_cast<uint8_t*>(std::aligned_alloc(align, padded));
+    if (p != nullptr && huge) madvise(p, padded, MADV_HUGEPAGE);  // a hint: failure is fine
+  }
   if (p == nullptr) {
     return ResourceExhausted("cannot allocate " + std::to_string(bytes) +
                              " bytes for a tensor of shape " +
@@ -75,7 +123,8 @@ Result<Tensor> Tensor::Create(DType dtype, Shape shape) {
   t.dtype_ = dtype;
   t.shape_ = std::move(shape);
   t.num_elements_ = *n;
-  t.bytes_.reset(p);
+  t.bytes_ = std::unique_ptr<uint8_t[], Free>(p, Free{padded});
+  internal::TrackAllocation(static_cast<int64_t>(padded));
   return t;
 }
 

@@ -14,10 +14,12 @@ struct BenchOptions {
   int64_t elements = int64_t{64} << 20;  // bench quant
   std::string shape;        // bench gmm: only shapes whose name contains this
   bool all_passes = true;   // bench gmm: dlhs and tgmm too (else fwd only)
+  int64_t tokens = 4096;    // bench moe: T
 };
 
 int BenchQuant(const BenchOptions& opt);
 int BenchGmm(const BenchOptions& opt);
+int BenchMoe(const BenchOptions& opt);
 
 }  // namespace fp8moe::bench
 

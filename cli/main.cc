@@ -46,10 +46,11 @@ int main(int argc, char** argv) {
   fp8moe::bench::BenchOptions bopt;
   bopt.threads = omp_get_max_threads();
   std::string bench_what;
-  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm");
-  bench->add_option("what", bench_what, "which benchmark: quant or gmm")
+  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm, moe");
+  bench->add_option("what", bench_what, "which benchmark: quant, gmm or moe")
       ->required()
-      ->check(CLI::IsMember({"quant", "gmm"}));
+      ->check(CLI::IsMember({"quant", "gmm", "moe"}));
+  bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T")->check(CLI::Range(1, 1 << 20));
   bench->add_flag("--json", bopt.json, "print JSON instead of a table");
   bench->add_option("--threads", bopt.threads, "threads (default: OpenMP's)")
       ->check(CLI::Range(1, 1024));
@@ -58,7 +59,8 @@ int main(int argc, char** argv) {
   std::string simd;
   app.add_option("--simd", simd, "restrict SIMD dispatch to this target and below (e.g. AVX2)")
       ->envname("FP8MOE_SIMD");
-  bench->add_option("--shape", bopt.shape, "bench gmm: only shapes whose name contains this");
+  bench->add_option("--shape", bopt.shape,
+                    "bench gmm: only shapes whose name contains this; bench moe: only such modes");
   bool fwd_only = false;
   bench->add_flag("--fwd-only", fwd_only, "bench gmm: forward passes only");
   bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
@@ -89,8 +91,9 @@ int main(int argc, char** argv) {
   if (*info) return Info();
   if (*bench) {
     bopt.all_passes = !fwd_only;
-    return bench_what == "gmm" ? fp8moe::bench::BenchGmm(bopt)
-                               : fp8moe::bench::BenchQuant(bopt);
+    if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
+    if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
+    return fp8moe::bench::BenchQuant(bopt);
   }
   if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);
   return 2;

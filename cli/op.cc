@@ -10,6 +10,7 @@ const std::vector<OpDef>& AllOps() {
     std::vector<OpDef> v;
     RegisterNumericsOps(&v);
     RegisterGmmOps(&v);
+    RegisterMoeOps(&v);
     return v;
   }();
   return ops;

@@ -49,6 +49,7 @@ void AddKey(ConfigSchema* schema, FlagSpec spec);
 // Registration functions, one per file of ops.
 void RegisterNumericsOps(std::vector<OpDef>* ops);
 void RegisterGmmOps(std::vector<OpDef>* ops);
+void RegisterMoeOps(std::vector<OpDef>* ops);
 
 }  // namespace fp8moe::cli
 

@@ -173,29 +173,20 @@ double Gamma(int64_t r) {
   return (r * u) / (1 - r * u) + 4 * u;
 }
 
-std::vector<double> AbsBound(const Tensor& abs_ref, int64_t red, bool bf16_out,
-                             const Tensor& ref) {
-  std::vector<double> b(abs_ref.num_elements());
-  for (size_t i = 0; i < b.size(); ++i) {
-    b[i] = Gamma(red) * ValueAt(abs_ref, i) + 1e-30;
-    if (bf16_out) b[i] += std::ldexp(std::fabs(ValueAt(ref, i)), -7) + b[i];
-  }
-  return b;
-}
-
 struct FwdCase {
   GmmMode mode;
   DType lhs_dtype, rhs_dtype, out_dtype = DType::kF32;
   QuantDType fp8 = QuantDType::kE4M3FN;
   int64_t block = 0;
   bool swiglu = false;
+  bool fixed_calibration = false;  // lhs scales from fixed,-2,2 (clips)
 };
 
 std::string Name(const FwdCase& c) {
   return std::string(GmmModeName(c.mode)) + " lhs " + std::string(DTypeName(c.lhs_dtype)) +
          " rhs " + std::string(DTypeName(c.rhs_dtype)) + " out " +
          std::string(DTypeName(c.out_dtype)) + " block " + std::to_string(c.block) +
-         (c.swiglu ? " swiglu" : "");
+         (c.swiglu ? " swiglu" : "") + (c.fixed_calibration ? " fixed" : "");
 }
 
 std::vector<FwdCase> AllFwdCases() {
@@ -214,6 +205,10 @@ std::vector<FwdCase> AllFwdCases() {
       v.push_back({GmmMode::kInt8, DType::kBF16, DType::kI8, out, QuantDType::kE4M3FN, 0, sw});
     }
   }
+  v.push_back({GmmMode::kNativeFp8, DType::kBF16, DType::kE4M3FN, DType::kF32,
+               QuantDType::kE4M3FN, 0, false, true});
+  v.push_back({GmmMode::kInt8, DType::kF32, DType::kI8, DType::kF32, QuantDType::kE4M3FN, 0,
+               true, true});
   return v;
 }
 
@@ -236,6 +231,7 @@ void CheckFwd(Rng& r, const FwdCase& c, int64_t m, int64_t k, int64_t n, int64_t
   o.lhs_quant_block_size = c.block;
   o.epilogue = c.swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
   o.tiles = tiles;
+  if (c.fixed_calibration) o.lhs_calibration = Calibration::Fixed(-2.0f, 2.0f);
   const int64_t oc = c.swiglu ? n / 2 : n;
   Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
   Tensor h = Poisoned(DType::kF32, {m, n}), href = Poisoned(DType::kF32, {m, n});

@@ -69,6 +69,9 @@ struct GmmOptions {
   QuantDType fp8_dtype = QuantDType::kE4M3FN;
   // kNativeFp8: 0 (a scale per row over the full K), 128 or 512.
   int64_t lhs_quant_block_size = 0;
+  // kNativeFp8, kInt8: how the activation's scales are found (absmax per row
+  // or block, or one fixed scale).
+  Calibration lhs_calibration;
   GmmEpilogue epilogue = GmmEpilogue::kNone;
   GmmTiles tiles;
 };
@@ -107,6 +110,8 @@ struct TgmmQuant {
   // m-tile being tiles.m (default 512) (the in-kernel path,
   // moe_bwd_inkernel_quant).
   bool per_group = true;
+  // How each scale's amax is found (bwd_quantization_calibration_method).
+  Calibration calibration;
 };
 
 // drhs [E, K, N] = lhs[rows of g]^T x dout[rows of g] for every group g; an
@@ -120,6 +125,10 @@ struct TgmmQuant {
 Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
             const TensorView& lhs, const TensorView& dout,
             const TensorView& group_sizes, const TensorView& drhs);
+
+// The kernels keep their scratch (packing buffers, activation codes, the
+// fake-QAT weight copy) from call to call; this frees it on every thread.
+void ReleaseGmmScratch();
 
 namespace reference {
 Status Gmm(const GmmOptions& options, const TensorView& lhs,

@@ -67,13 +67,19 @@ class Tensor {
   const T* data_as() const {
     return reinterpret_cast<const T*>(bytes_.get());
   }
-  TensorView view() { return TensorView{data(), dtype_, shape_}; }
+  // A view of the whole tensor. Views carry a mutable pointer (they are the
+  // currency between layers, inputs and outputs alike); a view of a const
+  // tensor must only be read.
+  TensorView view() const {
+    return TensorView{const_cast<uint8_t*>(bytes_.get()), dtype_, shape_};
+  }
 
   // Same bytes, new shape with the same number of elements.
   Status Reshape(Shape shape);
 
  private:
   struct Free {
+    size_t bytes;  // allocated size, for memory accounting (set with the pointer)
     void operator()(uint8_t* p) const;
   };
   DType dtype_ = DType::kF32;

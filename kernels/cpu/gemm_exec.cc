@@ -233,13 +233,11 @@ void RunEpilogue(const GemmCall& call, const WorkItem& it, const void* cbuf,
 // ---- Items -----------------------------------------------------------------
 
 struct ThreadBuffers {
-  GrowBuffer ap, bp, c;
   uint8_t* ap_ptr = nullptr;
   uint8_t* bp_ptr = nullptr;
   uint8_t* c_ptr = nullptr;
   std::vector<float> epi;
 };
-thread_local ThreadBuffers tls_buffers;
 
 #if HWY_TARGET == HWY_AVX3
 // Items of at most MR rows on bf16-pair kernels read B straight from the
@@ -429,10 +427,11 @@ void ExecuteGemm(const GemmCall& call) {
   const int64_t n_items = static_cast<int64_t>(call.items.size());
 #pragma omp parallel
   {
-    ThreadBuffers& tb = tls_buffers;
-    tb.ap_ptr = tb.ap.Get(ap_bytes);
-    tb.bp_ptr = tb.bp.Get(bp_bytes);
-    if (call.epi.kind != Epilogue::Kind::kAccumulateF32) tb.c_ptr = tb.c.Get(c_bytes);
+    internal::ThreadScratch& scratch = internal::WorkerScratch();
+    ThreadBuffers tb;
+    tb.ap_ptr = scratch.ap.Get(ap_bytes);
+    tb.bp_ptr = scratch.bp.Get(bp_bytes);
+    if (call.epi.kind != Epilogue::Kind::kAccumulateF32) tb.c_ptr = scratch.c.Get(c_bytes);
     if (tb.ap_ptr == nullptr || tb.bp_ptr == nullptr ||
         (call.epi.kind != Epilogue::Kind::kAccumulateF32 && tb.c_ptr == nullptr)) {
       std::abort();  // a few MB of packing buffers could not be allocated

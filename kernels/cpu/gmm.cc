@@ -117,7 +117,8 @@ thread_local LhsQuant tls_lhs;
 // Quantizes the valid rows of lhs [m, k] (F32 or BF16) per row (or K-block)
 // into codes [valid, k] and scales [valid, blocks] (thread-local scratch).
 Status QuantizeLhs(const TensorView& lhs, const GmmProblem& p, int64_t block,
-                   QuantDType dtype, uint8_t** codes, float** scales) {
+                   QuantDType dtype, const Calibration& calib, uint8_t** codes,
+                   float** scales) {
   const int64_t rows = p.valid_rows, nb = NumBlocks(p.k, block);
   *codes = tls_lhs.codes.Get(static_cast<size_t>(std::max<int64_t>(rows * p.k, 1)));
   *scales = reinterpret_cast<float*>(
@@ -126,16 +127,15 @@ Status QuantizeLhs(const TensorView& lhs, const GmmProblem& p, int64_t block,
     return ResourceExhausted("cannot allocate the activation codes of a GMM");
   }
   if (lhs.dtype == DType::kF32) {
-    return QuantizeRows(lhs.as<float>(), rows, p.k, rows, block, dtype,
-                        Calibration::AbsMax(), *codes, *scales);
+    return QuantizeRows(lhs.as<float>(), rows, p.k, rows, block, dtype, calib, *codes,
+                        *scales);
   }
   // BF16 rows: widen them (exact), then quantize; both steps run threaded.
   float* wide = reinterpret_cast<float*>(
       tls_lhs.widened.Get(static_cast<size_t>(std::max<int64_t>(rows * p.k, 1)) * 4));
   if (wide == nullptr) return ResourceExhausted("cannot allocate a GMM scratch buffer");
   Bf16ToF32Span(lhs.as<uint16_t>(), wide, static_cast<size_t>(rows * p.k));
-  return QuantizeRows(wide, rows, p.k, rows, block, dtype, Calibration::AbsMax(),
-                      *codes, *scales);
+  return QuantizeRows(wide, rows, p.k, rows, block, dtype, calib, *codes, *scales);
 }
 
 void SetOutput(const TensorView& out, Epilogue* e) {
@@ -145,6 +145,31 @@ void SetOutput(const TensorView& out, Epilogue* e) {
 }
 
 }  // namespace
+
+namespace internal {
+
+ThreadScratch& WorkerScratch() {
+  thread_local ThreadScratch scratch;
+  return scratch;
+}
+
+void ReleaseAllScratch() {
+  tls_lhs.codes.Release();
+  tls_lhs.scales.Release();
+  tls_lhs.widened.Release();
+  tls_weight_copy.Release();
+#pragma omp parallel
+  {
+    ThreadScratch& s = WorkerScratch();
+    s.ap.Release();
+    s.bp.Release();
+    s.c.Release();
+  }
+}
+
+}  // namespace internal
+
+void ReleaseGmmScratch() { internal::ReleaseAllScratch(); }
 
 Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
            const TensorView* rhs_scale, const TensorView& group_sizes,
@@ -174,7 +199,7 @@ Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
       const bool int8 = o.mode == GmmMode::kInt8;
       const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
       const QuantDType qd = int8 ? QuantDType::kInt8 : o.fp8_dtype;
-      FP8MOE_RETURN_IF_ERROR(QuantizeLhs(lhs, p, block, qd, &qa, &sa));
+      FP8MOE_RETURN_IF_ERROR(QuantizeLhs(lhs, p, block, qd, o.lhs_calibration, &qa, &sa));
       call.a = Plain(TensorView{qa, QuantStorageDType(qd), {p.valid_rows, p.k}}, p.k);
       call.b.col_scale = nullptr;  // the weight scale is applied at the end
       call.integer = int8;
@@ -267,7 +292,7 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
     FP8MOE_ASSIGN_OR_RETURN(sg, Tensor::Create(DType::kF32, {std::max<int64_t>(tiles, 1), p.n}));
     FP8MOE_RETURN_IF_ERROR(QuantizeGroupTileChannels(
         dout.as<float>(), p.m, p.n, sizes, p.e, quant_tile, *quant.dout_dtype,
-        Calibration::AbsMax(), qg.data_as<uint8_t>(), sg.data_as<float>()));
+        quant.calibration, qg.data_as<uint8_t>(), sg.data_as<float>()));
     // The tile of every valid row, in the order QuantizeGroupTileChannels uses.
     row_tile.assign(static_cast<size_t>(std::max<int64_t>(p.valid_rows, 1)), 0);
     int32_t t = 0;

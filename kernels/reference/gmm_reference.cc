@@ -116,7 +116,7 @@ Status QuantizedProduct(const GmmOptions& o, const GmmProblem& p,
   // The quantizers' own plain-loop twins, so no SIMD code sits under the
   // reference (they give the same bits as the fast ones; quant_test checks).
   FP8MOE_RETURN_IF_ERROR(fp8moe::reference::QuantizeRows(
-      x.data(), p.m, p.k, p.valid_rows, block, qdt, Calibration::AbsMax(),
+      x.data(), p.m, p.k, p.valid_rows, block, qdt, o.lhs_calibration,
       qa.data(), sa.data()));
   const uint8_t* qw = rhs.as<uint8_t>();
   const float* sw = rhs_scale.as<float>();
@@ -279,7 +279,7 @@ Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
     std::vector<float> scales(Idx(tiles * p.n));
     FP8MOE_RETURN_IF_ERROR(fp8moe::reference::QuantizeGroupTileChannels(
         dout.as<float>(), p.m, p.n, sizes, p.e, tile_m, *quant.dout_dtype,
-        Calibration::AbsMax(), q.data(), scales.data()));
+        quant.calibration, q.data(), scales.data()));
     int64_t tile_base = 0;  // index of group g's first tile
     for (int64_t g = 0; g < p.e; ++g) {
       const int64_t off = p.offsets[Idx(g)], size = sizes[g];

@@ -530,3 +530,50 @@ def test_errors(run_op, reference, case):
                           f"reference={'true' if reference else 'false'}")
     assert code == 2, (code, err)
     assert needle in err, err
+
+
+# ---- moe_forward / moe_backward ----------------------------------------------
+
+def _moe_inputs(rng, t=24, d=16, f=12, e=4):
+    return dict(
+        x=rng.standard_normal((t, d)).astype(np.float32),
+        router=(rng.standard_normal((d, e)) * 0.5).astype(np.float32),
+        wi=(rng.standard_normal((e, d, 2 * f)) / np.sqrt(d)).astype(np.float32),
+        wo=(rng.standard_normal((e, f, d)) / np.sqrt(f)).astype(np.float32),
+        dy=rng.standard_normal((t, d)).astype(np.float32),
+    )
+
+
+def test_moe_ops_run_and_agree(run_op):
+    rng = np.random.default_rng()
+    ins = _moe_inputs(rng)
+    code, fwd, err = run_op("moe_forward", ins, "num_experts=4", "dtype=float32")
+    assert code == 0, err
+    code, bwd, err = run_op("moe_backward", ins, "num_experts=4", "dtype=float32")
+    assert code == 0, err
+    assert np.array_equal(fwd["y"], bwd["y"])
+    assert fwd["group_sizes"].dtype == np.int32 and fwd["group_sizes"].sum() == 24 * 2
+    for name, shape in [("dx", (24, 16)), ("drouter", (16, 4)), ("dwi", (4, 16, 24)), ("dwo", (4, 12, 16))]:
+        assert bwd[name].shape == shape and np.isfinite(bwd[name]).all()
+
+
+@pytest.mark.parametrize("keys,needle", [
+    (["num_expert=4"], "did you mean 'num_experts'"),
+    (["num_experts=4", "fp8_moe_native_fwd=true"], "fp8_moe_fake_quant"),
+    (["num_experts=4", "moe_bwd_inkernel_quant=true"], "fp8_full"),
+    (["num_experts=4", "bwd_quantization_dtype=e3m4"], "e5m2"),
+    (["num_experts=3"], "num_experts"),
+])
+def test_moe_ops_bad_config_exit_2(run_op, keys, needle):
+    rng = np.random.default_rng()
+    code, _, err = run_op("moe_backward", _moe_inputs(rng), *keys)
+    assert code == 2, err
+    assert needle in err, err
+
+
+def test_moe_ops_missing_tensor_exit_2(run_op):
+    rng = np.random.default_rng()
+    ins = _moe_inputs(rng)
+    del ins["dy"]
+    code, _, err = run_op("moe_backward", ins, "num_experts=4")
+    assert code == 2 and "'dy'" in err, err

@@ -1,0 +1,142 @@
+// The routed-expert MoE layer (DESIGN 4) with every QAT mode of DESIGN 3.4:
+// router, top-k, permute into a ragged buffer, wi GMM + SwiGLU, wo GMM,
+// unpermute and weighted combine; forward and backward.
+//
+// Semantics (the reference twin in moe/reference/ follows them literally):
+//  x [T, D] f32, router Wr [D, E], wi [E, D, 2F] (gate | up), wo [E, F, D]:
+//  f32 master weights.
+//  1. logits[t, e] = sum_d x[t, d] Wr[d, e] (f32 accumulation).
+//  2. top-k per token: the k largest logits (ties: the lower expert index),
+//     slot j = j-th largest; weights w[t, j] = softmax over the k selected
+//     logits (f32); norm_topk_prob divides them by their sum once more.
+//  3. The T*k (token, slot) pairs sorted stably by expert (pair p = t*k + j
+//     keeps its order within an expert); group_sizes[e] = pairs of e.
+//  4. The ragged buffer has B rows: T*k when ragged_buffer_factor <= 0
+//     (dropless), else ceil(factor * T * k) (balanced size on one rank). If
+//     the routing needs more rows than B the step reruns with the dropless
+//     buffer and MoeStats::dropless_reruns counts it. Rows past T*k are tail
+//     rows: never read. x_sorted[i] = act(x[t(i)]) where act rounds to bf16
+//     when dtype = bfloat16.
+//  5. h = x_sorted @ wi' per group [B, 2F]; a = silu(h[:, :F]) * h[:, F:]
+//     (activation dtype); y_sorted = a @ wo' per group [B, D] (activation
+//     dtype). wi', wo': the weights as the QAT mode presents them (below).
+//  6. y[t] = sum_j w[t, j] * f32(y_sorted[row of pair (t, j)])  (f32).
+//  7. aux = load_balance_loss_weight * E * sum_e f_e * p_e with
+//     f_e = group_sizes[e] / (T*k) (no gradient) and p_e = mean over tokens of
+//     softmax over all E logits.
+//  Backward: gradients of L = sum(y * dy) + aux with respect to x, Wr, wi, wo.
+//  Weight gradients reach the f32 master weights straight through the
+//  quantizer (STE); with a fixed,a,b weight calibration they are zeroed where
+//  |w| > max(|a|, |b|).
+//
+// QAT modes (MoeQuantPlan):
+//  none          wi', wo' = the master weights in `dtype` (bf16 rounded, or
+//                f32); every GMM in that dtype.
+//  fake QAT      weights quantized per output channel to e4m3fn codes
+//                (weight calibration), dequantized to a BF16 copy; all GMMs
+//                bf16 (GmmMode::kFakeQat forward, BF16-copy dLHS).
+//  native fwd    forward GMMs kNativeFp8 on the codes (activation quantized
+//                per row inside, moe_lhs_quant_block_size); dLHS from the BF16
+//                copy; dW bf16.
+//  native dlhs   + dLHS straight from the codes (bit-identical to the above).
+//  fp8_full      forward kNativeFp8 with the act calibration; backward:
+//                dLHS = deq(q_bwd(g * s_w, per row)) @ f32(q_w)^T,
+//                dW = f32(q_a)^T @ deq(q_bwd(g * s_a, per channel)), per group
+//                (dense) or per group m-tile (moe_bwd_inkernel_quant).
+//  hand-crafted  int8 / fp8 / nanoo_fp8: forward kInt8 or kNativeFp8 (e4m3fn,
+//                e4m3fnuz) on weights quantized per channel; backward bf16
+//                from the dequantized weights.
+#ifndef FP8MOE_MOE_H_
+#define FP8MOE_MOE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fp8moe/gmm.h"
+#include "fp8moe/moe_config.h"
+#include "fp8moe/status.h"
+#include "fp8moe/tensor.h"
+
+namespace fp8moe {
+
+// The f32 master weights of one layer.
+struct MoeWeights {
+  TensorView router;  // [D, E]
+  TensorView wi;      // [E, D, 2F]
+  TensorView wo;      // [E, F, D]
+};
+
+// What one GMM of the layer was handed (for tests and logging).
+struct MoeGmmCall {
+  std::string name;  // "wi_fwd", "wo_fwd", "wo_dlhs", "wo_drhs", "wi_dlhs", "wi_drhs"
+  GmmMode mode;
+  std::optional<QuantDType> lhs_quant;  // how the lhs is quantized, if at all
+  std::optional<QuantDType> rhs_quant;  // how the weight is quantized, if at all
+};
+
+struct MoeOptions {
+  // Called before every GMM of the layer.
+  std::function<void(const MoeGmmCall&)> on_gmm;
+  // Tests: fill the buffer's tail rows with NaN before the GMMs run.
+  bool poison_tail_rows = false;
+};
+
+struct MoeStats {
+  int64_t buffer_rows = 0;      // rows of the ragged buffer used
+  int64_t valid_rows = 0;       // T * k
+  int64_t dropless_reruns = 0;  // 1 when the static buffer overflowed
+};
+
+// Everything the backward needs; produced by MoeForward.
+struct MoeSaved;
+
+struct MoeForwardResult {
+  Tensor y;            // [T, D] f32
+  Tensor group_sizes;  // [E] i32
+  float aux_loss = 0;
+  MoeStats stats;
+  std::shared_ptr<const MoeSaved> saved;
+};
+
+struct MoeGradients {
+  Tensor dx;       // [T, D]
+  Tensor drouter;  // [D, E]
+  Tensor dwi;      // [E, D, 2F]
+  Tensor dwo;      // [E, F, D]
+};
+
+// Runs the layer. The config must have passed ValidateMoeConfig; shapes are
+// checked here (x [T, D] f32, weights as MoeWeights, E = num_experts).
+Result<MoeForwardResult> MoeForward(const MoeConfig& config, const TensorView& x,
+                                    const MoeWeights& w,
+                                    const MoeOptions& options = {});
+
+// Gradients of sum(y * dy) + aux_loss; dy [T, D] f32. `fwd` must come from
+// MoeForward with the same config, x and weights.
+Result<MoeGradients> MoeBackward(const MoeConfig& config, const TensorView& x,
+                                 const MoeWeights& w, const MoeForwardResult& fwd,
+                                 const TensorView& dy,
+                                 const MoeOptions& options = {});
+
+namespace reference {
+// Dense per-token twin of the layer: the same semantics with plain loops and
+// double accumulation; the quantized modes use the same quantizers.
+struct MoeReferenceResult {
+  Tensor y;            // [T, D]
+  Tensor group_sizes;  // [E]
+  double aux_loss = 0;
+  // sum(y * dy) + aux_loss from the unrounded (double) y, smooth in the
+  // inputs for finite differences; aux_loss alone when dy is null.
+  double loss = 0;
+  Tensor dx, drouter, dwi, dwo;  // when dy is given
+};
+Result<MoeReferenceResult> MoeLayer(const MoeConfig& config, const TensorView& x,
+                                    const MoeWeights& w, const TensorView* dy);
+}  // namespace reference
+
+}  // namespace fp8moe
+
+#endif  // FP8MOE_MOE_H_

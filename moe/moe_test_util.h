@@ -1,0 +1,55 @@
+// Shared helpers of the MoE layer tests: random layer inputs and configs
+// from key=value flags.
+#ifndef FP8MOE_MOE_MOE_TEST_UTIL_H_
+#define FP8MOE_MOE_MOE_TEST_UTIL_H_
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fp8moe/config.h"
+#include "fp8moe/moe.h"
+
+namespace fp8moe::test {
+
+// x [T, D], dy [T, D], router [D, E], wi [E, D, 2F], wo [E, F, D], random
+// normal with scales that keep the layer's values O(1).
+struct LayerInputs {
+  Tensor x, dy, router, wi, wo;
+  LayerInputs(unsigned seed, int64_t t, int64_t d, int64_t f, int64_t e) {
+    std::mt19937 rng(seed);
+    x = Random(rng, {t, d}, 1.0f);
+    dy = Random(rng, {t, d}, 1.0f);
+    router = Random(rng, {d, e}, 0.5f);
+    wi = Random(rng, {e, d, 2 * f}, 1.0f / std::sqrt(static_cast<float>(d)));
+    wo = Random(rng, {e, f, d}, 1.0f / std::sqrt(static_cast<float>(f)));
+  }
+  MoeWeights weights() const { return {router.view(), wi.view(), wo.view()}; }
+
+  static Tensor Random(std::mt19937& rng, Shape s, float sd) {
+    Tensor t = std::move(Tensor::Create(DType::kF32, std::move(s))).value();
+    std::normal_distribution<float> nd(0.0f, sd);
+    for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = nd(rng);
+    return t;
+  }
+};
+
+// A validated config from flags (the defaults of configs/base.yml otherwise);
+// aborts the test binary on a bad flag (a bug in the test).
+inline MoeConfig MakeConfig(const std::vector<std::string>& flags) {
+  auto c = LoadConfig(MoeConfigSchema(), "", flags);
+  if (!c.ok()) {
+    std::fprintf(stderr, "bad test flags: %s\n", c.status().ToString().c_str());
+    std::abort();
+  }
+  auto m = MoeConfigFrom(*c);
+  if (!m.ok()) {
+    std::fprintf(stderr, "bad test config: %s\n", m.status().ToString().c_str());
+    std::abort();
+  }
+  return *m;
+}
+
+}  // namespace fp8moe::test
+
+#endif  // FP8MOE_MOE_MOE_TEST_UTIL_H_

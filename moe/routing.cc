@@ -1,0 +1,222 @@
+#include "moe/routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "fp8moe/numerics.h"
+
+namespace fp8moe::internal {
+namespace {
+
+// Every gather and scatter index is clamped into its buffer: a corrupt index
+// can never read or write out of bounds.
+int64_t Clamp(int64_t i, int64_t n) { return std::min(std::max<int64_t>(i, 0), n - 1); }
+
+void RowToF32(const void* buffer, DType dtype, int64_t row, int64_t cols, float* out) {
+  if (dtype == DType::kF32) {
+    std::memcpy(out, static_cast<const float*>(buffer) + row * cols,
+                static_cast<size_t>(cols) * sizeof(float));
+  } else {
+    Bf16ToF32Span(static_cast<const uint16_t*>(buffer) + row * cols, out,
+                  static_cast<size_t>(cols));
+  }
+}
+
+void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t row) {
+  if (dtype == DType::kF32) {
+    std::memcpy(static_cast<float*>(buffer) + row * cols, v,
+                static_cast<size_t>(cols) * sizeof(float));
+  } else {
+    F32ToBf16Span(v, static_cast<uint16_t*>(buffer) + row * cols, static_cast<size_t>(cols));
+  }
+}
+
+}  // namespace
+
+Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
+              bool norm_topk_prob) {
+  Routing r;
+  r.tokens = tokens;
+  r.experts = experts;
+  r.k = k;
+  r.expert.resize(static_cast<size_t>(tokens * k));
+  r.weight.resize(static_cast<size_t>(tokens * k));
+  r.probs.resize(static_cast<size_t>(tokens * experts));
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    // Top-k by repeated selection: k is small; ties go to the lower expert.
+    std::vector<bool> taken(static_cast<size_t>(experts), false);
+    float* w = r.weight.data() + t * k;
+    int32_t* e = r.expert.data() + t * k;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t x = 0; x < experts; ++x) {
+        if (taken[static_cast<size_t>(x)]) continue;
+        if (best < 0 || l[x] > l[best]) best = x;
+      }
+      taken[static_cast<size_t>(best)] = true;
+      e[j] = static_cast<int32_t>(best);
+    }
+    // Softmax over the k selected logits (e[0] holds the largest).
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      w[j] = std::exp(l[e[j]] - l[e[0]]);
+      sum += w[j];
+    }
+    for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    if (norm_topk_prob) {
+      float s2 = 0.0f;
+      for (int64_t j = 0; j < k; ++j) s2 += w[j];
+      for (int64_t j = 0; j < k; ++j) w[j] /= s2;
+    }
+    // Softmax over all experts, for the load-balancing loss.
+    float mx = l[0];
+    for (int64_t x = 1; x < experts; ++x) mx = std::max(mx, l[x]);
+    float* p = r.probs.data() + t * experts;
+    float all = 0.0f;
+    for (int64_t x = 0; x < experts; ++x) {
+      p[x] = std::exp(l[x] - mx);
+      all += p[x];
+    }
+    for (int64_t x = 0; x < experts; ++x) p[x] /= all;
+  }
+  // Stable counting sort of the pairs by expert.
+  r.group_sizes.assign(static_cast<size_t>(experts), 0);
+  for (int32_t e : r.expert) ++r.group_sizes[static_cast<size_t>(e)];
+  std::vector<int64_t> next(static_cast<size_t>(experts), 0);
+  for (int64_t x = 1; x < experts; ++x) {
+    next[static_cast<size_t>(x)] = next[static_cast<size_t>(x - 1)] + r.group_sizes[static_cast<size_t>(x - 1)];
+  }
+  const int64_t pairs = tokens * k;
+  r.row_of_pair.resize(static_cast<size_t>(pairs));
+  r.pair_of_row.resize(static_cast<size_t>(pairs));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t row = next[static_cast<size_t>(r.expert[static_cast<size_t>(p)])]++;
+    r.row_of_pair[static_cast<size_t>(p)] = row;
+    r.pair_of_row[static_cast<size_t>(row)] = p;
+  }
+  return r;
+}
+
+double LoadBalanceLoss(const Routing& r, double weight) {
+  if (weight == 0.0 || r.tokens == 0) return 0.0;
+  double loss = 0.0;
+  for (int64_t e = 0; e < r.experts; ++e) {
+    double p = 0.0;
+    for (int64_t t = 0; t < r.tokens; ++t) p += r.probs[static_cast<size_t>(t * r.experts + e)];
+    const double f = static_cast<double>(r.group_sizes[static_cast<size_t>(e)]) /
+                     static_cast<double>(r.tokens * r.k);
+    loss += f * (p / static_cast<double>(r.tokens));
+  }
+  return weight * static_cast<double>(r.experts) * loss;
+}
+
+void RouterBackward(const Routing& r, const float* dweight, bool norm_topk_prob,
+                    double lb_weight, float* dlogits) {
+  const int64_t E = r.experts, k = r.k;
+  std::vector<double> f(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    f[static_cast<size_t>(e)] = static_cast<double>(r.group_sizes[static_cast<size_t>(e)]) /
+                                static_cast<double>(std::max<int64_t>(r.tokens * k, 1));
+  }
+  const double lb = r.tokens > 0 ? lb_weight * static_cast<double>(E) / static_cast<double>(r.tokens) : 0.0;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    float* dl = dlogits + t * E;
+    // Load-balancing loss through p_e = mean softmax: dP/dl = P (1 - P).
+    const float* p = r.probs.data() + t * E;
+    double pf = 0.0;
+    for (int64_t e = 0; e < E; ++e) pf += p[e] * f[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < E; ++e) {
+      dl[e] = static_cast<float>(lb * p[e] * (f[static_cast<size_t>(e)] - pf));
+    }
+    // Routing weights: softmax over the selected logits. With norm_topk_prob
+    // w' = w / sum(w), whose backward is g_w = (g' - sum(g' w')) / sum(w).
+    const float* w = r.weight.data() + t * k;
+    const float* g_in = dweight + t * k;
+    std::vector<double> g(static_cast<size_t>(k));
+    for (int64_t j = 0; j < k; ++j) g[static_cast<size_t>(j)] = g_in[j];
+    if (norm_topk_prob) {
+      double s = 0.0, gw = 0.0;
+      for (int64_t j = 0; j < k; ++j) s += w[j];  // ~1: w is already a softmax
+      for (int64_t j = 0; j < k; ++j) gw += g[static_cast<size_t>(j)] * w[j];
+      for (int64_t j = 0; j < k; ++j) g[static_cast<size_t>(j)] = (g[static_cast<size_t>(j)] - gw) / s;
+    }
+    double gw = 0.0;
+    for (int64_t j = 0; j < k; ++j) gw += g[static_cast<size_t>(j)] * w[j];
+    const int32_t* ex = r.expert.data() + t * k;
+    for (int64_t j = 0; j < k; ++j) {
+      dl[ex[j]] += static_cast<float>(w[j] * (g[static_cast<size_t>(j)] - gw));
+    }
+  }
+}
+
+void GatherRows(const Routing& r, const float* x, int64_t cols, void* buffer,
+                DType dtype) {
+  const int64_t rows = r.tokens * r.k;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = Clamp(r.pair_of_row[static_cast<size_t>(i)] / r.k, r.tokens);
+    StoreRow(x + t * cols, cols, buffer, dtype, i);
+  }
+}
+
+void CombineRows(const Routing& r, const void* buffer, DType dtype, int64_t cols, float* y) {
+  const int64_t rows = r.tokens * r.k;
+#pragma omp parallel
+  {
+    std::vector<float> row(static_cast<size_t>(cols));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < r.tokens; ++t) {
+      float* yt = y + t * cols;
+      std::fill(yt, yt + cols, 0.0f);
+      for (int64_t j = 0; j < r.k; ++j) {
+        const int64_t i = Clamp(r.row_of_pair[static_cast<size_t>(t * r.k + j)], rows);
+        RowToF32(buffer, dtype, i, cols, row.data());
+        const float w = r.weight[static_cast<size_t>(t * r.k + j)];
+        for (int64_t c = 0; c < cols; ++c) yt[c] += w * row[static_cast<size_t>(c)];
+      }
+    }
+  }
+}
+
+void CombineBackward(const Routing& r, const float* dy, const void* buffer,
+                     DType dtype, int64_t cols, void* dbuffer, float* dweight) {
+  const int64_t rows = r.tokens * r.k;
+#pragma omp parallel
+  {
+    std::vector<float> row(static_cast<size_t>(cols)), g(static_cast<size_t>(cols));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < r.tokens; ++t) {
+      const float* dyt = dy + t * cols;
+      for (int64_t j = 0; j < r.k; ++j) {
+        const int64_t p = t * r.k + j;
+        const int64_t i = Clamp(r.row_of_pair[static_cast<size_t>(p)], rows);
+        const float w = r.weight[static_cast<size_t>(p)];
+        for (int64_t c = 0; c < cols; ++c) g[static_cast<size_t>(c)] = w * dyt[c];
+        StoreRow(g.data(), cols, dbuffer, dtype, i);
+        RowToF32(buffer, dtype, i, cols, row.data());
+        double d = 0.0;
+        for (int64_t c = 0; c < cols; ++c) d += static_cast<double>(dyt[c]) * row[static_cast<size_t>(c)];
+        dweight[p] = static_cast<float>(d);
+      }
+    }
+  }
+}
+
+void ScatterAddRows(const Routing& r, const float* dbuffer, int64_t cols, float* dx) {
+  const int64_t rows = r.tokens * r.k;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    float* d = dx + t * cols;
+    for (int64_t j = 0; j < r.k; ++j) {
+      const int64_t i = Clamp(r.row_of_pair[static_cast<size_t>(t * r.k + j)], rows);
+      const float* g = dbuffer + i * cols;
+      for (int64_t c = 0; c < cols; ++c) d[c] += g[c];
+    }
+  }
+}
+
+}  // namespace fp8moe::internal

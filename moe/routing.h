@@ -1,0 +1,58 @@
+// Routing of the MoE layer: top-k with softmax over the selected logits, the
+// load-balancing loss, the stable sort of (token, slot) pairs by expert, and
+// the gathers and scatters between token order and the ragged buffer.
+// Internal to moe/; semantics in include/fp8moe/moe.h.
+#ifndef FP8MOE_MOE_ROUTING_H_
+#define FP8MOE_MOE_ROUTING_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "fp8moe/dtype.h"
+#include "fp8moe/status.h"
+
+namespace fp8moe::internal {
+
+struct Routing {
+  int64_t tokens = 0, experts = 0, k = 0;
+  std::vector<int32_t> expert;       // [T, k] chosen experts, slot j = j-th largest
+  std::vector<float> weight;         // [T, k] routing weights
+  std::vector<float> probs;          // [T, E] softmax over all logits (aux loss)
+  std::vector<int32_t> group_sizes;  // [E]
+  std::vector<int64_t> row_of_pair;  // [T*k] buffer row of pair p = t*k + j
+  std::vector<int64_t> pair_of_row;  // [T*k] inverse: pair of valid row i
+};
+
+// logits [T, E] -> routing (top-k, weights, stable expert order).
+Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
+              bool norm_topk_prob);
+
+// The load-balancing loss weight * E * sum_e f_e p_e.
+double LoadBalanceLoss(const Routing& r, double weight);
+
+// dlogits [T, E] of the router: from dweight [T, k] (the loss's gradient
+// with respect to the routing weights) and the load-balancing loss.
+void RouterBackward(const Routing& r, const float* dweight, bool norm_topk_prob,
+                    double lb_weight, float* dlogits);
+
+// buffer [rows, cols] (F32 or BF16): valid row i <- x[token of row i] (f32
+// [T, cols]), converted. Tail rows untouched.
+void GatherRows(const Routing& r, const float* x, int64_t cols, void* buffer,
+                DType dtype);
+
+// y [T, cols] f32 = sum over slots of weight * buffer row (F32 or BF16).
+void CombineRows(const Routing& r, const void* buffer, DType dtype,
+                 int64_t cols, float* y);
+
+// The combine's backward: dbuffer row of (t, j) = weight[t, j] * dy[t]
+// (F32 or BF16) and dweight[t, j] = <dy[t], buffer row of (t, j)>.
+void CombineBackward(const Routing& r, const float* dy, const void* buffer,
+                     DType dtype, int64_t cols, void* dbuffer, float* dweight);
+
+// dx [T, cols] += sum over slots of dbuffer row (f32 [rows, cols]).
+void ScatterAddRows(const Routing& r, const float* dbuffer, int64_t cols,
+                    float* dx);
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_MOE_ROUTING_H_
