@@ -522,6 +522,39 @@ TEST(Gmm, SmallGroupsMatchReference) {
   }
 }
 
+// Items of up to 8 rows, up to 12 rows and more rows take three different
+// kernels on bf16-pair CPUs (byte-table fp8 decode, u16 decode, packed
+// panels); the reduction order is the same, so the bits must be too.
+TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
+  Rng r(Seed());
+  const int64_t m = 120, k = 300, n = 128, e = 3;
+  std::vector<int32_t> sizes = {50, 0, 61};
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  for (GmmMode mode : {GmmMode::kBf16, GmmMode::kNativeFp8}) {
+    for (bool swiglu : {false, true}) {
+      SCOPED_TRACE(std::string(GmmModeName(mode)) + (swiglu ? " swiglu" : ""));
+      Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
+      Weight w = MakeWeight(r, mode == GmmMode::kBf16 ? DType::kBF16 : DType::kE4M3FN, e, k, n);
+      TensorView sv = w.codes ? w.scale.view() : TensorView{};
+      const int64_t oc = swiglu ? n / 2 : n;
+      std::vector<Tensor> outs;
+      for (int64_t tile_m : {8, 12, 16}) {
+        GmmOptions o;
+        o.mode = mode;
+        o.epilogue = swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
+        o.tiles.m = tile_m;
+        outs.push_back(Make(DType::kF32, {m, oc}));
+        ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
+                        outs.back().view()).ok());
+      }
+      for (size_t i = 1; i < outs.size(); ++i) {
+        ASSERT_EQ(0, std::memcmp(outs[0].data(), outs[i].data(), outs[0].num_bytes()));
+      }
+    }
+  }
+}
+
 // The kernels of every SIMD target this CPU runs (AVX-512 with or without
 // bf16 dot products, AVX2, SSE4, scalar) against the reference.
 TEST(Gmm, EveryTargetMatchesReference) {

@@ -110,7 +110,7 @@ Result<TensorView> DequantizeToBf16(const TensorView& codes, const float* scale,
 // Codes and scales of the activation, kept by the calling thread across
 // calls (see scratch.h).
 struct LhsQuant {
-  internal::GrowBuffer codes, scales, widened;
+  internal::GrowBuffer codes, scales;
 };
 thread_local LhsQuant tls_lhs;
 
@@ -130,12 +130,25 @@ Status QuantizeLhs(const TensorView& lhs, const GmmProblem& p, int64_t block,
     return QuantizeRows(lhs.as<float>(), rows, p.k, rows, block, dtype, calib, *codes,
                         *scales);
   }
-  // BF16 rows: widen them (exact), then quantize; both steps run threaded.
-  float* wide = reinterpret_cast<float*>(
-      tls_lhs.widened.Get(static_cast<size_t>(std::max<int64_t>(rows * p.k, 1)) * 4));
-  if (wide == nullptr) return ResourceExhausted("cannot allocate a GMM scratch buffer");
-  Bf16ToF32Span(lhs.as<uint16_t>(), wide, static_cast<size_t>(rows * p.k));
-  return QuantizeRows(wide, rows, p.k, rows, block, dtype, calib, *codes, *scales);
+  // BF16 rows: widen one row at a time (exact) and quantize it, rows in
+  // parallel; no f32 copy of the whole activation is made.
+  const uint16_t* src = lhs.as<uint16_t>();
+  Status status;
+#pragma omp parallel
+  {
+    std::vector<float> row(static_cast<size_t>(p.k));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      Bf16ToF32Span(src + r * p.k, row.data(), static_cast<size_t>(p.k));
+      const Status s = QuantizeRows(row.data(), 1, p.k, 1, block, dtype, calib,
+                                    *codes + r * p.k, *scales + r * nb);
+      if (!s.ok()) {
+#pragma omp critical
+        status = s;
+      }
+    }
+  }
+  return status;
 }
 
 void SetOutput(const TensorView& out, Epilogue* e) {
@@ -156,7 +169,6 @@ ThreadScratch& WorkerScratch() {
 void ReleaseAllScratch() {
   tls_lhs.codes.Release();
   tls_lhs.scales.Release();
-  tls_lhs.widened.Release();
   tls_weight_copy.Release();
 #pragma omp parallel
   {

@@ -295,6 +295,61 @@ LoadBf16x32(const uint8_t* p) {
   }
 }
 
+// The C tile [MR x 32] of the direct kernels, held in the accumulator column
+// order the in-lane unpacks produce; Load and Store permute to and from the
+// natural order. Everything is inlined and unrolled, so the array lives in
+// registers.
+template <size_t MR>
+struct PermutedTile {
+  __m512 acc0[MR], acc1[MR];
+
+  FP8MOE_AVX512BF16 HWY_INLINE void Load(const float* c, size_t ldc, bool from_c) {
+    const __m512i to_acc0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i to_acc1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    HWY_UNROLL(16)
+    for (size_t i = 0; i < MR; ++i) {
+      if (from_c) {
+        const __m512 n0 = _mm512_loadu_ps(c + i * ldc), n1 = _mm512_loadu_ps(c + i * ldc + 16);
+        acc0[i] = _mm512_permutex2var_ps(n0, to_acc0, n1);
+        acc1[i] = _mm512_permutex2var_ps(n0, to_acc1, n1);
+      } else {
+        acc0[i] = _mm512_setzero_ps();
+        acc1[i] = _mm512_setzero_ps();
+      }
+    }
+  }
+
+  // acc[i] += pairs of A row i (a[i]) . the two B pair vectors.
+  FP8MOE_AVX512BF16 HWY_INLINE void Dot(const uint32_t* a, __m512bh b0, __m512bh b1) {
+    HWY_UNROLL(16)
+    for (size_t i = 0; i < MR; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i]));
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], av, b0);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], av, b1);
+    }
+  }
+
+  // C = acc, or with row_scale C = s * acc (+ C when load_c).
+  FP8MOE_AVX512BF16 HWY_INLINE void Store(float* c, size_t ldc, bool load_c,
+                                          const float* row_scale) {
+    const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    HWY_UNROLL(16)
+    for (size_t i = 0; i < MR; ++i) {
+      float* p = c + i * ldc;
+      __m512 n0 = _mm512_permutex2var_ps(acc0[i], to_natural0, acc1[i]);
+      __m512 n1 = _mm512_permutex2var_ps(acc0[i], to_natural1, acc1[i]);
+      if (row_scale != nullptr) {
+        const __m512 s = _mm512_set1_ps(row_scale[i]);
+        n0 = load_c ? _mm512_fmadd_ps(s, n0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, n0);
+        n1 = load_c ? _mm512_fmadd_ps(s, n1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, n1);
+      }
+      _mm512_storeu_ps(p, n0);
+      _mm512_storeu_ps(p + 16, n1);
+    }
+  }
+};
+
 // C[MR x 32] (+)= A panel (kc2 x MR pairs) x B rows [r, r + 2*kc2) of the
 // source at b (ldb bytes per row), columns [0, 32). kc odd: the last pair's
 // second row is not read (zero).
@@ -304,35 +359,12 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
                      const uint8_t* HWY_RESTRICT b, size_t ldb,
                      float* HWY_RESTRICT c, size_t ldc, bool load_c,
                      const float* HWY_RESTRICT row_scale) {
-  // Natural column order <-> accumulator order.
-  const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i to_acc0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i to_acc1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  __m512 acc0[MR], acc1[MR];
-  const bool start_from_c = load_c && row_scale == nullptr;
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    if (start_from_c) {
-      const __m512 n0 = _mm512_loadu_ps(c + i * ldc), n1 = _mm512_loadu_ps(c + i * ldc + 16);
-      acc0[i] = _mm512_permutex2var_ps(n0, to_acc0, n1);
-      acc1[i] = _mm512_permutex2var_ps(n0, to_acc1, n1);
-    } else {
-      acc0[i] = _mm512_setzero_ps();
-      acc1[i] = _mm512_setzero_ps();
-    }
-  }
-  const size_t kc2 = kc / 2;
+  PermutedTile<MR> tile;
+  tile.Load(c, ldc, load_c && row_scale == nullptr);
   auto step = [&](const uint32_t* a, __m512i lo, __m512i hi) FP8MOE_AVX512BF16 {
-    const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(lo, hi);
-    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i]));
-      acc0[i] = _mm512_dpbf16_ps(acc0[i], av, b0);
-      acc1[i] = _mm512_dpbf16_ps(acc1[i], av, b1);
-    }
+    tile.Dot(a, (__m512bh)_mm512_unpacklo_epi16(lo, hi), (__m512bh)_mm512_unpackhi_epi16(lo, hi));
   };
+  const size_t kc2 = kc / 2;
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
@@ -343,19 +375,7 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
   if (kc % 2 != 0) {
     step(ap + kc2 * MR, LoadBf16x32<kSrc>(b + 2 * kc2 * ldb), _mm512_setzero_si512());
   }
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    float* p = c + i * ldc;
-    __m512 n0 = _mm512_permutex2var_ps(acc0[i], to_natural0, acc1[i]);
-    __m512 n1 = _mm512_permutex2var_ps(acc0[i], to_natural1, acc1[i]);
-    if (row_scale != nullptr) {
-      const __m512 s = _mm512_set1_ps(row_scale[i]);
-      n0 = load_c ? _mm512_fmadd_ps(s, n0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, n0);
-      n1 = load_c ? _mm512_fmadd_ps(s, n1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, n1);
-    }
-    _mm512_storeu_ps(p, n0);
-    _mm512_storeu_ps(p + 16, n1);
-  }
+  tile.Store(c, ldc, load_c, row_scale);
 }
 
 // ---- fp8 weight pairs by byte tables (AVX512-VBMI) --------------------------
@@ -407,23 +427,8 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i interleave = _mm512_load_si512(kInterleave);
   const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i to_acc0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i to_acc1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  __m512 acc0[MR], acc1[MR];
-  const bool start_from_c = load_c && row_scale == nullptr;
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    if (start_from_c) {
-      const __m512 n0 = _mm512_loadu_ps(c + i * ldc), n1 = _mm512_loadu_ps(c + i * ldc + 16);
-      acc0[i] = _mm512_permutex2var_ps(n0, to_acc0, n1);
-      acc1[i] = _mm512_permutex2var_ps(n0, to_acc1, n1);
-    } else {
-      acc0[i] = _mm512_setzero_ps();
-      acc1[i] = _mm512_setzero_ps();
-    }
-  }
+  PermutedTile<MR> tile;
+  tile.Load(c, ldc, load_c && row_scale == nullptr);
   auto step = [&](const uint32_t* a, __m256i row0, __m256i row1) FP8MOE_AVX512VBMI {
     __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(row0), row1, 1);
     x = _mm512_permutexvar_epi8(interleave, x);
@@ -435,14 +440,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
       lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(0xC0)));
       hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(static_cast<char>(0xFF)));
     }
-    const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i]));
-      acc0[i] = _mm512_dpbf16_ps(acc0[i], av, b0);
-      acc1[i] = _mm512_dpbf16_ps(acc1[i], av, b1);
-    }
+    tile.Dot(a, (__m512bh)_mm512_unpacklo_epi8(lo, hi), (__m512bh)_mm512_unpackhi_epi8(lo, hi));
   };
   const size_t kc2 = kc / 2;
   HWY_UNROLL(2)
@@ -458,19 +456,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * kc2 * ldb)),
          _mm256_setzero_si256());
   }
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    float* p = c + i * ldc;
-    __m512 n0 = _mm512_permutex2var_ps(acc0[i], to_natural0, acc1[i]);
-    __m512 n1 = _mm512_permutex2var_ps(acc0[i], to_natural1, acc1[i]);
-    if (row_scale != nullptr) {
-      const __m512 s = _mm512_set1_ps(row_scale[i]);
-      n0 = load_c ? _mm512_fmadd_ps(s, n0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, n0);
-      n1 = load_c ? _mm512_fmadd_ps(s, n1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, n1);
-    }
-    _mm512_storeu_ps(p, n0);
-    _mm512_storeu_ps(p + 16, n1);
-  }
+  tile.Store(c, ldc, load_c, row_scale);
 }
 
 // Whether this CPU has vpdpwssd (AVX512-VNNI).
