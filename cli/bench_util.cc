@@ -1,5 +1,7 @@
 #include "cli/bench_util.h"
 
+#include "fp8moe/tensor.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -29,8 +31,12 @@ double BestSeconds(int reps, const std::function<void()>& fn) {
 }
 
 double MemcpyGBs(size_t bytes, int threads, int reps) {
-  auto* src = static_cast<char*>(std::aligned_alloc(64, bytes));
-  auto* dst = static_cast<char*>(std::aligned_alloc(64, bytes));
+  // Buffers from the same allocator as the kernels' tensors (2 MiB aligned,
+  // huge pages), so the ceiling and the kernels see the same memory system.
+  Tensor src_t = std::move(Tensor::Create(DType::kU8, {static_cast<int64_t>(bytes)})).value();
+  Tensor dst_t = std::move(Tensor::Create(DType::kU8, {static_cast<int64_t>(bytes)})).value();
+  char* src = src_t.data_as<char>();
+  char* dst = dst_t.data_as<char>();
   std::memset(src, 1, bytes);
   std::memset(dst, 2, bytes);
   const double t = BestSeconds(reps, [&] {
@@ -42,8 +48,6 @@ double MemcpyGBs(size_t bytes, int threads, int reps) {
       std::memcpy(dst + b, src + b, e - b);
     }
   });
-  std::free(src);
-  std::free(dst);
   return 2.0 * static_cast<double>(bytes) / t / 1e9;
 }
 

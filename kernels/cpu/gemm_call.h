@@ -94,6 +94,15 @@ struct GemmCall {
   const float* a_block_scale = nullptr;
   int64_t a_block_scale_ld = 0;
   int64_t block = 0;
+  // TGMM with a quantized gradient: B holds its raw codes and the scales are
+  // applied per reduction tile and column, C[i, j] += scale[tile, j] * sum
+  // over the tile (b_block > 0, the tile rows; blocks start at each group's
+  // first row), or once per group at the end (b_block == 0). The tile of an
+  // absolute row r is b_row_tile[r].
+  const float* b_col_scale = nullptr;  // [tiles, b_col_scale_ld]
+  int64_t b_col_scale_ld = 0;
+  const int32_t* b_row_tile = nullptr;
+  int64_t b_block = 0;
   Epilogue epi;
   // Output of kTgmm: drhs[g] [K, N] f32 at out + g * out_group_stride.
   int64_t out_group_stride = 0;

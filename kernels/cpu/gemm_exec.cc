@@ -62,13 +62,14 @@ PanelKind ChooseKind(const GemmCall& call) {
 
 // C tile [MR x NR] at c (ldc) += A panel x B panel over kc.
 void RunKernel(PanelKind kind, int64_t kc, const void* ap, const void* bp,
-               void* c, int64_t ldc, bool load_c, const float* row_scale) {
+               void* c, int64_t ldc, bool load_c, const float* row_scale,
+               const float* col_scale) {
   const size_t ukc = static_cast<size_t>(kc), uldc = static_cast<size_t>(ldc);
   switch (kind) {
     case PanelKind::kF32:
       MicroF32<kMR, kNV>(ukc, static_cast<const float*>(ap),
                          static_cast<const float*>(bp), static_cast<float*>(c),
-                         uldc, load_c, row_scale);
+                         uldc, load_c, row_scale, col_scale);
       return;
     case PanelKind::kI16Pairs:
 #if HWY_TARGET == HWY_AVX3
@@ -87,7 +88,7 @@ void RunKernel(PanelKind kind, int64_t kc, const void* ap, const void* bp,
 #if HWY_TARGET == HWY_AVX3
       MicroBf16Pairs<kMR>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
                           static_cast<const uint32_t*>(bp),
-                          static_cast<float*>(c), uldc, load_c, row_scale);
+                          static_cast<float*>(c), uldc, load_c, row_scale, col_scale);
 #endif
       return;
   }
@@ -319,7 +320,11 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
                   static_cast<size_t>((direct ? it.cols : width) * elem));
     }
   }
-  const int64_t kc_step = call.a_block_scale ? call.block : call.kc;
+  const int64_t kc_step = call.a_block_scale ? call.block
+                          : call.b_block > 0 ? call.b_block
+                                             : call.kc;
+  const bool block_col_scale = call.b_col_scale != nullptr && call.b_block > 0;
+  alignas(64) float cs[64];
   alignas(64) uint8_t edge[64 * 64 * 4];
   alignas(64) float rs[64];
   for (int64_t r0 = red0; r0 < red1; r0 += kc_step) {
@@ -351,6 +356,13 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
                            : 0.0f;
             }
             row_scale = rs;
+          }
+          const float* col_scale = nullptr;
+          if (block_col_scale) {  // this tile's scales of the panel's columns
+            const float* src = call.b_col_scale +
+                               call.b_row_tile[r0] * call.b_col_scale_ld + it.col0 + jq;
+            for (int64_t jj = 0; jj < nr; ++jj) cs[jj] = jj < valid_c ? src[jj] : 0.0f;
+            col_scale = cs;
           }
           uint8_t* ct = static_cast<uint8_t*>(c) + (row * ldc + col) * elem;
           // The scratch tile has room for whole panels; an f32 output does not.
@@ -388,7 +400,7 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
           }
 #endif
           if (full) {
-            RunKernel(kind, kc, apan, bpan, ct, ldc, load_c, row_scale);
+            RunKernel(kind, kc, apan, bpan, ct, ldc, load_c, row_scale, col_scale);
             continue;
           }
           // Edge tile: run the full tile on a local copy, keep the valid part.
@@ -396,13 +408,21 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
             std::memcpy(edge + ii * nr * elem, ct + ii * ldc * elem,
                         static_cast<size_t>(valid_c * elem));
           }
-          RunKernel(kind, kc, apan, bpan, edge, nr, load_c, row_scale);
+          RunKernel(kind, kc, apan, bpan, edge, nr, load_c, row_scale, col_scale);
           for (int64_t ii = 0; ii < valid_r; ++ii) {
             std::memcpy(ct + ii * ldc * elem, edge + ii * nr * elem,
                         static_cast<size_t>(valid_c * elem));
           }
         }
       }
+    }
+  }
+  if (call.b_col_scale != nullptr && call.b_block == 0 && red1 > red0) {
+    // One scale per (group, column): applied once to the finished sums.
+    const float* s = call.b_col_scale + call.b_row_tile[red0] * call.b_col_scale_ld + it.col0;
+    for (int64_t i = 0; i < it.rows; ++i) {
+      float* ci = static_cast<float*>(c) + i * ldc;
+      for (int64_t j = 0; j < it.cols; ++j) ci[j] *= s[j];
     }
   }
   if (!direct) RunEpilogue(call, it, c, ldc, run_stride, is_int, &tb->epi);
@@ -413,7 +433,9 @@ void ExecuteGemm(const GemmCall& call) {
   const PanelKind kind = ChooseKind(call);
   const int64_t mr = static_cast<int64_t>(kMR);
   const int64_t nr = static_cast<int64_t>(KernelNR());
-  const int64_t kc = call.a_block_scale ? call.block : call.kc;
+  const int64_t kc = call.a_block_scale ? call.block
+                     : call.b_block > 0  ? call.b_block
+                                         : call.kc;
   int64_t max_rows = 0, max_cols = 0;
   for (const WorkItem& it : call.items) {
     max_rows = std::max(max_rows, it.rows);

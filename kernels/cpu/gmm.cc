@@ -320,11 +320,14 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
         t += static_cast<int32_t>((size + quant_tile - 1) / quant_tile);
       }
     }
-    TensorView qv = qg.view();
-    call.b = Plain(qv, p.n);
-    call.b.row_tile = row_tile.data();
-    call.b.tile_scale = sg.data_as<float>();
-    call.b.tile_scale_ld = p.n;
+    // The codes go in raw (bf16-exact: the pair kernels take them) and the
+    // scales are applied to each tile's partial sums, C += s[tile, n] * sum,
+    // or once per group: the same product as f32(q) * s summed, regrouped.
+    call.b = Plain(qg.view(), p.n);
+    call.b_col_scale = sg.data_as<float>();
+    call.b_col_scale_ld = p.n;
+    call.b_row_tile = row_tile.data();
+    call.b_block = quant_tile;
   }
   call.kc = EvenUp(o.tiles.m.value_or(kDefaultKc));
   call.epi.kind = Epilogue::Kind::kAccumulateF32;

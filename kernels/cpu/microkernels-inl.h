@@ -18,8 +18,9 @@
 // Summation order: with load_c the accumulators start from C, so C ends up
 // holding the products added strictly in reduction order no matter how the
 // reduction was cut into blocks (tile k never changes the bits). With a
-// row_scale (native fp8 K-blocks) the block's sum starts at zero and is added
-// as C += row_scale[i] * sum.
+// row_scale (native fp8 K-blocks) or a col_scale (TGMM with a quantized
+// gradient: one scale per reduction tile and column) the block's sum starts at
+// zero and is added as C += scale * sum.
 
 #if defined(FP8MOE_KERNELS_CPU_MICROKERNELS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef FP8MOE_KERNELS_CPU_MICROKERNELS_INL_H_
@@ -68,13 +69,15 @@ template <size_t MR, size_t NV>
 HWY_NOINLINE void MicroF32(size_t kc, const float* HWY_RESTRICT ap,
                            const float* HWY_RESTRICT bp, float* HWY_RESTRICT c,
                            size_t ldc, bool load_c,
-                           const float* HWY_RESTRICT row_scale) {
+                           const float* HWY_RESTRICT row_scale,
+                           const float* HWY_RESTRICT col_scale) {
   const hn::ScalableTag<float> d;
   using V = hn::Vec<decltype(d)>;
   const size_t N = hn::Lanes(d);
   const size_t NR = NV * N;
   V acc[MR][NV];
-  const bool start_from_c = load_c && row_scale == nullptr;
+  const bool scaled = row_scale != nullptr || col_scale != nullptr;
+  const bool start_from_c = load_c && !scaled;
   HWY_UNROLL(16)
   for (size_t i = 0; i < MR; ++i) {
     HWY_UNROLL(4)
@@ -98,8 +101,9 @@ HWY_NOINLINE void MicroF32(size_t kc, const float* HWY_RESTRICT ap,
     HWY_UNROLL(4)
     for (size_t j = 0; j < NV; ++j) {
       float* p = c + i * ldc + j * N;
-      if (row_scale != nullptr) {
-        const V s = hn::Set(d, row_scale[i]);
+      if (scaled) {
+        const V s = row_scale != nullptr ? hn::Set(d, row_scale[i])
+                                         : hn::LoadU(d, col_scale + j * N);
         hn::StoreU(load_c ? hn::MulAdd(s, acc[i][j], hn::LoadU(d, p))
                           : hn::Mul(s, acc[i][j]),
                    d, p);
@@ -191,9 +195,11 @@ template <size_t MR>
 FP8MOE_AVX512BF16 HWY_NOINLINE void
 MicroBf16Pairs(size_t kc2, const uint32_t* HWY_RESTRICT ap,
                const uint32_t* HWY_RESTRICT bp, float* HWY_RESTRICT c,
-               size_t ldc, bool load_c, const float* HWY_RESTRICT row_scale) {
+               size_t ldc, bool load_c, const float* HWY_RESTRICT row_scale,
+               const float* HWY_RESTRICT col_scale) {
   __m512 acc0[MR], acc1[MR];
-  const bool start_from_c = load_c && row_scale == nullptr;
+  const bool scaled = row_scale != nullptr || col_scale != nullptr;
+  const bool start_from_c = load_c && !scaled;
   HWY_UNROLL(16)
   for (size_t i = 0; i < MR; ++i) {
     acc0[i] = start_from_c ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
@@ -213,14 +219,15 @@ MicroBf16Pairs(size_t kc2, const uint32_t* HWY_RESTRICT ap,
   HWY_UNROLL(16)
   for (size_t i = 0; i < MR; ++i) {
     float* p = c + i * ldc;
-    if (row_scale != nullptr) {
-      const __m512 s = _mm512_set1_ps(row_scale[i]);
+    if (scaled) {
+      const __m512 s0 = row_scale != nullptr ? _mm512_set1_ps(row_scale[i]) : _mm512_loadu_ps(col_scale);
+      const __m512 s1 = row_scale != nullptr ? s0 : _mm512_loadu_ps(col_scale + 16);
       if (load_c) {
-        _mm512_storeu_ps(p, _mm512_fmadd_ps(s, acc0[i], _mm512_loadu_ps(p)));
-        _mm512_storeu_ps(p + 16, _mm512_fmadd_ps(s, acc1[i], _mm512_loadu_ps(p + 16)));
+        _mm512_storeu_ps(p, _mm512_fmadd_ps(s0, acc0[i], _mm512_loadu_ps(p)));
+        _mm512_storeu_ps(p + 16, _mm512_fmadd_ps(s1, acc1[i], _mm512_loadu_ps(p + 16)));
       } else {
-        _mm512_storeu_ps(p, _mm512_mul_ps(s, acc0[i]));
-        _mm512_storeu_ps(p + 16, _mm512_mul_ps(s, acc1[i]));
+        _mm512_storeu_ps(p, _mm512_mul_ps(s0, acc0[i]));
+        _mm512_storeu_ps(p + 16, _mm512_mul_ps(s1, acc1[i]));
       }
     } else {
       _mm512_storeu_ps(p, acc0[i]);
