@@ -39,14 +39,10 @@ struct Source {
   int64_t ld = 0;
   int64_t group_stride = 0;
   Fp8Format fp8 = Fp8Format::kE4M3FN;
-  // Optional scales of kFp8 sources: value = dec(q) * scale with
-  //   col_scale[g * col_scale_group_stride + c]            (per channel), or
-  //   tile_scale[row_tile[r] * tile_scale_ld + c]          (per row tile).
+  // Optional per-channel scale of kFp8 sources: value = dec(q) * scale with
+  // scale = col_scale[g * col_scale_group_stride + c].
   const float* col_scale = nullptr;
   int64_t col_scale_group_stride = 0;
-  const int32_t* row_tile = nullptr;
-  const float* tile_scale = nullptr;
-  int64_t tile_scale_ld = 0;
   // Round the scaled value to bf16 (the fake-QAT weight copy's values).
   bool round_bf16 = false;
 };

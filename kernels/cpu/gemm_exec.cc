@@ -52,7 +52,7 @@ PanelKind ChooseKind(const GemmCall& call) {
   auto bf16_exact = [](const internal::Source& s) {
     if (s.kind == internal::SrcKind::kBf16) return true;
     if (s.kind != internal::SrcKind::kFp8) return false;
-    return s.round_bf16 || (s.col_scale == nullptr && s.tile_scale == nullptr);
+    return s.round_bf16 || s.col_scale == nullptr;
   };
   if (CpuHasAvx512Bf16() && bf16_exact(call.a) && bf16_exact(call.b)) {
     return PanelKind::kBf16Pairs;
@@ -249,7 +249,7 @@ bool UseDirectB(const GemmCall& call, PanelKind kind, const WorkItem& it) {
          it.rows <= static_cast<int64_t>(kMR) && it.cols % 32 == 0 &&
          (b.kind == internal::SrcKind::kBf16 ||
           (b.kind == internal::SrcKind::kFp8 && b.col_scale == nullptr &&
-           b.tile_scale == nullptr && !b.round_bf16 &&
+           !b.round_bf16 &&
            (b.fp8 == Fp8Format::kE4M3FN || b.fp8 == Fp8Format::kE4M3FNUZ)));
 }
 

@@ -13,6 +13,7 @@
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/scratch.h"
 #include "kernels/gmm_problem.h"
+#include "quant/quant_internal.h"
 
 namespace fp8moe {
 namespace {
@@ -305,20 +306,13 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
     FP8MOE_RETURN_IF_ERROR(QuantizeGroupTileChannels(
         dout.as<float>(), p.m, p.n, sizes, p.e, quant_tile, *quant.dout_dtype,
         quant.calibration, qg.data_as<uint8_t>(), sg.data_as<float>()));
-    // The tile of every valid row, in the order QuantizeGroupTileChannels uses.
+    // The tile of every valid row, from the same enumeration the quantizer uses.
     row_tile.assign(static_cast<size_t>(std::max<int64_t>(p.valid_rows, 1)), 0);
-    int32_t t = 0;
-    for (int64_t g = 0; g < p.e; ++g) {
-      const int64_t size = sizes[g];
-      if (quant_tile == 0) {
-        for (int64_t i = 0; i < size; ++i) row_tile[p.offsets[g] + i] = t;
-        ++t;
-      } else {
-        for (int64_t i = 0; i < size; ++i) {
-          row_tile[p.offsets[g] + i] = t + static_cast<int32_t>(i / quant_tile);
-        }
-        t += static_cast<int32_t>((size + quant_tile - 1) / quant_tile);
-      }
+    const auto group_tiles = internal::GroupTiles(sizes, p.e, quant_tile);
+    for (size_t t = 0; t < group_tiles.size(); ++t) {
+      const internal::RowTile& rt = group_tiles[t];
+      std::fill(row_tile.begin() + rt.first, row_tile.begin() + rt.first + rt.rows,
+                static_cast<int32_t>(t));
     }
     // The codes go in raw (bf16-exact: the pair kernels take them) and the
     // scales are applied to each tile's partial sums, C += s[tile, n] * sum,

@@ -22,7 +22,7 @@ class RowReader {
     col_scale_ = s_.col_scale ? s_.col_scale + g * s_.col_scale_group_stride : nullptr;
   }
 
-  bool scaled() const { return col_scale_ != nullptr || s_.tile_scale != nullptr; }
+  bool scaled() const { return col_scale_ != nullptr; }
 
   // Row r, columns [c0, c0 + n) as f32.
   void F32(int64_t r, int64_t c0, int64_t n, float* dst) const {
@@ -42,11 +42,8 @@ class RowReader {
         break;
     }
     DecodeFp8Span(p, dst, un, s_.fp8);
-    const float* scale = col_scale_ ? col_scale_ + c0
-                         : s_.tile_scale ? s_.tile_scale + s_.row_tile[r] * s_.tile_scale_ld + c0
-                                         : nullptr;
-    if (scale != nullptr) {
-      for (size_t j = 0; j < un; ++j) dst[j] *= scale[j];
+    if (col_scale_ != nullptr) {
+      for (size_t j = 0; j < un; ++j) dst[j] *= col_scale_[c0 + static_cast<int64_t>(j)];
     }
     if (s_.round_bf16) {
       for (size_t j = 0; j < un; ++j) dst[j] = Bf16ToF32(F32ToBf16(dst[j]));
