@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fp8moe::bench {
 
@@ -15,6 +16,7 @@ struct BenchOptions {
   std::string shape;        // bench gmm: only shapes whose name contains this
   bool all_passes = true;   // bench gmm: dlhs and tgmm too (else fwd only)
   int64_t tokens = 4096;    // bench moe: T
+  std::vector<int64_t> fwd_tiles;  // bench gmm: forward tiles m, k, n (0 = default)
 };
 
 int BenchQuant(const BenchOptions& opt);

@@ -51,6 +51,36 @@ double MemcpyGBs(size_t bytes, int threads, int reps) {
   return 2.0 * static_cast<double>(bytes) / t / 1e9;
 }
 
+double ReadGBs(size_t bytes, int threads, int reps) {
+  Tensor src_t = std::move(Tensor::Create(DType::kU8, {static_cast<int64_t>(bytes)})).value();
+  uint64_t* src = src_t.data_as<uint64_t>();
+  std::memset(src, 1, bytes);
+  const size_t words = bytes / 8;
+  volatile uint64_t sink = 0;
+  const double t = BestSeconds(reps, [&] {
+    uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+      const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+      const size_t per = (words / static_cast<size_t>(nt)) & ~size_t{7};
+      const size_t b = per * static_cast<size_t>(id);
+      const size_t e = id == nt - 1 ? words : b + per;
+      uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;  // independent sums: no add chain
+      size_t i = b;
+      for (; i + 4 <= e; i += 4) {
+        a0 += src[i];
+        a1 += src[i + 1];
+        a2 += src[i + 2];
+        a3 += src[i + 3];
+      }
+      for (; i < e; ++i) a0 += src[i];
+      total += a0 + a1 + a2 + a3;
+    }
+    sink = sink + total;
+  });
+  return static_cast<double>(bytes) / t / 1e9;
+}
+
 void Table::Print() const {
   std::vector<size_t> w(columns.size());
   for (size_t c = 0; c < columns.size(); ++c) w[c] = columns[c].size();

@@ -21,6 +21,10 @@ double BestSeconds(int reps, const std::function<void()>& fn);
 // bytes read plus bytes written.
 double MemcpyGBs(size_t bytes, int threads, int reps);
 
+// A streaming read of a `bytes` buffer split over `threads` threads (a sum
+// of its words); GB/s read. The ceiling of ops that only stream a weight in.
+double ReadGBs(size_t bytes, int threads, int reps);
+
 // A table of string cells with a title; columns right-aligned except the
 // first.
 struct Table {

@@ -63,6 +63,10 @@ int main(int argc, char** argv) {
                     "bench gmm: only shapes whose name contains this; bench moe: only such modes");
   bool fwd_only = false;
   bench->add_flag("--fwd-only", fwd_only, "bench gmm: forward passes only");
+  bench->add_option("--tiles", bopt.fwd_tiles,
+                    "bench gmm: forward tiles M K N (0 keeps a default; k must be even)")
+      ->expected(3)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 32));
 

@@ -25,6 +25,7 @@
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
+#include "kernels/cpu/line_walk.h"
 
 namespace fp8moe {
 namespace {
@@ -147,8 +148,6 @@ Weight MakeWeight(Rng& r, DType dtype, int64_t e, int64_t k, int64_t n) {
   }
   return out;
 }
-
-TensorView View(Tensor& t) { return t.view(); }
 
 // Expects |got - want| <= bound element-wise over valid rows; tail rows 0.
 void ExpectWithin(const Tensor& got, const Tensor& want, const std::vector<double>& bound,
@@ -565,6 +564,7 @@ TEST(Gmm, EveryTargetMatchesReference) {
     for (const FwdCase& c : AllFwdCases()) CheckFwd(r, c, 45, 70, 40, 3);
     CheckDlhs(r, {GmmMode::kBf16, DType::kE4M3FN, DType::kF32, true}, 50, 40, 70, 3);
     CheckDlhs(r, {GmmMode::kF32, DType::kF32}, 50, 40, 70, 3);
+    CheckDlhs(r, {GmmMode::kF32, DType::kE4M3FN}, 50, 40, 70, 3);
     CheckTgmm(r, {GmmMode::kBf16, DType::kBF16, std::nullopt}, 90, 40, 50, 3);
     CheckTgmm(r, {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, false}, 90, 40, 50, 3,
               GmmTiles{16, {}, {}});
@@ -680,6 +680,38 @@ TEST(Gmm, BadArgumentsAreClearErrors) {
   Tensor dout = Make(DType::kBF16, {10, 6});
   Tensor drhs = Make(DType::kF32, {3, 8, 6});
   expect(Tgmm(o, {}, lhs.view(), dout.view(), gs.view(), drhs.view()), "entries");
+}
+
+// The look-ahead prefetch of the direct kernels visits every line of the next
+// block once, in memory order, however the walk is cut into per-call shares.
+TEST(LineWalk, VisitsEveryLineOfTheBlockOnceInOrder) {
+  static uint8_t block[64 * 1024];
+  for (const uint32_t nseg : {1u, 2u}) {
+    for (const uint32_t seg_lines : {1u, 3u, 16u}) {
+      internal::LineWalk w;
+      w.ld = 4096;
+      w.seg_delta = nseg > 1 ? 1536 : 0;
+      w.seg_lines = seg_lines;
+      w.nseg = nseg;
+      const int64_t rows = 7, total = rows * nseg * seg_lines;
+      std::vector<const uint8_t*> want;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (uint32_t sg = 0; sg < nseg; ++sg) {
+          for (uint32_t l = 0; l < seg_lines; ++l) {
+            want.push_back(block + r * 4096 + sg * 1536 + l * 64);
+          }
+        }
+      }
+      for (const int64_t share : {int64_t{1}, int64_t{5}, total}) {
+        std::vector<const uint8_t*> got;
+        for (int64_t j = 0; j < total; j += share) {
+          w.Start(block, j, std::min(share, total - j));
+          while (const uint8_t* line = w.Next()) got.push_back(line);
+        }
+        EXPECT_EQ(got, want) << "nseg " << nseg << " seg_lines " << seg_lines << " share " << share;
+      }
+    }
+  }
 }
 
 }  // namespace

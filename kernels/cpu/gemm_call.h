@@ -18,6 +18,7 @@
 
 #include "fp8moe/dtype.h"
 #include "fp8moe/numerics.h"
+#include "fp8moe/status.h"
 
 namespace fp8moe::internal {
 
@@ -107,7 +108,7 @@ struct GemmCall {
 };
 
 // Runs a planned call on the best SIMD target of this CPU.
-void ExecuteGemm(const GemmCall& call);
+Status ExecuteGemm(const GemmCall& call);
 
 // The register tile of the kernel ExecuteGemm would use, for planning tiles.
 struct KernelShape {

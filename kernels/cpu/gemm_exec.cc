@@ -255,20 +255,21 @@ bool UseDirectB(const GemmCall& call, PanelKind kind, const WorkItem& it) {
 
 template <size_t MR>
 void RunDirect(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
-               size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale) {
+               size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
+               const DirectPrefetch& pf) {
   if (b.kind == internal::SrcKind::kBf16) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
   }
   if (MR == 8 && CpuHasAvx512Vbmi()) {  // byte-table decode; 8 rows leave room for the tables
     if (b.fp8 == Fp8Format::kE4M3FN) {
-      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
     }
-    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
   }
   if (b.fp8 == Fp8Format::kE4M3FN) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
   }
-  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale);
+  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
 }
 #endif
 
@@ -327,9 +328,42 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
   alignas(64) float cs[64];
   alignas(64) uint8_t edge[64 * 64 * 4];
   alignas(64) float rs[64];
+#if HWY_TARGET == HWY_AVX3
+  const size_t esize = call.b.kind == internal::SrcKind::kBf16 ? 2 : 1;
+  DirectPrefetch pf;
+#endif
   for (int64_t r0 = red0; r0 < red1; r0 += kc_step) {
     const int64_t kc = std::min(kc_step, red1 - r0);
     const bool load_c = r0 != red0;
+#if HWY_TARGET == HWY_AVX3
+    // The next chunk's weight lines, shared out over this chunk's panels.
+    const uint8_t* next_seg0 = nullptr;
+    int64_t ahead_per_panel = 0;
+    if (direct_b) {
+      pf.cold_rows = r0 == red0 ? 32 : 0;
+      pf.per_step = 0;
+    }
+    if (direct_b && r0 + kc < red1) {
+      const int64_t rows_next = std::min(kc_step, red1 - r0 - kc);
+      const uint8_t* row0 = static_cast<const uint8_t*>(call.b.data) +
+                            (it.group * call.b.group_stride + (r0 + kc) * call.b.ld) * esize;
+      auto line_of = [](const uint8_t* p) {
+        return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+      };
+      const uint8_t* first = row0 + runs.start[0] * esize;
+      const uint8_t* last = first + it.cols * esize - 1;
+      next_seg0 = line_of(first);
+      pf.walk.seg_lines = static_cast<uint32_t>((line_of(last) - line_of(first)) / 64 + 1);
+      pf.walk.nseg = static_cast<uint32_t>(runs.runs);
+      pf.walk.seg_delta = runs.runs > 1 ? line_of(row0 + runs.start[1] * esize) - next_seg0 : 0;
+      pf.walk.ld = static_cast<size_t>(call.b.ld) * esize;
+      const int64_t total = rows_next * runs.runs * pf.walk.seg_lines;
+      const int64_t panels = runs.runs * per_run;
+      ahead_per_panel = (total + panels - 1) / panels;
+      const int64_t steps = (kc + 1) / 2;
+      pf.per_step = static_cast<uint32_t>((ahead_per_panel + steps - 1) / steps);
+    }
+#endif
     const int64_t panels_b =
         direct_b ? runs.runs * per_run : internal::PackB(opb, kind, r0, kc, runs, nr, tb->bp_ptr);
     const int64_t bstride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * nr * 4;
@@ -371,7 +405,6 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
           if (direct_b) {
             // Source columns of this panel: run start + offset in the run.
             const int64_t src_col = runs.start[q / per_run] + jq;
-            const size_t esize = call.b.kind == internal::SrcKind::kBf16 ? 2 : 1;
             const uint8_t* src = static_cast<const uint8_t*>(call.b.data) +
                                  (it.group * call.b.group_stride + r0 * call.b.ld + src_col) * esize;
             const size_t ldb = static_cast<size_t>(call.b.ld) * esize;
@@ -383,12 +416,20 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
                             static_cast<size_t>(valid_c * elem));
               }
             }
+            // Only the first A panel pulls the next chunk (the rest re-read this one).
+            DirectPrefetch this_pf = pf;
+            if (p == 0 && pf.per_step != 0) {
+              this_pf.walk.Start(next_seg0, q * ahead_per_panel, ahead_per_panel);
+            } else {
+              this_pf.per_step = 0;
+            }
+            if (p != 0) this_pf.cold_rows = 0;
             if (mr == 8) {
               RunDirect<8>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                           src, ldb, cdst, ld, load_c, row_scale);
+                           src, ldb, cdst, ld, load_c, row_scale, this_pf);
             } else {
               RunDirect<kMR>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                             src, ldb, cdst, ld, load_c, row_scale);
+                             src, ldb, cdst, ld, load_c, row_scale, this_pf);
             }
             if (!full) {
               for (int64_t ii = 0; ii < valid_r; ++ii) {
@@ -428,7 +469,8 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
   if (!direct) RunEpilogue(call, it, c, ldc, run_stride, is_int, &tb->epi);
 }
 
-void ExecuteGemm(const GemmCall& call) {
+void ExecuteGemm(const GemmCall& call, bool* out_of_memory) {
+  *out_of_memory = false;
   if (call.items.empty()) return;
   const PanelKind kind = ChooseKind(call);
   const int64_t mr = static_cast<int64_t>(kMR);
@@ -454,13 +496,17 @@ void ExecuteGemm(const GemmCall& call) {
     tb.ap_ptr = scratch.ap.Get(ap_bytes);
     tb.bp_ptr = scratch.bp.Get(bp_bytes);
     if (call.epi.kind != Epilogue::Kind::kAccumulateF32) tb.c_ptr = scratch.c.Get(c_bytes);
-    if (tb.ap_ptr == nullptr || tb.bp_ptr == nullptr ||
-        (call.epi.kind != Epilogue::Kind::kAccumulateF32 && tb.c_ptr == nullptr)) {
-      std::abort();  // a few MB of packing buffers could not be allocated
+    // A thread without its packing buffers (a few MB) skips its items; the
+    // call then reports the failure instead of returning partial results.
+    const bool have = tb.ap_ptr != nullptr && tb.bp_ptr != nullptr &&
+                      (call.epi.kind == Epilogue::Kind::kAccumulateF32 || tb.c_ptr != nullptr);
+    if (!have) {
+#pragma omp atomic write
+      *out_of_memory = true;
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
-      RunItem(call, kind, call.items[static_cast<size_t>(i)], &tb);
+      if (have) RunItem(call, kind, call.items[static_cast<size_t>(i)], &tb);
     }
   }
 }
@@ -481,7 +527,14 @@ namespace fp8moe::internal {
 HWY_EXPORT(ExecuteGemm);
 HWY_EXPORT(KernelShapeOf);
 
-void ExecuteGemm(const GemmCall& call) { HWY_DYNAMIC_DISPATCH(ExecuteGemm)(call); }
+Status ExecuteGemm(const GemmCall& call) {
+  bool out_of_memory = false;
+  HWY_DYNAMIC_DISPATCH(ExecuteGemm)(call, &out_of_memory);
+  if (out_of_memory) {
+    return ResourceExhausted("cannot allocate the GMM packing buffers (a few MB per thread)");
+  }
+  return OkStatus();
+}
 
 KernelShape GemmKernelShape(bool integer) {
   KernelShape s;

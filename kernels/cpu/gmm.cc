@@ -30,8 +30,13 @@ using internal::WorkItem;
 constexpr int64_t kDefaultTileM = 512;   // rows of a GMM / dLHS work item
 constexpr int64_t kDefaultTileN = 1024;  // columns of a work item
 constexpr int64_t kDefaultKc = 256;      // reduction block
-constexpr int64_t kDefaultTgmmTileK = 256;
-constexpr int64_t kDefaultTgmmTileN = 512;
+// TGMM: the output tile's f32 partial sums stay in cache while the group's
+// rows stream through; 512 x 1024 re-reads lhs and dout half as often as
+// 256 x 512 (measured ~10% faster on the train-fill shapes). Shrunk when that
+// leaves fewer than four items per thread.
+constexpr int64_t kDefaultTgmmTileK = 512;
+constexpr int64_t kDefaultTgmmTileN = 1024;
+constexpr int64_t kMinTgmmTile = 128;
 
 int64_t EvenUp(int64_t v) { return v + (v & 1); }
 
@@ -246,8 +251,7 @@ Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
   ZeroRows(out, p.valid_rows);
   RowGroupItems(p, cols, p.k, o.tiles.m.value_or(kDefaultTileM),
                 o.tiles.n.value_or(kDefaultTileN), &call.items);
-  internal::ExecuteGemm(call);
-  return OkStatus();
+  return internal::ExecuteGemm(call);
 }
 
 Status GmmDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rhs,
@@ -281,8 +285,7 @@ Status GmmDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rh
   ZeroRows(out, p.valid_rows);
   RowGroupItems(p, p.k, p.n, o.tiles.m.value_or(kDefaultTileM),
                 o.tiles.n.value_or(kDefaultTileN), &call.items);
-  internal::ExecuteGemm(call);
-  return OkStatus();
+  return internal::ExecuteGemm(call);
 }
 
 Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
@@ -328,8 +331,21 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
   call.epi.out = drhs.data;
   call.epi.out_ld = p.n;
   call.out_group_stride = p.k * p.n;
-  const int64_t tile_k = o.tiles.k.value_or(kDefaultTgmmTileK);
-  const int64_t tile_n = o.tiles.n.value_or(kDefaultTgmmTileN);
+  int64_t tile_k = o.tiles.k.value_or(kDefaultTgmmTileK);
+  int64_t tile_n = o.tiles.n.value_or(kDefaultTgmmTileN);
+  if (!o.tiles.k && !o.tiles.n) {
+    int64_t busy = 0;  // groups with rows
+    for (int64_t g = 0; g < p.e; ++g) busy += p.offsets[g + 1] > p.offsets[g] ? 1 : 0;
+    auto items = [&] { return busy * ((p.k + tile_k - 1) / tile_k) * ((p.n + tile_n - 1) / tile_n); };
+    const int64_t want = 4 * static_cast<int64_t>(omp_get_max_threads());
+    while (items() < want && (tile_k > kMinTgmmTile || tile_n > kMinTgmmTile)) {
+      if (tile_n >= tile_k && tile_n > kMinTgmmTile) {
+        tile_n /= 2;
+      } else {
+        tile_k /= 2;
+      }
+    }
+  }
   for (int64_t g = 0; g < p.e; ++g) {
     for (int64_t k = 0; k < p.k; k += tile_k) {
       for (int64_t n = 0; n < p.n; n += tile_n) {
@@ -339,8 +355,7 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
       }
     }
   }
-  internal::ExecuteGemm(call);
-  return OkStatus();
+  return internal::ExecuteGemm(call);
 }
 
 }  // namespace fp8moe

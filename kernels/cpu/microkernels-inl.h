@@ -38,6 +38,7 @@
 #include <immintrin.h>
 
 #include "fp8moe/numerics.h"
+#include "kernels/cpu/line_walk.h"
 #include "numerics/fp8_spec.h"
 #ifndef FP8MOE_AVX512BF16
 #define FP8MOE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -287,6 +288,28 @@ DecodeFp8ToBf16x32(__m256i codes8) {
   return v;
 }
 
+// How a direct kernel call prefetches: `per_step` lines of the next chunk's
+// walk (line_walk.h) per reduction step into L2, and on an item's first
+// (cold) chunk, where nothing was prefetched, its own rows `cold_rows` ahead.
+struct DirectPrefetch {
+  internal::LineWalk walk;  // see line_walk.h
+  uint32_t per_step = 0;
+  uint32_t cold_rows = 0;
+};
+
+// One reduction step's prefetches (row: the step's first weight row).
+HWY_INLINE void Prefetch(DirectPrefetch& pf, const uint8_t* row, size_t ldb) {
+  if (pf.cold_rows != 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + pf.cold_rows * ldb), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + (pf.cold_rows + 1) * ldb), _MM_HINT_T0);
+  }
+  for (uint32_t u = 0; u < pf.per_step; ++u) {
+    if (const uint8_t* line = pf.walk.Next()) {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    }
+  }
+}
+
 // Source kinds of the direct kernel.
 // (The fp8 weights of native GMMs are e4m3fn or e4m3fnuz.)
 enum class DirectSrc { kBf16, kE4M3FN, kE4M3FNUZ };
@@ -365,7 +388,7 @@ FP8MOE_AVX512BF16 HWY_NOINLINE void
 MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
                      const uint8_t* HWY_RESTRICT b, size_t ldb,
                      float* HWY_RESTRICT c, size_t ldc, bool load_c,
-                     const float* HWY_RESTRICT row_scale) {
+                     const float* HWY_RESTRICT row_scale, DirectPrefetch pf) {
   PermutedTile<MR> tile;
   tile.Load(c, ldc, load_c && row_scale == nullptr);
   auto step = [&](const uint32_t* a, __m512i lo, __m512i hi) FP8MOE_AVX512BF16 {
@@ -375,8 +398,7 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
-    _mm_prefetch(reinterpret_cast<const char*>(row + 32 * ldb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 33 * ldb), _MM_HINT_T0);
+    Prefetch(pf, row, ldb);
     step(ap + k * MR, LoadBf16x32<kSrc>(row), LoadBf16x32<kSrc>(row + ldb));
   }
   if (kc % 2 != 0) {
@@ -423,7 +445,7 @@ template <size_t MR, Fp8Format kFormat>
 FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
     size_t kc, const uint32_t* HWY_RESTRICT ap, const uint8_t* HWY_RESTRICT b,
     size_t ldb, float* HWY_RESTRICT c, size_t ldc, bool load_c,
-    const float* HWY_RESTRICT row_scale) {
+    const float* HWY_RESTRICT row_scale, DirectPrefetch pf) {
   static const Fp8ByteTables tables(kFormat);
   const __m512i tlo0 = _mm512_load_si512(tables.lo), tlo1 = _mm512_load_si512(tables.lo + 64);
   const __m512i thi0 = _mm512_load_si512(tables.hi), thi1 = _mm512_load_si512(tables.hi + 64);
@@ -453,8 +475,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
-    _mm_prefetch(reinterpret_cast<const char*>(row + 32 * ldb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 33 * ldb), _MM_HINT_T0);
+    Prefetch(pf, row, ldb);
     step(ap + k * MR, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)),
          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + ldb)));
   }

@@ -24,6 +24,13 @@ class RowReader {
 
   bool scaled() const { return col_scale_ != nullptr; }
 
+  // Row r from column c0 in place when the source already holds f32 (no
+  // conversion to make, so no copy through scratch); else nullptr.
+  const float* F32InPlace(int64_t r, int64_t c0) const {
+    if (s_.kind != SrcKind::kF32) return nullptr;
+    return reinterpret_cast<const float*>(base_) + r * s_.ld + c0;
+  }
+
   // Row r, columns [c0, c0 + n) as f32.
   void F32(int64_t r, int64_t c0, int64_t n, float* dst) const {
     const uint8_t* p = base_ + (r * s_.ld + c0) * esize_;
@@ -80,21 +87,44 @@ class RowReader {
 
 // Per-thread scratch rows for the conversions.
 struct Scratch {
-  std::vector<float> f32, tmp;
+  std::vector<float> f32, tmp, zero;
   std::vector<uint16_t> lo, hi;
+  std::vector<float> rows;  // several converted rows
   void Reserve(int64_t n) {
     const size_t un = static_cast<size_t>(n);
     if (f32.size() < un) {
       f32.resize(un);
       tmp.resize(un);
+      zero.resize(un);
       lo.resize(un);
       hi.resize(un);
     }
+  }
+  void ReserveRows(int64_t n) {
+    if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
   }
 };
 thread_local Scratch tls;
 
 uint32_t Pair(uint16_t lo, uint16_t hi) { return lo | static_cast<uint32_t>(hi) << 16; }
+
+// Copies n floats. Panel pieces are one register tile wide (mr or nr floats,
+// a few dozen bytes): a constant-size memcpy compiles to a few vector moves,
+// where a call to memcpy per piece cost ~15% of a TGMM.
+template <int64_t N>
+bool CopyIf(float* dst, const float* src, int64_t n) {
+  if (n != N) return false;
+  std::memcpy(dst, src, N * sizeof(float));
+  return true;
+}
+void CopyFloats(float* dst, const float* src, int64_t n) {
+  if (CopyIf<32>(dst, src, n) || CopyIf<16>(dst, src, n) || CopyIf<12>(dst, src, n) ||
+      CopyIf<8>(dst, src, n) || CopyIf<6>(dst, src, n) || CopyIf<4>(dst, src, n) ||
+      CopyIf<2>(dst, src, n)) {
+    return;
+  }
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+}
 
 }  // namespace
 
@@ -109,13 +139,40 @@ void PackA(const Operand& a, PanelKind kind, int64_t i0, int64_t rows,
     // A(i, r) = source(i, r): convert each row over the reduction block and
     // scatter it down its panel column.
     s.Reserve(kc + 1);
+    if (kind == PanelKind::kF32) {
+      // Up to 16 panel columns at a time: each panel row k gets one
+      // contiguous store of those rows' values instead of scattered ones.
+      constexpr int64_t kBlock = 16;
+      s.ReserveRows(kBlock * (kc + 1));
+      std::fill(s.zero.begin(), s.zero.begin() + kc, 0.0f);
+      for (int64_t p = 0; p < panels; ++p) {
+        for (int64_t b0 = 0; b0 < mr; b0 += kBlock) {
+          const int64_t nb = std::min(kBlock, mr - b0);
+          const float* src[kBlock];
+          for (int64_t t = 0; t < nb; ++t) {
+            const int64_t i = p * mr + b0 + t;
+            if (i >= rows) {
+              src[t] = s.zero.data();
+              continue;
+            }
+            src[t] = rd.F32InPlace(i0 + i, r0);
+            if (src[t] == nullptr) {
+              float* row = s.rows.data() + t * (kc + 1);
+              rd.F32(i0 + i, r0, kc, row);
+              src[t] = row;
+            }
+          }
+          float* panel = static_cast<float*>(ap) + p * step * mr + b0;
+          for (int64_t k = 0; k < kc; ++k) {
+            for (int64_t t = 0; t < nb; ++t) panel[k * mr + t] = src[t][k];
+          }
+        }
+      }
+      return;
+    }
     for (int64_t i = 0; i < panels * mr; ++i) {
       const int64_t p = i / mr, ii = i % mr;
-      if (kind == PanelKind::kF32) {
-        float* col = static_cast<float*>(ap) + p * step * mr + ii;
-        if (i < rows) rd.F32(i0 + i, r0, kc, s.f32.data());
-        for (int64_t k = 0; k < kc; ++k) col[k * mr] = i < rows ? s.f32[k] : 0.0f;
-      } else {
+      {
         uint32_t* col = static_cast<uint32_t*>(ap) + p * step * mr + ii;
         if (i < rows) {
           rd.Half(i0 + i, r0, kc, s.lo.data(), s.tmp.data());
@@ -133,11 +190,16 @@ void PackA(const Operand& a, PanelKind kind, int64_t i0, int64_t rows,
   s.Reserve(panels * mr);
   for (int64_t k = 0; k < step; ++k) {
     if (kind == PanelKind::kF32) {
-      rd.F32(r0 + k, i0, rows, s.f32.data());
-      std::fill(s.f32.begin() + rows, s.f32.begin() + panels * mr, 0.0f);
+      const float* row = rd.F32InPlace(r0 + k, i0);
+      if (row == nullptr) {
+        rd.F32(r0 + k, i0, rows, s.f32.data());
+        row = s.f32.data();
+      }
       for (int64_t p = 0; p < panels; ++p) {
-        std::memcpy(static_cast<float*>(ap) + (p * step + k) * mr, s.f32.data() + p * mr,
-                    static_cast<size_t>(mr) * sizeof(float));
+        float* dst = static_cast<float*>(ap) + (p * step + k) * mr;
+        const int64_t n = std::min(mr, rows - p * mr);
+        CopyFloats(dst, row + p * mr, n);
+        std::fill(dst + n, dst + mr, 0.0f);
       }
     } else {
       rd.Half(r0 + 2 * k, i0, rows, s.lo.data(), s.tmp.data());
@@ -179,11 +241,16 @@ int64_t PackB(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
       s.Reserve(padded);
       for (int64_t k = 0; k < step; ++k) {
         if (kind == PanelKind::kF32) {
-          rd.F32(r0 + k, c0, cols.count, s.f32.data());
-          std::fill(s.f32.begin() + cols.count, s.f32.begin() + padded, 0.0f);
+          const float* row = rd.F32InPlace(r0 + k, c0);
+          if (row == nullptr) {
+            rd.F32(r0 + k, c0, cols.count, s.f32.data());
+            row = s.f32.data();
+          }
           for (int64_t q = 0; q < per_run; ++q) {
-            std::memcpy(panel_f32(q) + k * nr, s.f32.data() + q * nr,
-                        static_cast<size_t>(nr) * sizeof(float));
+            float* dst = panel_f32(q) + k * nr;
+            const int64_t n = std::min(nr, cols.count - q * nr);
+            CopyFloats(dst, row + q * nr, n);
+            std::fill(dst + n, dst + nr, 0.0f);
           }
         } else {
           rd.Half(r0 + 2 * k, c0, cols.count, s.lo.data(), s.tmp.data());
@@ -205,16 +272,48 @@ int64_t PackB(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
       continue;
     }
     // Transposed (dLHS: B(r, j) = source(c0 + j, r)): each source row is one
-    // output column over the reduction block; scatter it down its panel.
+    // output column over the reduction block.
     s.Reserve(kc + 1);
+    if (kind == PanelKind::kF32) {
+      // Eight columns at a time (nr, a power of two, when narrower), so that
+      // every panel row gets one contiguous store instead of scattered ones.
+      const int64_t blk = std::min<int64_t>(8, nr);
+      constexpr int64_t kCols = 8;
+      s.ReserveRows(kCols * (kc + 1));
+      std::fill(s.zero.begin(), s.zero.begin() + kc, 0.0f);
+      for (int64_t j0 = 0; j0 < padded; j0 += blk) {
+        const float* src[kCols];
+        for (int64_t t = 0; t < blk; ++t) {
+          const int64_t j = j0 + t;
+          if (j >= cols.count) {
+            src[t] = s.zero.data();
+            continue;
+          }
+          src[t] = rd.F32InPlace(c0 + j, r0);
+          if (src[t] == nullptr) {
+            float* row = s.rows.data() + t * (kc + 1);
+            rd.F32(c0 + j, r0, kc, row);
+            src[t] = row;
+          }
+        }
+        float* col = panel_f32(j0 / nr) + j0 % nr;
+        if (blk == kCols) {
+          for (int64_t k = 0; k < kc; ++k) {
+            float* dst = col + k * nr;
+            for (int64_t t = 0; t < kCols; ++t) dst[t] = src[t][k];
+          }
+        } else {
+          for (int64_t k = 0; k < kc; ++k) {
+            for (int64_t t = 0; t < blk; ++t) col[k * nr + t] = src[t][k];
+          }
+        }
+      }
+      continue;
+    }
     for (int64_t j = 0; j < padded; ++j) {
       const int64_t q = j / nr, jj = j % nr;
       const bool valid = j < cols.count;
-      if (kind == PanelKind::kF32) {
-        float* col = panel_f32(q) + jj;
-        if (valid) rd.F32(c0 + j, r0, kc, s.f32.data());
-        for (int64_t k = 0; k < kc; ++k) col[k * nr] = valid ? s.f32[k] : 0.0f;
-      } else {
+      {
         uint32_t* col = panel_u32(q) + jj;
         if (valid) {
           rd.Half(c0 + j, r0, kc, s.lo.data(), s.tmp.data());

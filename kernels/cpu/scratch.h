@@ -23,8 +23,6 @@ class GrowBuffer {
     std::free(p_);
   }
 
-  // At least `bytes` bytes; the contents are unspecified. nullptr only if the
-  // system is out of memory.
   // Frees the memory (the next Get allocates again).
   void Release() {
     internal::TrackRelease(static_cast<int64_t>(size_));
@@ -33,6 +31,8 @@ class GrowBuffer {
     size_ = 0;
   }
 
+  // At least `bytes` bytes; the contents are unspecified. nullptr only if the
+  // system is out of memory.
   uint8_t* Get(size_t bytes) {
     if (bytes > size_) {
       internal::TrackRelease(static_cast<int64_t>(size_));

@@ -1,0 +1,70 @@
+// LineWalk: the cache lines of a strided weight block in memory order, for
+// the direct (small-group) kernels' look-ahead prefetch (gemm_exec.cc).
+//
+// Why: a direct kernel reads its 32-column strip down kc rows, one weight row
+// (4-8 KiB) per step. Served on demand that pattern gets about half of the
+// streaming bandwidth (rows a page apart defeat the hardware prefetchers),
+// and with fp8 the other half of every line is needed again by the next
+// strip. So each kernel call pulls its share of the *next* reduction chunk
+// into L2, one or two lines per step, row by row and left to right; DRAM then
+// sees long sequential runs. Pure address arithmetic, kept small and passed by
+// value so that it lives in registers; the kernel issues the prefetch.
+#ifndef FP8MOE_KERNELS_CPU_LINE_WALK_H_
+#define FP8MOE_KERNELS_CPU_LINE_WALK_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fp8moe::internal {
+
+struct LineWalk {
+  // The block: rows `ld` bytes apart; each row holds `nseg` segments of
+  // `seg_lines` lines, segment s starting s * seg_delta bytes after segment 0.
+  size_t ld = 0;
+  ptrdiff_t seg_delta = 0;
+  uint32_t seg_lines = 1, nseg = 1;
+
+  // Position: the next line, the first line of its segment, lines left in
+  // that segment, the segment's index, and lines still to visit.
+  const uint8_t* cur = nullptr;
+  const uint8_t* seg_start = nullptr;
+  uint32_t in_seg_left = 1, s = 0;
+  int64_t left = 0;
+
+  // Positions the walk at flat line j (row-major over rows x segments x
+  // lines) of the block whose row 0, segment 0 starts at seg0, with `count`
+  // lines to visit.
+  void Start(const uint8_t* seg0, int64_t j, int64_t count) {
+    const int64_t per_row = static_cast<int64_t>(nseg) * seg_lines;
+    const int64_t row = j / per_row, r = j % per_row;
+    s = static_cast<uint32_t>(r / seg_lines);
+    const uint32_t line = static_cast<uint32_t>(r % seg_lines);
+    seg_start = seg0 + static_cast<size_t>(row) * ld + static_cast<ptrdiff_t>(s) * seg_delta;
+    cur = seg_start + size_t{line} * 64;
+    in_seg_left = seg_lines - line;
+    left = count;
+  }
+
+  // The next line to visit, or nullptr once `count` lines were visited.
+  const uint8_t* Next() {
+    if (left <= 0) return nullptr;
+    --left;
+    const uint8_t* line = cur;
+    cur += 64;
+    if (--in_seg_left == 0) {
+      in_seg_left = seg_lines;
+      if (++s == nseg) {
+        s = 0;
+        seg_start += static_cast<ptrdiff_t>(ld) - static_cast<ptrdiff_t>(nseg - 1) * seg_delta;
+      } else {
+        seg_start += seg_delta;
+      }
+      cur = seg_start;
+    }
+    return line;
+  }
+};
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_KERNELS_CPU_LINE_WALK_H_
