@@ -239,12 +239,34 @@ int BenchGmm(const BenchOptions& opt) {
     }
     return 0.0;
   };
+  // The fastest bf16-pair arithmetic this run saw (bf16 operands on the
+  // compute-bound shapes): native_fp8 runs the same vdpbf16ps work, so on a
+  // weight-bound shape it cannot beat FLOPs / that rate, while bf16 cannot
+  // beat its weight bytes / the read ceiling.
+  double pair_gflops = 0;
+  std::string pair_where;
+  for (const Row& r : rows) {
+    if (r.mode == "bf16" && r.gbs == 0 && r.gflops > pair_gflops) {
+      pair_gflops = r.gflops;
+      pair_where = r.shape + " " + r.pass;
+    }
+  }
   for (const Shape4& s : shapes) {
     const double nat = seconds_of(s.name, "native_fp8");
     if (!s.weight_bound || nat <= 0) continue;
     t.notes.push_back(s.name + ": native_fp8 is " + Fixed(seconds_of(s.name, "bf16") / nat, 2) +
                       "x as fast as bf16, " + Fixed(seconds_of(s.name, "fake_qat") / nat, 2) +
                       "x as fake_qat");
+    if (pair_gflops > 0) {
+      const double flops = 2.0 * static_cast<double>(s.m) * s.k * s.n;
+      const double native_floor = flops / (pair_gflops * 1e9);
+      const double bf16_floor = 2.0 * static_cast<double>(s.e) * s.k * s.n / (read_gbs * 1e9);
+      t.notes.push_back(s.name + " floors: native_fp8 >= " + Fixed(native_floor * 1e3, 2) +
+                        " ms (FLOPs at the best bf16-pair rate, " + Fixed(pair_gflops, 0) +
+                        " GFLOP/s, " + pair_where + "); bf16 >= " + Fixed(bf16_floor * 1e3, 2) +
+                        " ms (bf16 weight at the read ceiling): a bandwidth-bound bf16 allows at "
+                        "most " + Fixed(bf16_floor / native_floor, 2) + "x");
+    }
   }
   if (opt.json) {
     nlohmann::json j = {{"bench", "gmm"}, {"threads", opt.threads},

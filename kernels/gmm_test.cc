@@ -530,22 +530,39 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
   std::vector<int32_t> sizes = {50, 0, 61};
   Tensor gs = Make(DType::kI32, {e});
   std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
-  for (GmmMode mode : {GmmMode::kBf16, GmmMode::kNativeFp8}) {
+  // The direct kernels keep C in their accumulator order between reduction
+  // chunks: several chunks (tile k 64 and 300 > 256), K-block scales and both
+  // fp8 formats must still give the packed path's bits.
+  struct Case {
+    GmmMode mode;
+    DType wdtype;
+    int64_t block;
+  };
+  for (const Case& c : {Case{GmmMode::kBf16, DType::kBF16, 0}, Case{GmmMode::kNativeFp8, DType::kE4M3FN, 0},
+                        Case{GmmMode::kNativeFp8, DType::kE4M3FN, 128},
+                        Case{GmmMode::kNativeFp8, DType::kE4M3FNUZ, 0}}) {
     for (bool swiglu : {false, true}) {
-      SCOPED_TRACE(std::string(GmmModeName(mode)) + (swiglu ? " swiglu" : ""));
+      const GmmMode mode = c.mode;
+      SCOPED_TRACE(std::string(GmmModeName(mode)) + " " + std::string(DTypeName(c.wdtype)) +
+                   " block " + std::to_string(c.block) + (swiglu ? " swiglu" : ""));
       Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
-      Weight w = MakeWeight(r, mode == GmmMode::kBf16 ? DType::kBF16 : DType::kE4M3FN, e, k, n);
+      Weight w = MakeWeight(r, c.wdtype, e, k, n);
       TensorView sv = w.codes ? w.scale.view() : TensorView{};
       const int64_t oc = swiglu ? n / 2 : n;
       std::vector<Tensor> outs;
       for (int64_t tile_m : {8, 12, 16}) {
-        GmmOptions o;
-        o.mode = mode;
-        o.epilogue = swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
-        o.tiles.m = tile_m;
-        outs.push_back(Make(DType::kF32, {m, oc}));
-        ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
-                        outs.back().view()).ok());
+        for (int64_t tile_k : {int64_t{0}, int64_t{64}}) {
+          GmmOptions o;
+          o.mode = mode;
+          o.fp8_dtype = c.wdtype == DType::kE4M3FNUZ ? QuantDType::kE4M3FNUZ : QuantDType::kE4M3FN;
+          o.lhs_quant_block_size = c.block;
+          o.epilogue = swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
+          o.tiles.m = tile_m;
+          if (tile_k > 0) o.tiles.k = tile_k;
+          outs.push_back(Make(DType::kF32, {m, oc}));
+          ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
+                          outs.back().view()).ok());
+        }
       }
       for (size_t i = 1; i < outs.size(); ++i) {
         ASSERT_EQ(0, std::memcmp(outs[0].data(), outs[i].data(), outs[0].num_bytes()));

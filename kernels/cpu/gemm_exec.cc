@@ -256,20 +256,20 @@ bool UseDirectB(const GemmCall& call, PanelKind kind, const WorkItem& it) {
 template <size_t MR>
 void RunDirect(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
                size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
-               const DirectPrefetch& pf) {
+               bool last, const DirectPrefetch& pf) {
   if (b.kind == internal::SrcKind::kBf16) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
   }
   if (MR == 8 && CpuHasAvx512Vbmi()) {  // byte-table decode; 8 rows leave room for the tables
     if (b.fp8 == Fp8Format::kE4M3FN) {
-      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
     }
-    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
   }
   if (b.fp8 == Fp8Format::kE4M3FN) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
   }
-  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
 }
 #endif
 
@@ -336,6 +336,7 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
     const int64_t kc = std::min(kc_step, red1 - r0);
     const bool load_c = r0 != red0;
 #if HWY_TARGET == HWY_AVX3
+    const bool last_chunk = r0 + kc >= red1;  // direct kernels: C to natural order
     // The next chunk's weight lines, shared out over this chunk's panels.
     const uint8_t* next_seg0 = nullptr;
     int64_t ahead_per_panel = 0;
@@ -426,10 +427,10 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
             if (p != 0) this_pf.cold_rows = 0;
             if (mr == 8) {
               RunDirect<8>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                           src, ldb, cdst, ld, load_c, row_scale, this_pf);
+                           src, ldb, cdst, ld, load_c, row_scale, last_chunk, this_pf);
             } else {
               RunDirect<kMR>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                             src, ldb, cdst, ld, load_c, row_scale, this_pf);
+                             src, ldb, cdst, ld, load_c, row_scale, last_chunk, this_pf);
             }
             if (!full) {
               for (int64_t ii = 0; ii < valid_r; ++ii) {

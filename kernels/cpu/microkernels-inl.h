@@ -326,26 +326,21 @@ LoadBf16x32(const uint8_t* p) {
 }
 
 // The C tile [MR x 32] of the direct kernels, held in the accumulator column
-// order the in-lane unpacks produce; Load and Store permute to and from the
-// natural order. Everything is inlined and unrolled, so the array lives in
-// registers.
+// order the in-lane unpacks produce. Between the reduction chunks of a work
+// item C stays in that order in memory (nobody reads it until the item is
+// done), so only the item's last chunk permutes it to the natural order:
+// permutes share the shuffle pipes with the fp8 decode. Everything is inlined
+// and unrolled, so the arrays live in registers.
 template <size_t MR>
 struct PermutedTile {
   __m512 acc0[MR], acc1[MR];
 
+  // acc = C as a previous chunk left it (accumulator order), or zero.
   FP8MOE_AVX512BF16 HWY_INLINE void Load(const float* c, size_t ldc, bool from_c) {
-    const __m512i to_acc0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    const __m512i to_acc1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     HWY_UNROLL(16)
     for (size_t i = 0; i < MR; ++i) {
-      if (from_c) {
-        const __m512 n0 = _mm512_loadu_ps(c + i * ldc), n1 = _mm512_loadu_ps(c + i * ldc + 16);
-        acc0[i] = _mm512_permutex2var_ps(n0, to_acc0, n1);
-        acc1[i] = _mm512_permutex2var_ps(n0, to_acc1, n1);
-      } else {
-        acc0[i] = _mm512_setzero_ps();
-        acc1[i] = _mm512_setzero_ps();
-      }
+      acc0[i] = from_c ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+      acc1[i] = from_c ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
     }
   }
 
@@ -359,23 +354,28 @@ struct PermutedTile {
     }
   }
 
-  // C = acc, or with row_scale C = s * acc (+ C when load_c).
+  // C = acc, or with row_scale C = s * acc (+ C when load_c, which is in
+  // accumulator order); in the natural column order when `last`.
   FP8MOE_AVX512BF16 HWY_INLINE void Store(float* c, size_t ldc, bool load_c,
-                                          const float* row_scale) {
+                                          const float* row_scale, bool last) {
     const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     HWY_UNROLL(16)
     for (size_t i = 0; i < MR; ++i) {
       float* p = c + i * ldc;
-      __m512 n0 = _mm512_permutex2var_ps(acc0[i], to_natural0, acc1[i]);
-      __m512 n1 = _mm512_permutex2var_ps(acc0[i], to_natural1, acc1[i]);
+      __m512 v0 = acc0[i], v1 = acc1[i];
       if (row_scale != nullptr) {
         const __m512 s = _mm512_set1_ps(row_scale[i]);
-        n0 = load_c ? _mm512_fmadd_ps(s, n0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, n0);
-        n1 = load_c ? _mm512_fmadd_ps(s, n1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, n1);
+        v0 = load_c ? _mm512_fmadd_ps(s, v0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, v0);
+        v1 = load_c ? _mm512_fmadd_ps(s, v1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, v1);
       }
-      _mm512_storeu_ps(p, n0);
-      _mm512_storeu_ps(p + 16, n1);
+      if (last) {
+        const __m512 n0 = _mm512_permutex2var_ps(v0, to_natural0, v1);
+        v1 = _mm512_permutex2var_ps(v0, to_natural1, v1);
+        v0 = n0;
+      }
+      _mm512_storeu_ps(p, v0);
+      _mm512_storeu_ps(p + 16, v1);
     }
   }
 };
@@ -388,7 +388,7 @@ FP8MOE_AVX512BF16 HWY_NOINLINE void
 MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
                      const uint8_t* HWY_RESTRICT b, size_t ldb,
                      float* HWY_RESTRICT c, size_t ldc, bool load_c,
-                     const float* HWY_RESTRICT row_scale, DirectPrefetch pf) {
+                     const float* HWY_RESTRICT row_scale, bool last, DirectPrefetch pf) {
   PermutedTile<MR> tile;
   tile.Load(c, ldc, load_c && row_scale == nullptr);
   auto step = [&](const uint32_t* a, __m512i lo, __m512i hi) FP8MOE_AVX512BF16 {
@@ -404,7 +404,7 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
   if (kc % 2 != 0) {
     step(ap + kc2 * MR, LoadBf16x32<kSrc>(b + 2 * kc2 * ldb), _mm512_setzero_si512());
   }
-  tile.Store(c, ldc, load_c, row_scale);
+  tile.Store(c, ldc, load_c, row_scale, last);
 }
 
 // ---- fp8 weight pairs by byte tables (AVX512-VBMI) --------------------------
@@ -445,7 +445,7 @@ template <size_t MR, Fp8Format kFormat>
 FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
     size_t kc, const uint32_t* HWY_RESTRICT ap, const uint8_t* HWY_RESTRICT b,
     size_t ldb, float* HWY_RESTRICT c, size_t ldc, bool load_c,
-    const float* HWY_RESTRICT row_scale, DirectPrefetch pf) {
+    const float* HWY_RESTRICT row_scale, bool last, DirectPrefetch pf) {
   static const Fp8ByteTables tables(kFormat);
   const __m512i tlo0 = _mm512_load_si512(tables.lo), tlo1 = _mm512_load_si512(tables.lo + 64);
   const __m512i thi0 = _mm512_load_si512(tables.hi), thi1 = _mm512_load_si512(tables.hi + 64);
@@ -484,7 +484,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * kc2 * ldb)),
          _mm256_setzero_si256());
   }
-  tile.Store(c, ldc, load_c, row_scale);
+  tile.Store(c, ldc, load_c, row_scale, last);
 }
 
 // Whether this CPU has vpdpwssd (AVX512-VNNI).
