@@ -538,14 +538,21 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
     DType wdtype;
     int64_t block;
   };
-  for (const Case& c : {Case{GmmMode::kBf16, DType::kBF16, 0}, Case{GmmMode::kNativeFp8, DType::kE4M3FN, 0},
+  // Every SIMD target: AVX512-BF16 runs the pair kernels straight from the
+  // weight, every other target (and f32 everywhere) MicroF32Direct.
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+  hwy::SetSupportedTargetsForTest(target);
+  for (const Case& c : {Case{GmmMode::kF32, DType::kF32, 0}, Case{GmmMode::kBf16, DType::kBF16, 0},
+                        Case{GmmMode::kNativeFp8, DType::kE4M3FN, 0},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FN, 128},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FNUZ, 0}}) {
     for (bool swiglu : {false, true}) {
       const GmmMode mode = c.mode;
-      SCOPED_TRACE(std::string(GmmModeName(mode)) + " " + std::string(DTypeName(c.wdtype)) +
-                   " block " + std::to_string(c.block) + (swiglu ? " swiglu" : ""));
-      Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
+      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + std::string(GmmModeName(mode)) +
+                   " " + std::string(DTypeName(c.wdtype)) + " block " + std::to_string(c.block) +
+                   (swiglu ? " swiglu" : ""));
+      Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
+      Tensor lhs = mode == GmmMode::kF32 ? std::move(lhs32) : ToBf16(lhs32);
       Weight w = MakeWeight(r, c.wdtype, e, k, n);
       TensorView sv = w.codes ? w.scale.view() : TensorView{};
       const int64_t oc = swiglu ? n / 2 : n;
@@ -565,10 +572,12 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
         }
       }
       for (size_t i = 1; i < outs.size(); ++i) {
-        ASSERT_EQ(0, std::memcmp(outs[0].data(), outs[i].data(), outs[0].num_bytes()));
+        ASSERT_EQ(0, std::memcmp(outs[0].data(), outs[i].data(), outs[0].num_bytes())) << i;
       }
     }
   }
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 // The kernels of every SIMD target this CPU runs (AVX-512 with or without

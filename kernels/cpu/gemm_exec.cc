@@ -41,6 +41,10 @@ using internal::Pass;
 using internal::WorkItem;
 
 constexpr int64_t kMC = 96;  // rows per packed A block (a multiple of MR)
+// Weight bytes per reduction chunk of a direct item (see RunItem): 256 KiB
+// measured best for f32, bf16 and fp8 weights on the decode shape (512 KiB
+// made f32 40% and bf16 7% slower; 64 KiB costs in C-tile reloads).
+constexpr int64_t kDirectChunkBytes = 256 << 10;
 
 using internal::GrowBuffer;
 
@@ -240,19 +244,61 @@ struct ThreadBuffers {
   std::vector<float> epi;
 };
 
-#if HWY_TARGET == HWY_AVX3
-// Items of at most MR rows on bf16-pair kernels read B straight from the
-// weight (MicroBf16PairsDirect) instead of packing it: B is used once.
-bool UseDirectB(const GemmCall& call, PanelKind kind, const WorkItem& it) {
-  const internal::Source& b = call.b;
-  return kind == PanelKind::kBf16Pairs && call.pass == Pass::kFwd &&
-         it.rows <= static_cast<int64_t>(kMR) && it.cols % 32 == 0 &&
-         (b.kind == internal::SrcKind::kBf16 ||
-          (b.kind == internal::SrcKind::kFp8 && b.col_scale == nullptr &&
-           !b.round_bf16 &&
-           (b.fp8 == Fp8Format::kE4M3FN || b.fp8 == Fp8Format::kE4M3FNUZ)));
+// Items of few rows use each weight row once, so they read B straight from
+// the weight instead of packing it: the bf16-pair kernels on AVX512-BF16
+// CPUs (MicroBf16PairsDirect, MicroFp8PairsVbmi; up to MR rows), the f32
+// kernel everywhere else (MicroF32Direct; up to 8 rows).
+enum class Direct { kNone, kPairs, kF32 };
+
+// Sources the direct kernels convert in registers (besides f32).
+bool ConvertibleInRegisters(const internal::Source& b) {
+  return b.kind == internal::SrcKind::kBf16 ||
+         (b.kind == internal::SrcKind::kFp8 && b.col_scale == nullptr && !b.round_bf16 &&
+          (b.fp8 == Fp8Format::kE4M3FN || b.fp8 == Fp8Format::kE4M3FNUZ));
 }
 
+Direct ChooseDirect(const GemmCall& call, PanelKind kind, const WorkItem& it, int64_t nr) {
+  if (call.pass != Pass::kFwd || it.cols % nr != 0) return Direct::kNone;
+#if HWY_TARGET == HWY_AVX3
+  if (kind == PanelKind::kBf16Pairs && it.rows <= static_cast<int64_t>(kMR) &&
+      ConvertibleInRegisters(call.b)) {
+    return Direct::kPairs;
+  }
+#endif
+  if (kind == PanelKind::kF32 && it.rows <= 8 &&
+      (call.b.kind == internal::SrcKind::kF32 || ConvertibleInRegisters(call.b))) {
+    return Direct::kF32;
+  }
+  return Direct::kNone;
+}
+
+size_t SourceElementBytes(const internal::Source& b) {
+  switch (b.kind) {
+    case internal::SrcKind::kF32: return 4;
+    case internal::SrcKind::kBf16: return 2;
+    default: return 1;
+  }
+}
+
+// MicroF32Direct on the source's element type.
+void RunDirectF32(const internal::Source& b, size_t kc, const float* ap, const uint8_t* src,
+                  size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
+                  const DirectPrefetch& pf) {
+  switch (b.kind) {
+    case internal::SrcKind::kF32:
+      return MicroF32Direct<8, RowSrc::kF32>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+    case internal::SrcKind::kBf16:
+      return MicroF32Direct<8, RowSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+    default:
+      break;
+  }
+  if (b.fp8 == Fp8Format::kE4M3FN) {
+    return MicroF32Direct<8, RowSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+  }
+  return MicroF32Direct<8, RowSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
+}
+
+#if HWY_TARGET == HWY_AVX3
 template <size_t MR>
 void RunDirect(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
                size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
@@ -275,15 +321,11 @@ void RunDirect(const internal::Source& b, size_t kc, const uint32_t* ap, const u
 
 void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
              ThreadBuffers* tb) {
-#if HWY_TARGET == HWY_AVX3
-  const bool direct_b = UseDirectB(call, kind, it);
+  const int64_t nr = static_cast<int64_t>(KernelNR());
+  const Direct direct_kind = ChooseDirect(call, kind, it, nr);
+  const bool direct_b = direct_kind != Direct::kNone;
   // A panel as tall as the item: 8 rows when that is enough.
   const int64_t mr = direct_b && it.rows <= 8 ? 8 : static_cast<int64_t>(kMR);
-#else
-  const bool direct_b = false;
-  const int64_t mr = static_cast<int64_t>(kMR);
-#endif
-  const int64_t nr = static_cast<int64_t>(KernelNR());
   const bool is_int = kind == PanelKind::kI16Pairs;
   const bool swiglu = call.epi.kind == Epilogue::Kind::kSwiGlu;
   ColumnRuns runs;
@@ -321,22 +363,28 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
                   static_cast<size_t>((direct ? it.cols : width) * elem));
     }
   }
-  const int64_t kc_step = call.a_block_scale ? call.block
-                          : call.b_block > 0 ? call.b_block
-                                             : call.kc;
+  int64_t kc_step = call.a_block_scale ? call.block
+                    : call.b_block > 0  ? call.b_block
+                                        : call.kc;
+  if (direct_b && call.a_block_scale == nullptr && call.b_block == 0) {
+    // Direct items stream their weight through L2: this chunk and the next
+    // (prefetched) must both fit, so a chunk holds at most kDirectChunkBytes
+    // of weight. (Without block scales the reduction order, hence the bits,
+    // does not depend on the chunk.)
+    const int64_t row_bytes = it.cols * runs.runs * static_cast<int64_t>(SourceElementBytes(call.b));
+    const int64_t rows = std::max<int64_t>(16, kDirectChunkBytes / std::max<int64_t>(row_bytes, 1));
+    kc_step = std::min(kc_step, rows & ~int64_t{1});
+  }
   const bool block_col_scale = call.b_col_scale != nullptr && call.b_block > 0;
   alignas(64) float cs[64];
   alignas(64) uint8_t edge[64 * 64 * 4];
   alignas(64) float rs[64];
-#if HWY_TARGET == HWY_AVX3
-  const size_t esize = call.b.kind == internal::SrcKind::kBf16 ? 2 : 1;
+  const size_t esize = SourceElementBytes(call.b);
   DirectPrefetch pf;
-#endif
   for (int64_t r0 = red0; r0 < red1; r0 += kc_step) {
     const int64_t kc = std::min(kc_step, red1 - r0);
     const bool load_c = r0 != red0;
-#if HWY_TARGET == HWY_AVX3
-    const bool last_chunk = r0 + kc >= red1;  // direct kernels: C to natural order
+    [[maybe_unused]] const bool last_chunk = r0 + kc >= red1;  // pair kernels: C to natural order
     // The next chunk's weight lines, shared out over this chunk's panels.
     const uint8_t* next_seg0 = nullptr;
     int64_t ahead_per_panel = 0;
@@ -361,10 +409,9 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
       const int64_t total = rows_next * runs.runs * pf.walk.seg_lines;
       const int64_t panels = runs.runs * per_run;
       ahead_per_panel = (total + panels - 1) / panels;
-      const int64_t steps = (kc + 1) / 2;
+      const int64_t steps = direct_kind == Direct::kPairs ? (kc + 1) / 2 : kc;
       pf.per_step = static_cast<uint32_t>((ahead_per_panel + steps - 1) / steps);
     }
-#endif
     const int64_t panels_b =
         direct_b ? runs.runs * per_run : internal::PackB(opb, kind, r0, kc, runs, nr, tb->bp_ptr);
     const int64_t bstride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * nr * 4;
@@ -402,7 +449,6 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
           uint8_t* ct = static_cast<uint8_t*>(c) + (row * ldc + col) * elem;
           // The scratch tile has room for whole panels; an f32 output does not.
           const bool full = !direct || (valid_r == mr && valid_c == nr);
-#if HWY_TARGET == HWY_AVX3
           if (direct_b) {
             // Source columns of this panel: run start + offset in the run.
             const int64_t src_col = runs.start[q / per_run] + jq;
@@ -425,13 +471,26 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
               this_pf.per_step = 0;
             }
             if (p != 0) this_pf.cold_rows = 0;
-            if (mr == 8) {
+            if (direct_kind == Direct::kF32) {
+              // kNV vectors of columns, one kernel call each (8 accumulators).
+              const size_t lanes = static_cast<size_t>(nr) / kNV;
+              for (size_t h = 0; h < kNV; ++h) {
+                DirectPrefetch half_pf = this_pf;
+                if (h != 0) half_pf.per_step = 0;
+                RunDirectF32(call.b, static_cast<size_t>(kc), reinterpret_cast<const float*>(apan),
+                             src + h * lanes * esize, ldb, cdst + h * lanes, ld, load_c, row_scale,
+                             half_pf);
+              }
+            }
+#if HWY_TARGET == HWY_AVX3
+            if (direct_kind == Direct::kPairs && mr == 8) {
               RunDirect<8>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
                            src, ldb, cdst, ld, load_c, row_scale, last_chunk, this_pf);
-            } else {
+            } else if (direct_kind == Direct::kPairs) {
               RunDirect<kMR>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
                              src, ldb, cdst, ld, load_c, row_scale, last_chunk, this_pf);
             }
+#endif
             if (!full) {
               for (int64_t ii = 0; ii < valid_r; ++ii) {
                 std::memcpy(ct + ii * ldc * elem, edge + ii * nr * elem,
@@ -440,7 +499,6 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
             }
             continue;
           }
-#endif
           if (full) {
             RunKernel(kind, kc, apan, bpan, ct, ldc, load_c, row_scale, col_scale);
             continue;

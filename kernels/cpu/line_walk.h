@@ -65,6 +65,28 @@ struct LineWalk {
   }
 };
 
+// How a direct kernel call prefetches: `per_step` lines of the next chunk's
+// walk per reduction step into L2, and on an item's first (cold) chunk, where
+// nothing was prefetched, its own rows `cold_rows` ahead into L1.
+struct DirectPrefetch {
+  LineWalk walk;
+  uint32_t per_step = 0;
+  uint32_t cold_rows = 0;
+
+  // One reduction step's prefetches (row: the step's first weight row, ldb
+  // bytes between rows; rows_per_step: 1, or 2 for the pair kernels).
+  inline void Step(const uint8_t* row, size_t ldb, size_t rows_per_step) {
+    if (cold_rows != 0) {
+      for (size_t r = 0; r < rows_per_step; ++r) {
+        __builtin_prefetch(row + (cold_rows + r) * ldb, 0, 3);
+      }
+    }
+    for (uint32_t u = 0; u < per_step; ++u) {
+      if (const uint8_t* line = walk.Next()) __builtin_prefetch(line, 0, 2);
+    }
+  }
+};
+
 }  // namespace fp8moe::internal
 
 #endif  // FP8MOE_KERNELS_CPU_LINE_WALK_H_

@@ -33,12 +33,13 @@
 #include <cstdint>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/line_walk.h"
+#include "numerics/convert-inl.h"
 
 #if HWY_TARGET == HWY_AVX3
 #include <immintrin.h>
 
 #include "fp8moe/numerics.h"
-#include "kernels/cpu/line_walk.h"
 #include "numerics/fp8_spec.h"
 #ifndef FP8MOE_AVX512BF16
 #define FP8MOE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -49,6 +50,7 @@ HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
+using internal::DirectPrefetch;
 
 // Register tiles per target.
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
@@ -111,6 +113,68 @@ HWY_NOINLINE void MicroF32(size_t kc, const float* HWY_RESTRICT ap,
       } else {
         hn::StoreU(acc[i][j], d, p);
       }
+    }
+  }
+}
+
+// ---- F32 straight from the weight (small groups, every target) -------------
+//
+// Items of at most 8 rows use each weight row once, so packing it (convert,
+// write a panel, read it back) costs more than the arithmetic: on targets
+// without bf16 dot products a decode-shape GMM spent most of its time
+// packing. This kernel reads N = one vector of columns of each weight row
+// straight from the source, converts it to f32 in registers (bf16: a shift;
+// fp8: DecodeFp8Vec, exact), and does MR FMAs with it. MR = 8 accumulators
+// cover the FMA latency; 8 broadcasts + 1 row load per 8 FMAs fit the load
+// ports. The products and their order are those of MicroF32, so the bits are
+// the packed path's.
+
+enum class RowSrc { kF32, kBf16, kE4M3FN, kE4M3FNUZ };
+
+template <RowSrc kSrc, class DF>
+HWY_INLINE hn::Vec<DF> LoadRowAsF32(DF df, const uint8_t* HWY_RESTRICT p) {
+  const hn::RebindToUnsigned<DF> du;
+  if constexpr (kSrc == RowSrc::kF32) {
+    return hn::LoadU(df, reinterpret_cast<const float*>(p));
+  } else if constexpr (kSrc == RowSrc::kBf16) {
+    const hn::Rebind<uint16_t, DF> d16;
+    return hn::BitCast(
+        df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p)))));
+  } else {
+    constexpr Fp8Format f = kSrc == RowSrc::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE4M3FNUZ;
+    const hn::Rebind<uint8_t, DF> d8;
+    return DecodeFp8Vec<f>(df, hn::PromoteTo(du, hn::LoadU(d8, p)));
+  }
+}
+
+// C[MR x N] (+)= A panel (kc x MR f32) x source rows [0, kc) at b (ldb bytes
+// apart), columns [0, N). Scales as MicroF32's row_scale.
+template <size_t MR, RowSrc kSrc>
+HWY_NOINLINE void MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
+                                 const uint8_t* HWY_RESTRICT b, size_t ldb,
+                                 float* HWY_RESTRICT c, size_t ldc, bool load_c,
+                                 const float* HWY_RESTRICT row_scale, DirectPrefetch pf) {
+  const hn::ScalableTag<float> d;
+  using V = hn::Vec<decltype(d)>;
+  V acc[MR];
+  const bool start_from_c = load_c && row_scale == nullptr;
+  HWY_UNROLL(16)
+  for (size_t i = 0; i < MR; ++i) acc[i] = start_from_c ? hn::LoadU(d, c + i * ldc) : hn::Zero(d);
+  for (size_t k = 0; k < kc; ++k) {
+    const uint8_t* row = b + k * ldb;
+    pf.Step(row, ldb, 1);
+    const V bv = LoadRowAsF32<kSrc>(d, row);
+    HWY_UNROLL(16)
+    for (size_t i = 0; i < MR; ++i) acc[i] = hn::MulAdd(hn::Set(d, ap[k * MR + i]), bv, acc[i]);
+  }
+  HWY_UNROLL(16)
+  for (size_t i = 0; i < MR; ++i) {
+    float* p = c + i * ldc;
+    if (row_scale != nullptr) {
+      const V s = hn::Set(d, row_scale[i]);
+      hn::StoreU(load_c ? hn::MulAdd(s, acc[i], hn::LoadU(d, p)) : hn::Mul(s, acc[i]), d, p);
+    } else {
+      hn::StoreU(acc[i], d, p);
     }
   }
 }
@@ -288,28 +352,6 @@ DecodeFp8ToBf16x32(__m256i codes8) {
   return v;
 }
 
-// How a direct kernel call prefetches: `per_step` lines of the next chunk's
-// walk (line_walk.h) per reduction step into L2, and on an item's first
-// (cold) chunk, where nothing was prefetched, its own rows `cold_rows` ahead.
-struct DirectPrefetch {
-  internal::LineWalk walk;  // see line_walk.h
-  uint32_t per_step = 0;
-  uint32_t cold_rows = 0;
-};
-
-// One reduction step's prefetches (row: the step's first weight row).
-HWY_INLINE void Prefetch(DirectPrefetch& pf, const uint8_t* row, size_t ldb) {
-  if (pf.cold_rows != 0) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + pf.cold_rows * ldb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + (pf.cold_rows + 1) * ldb), _MM_HINT_T0);
-  }
-  for (uint32_t u = 0; u < pf.per_step; ++u) {
-    if (const uint8_t* line = pf.walk.Next()) {
-      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
-    }
-  }
-}
-
 // Source kinds of the direct kernel.
 // (The fp8 weights of native GMMs are e4m3fn or e4m3fnuz.)
 enum class DirectSrc { kBf16, kE4M3FN, kE4M3FNUZ };
@@ -398,7 +440,7 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
-    Prefetch(pf, row, ldb);
+    pf.Step(row, ldb, 2);
     step(ap + k * MR, LoadBf16x32<kSrc>(row), LoadBf16x32<kSrc>(row + ldb));
   }
   if (kc % 2 != 0) {
@@ -475,7 +517,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
-    Prefetch(pf, row, ldb);
+    pf.Step(row, ldb, 2);
     step(ap + k * MR, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)),
          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + ldb)));
   }
