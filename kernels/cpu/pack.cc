@@ -126,6 +126,42 @@ void CopyFloats(float* dst, const float* src, int64_t n) {
   std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
 }
 
+// Source rows [first, first + n) over the reduction block [r0, r0 + kc),
+// transposed into panel columns: dst[k * ld + t] = row first + t, element
+// r0 + k; rows at or past `end` are zero. Several rows at a time so that
+// every panel row gets one contiguous store instead of n scattered ones.
+constexpr int64_t kMaxTransposeRows = 16;
+void TransposeRowsInto(const RowReader& rd, Scratch& s, int64_t first, int64_t n, int64_t end,
+                       int64_t r0, int64_t kc, float* dst, int64_t ld) {
+  const float* src[kMaxTransposeRows];
+  for (int64_t t = 0; t < n; ++t) {
+    if (first + t >= end) {
+      src[t] = s.zero.data();
+      continue;
+    }
+    src[t] = rd.F32InPlace(first + t, r0);
+    if (src[t] == nullptr) {
+      float* row = s.rows.data() + t * (kc + 1);
+      rd.F32(first + t, r0, kc, row);
+      src[t] = row;
+    }
+  }
+  if (n == 8) {  // AVX3 nr blocks and the 8-row direct panels: a fixed-size store
+    for (int64_t k = 0; k < kc; ++k) {
+      for (int64_t t = 0; t < 8; ++t) dst[k * ld + t] = src[t][k];
+    }
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t t = 0; t < n; ++t) dst[k * ld + t] = src[t][k];
+  }
+}
+
+void ReserveTranspose(Scratch& s, int64_t kc) {
+  s.ReserveRows(kMaxTransposeRows * (kc + 1));
+  std::fill(s.zero.begin(), s.zero.begin() + kc, 0.0f);
+}
+
 }  // namespace
 
 void PackA(const Operand& a, PanelKind kind, int64_t i0, int64_t rows,
@@ -140,32 +176,11 @@ void PackA(const Operand& a, PanelKind kind, int64_t i0, int64_t rows,
     // scatter it down its panel column.
     s.Reserve(kc + 1);
     if (kind == PanelKind::kF32) {
-      // Up to 16 panel columns at a time: each panel row k gets one
-      // contiguous store of those rows' values instead of scattered ones.
-      constexpr int64_t kBlock = 16;
-      s.ReserveRows(kBlock * (kc + 1));
-      std::fill(s.zero.begin(), s.zero.begin() + kc, 0.0f);
+      ReserveTranspose(s, kc);
       for (int64_t p = 0; p < panels; ++p) {
-        for (int64_t b0 = 0; b0 < mr; b0 += kBlock) {
-          const int64_t nb = std::min(kBlock, mr - b0);
-          const float* src[kBlock];
-          for (int64_t t = 0; t < nb; ++t) {
-            const int64_t i = p * mr + b0 + t;
-            if (i >= rows) {
-              src[t] = s.zero.data();
-              continue;
-            }
-            src[t] = rd.F32InPlace(i0 + i, r0);
-            if (src[t] == nullptr) {
-              float* row = s.rows.data() + t * (kc + 1);
-              rd.F32(i0 + i, r0, kc, row);
-              src[t] = row;
-            }
-          }
-          float* panel = static_cast<float*>(ap) + p * step * mr + b0;
-          for (int64_t k = 0; k < kc; ++k) {
-            for (int64_t t = 0; t < nb; ++t) panel[k * mr + t] = src[t][k];
-          }
+        for (int64_t b0 = 0; b0 < mr; b0 += kMaxTransposeRows) {
+          TransposeRowsInto(rd, s, i0 + p * mr + b0, std::min(kMaxTransposeRows, mr - b0),
+                            i0 + rows, r0, kc, static_cast<float*>(ap) + p * step * mr + b0, mr);
         }
       }
       return;
@@ -275,38 +290,12 @@ int64_t PackB(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
     // output column over the reduction block.
     s.Reserve(kc + 1);
     if (kind == PanelKind::kF32) {
-      // Eight columns at a time (nr, a power of two, when narrower), so that
-      // every panel row gets one contiguous store instead of scattered ones.
+      // Eight columns at a time (nr, a power of two, when narrower).
+      ReserveTranspose(s, kc);
       const int64_t blk = std::min<int64_t>(8, nr);
-      constexpr int64_t kCols = 8;
-      s.ReserveRows(kCols * (kc + 1));
-      std::fill(s.zero.begin(), s.zero.begin() + kc, 0.0f);
       for (int64_t j0 = 0; j0 < padded; j0 += blk) {
-        const float* src[kCols];
-        for (int64_t t = 0; t < blk; ++t) {
-          const int64_t j = j0 + t;
-          if (j >= cols.count) {
-            src[t] = s.zero.data();
-            continue;
-          }
-          src[t] = rd.F32InPlace(c0 + j, r0);
-          if (src[t] == nullptr) {
-            float* row = s.rows.data() + t * (kc + 1);
-            rd.F32(c0 + j, r0, kc, row);
-            src[t] = row;
-          }
-        }
-        float* col = panel_f32(j0 / nr) + j0 % nr;
-        if (blk == kCols) {
-          for (int64_t k = 0; k < kc; ++k) {
-            float* dst = col + k * nr;
-            for (int64_t t = 0; t < kCols; ++t) dst[t] = src[t][k];
-          }
-        } else {
-          for (int64_t k = 0; k < kc; ++k) {
-            for (int64_t t = 0; t < blk; ++t) col[k * nr + t] = src[t][k];
-          }
-        }
+        TransposeRowsInto(rd, s, c0 + j0, blk, c0 + cols.count, r0, kc,
+                          panel_f32(j0 / nr) + j0 % nr, nr);
       }
       continue;
     }
