@@ -95,6 +95,13 @@ int main(int argc, char** argv) {
   if (*info) return Info();
   if (*bench) {
     bopt.all_passes = !fwd_only;
+    if (bopt.fwd_tiles.size() == 3 && bopt.fwd_tiles[1] % 2 != 0) {
+      std::fprintf(stderr,
+                   "error: --tiles: k = %lld is odd; the kernels reduce k in pairs, so use an even "
+                   "k (or 0 for the default)\n",
+                   static_cast<long long>(bopt.fwd_tiles[1]));
+      return 2;
+    }
     if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
     if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
     return fp8moe::bench::BenchQuant(bopt);

@@ -577,3 +577,16 @@ def test_moe_ops_missing_tensor_exit_2(run_op):
     del ins["dy"]
     code, _, err = run_op("moe_backward", ins, "num_experts=4")
     assert code == 2 and "'dy'" in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tiles", "0", "3", "0"], "k = 3 is odd"),
+    (["--tiles", "0", "256"], "--tiles"),
+    (["--tiles", "-1", "256", "0"], "--tiles"),
+])
+def test_bench_gmm_bad_tiles_exit_2(fp8moe_bin, args, needle):
+    import subprocess
+    p = subprocess.run([fp8moe_bin, "bench", "gmm", "--shape", "decode", "--reps", "1", *args],
+                       capture_output=True, text=True)
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr, p.stderr
