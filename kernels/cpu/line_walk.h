@@ -24,12 +24,13 @@ struct LineWalk {
   ptrdiff_t seg_delta = 0;
   uint32_t seg_lines = 1, nseg = 1;
 
-  // Position: the next line, the first line of its segment, lines left in
-  // that segment, the segment's index, and lines still to visit.
+  // Position. Hot (every step): the next line, the end of its segment, lines
+  // still to visit. Cold (once a segment): the segment's start and index.
   const uint8_t* cur = nullptr;
-  const uint8_t* seg_start = nullptr;
-  uint32_t in_seg_left = 1, s = 0;
+  const uint8_t* seg_end = nullptr;
   int64_t left = 0;
+  const uint8_t* seg_start = nullptr;
+  uint32_t s = 0;
 
   // Positions the walk at flat line j (row-major over rows x segments x
   // lines) of the block whose row 0, segment 0 starts at seg0, with `count`
@@ -41,27 +42,33 @@ struct LineWalk {
     const uint32_t line = static_cast<uint32_t>(r % seg_lines);
     seg_start = seg0 + static_cast<size_t>(row) * ld + static_cast<ptrdiff_t>(s) * seg_delta;
     cur = seg_start + size_t{line} * 64;
-    in_seg_left = seg_lines - line;
+    seg_end = seg_start + size_t{seg_lines} * 64;
     left = count;
   }
 
   // The next line to visit, or nullptr once `count` lines were visited.
+  // Few registers and one predictable branch in the kernels' inner loops.
   const uint8_t* Next() {
     if (left <= 0) return nullptr;
     --left;
     const uint8_t* line = cur;
     cur += 64;
-    if (--in_seg_left == 0) {
-      in_seg_left = seg_lines;
-      if (++s == nseg) {
-        s = 0;
-        seg_start += static_cast<ptrdiff_t>(ld) - static_cast<ptrdiff_t>(nseg - 1) * seg_delta;
-      } else {
-        seg_start += seg_delta;
-      }
-      cur = seg_start;
-    }
+    if (cur == seg_end) [[unlikely]] NextSegment();
     return line;
+  }
+
+ private:
+  // Inline: a call from a kernel's loop would spill every vector register
+  // (all are caller-saved).
+  void NextSegment() {
+    if (++s == nseg) {
+      s = 0;
+      seg_start += static_cast<ptrdiff_t>(ld) - static_cast<ptrdiff_t>(nseg - 1) * seg_delta;
+    } else {
+      seg_start += seg_delta;
+    }
+    cur = seg_start;
+    seg_end = seg_start + size_t{seg_lines} * 64;
   }
 };
 
