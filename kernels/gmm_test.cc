@@ -539,13 +539,15 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
     int64_t block;
   };
   // Every SIMD target: AVX512-BF16 runs the pair kernels straight from the
-  // weight, every other target (and f32 everywhere) MicroF32Direct.
+  // weight, every other target (and f32 everywhere) MicroF32Direct; int8 on
+  // AVX512-VNNI MicroI8PairsDirectVnni, elsewhere the packed kernel.
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
   hwy::SetSupportedTargetsForTest(target);
   for (const Case& c : {Case{GmmMode::kF32, DType::kF32, 0}, Case{GmmMode::kBf16, DType::kBF16, 0},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FN, 0},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FN, 128},
-                        Case{GmmMode::kNativeFp8, DType::kE4M3FNUZ, 0}}) {
+                        Case{GmmMode::kNativeFp8, DType::kE4M3FNUZ, 0},
+                        Case{GmmMode::kInt8, DType::kI8, 0}}) {
     for (bool swiglu : {false, true}) {
       const GmmMode mode = c.mode;
       SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + std::string(GmmModeName(mode)) +

@@ -248,7 +248,7 @@ struct ThreadBuffers {
 // the weight instead of packing it: the bf16-pair kernels on AVX512-BF16
 // CPUs (MicroBf16PairsDirect, MicroFp8PairsVbmi; up to MR rows), the f32
 // kernel everywhere else (MicroF32Direct; up to 8 rows).
-enum class Direct { kNone, kPairs, kF32 };
+enum class Direct { kNone, kPairs, kF32, kInt8 };
 
 // Sources the direct kernels convert in registers (besides f32).
 bool ConvertibleInRegisters(const internal::Source& b) {
@@ -263,6 +263,10 @@ Direct ChooseDirect(const GemmCall& call, PanelKind kind, const WorkItem& it, in
   if (kind == PanelKind::kBf16Pairs && it.rows <= static_cast<int64_t>(kMR) &&
       ConvertibleInRegisters(call.b)) {
     return Direct::kPairs;
+  }
+  if (kind == PanelKind::kI16Pairs && it.rows <= static_cast<int64_t>(kMR) &&
+      call.b.kind == internal::SrcKind::kI8 && nr == 32 && CpuHasAvx512Vnni()) {
+    return Direct::kInt8;
   }
 #endif
   if (kind == PanelKind::kF32 && it.rows <= 8 &&
@@ -409,7 +413,7 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
       const int64_t total = rows_next * runs.runs * pf.walk.seg_lines;
       const int64_t panels = runs.runs * per_run;
       ahead_per_panel = (total + panels - 1) / panels;
-      const int64_t steps = direct_kind == Direct::kPairs ? (kc + 1) / 2 : kc;
+      const int64_t steps = direct_kind == Direct::kF32 ? kc : (kc + 1) / 2;
       pf.per_step = static_cast<uint32_t>((ahead_per_panel + steps - 1) / steps);
     }
     const int64_t panels_b =
@@ -489,6 +493,14 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
             } else if (direct_kind == Direct::kPairs) {
               RunDirect<kMR>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
                              src, ldb, cdst, ld, load_c, row_scale, last_chunk, this_pf);
+            } else if (direct_kind == Direct::kInt8 && mr == 8) {
+              MicroI8PairsDirectVnni<8>(static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
+                                        src, ldb, reinterpret_cast<int32_t*>(cdst), ld, load_c,
+                                        last_chunk, this_pf);
+            } else if (direct_kind == Direct::kInt8) {
+              MicroI8PairsDirectVnni<kMR>(static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
+                                          src, ldb, reinterpret_cast<int32_t*>(cdst), ld, load_c,
+                                          last_chunk, this_pf);
             }
 #endif
             if (!full) {

@@ -566,6 +566,58 @@ MicroI16Vnni(size_t kc2, const uint32_t* HWY_RESTRICT ap,
     _mm512_storeu_si512(c + i * ldc + 16, acc1[i]);
   }
 }
+// int8 weights of items of at most MR rows, read straight from the weight
+// (int8 decode): 32 columns of rows k and k+1 sign-extended to int16 and
+// interleaved into pairs in registers, vpdpwssd against the packed int16 A
+// pairs. The same exact int32 sums as MicroI16Vnni on packed panels. C is an
+// int32 tile, kept in the unpacks' column order between reduction chunks like
+// PermutedTile's and put in natural order by the last chunk.
+template <size_t MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) HWY_NOINLINE void
+MicroI8PairsDirectVnni(size_t kc, const uint32_t* HWY_RESTRICT ap,
+                       const uint8_t* HWY_RESTRICT b, size_t ldb, int32_t* HWY_RESTRICT c,
+                       size_t ldc, bool load_c, bool last, DirectPrefetch pf) {
+  __m512i acc0[MR], acc1[MR];
+  HWY_UNROLL(16)
+  for (size_t i = 0; i < MR; ++i) {
+    acc0[i] = load_c ? _mm512_loadu_si512(c + i * ldc) : _mm512_setzero_si512();
+    acc1[i] = load_c ? _mm512_loadu_si512(c + i * ldc + 16) : _mm512_setzero_si512();
+  }
+  auto step = [&](const uint32_t* a, __m512i lo, __m512i hi)
+                  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) {
+    const __m512i b0 = _mm512_unpacklo_epi16(lo, hi), b1 = _mm512_unpackhi_epi16(lo, hi);
+    HWY_UNROLL(16)
+    for (size_t i = 0; i < MR; ++i) {
+      const __m512i av = _mm512_set1_epi32(static_cast<int>(a[i]));
+      acc0[i] = _mm512_dpwssd_epi32(acc0[i], av, b0);
+      acc1[i] = _mm512_dpwssd_epi32(acc1[i], av, b1);
+    }
+  };
+  auto row16 = [](const uint8_t* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  const size_t kc2 = kc / 2;
+  HWY_UNROLL(2)
+  for (size_t k = 0; k < kc2; ++k) {
+    const uint8_t* row = b + 2 * k * ldb;
+    pf.Step(row, ldb, 2);
+    step(ap + k * MR, row16(row), row16(row + ldb));
+  }
+  if (kc % 2 != 0) step(ap + kc2 * MR, row16(b + 2 * kc2 * ldb), _mm512_setzero_si512());
+  const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  HWY_UNROLL(16)
+  for (size_t i = 0; i < MR; ++i) {
+    __m512i v0 = acc0[i], v1 = acc1[i];
+    if (last) {
+      const __m512i n0 = _mm512_permutex2var_epi32(v0, to_natural0, v1);
+      v1 = _mm512_permutex2var_epi32(v0, to_natural1, v1);
+      v0 = n0;
+    }
+    _mm512_storeu_si512(c + i * ldc, v0);
+    _mm512_storeu_si512(c + i * ldc + 16, v1);
+  }
+}
 #else
 inline bool CpuHasAvx512Bf16() { return false; }
 inline bool CpuHasAvx512Vnni() { return false; }
