@@ -46,6 +46,11 @@ struct Source {
   int64_t col_scale_group_stride = 0;
   // Round the scaled value to bf16 (the fake-QAT weight copy's values).
   bool round_bf16 = false;
+
+  // Bytes per stored element.
+  size_t ElementBytes() const {
+    return kind == SrcKind::kF32 ? 4 : kind == SrcKind::kBf16 ? 2 : 1;
+  }
 };
 
 // What happens to the finished f32 (or int32) tile.

@@ -246,7 +246,8 @@ struct ThreadBuffers {
 
 // Items of few rows use each weight row once, so they read B straight from
 // the weight instead of packing it: the bf16-pair kernels on AVX512-BF16
-// CPUs (MicroBf16PairsDirect, MicroFp8PairsVbmi; up to MR rows), the f32
+// CPUs (MicroBf16PairsDirect, MicroFp8PairsVbmi; up to MR rows), int8
+// weights on AVX512-VNNI (MicroI8PairsDirectVnni; up to MR rows), the f32
 // kernel everywhere else (MicroF32Direct; up to 8 rows).
 enum class Direct { kNone, kPairs, kF32, kInt8 };
 
@@ -274,14 +275,6 @@ Direct ChooseDirect(const GemmCall& call, PanelKind kind, const WorkItem& it, in
     return Direct::kF32;
   }
   return Direct::kNone;
-}
-
-size_t SourceElementBytes(const internal::Source& b) {
-  switch (b.kind) {
-    case internal::SrcKind::kF32: return 4;
-    case internal::SrcKind::kBf16: return 2;
-    default: return 1;
-  }
 }
 
 // MicroF32Direct on the source's element type.
@@ -375,7 +368,7 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
     // (prefetched) must both fit, so a chunk holds at most kDirectChunkBytes
     // of weight. (Without block scales the reduction order, hence the bits,
     // does not depend on the chunk.)
-    const int64_t row_bytes = it.cols * runs.runs * static_cast<int64_t>(SourceElementBytes(call.b));
+    const int64_t row_bytes = it.cols * runs.runs * static_cast<int64_t>(call.b.ElementBytes());
     const int64_t rows = std::max<int64_t>(16, kDirectChunkBytes / std::max<int64_t>(row_bytes, 1));
     kc_step = std::min(kc_step, rows & ~int64_t{1});
   }
@@ -383,7 +376,7 @@ void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
   alignas(64) float cs[64];
   alignas(64) uint8_t edge[64 * 64 * 4];
   alignas(64) float rs[64];
-  const size_t esize = SourceElementBytes(call.b);
+  const size_t esize = call.b.ElementBytes();
   DirectPrefetch pf;
   for (int64_t r0 = red0; r0 < red1; r0 += kc_step) {
     const int64_t kc = std::min(kc_step, red1 - r0);

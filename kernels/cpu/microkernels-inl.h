@@ -367,6 +367,16 @@ LoadBf16x32(const uint8_t* p) {
   }
 }
 
+// The 32 columns of a direct kernel's accumulator pair (v0, v1), in the order
+// the in-lane unpacks produce, put back in natural column order.
+__attribute__((target("avx512f"))) HWY_INLINE void PermuteToNatural(__m512i& v0, __m512i& v1) {
+  const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i n0 = _mm512_permutex2var_epi32(v0, to_natural0, v1);
+  v1 = _mm512_permutex2var_epi32(v0, to_natural1, v1);
+  v0 = n0;
+}
+
 // The C tile [MR x 32] of the direct kernels, held in the accumulator column
 // order the in-lane unpacks produce. Between the reduction chunks of a work
 // item C stays in that order in memory (nobody reads it until the item is
@@ -400,8 +410,6 @@ struct PermutedTile {
   // accumulator order); in the natural column order when `last`.
   FP8MOE_AVX512BF16 HWY_INLINE void Store(float* c, size_t ldc, bool load_c,
                                           const float* row_scale, bool last) {
-    const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     HWY_UNROLL(16)
     for (size_t i = 0; i < MR; ++i) {
       float* p = c + i * ldc;
@@ -411,13 +419,10 @@ struct PermutedTile {
         v0 = load_c ? _mm512_fmadd_ps(s, v0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, v0);
         v1 = load_c ? _mm512_fmadd_ps(s, v1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, v1);
       }
-      if (last) {
-        const __m512 n0 = _mm512_permutex2var_ps(v0, to_natural0, v1);
-        v1 = _mm512_permutex2var_ps(v0, to_natural1, v1);
-        v0 = n0;
-      }
-      _mm512_storeu_ps(p, v0);
-      _mm512_storeu_ps(p + 16, v1);
+      __m512i b0 = _mm512_castps_si512(v0), b1 = _mm512_castps_si512(v1);
+      if (last) PermuteToNatural(b0, b1);
+      _mm512_storeu_si512(p, b0);
+      _mm512_storeu_si512(p + 16, b1);
     }
   }
 };
@@ -604,16 +609,10 @@ MicroI8PairsDirectVnni(size_t kc, const uint32_t* HWY_RESTRICT ap,
     step(ap + k * MR, row16(row), row16(row + ldb));
   }
   if (kc % 2 != 0) step(ap + kc2 * MR, row16(b + 2 * kc2 * ldb), _mm512_setzero_si512());
-  const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   HWY_UNROLL(16)
   for (size_t i = 0; i < MR; ++i) {
     __m512i v0 = acc0[i], v1 = acc1[i];
-    if (last) {
-      const __m512i n0 = _mm512_permutex2var_epi32(v0, to_natural0, v1);
-      v1 = _mm512_permutex2var_epi32(v0, to_natural1, v1);
-      v0 = n0;
-    }
+    if (last) PermuteToNatural(v0, v1);
     _mm512_storeu_si512(c + i * ldc, v0);
     _mm512_storeu_si512(c + i * ldc + 16, v1);
   }

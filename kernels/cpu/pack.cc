@@ -16,9 +16,8 @@ class RowReader {
  public:
   explicit RowReader(const Operand& op) : s_(*op.src) {
     const int64_t g = op.group;
-    const size_t esize = s_.kind == SrcKind::kF32 ? 4 : s_.kind == SrcKind::kBf16 ? 2 : 1;
-    base_ = static_cast<const uint8_t*>(s_.data) + g * s_.group_stride * esize;
-    esize_ = esize;
+    esize_ = s_.ElementBytes();
+    base_ = static_cast<const uint8_t*>(s_.data) + g * s_.group_stride * esize_;
     col_scale_ = s_.col_scale ? s_.col_scale + g * s_.col_scale_group_stride : nullptr;
   }
 
@@ -187,15 +186,13 @@ void PackA(const Operand& a, PanelKind kind, int64_t i0, int64_t rows,
     }
     for (int64_t i = 0; i < panels * mr; ++i) {
       const int64_t p = i / mr, ii = i % mr;
-      {
-        uint32_t* col = static_cast<uint32_t*>(ap) + p * step * mr + ii;
-        if (i < rows) {
-          rd.Half(i0 + i, r0, kc, s.lo.data(), s.tmp.data());
-          s.lo[kc] = 0;  // odd kc: the last pair's second half
-        }
-        for (int64_t k = 0; k < kc2; ++k) {
-          col[k * mr] = i < rows ? Pair(s.lo[2 * k], s.lo[2 * k + 1]) : 0u;
-        }
+      uint32_t* col = static_cast<uint32_t*>(ap) + p * step * mr + ii;
+      if (i < rows) {
+        rd.Half(i0 + i, r0, kc, s.lo.data(), s.tmp.data());
+        s.lo[kc] = 0;  // odd kc: the last pair's second half
+      }
+      for (int64_t k = 0; k < kc2; ++k) {
+        col[k * mr] = i < rows ? Pair(s.lo[2 * k], s.lo[2 * k + 1]) : 0u;
       }
     }
     return;
@@ -302,15 +299,13 @@ int64_t PackB(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
     for (int64_t j = 0; j < padded; ++j) {
       const int64_t q = j / nr, jj = j % nr;
       const bool valid = j < cols.count;
-      {
-        uint32_t* col = panel_u32(q) + jj;
-        if (valid) {
-          rd.Half(c0 + j, r0, kc, s.lo.data(), s.tmp.data());
-          s.lo[kc] = 0;
-        }
-        for (int64_t k = 0; k < kc2; ++k) {
-          col[k * nr] = valid ? Pair(s.lo[2 * k], s.lo[2 * k + 1]) : 0u;
-        }
+      uint32_t* col = panel_u32(q) + jj;
+      if (valid) {
+        rd.Half(c0 + j, r0, kc, s.lo.data(), s.tmp.data());
+        s.lo[kc] = 0;
+      }
+      for (int64_t k = 0; k < kc2; ++k) {
+        col[k * nr] = valid ? Pair(s.lo[2 * k], s.lo[2 * k + 1]) : 0u;
       }
     }
   }
