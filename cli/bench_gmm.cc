@@ -239,8 +239,9 @@ int BenchGmm(const BenchOptions& opt) {
     }
     return 0.0;
   };
-  // The fastest bf16-pair arithmetic this run saw (bf16 operands on the
-  // compute-bound shapes): native_fp8 runs the same vdpbf16ps work, so on a
+  // The fastest bf16-mode arithmetic this run saw (bf16 operands on the
+  // compute-bound shapes): native_fp8 runs the same kernel arithmetic (vdpbf16ps
+  // on AVX512-BF16, f32 FMAs elsewhere), so on a
   // weight-bound shape it cannot beat FLOPs / that rate, while bf16 cannot
   // beat its weight bytes / the read ceiling.
   double pair_gflops = 0;
@@ -262,7 +263,7 @@ int BenchGmm(const BenchOptions& opt) {
       const double native_floor = flops / (pair_gflops * 1e9);
       const double bf16_floor = 2.0 * static_cast<double>(s.e) * s.k * s.n / (read_gbs * 1e9);
       t.notes.push_back(s.name + " floors: native_fp8 >= " + Fixed(native_floor * 1e3, 2) +
-                        " ms (FLOPs at the best bf16-pair rate, " + Fixed(pair_gflops, 0) +
+                        " ms (FLOPs at the best bf16-mode rate, " + Fixed(pair_gflops, 0) +
                         " GFLOP/s, " + pair_where + "); bf16 >= " + Fixed(bf16_floor * 1e3, 2) +
                         " ms (bf16 weight at the read ceiling): a bandwidth-bound bf16 allows at "
                         "most " + Fixed(bf16_floor / native_floor, 2) + "x");
