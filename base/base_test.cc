@@ -1,6 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <set>
+
+#include "base/scratch_arena.h"
+#include "fp8moe/context.h"
 #include "fp8moe/dtype.h"
+#include "fp8moe/memory.h"
 #include "fp8moe/status.h"
 #include "fp8moe/tensor.h"
 
@@ -52,6 +58,87 @@ TEST(Tensor, AlignedAndChecked) {
   auto huge = Tensor::Create(DType::kF32, {1LL << 61});
   EXPECT_FALSE(huge.ok());
   EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST(Rng, DeterministicAndRestorable) {
+  Rng a(42), b(42), c(43);
+  for (int i = 0; i < 100; ++i) {
+    const uint64_t v = a.NextU64();
+    EXPECT_EQ(v, b.NextU64());
+  }
+  EXPECT_NE(a.NextU64(), c.NextU64());
+  const Rng::State saved = a.state();
+  const double u = a.Uniform(), n = a.Normal();
+  Rng d;
+  d.set_state(saved);
+  EXPECT_EQ(d.Uniform(), u);
+  EXPECT_EQ(d.Normal(), n);
+}
+
+TEST(Rng, RangesAndMoments) {
+  Rng r(7);
+  double sum = 0, sum2 = 0, usum = 0;
+  const int n = 200000;
+  int below_counts[5] = {};
+  for (int i = 0; i < n; ++i) {
+    const double u = r.Uniform();
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    usum += u;
+    const double z = r.Normal();
+    ASSERT_TRUE(std::isfinite(z));
+    sum += z;
+    sum2 += z * z;
+    const uint64_t b = r.Below(5);
+    ASSERT_LT(b, 5u);
+    ++below_counts[b];
+  }
+  EXPECT_NEAR(usum / n, 0.5, 0.01);
+  EXPECT_NEAR(sum / n, 0.0, 0.01);
+  EXPECT_NEAR(sum2 / n, 1.0, 0.02);
+  for (int c : below_counts) EXPECT_NEAR(c, n / 5, n / 50);
+}
+
+TEST(Context, OptionsCountersAndScratch) {
+  struct Sink : MetricsSink {
+    int calls = 0;
+    void Record(std::string_view, double) override { ++calls; }
+  } sink;
+  ContextOptions o;
+  o.threads = 3;
+  o.backend = BackendKind::kReference;
+  o.metrics = &sink;
+  Context ctx(o);
+  EXPECT_EQ(ctx.threads(), 3);
+  EXPECT_EQ(ctx.backend(), BackendKind::kReference);
+  EXPECT_EQ(ctx.metrics(), &sink);
+  EXPECT_GE(DefaultContext().threads(), 1);
+  EXPECT_EQ(DefaultContext().backend(), BackendKind::kCpu);
+  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 0);
+  ctx.CountKernel(KernelPath::kPackedF32, 2);
+  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 2);
+  ctx.ResetKernelCounts();
+  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 0);
+  std::set<std::string_view> names;
+  for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
+    names.insert(KernelPathName(static_cast<KernelPath>(i)));
+  }
+  EXPECT_EQ(names.size(), static_cast<size_t>(KernelPath::kCount));
+  EXPECT_EQ(*ParseBackend(BackendName(BackendKind::kCpu)), BackendKind::kCpu);
+  EXPECT_FALSE(ParseBackend("gpu").ok());
+
+  // Scratch grows once, then is reused: no allocation on the second call.
+  internal::ScratchArena& s = ctx.scratch();
+  s.EnsureWorkers(2);
+  uint8_t* p = s.Worker(1, internal::WorkerSlot::kPackA, 1000);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  const int64_t allocs = GetMemoryStats().allocations;
+  EXPECT_EQ(s.Worker(1, internal::WorkerSlot::kPackA, 900), p);
+  EXPECT_EQ(GetMemoryStats().allocations, allocs);
+  EXPECT_GE(s.bytes(), 1000u);
+  ctx.ReleaseScratch();
+  EXPECT_EQ(s.bytes(), 0u);
 }
 
 }  // namespace

@@ -11,6 +11,9 @@ namespace fp8moe {
 struct MemoryStats {
   int64_t in_use = 0;  // bytes held now
   int64_t peak = 0;    // most bytes held since the last ResetMemoryPeak()
+  // Allocations made since the process started (tensors and scratch growth;
+  // a trainer step after warm-up should add none).
+  int64_t allocations = 0;
 };
 
 MemoryStats GetMemoryStats();

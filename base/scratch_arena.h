@@ -1,0 +1,84 @@
+// Grow-only scratch memory for kernels, owned by a Context (DESIGN 9): a few
+// buffers shared by the calling thread and one set per worker thread. Kept
+// from call to call, so a steady-state call neither allocates nor takes page
+// faults on fresh memory.
+#ifndef FP8MOE_BASE_SCRATCH_ARENA_H_
+#define FP8MOE_BASE_SCRATCH_ARENA_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace fp8moe::internal {
+
+// A 64-byte aligned buffer that only ever grows.
+class GrowBuffer {
+ public:
+  GrowBuffer() = default;
+  GrowBuffer(const GrowBuffer&) = delete;
+  GrowBuffer& operator=(const GrowBuffer&) = delete;
+  GrowBuffer(GrowBuffer&& o) noexcept : p_(o.p_), size_(o.size_) {
+    o.p_ = nullptr;
+    o.size_ = 0;
+  }
+  ~GrowBuffer() { Release(); }
+
+  // Frees the memory (the next Get allocates again).
+  void Release();
+  // At least `bytes` bytes; the contents are unspecified. nullptr only if the
+  // system is out of memory.
+  uint8_t* Get(size_t bytes);
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Buffers used by the calling thread of a kernel call.
+enum class SharedSlot : uint8_t {
+  kLhsCodes,    // the activation's codes (native fp8, int8)
+  kLhsScales,   // and their scales
+  kWeightCopy,  // the fake-QAT BF16 weight copy
+  kGradCodes,   // TGMM: the quantized gradient
+  kGradScales,  // and its scales
+  kRowTile,     // TGMM: the scale tile of every row
+  kCount
+};
+
+// Buffers of each worker thread.
+enum class WorkerSlot : uint8_t {
+  kPackA,     // packed A panels
+  kPackB,     // packed B panels
+  kTileC,     // the C tile finished by an epilogue
+  kRow,       // a row being converted (packing, quantization, epilogues)
+  kCount
+};
+
+class ScratchArena {
+ public:
+  uint8_t* Shared(SharedSlot slot, size_t bytes) {
+    return shared_[static_cast<size_t>(slot)].Get(bytes);
+  }
+  // Makes room for `threads` workers; call before a parallel region.
+  void EnsureWorkers(int threads) {
+    if (workers_.size() < static_cast<size_t>(threads)) workers_.resize(static_cast<size_t>(threads));
+  }
+  // Worker `thread`'s buffer; thread < the EnsureWorkers count. Different
+  // threads may call this at the same time.
+  uint8_t* Worker(int thread, WorkerSlot slot, size_t bytes) {
+    return workers_[static_cast<size_t>(thread)][static_cast<size_t>(slot)].Get(bytes);
+  }
+  // Bytes held by all buffers.
+  size_t bytes() const;
+  void Release();
+
+ private:
+  std::array<GrowBuffer, static_cast<size_t>(SharedSlot::kCount)> shared_;
+  std::vector<std::array<GrowBuffer, static_cast<size_t>(WorkerSlot::kCount)>> workers_;
+};
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_BASE_SCRATCH_ARENA_H_
