@@ -17,11 +17,14 @@ struct BenchOptions {
   bool all_passes = true;   // bench gmm: dlhs and tgmm too (else fwd only)
   int64_t tokens = 4096;    // bench moe: T
   std::vector<int64_t> fwd_tiles;  // bench gmm: forward tiles m, k, n (0 = default)
+  int64_t max_payload = int64_t{64} << 20;  // bench comm: largest payload in bytes
 };
 
 int BenchQuant(const BenchOptions& opt);
 int BenchGmm(const BenchOptions& opt);
 int BenchMoe(const BenchOptions& opt);
+// Under mpirun: ring collectives vs MPI's own, and the gathers' bytes.
+int BenchComm(const BenchOptions& opt);
 
 }  // namespace fp8moe::bench
 

@@ -10,6 +10,7 @@
 
 #include "cli/bench.h"
 #include "cli/op.h"
+#include "cli/world.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/version.h"
 
@@ -20,6 +21,7 @@ int Info() {
   std::printf("simd target: %s (chosen at run time)\n", fp8moe::SimdTargetName());
   std::printf("threads: %d (OpenMP; set OMP_NUM_THREADS to change)\n",
               omp_get_max_threads());
+  std::printf("mpi: %s\n", fp8moe::cli::MpiInfo().c_str());
   return 0;
 }
 
@@ -46,11 +48,17 @@ int main(int argc, char** argv) {
   fp8moe::bench::BenchOptions bopt;
   bopt.threads = omp_get_max_threads();
   std::string bench_what;
-  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm, moe");
-  bench->add_option("what", bench_what, "which benchmark: quant, gmm or moe")
+  auto* bench =
+      app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm, moe, comm");
+  bench->add_option("what", bench_what,
+                    "which benchmark: quant, gmm, moe or comm (comm: under mpirun -np N)")
       ->required()
-      ->check(CLI::IsMember({"quant", "gmm", "moe"}));
-  bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T")->check(CLI::Range(1, 1 << 20));
+      ->check(CLI::IsMember({"quant", "gmm", "moe", "comm"}));
+  bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T; bench comm: tokens per rank")
+      ->check(CLI::Range(1, 1 << 20));
+  bench->add_option("--max-payload", bopt.max_payload,
+                    "bench comm: largest payload in bytes (from 64 KiB, x4 each row)")
+      ->check(CLI::Range(int64_t{64} << 10, int64_t{1} << 30));
   bench->add_flag("--json", bopt.json, "print JSON instead of a table");
   bench->add_option("--threads", bopt.threads, "threads (default: OpenMP's)")
       ->check(CLI::Range(1, 1024));
@@ -104,6 +112,7 @@ int main(int argc, char** argv) {
     }
     if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
     if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
+    if (bench_what == "comm") return fp8moe::bench::BenchComm(bopt);
     return fp8moe::bench::BenchQuant(bopt);
   }
   if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);

@@ -318,7 +318,7 @@ std::string MpiLibraryVersion() {
   int len = 0;
   MPI_Get_library_version(text, &len);
   std::string s(text, static_cast<size_t>(len));
-  const size_t nl = s.find_first_of("\r\n");
+  const size_t nl = s.find_first_of(std::string("\r\n\0", 3));
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
 
