@@ -162,6 +162,11 @@ int BenchComm(const BenchOptions& opt) {
           AggregateMemcpyGBs(ring, static_cast<size_t>(moved), reps, &error);
       const double floor_s = traffic / (copy_gbs * 1e9);
       const char* name = gather ? "all-gather" : "reduce-scatter";
+      if (p == 1) {  // nothing moves: local copies only
+        t.rows.push_back({name, Bytes(bytes), "0 B", "-", "-", Fixed(ring_s * 1e3, 3),
+                          Fixed(mpi_s * 1e3, 3), Fixed(ring_s / mpi_s, 2), "-", "-", "-"});
+        continue;
+      }
       t.rows.push_back({name, Bytes(bytes), Bytes(moved), Fixed(copy_gbs, 1),
                         Fixed(floor_s * 1e3, 3),
                         Fixed(ring_s * 1e3, 3), Fixed(mpi_s * 1e3, 3), Fixed(ring_s / mpi_s, 2),
@@ -173,14 +178,18 @@ int BenchComm(const BenchOptions& opt) {
                       {"ring_over_mpi", ring_s / mpi_s}});
     }
   }
-  t.notes = {
+  if (p == 1) {
+    t.notes.push_back("one rank: nothing moves. Start it as `mpirun -np N fp8moe bench comm` "
+                      "(as root: --allow-run-as-root; more ranks than cores: --oversubscribe).");
+  }
+  t.notes.insert(t.notes.end(), {
       "payload: the gathered output (all-gather) or each rank's input (reduce-scatter), N "
       "bytes; every rank sends (P-1)/P*N (sent/rank; ring: counted, matches).",
       "floor: (2 (P-1) N bytes of copies, +3 (P-1) N for the reduce-scatter's adds) / "
       "memcpy GB/s, the rate (read + write) of all " + std::to_string(p) +
           " ranks copying sent/rank bytes at once, measured on each row of this run.",
       "GB/s: sent/rank over time (bus bandwidth). Ring and MPI results compared bit for bit "
-      "at every size (integer-valued f32) before timing."};
+      "at every size (integer-valued f32) before timing."});
 
   // ---- What the trainer's gathers move (bytes sent per rank, one step) ----
   Table g;

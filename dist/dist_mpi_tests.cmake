@@ -9,11 +9,14 @@ target_link_libraries(dist_fault_test PRIVATE fp8moe_mpi)
 
 execute_process(COMMAND ${MPIEXEC_EXECUTABLE} --version OUTPUT_VARIABLE _mpiexec_version
                 ERROR_QUIET)
-set(FP8MOE_MPIEXEC_FLAGS ${MPIEXEC_PREFLAGS})
+set(_flags ${MPIEXEC_PREFLAGS})
 if(_mpiexec_version MATCHES "Open MPI|OpenRTE")
-  list(APPEND FP8MOE_MPIEXEC_FLAGS --oversubscribe)
+  list(APPEND _flags --oversubscribe)
 endif()
-set(FP8MOE_MPI_TEST_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+# Cache (internal) so fp8moe_add_mpi_test sees them from any directory.
+set(FP8MOE_MPIEXEC_FLAGS "${_flags}" CACHE INTERNAL "mpiexec flags of the MPI tests")
+set(FP8MOE_MPI_TEST_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+    CACHE INTERNAL "environment of the MPI tests")
 
 # fp8moe_add_mpi_test(NAME RANKS COMMAND...): COMMAND runs on RANKS ranks.
 function(fp8moe_add_mpi_test name ranks)

@@ -1,6 +1,8 @@
 // The shard rule, the single-rank communicator, the FP8 weight gather and the
 // quantized token all-gather against the single-process computation (on 1..5
 // thread ranks), their byte accounting, and the configuration check.
+#include <omp.h>
+
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -135,6 +137,41 @@ TEST(Gather8, EqualsQuantizeChannelsOnTheWholeTensor) {
       }
     }
   }
+}
+
+// Shards large enough for the threaded path: the same bits for any thread
+// count, equal to QuantizeChannels.
+TEST(Gather8, LargeShardsAnyThreadCount) {
+  std::mt19937 rng(testing_util::TestSeed() + 5);
+  const WeightShape sh{2, 301, 1025};  // 617050 elements: rows split by shards
+  const int64_t total = sh.e * sh.k * sh.n;
+  const std::vector<float> w = RandomWeight(sh.e, sh.k, sh.n, rng);
+  std::vector<uint8_t> want_q(total);
+  std::vector<float> want_s(sh.e * sh.n);
+  ASSERT_TRUE(QuantizeChannels(w.data(), sh.e, sh.k, sh.n, QuantDType::kE4M3FN,
+                               Calibration::AbsMax(), want_q.data(), want_s.data())
+                  .ok());
+  const int saved = omp_get_max_threads();
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    for (int p : {1, 2}) {
+      std::vector<std::vector<uint8_t>> q(p, std::vector<uint8_t>(total));
+      std::vector<std::vector<float>> s(p, std::vector<float>(want_s.size()));
+      RunOk(p, [&](Communicator& c) {
+        omp_set_num_threads(threads);  // per thread of the process
+        DistScratch scratch;
+        const ShardRange mine = GetShardRange(total, p, c.rank());
+        return GatherFp8Weight(c, w.data() + mine.begin, sh.e, sh.k, sh.n,
+                               QuantDType::kE4M3FN, Calibration::AbsMax(), q[c.rank()].data(),
+                               s[c.rank()].data(), scratch);
+      });
+      for (int r = 0; r < p; ++r) {
+        ASSERT_EQ(q[r], want_q) << threads << " threads, " << p << " ranks, rank " << r;
+        ASSERT_EQ(Bits(s[r]), Bits(want_s));
+      }
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 // gather8 sends exactly half the bytes of the bf16 gather for the weight,

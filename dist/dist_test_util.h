@@ -100,7 +100,9 @@ inline std::vector<uint8_t> IntegerValued(DType dtype, int64_t count, std::mt199
 }
 
 // Fills with a byte pattern no collective writes by chance (NaN for f32).
-inline void Poison(std::vector<uint8_t>& v) { std::memset(v.data(), 0xFF, v.size()); }
+inline void Poison(std::vector<uint8_t>& v) {
+  if (!v.empty()) std::memset(v.data(), 0xFF, v.size());
+}
 
 // Index of the first differing byte's element, or -1.
 inline int64_t FirstDifference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b,

@@ -75,7 +75,7 @@ TEST(Ring, AllGatherEqualsConcatenation) {
             uint8_t* dst = out[c.rank()].data();
             const void* src = in[c.rank()].data();
             if (in_place) {
-              std::memcpy(dst + c.rank() * count * elem, src, count * elem);
+              if (count > 0) std::memcpy(dst + c.rank() * count * elem, src, count * elem);
               src = dst + c.rank() * count * elem;
             }
             return c.AllGather(src, dst, count, dtype);

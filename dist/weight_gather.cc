@@ -1,5 +1,7 @@
 // The FSDP weight gathers (gather8 and bf16), the token all-gathers, and the
 // bytes each sends.
+#include <omp.h>
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -13,7 +15,7 @@
 namespace fp8moe {
 
 struct DistScratch::Impl {
-  std::vector<uint32_t> amax_bits;  // [E * N]
+  std::vector<std::vector<uint32_t>> amax_bits;  // [threads][E * N]
 };
 DistScratch::DistScratch() : impl_(std::make_unique<Impl>()) {}
 DistScratch::~DistScratch() = default;
@@ -71,15 +73,20 @@ void QuantizeWithScales(const float* x, const float* scales, int64_t len, QuantD
   }
 }
 
-// Calls fn(first, len, expert, column) for each piece of [begin, end) of a
-// row-major [E, K, N] tensor that lies within one row (one expert's k).
+// Calls fn(first, len, expert, column, thread) for each piece of
+// [begin, end) of a row-major [E, K, N] tensor that lies within one row (one
+// expert's k), rows spread over OpenMP threads when there is enough work.
+// Every piece is computed on its own, so the result never depends on the
+// thread count.
 template <typename Fn>
 void ForEachRowPiece(int64_t begin, int64_t end, int64_t k, int64_t n, Fn fn) {
-  for (int64_t i = begin; i < end;) {
-    const int64_t column = i % n;
-    const int64_t len = std::min(end - i, n - column);
-    fn(i, len, i / (k * n), column);
-    i += len;
+  if (end <= begin) return;
+  const int64_t row0 = begin / n, row1 = (end - 1) / n;
+#pragma omp parallel for schedule(static) if (end - begin >= (int64_t{1} << 18))
+  for (int64_t row = row0; row <= row1; ++row) {
+    const int64_t first = std::max(begin, row * n);
+    const int64_t last = std::min(end, (row + 1) * n);
+    fn(first, last - first, row / k, first - row * n, omp_get_thread_num());
   }
 }
 
@@ -96,16 +103,26 @@ Status GatherFp8Weight(Communicator& comm, const float* shard, int64_t experts, 
     return InvalidArgument("gather8: a null buffer (shard, codes or scales)");
   }
   if (calib.kind == Calibration::Kind::kAbsMax) {
-    std::vector<uint32_t>& amax = scratch.impl().amax_bits;
-    amax.assign(static_cast<size_t>(channels), 0u);
+    // One table of |w| bits per thread (rows of one expert share channels),
+    // merged with max: exact, so any thread count gives the same amax.
+    auto& per_thread = scratch.impl().amax_bits;
+    per_thread.resize(static_cast<size_t>(omp_get_max_threads()));
+    for (auto& t : per_thread) t.assign(static_cast<size_t>(channels), 0u);
     ForEachRowPiece(mine.begin, mine.end, k, n,
-                    [&](int64_t first, int64_t len, int64_t e, int64_t column) {
+                    [&](int64_t first, int64_t len, int64_t e, int64_t column, int thread) {
                       const float* x = shard + (first - mine.begin);
-                      uint32_t* a = amax.data() + e * n + column;
+                      uint32_t* a = per_thread[static_cast<size_t>(thread)].data() + e * n + column;
                       for (int64_t j = 0; j < len; ++j) {
                         a[j] = std::max(a[j], std::bit_cast<uint32_t>(x[j]) & 0x7FFFFFFFu);
                       }
                     });
+    std::vector<uint32_t>& amax = per_thread[0];
+    for (size_t t = 1; t < per_thread.size(); ++t) {
+      for (int64_t c = 0; c < channels; ++c) {
+        amax[static_cast<size_t>(c)] = std::max(amax[static_cast<size_t>(c)],
+                                                per_thread[t][static_cast<size_t>(c)]);
+      }
+    }
     FP8MOE_RETURN_IF_ERROR(
         comm.AllReduce(amax.data(), amax.data(), channels, DType::kU32, ReduceOp::kMax));
     for (int64_t c = 0; c < channels; ++c) {
@@ -115,7 +132,7 @@ Status GatherFp8Weight(Communicator& comm, const float* shard, int64_t experts, 
     std::fill(scales, scales + channels, ScaleFromAmax(calib.FixedAmax(), dtype));
   }
   ForEachRowPiece(mine.begin, mine.end, k, n,
-                  [&](int64_t first, int64_t len, int64_t e, int64_t column) {
+                  [&](int64_t first, int64_t len, int64_t e, int64_t column, int) {
                     QuantizeWithScales(shard + (first - mine.begin), scales + e * n + column,
                                        len, dtype, codes + first);
                   });
