@@ -121,6 +121,24 @@ Status Communicator::AllReduce(const void* send, void* recv, int64_t count, DTyp
 
 Status Communicator::Barrier() { return DoBarrier(); }
 
+Result<std::unique_ptr<Communicator>> Communicator::Split(int color, int key) {
+  // Every rank learns every (color, key) first, so a bad color is an error
+  // on every rank alike, and the thread ranks can form their groups.
+  const int64_t mine[2] = {color, key};
+  std::vector<int64_t> all(static_cast<size_t>(2 * size_));
+  FP8MOE_RETURN_IF_ERROR(AllGather(mine, all.data(), 2, DType::kI64));
+  std::vector<int64_t> colors(size_), keys(size_);
+  for (int r = 0; r < size_; ++r) {
+    colors[r] = all[2 * r];
+    keys[r] = all[2 * r + 1];
+    if (colors[r] < 0) {
+      return InvalidArgument("split: rank " + N(r) + " passed color " + N(colors[r]) +
+                             "; colors must be >= 0");
+    }
+  }
+  return DoSplit(color, key, colors, keys);
+}
+
 Status Communicator::CheckPeer(int peer, int tag, int64_t bytes, const char* what) const {
   if (peer < 0 || peer >= size_) {
     return InvalidArgument(std::string(what) + ": peer rank " + N(peer) +

@@ -320,6 +320,20 @@ TEST(MpiDist, ConfigMismatchIsAnErrorOnEveryRank) {
   }
 }
 
+TEST(MpiDist, SplitFormsGroups) {
+  Comms& w = World();
+  for (Communicator* c : {w.ring.get(), w.mpi.get()}) {
+    auto g = c->Split(w.rank % 2, w.rank);
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    EXPECT_EQ((*g)->size(), (w.size + 1 - w.rank % 2) / 2);
+    EXPECT_EQ((*g)->rank(), w.rank / 2);
+    int64_t x = w.rank, sum = 0, want = 0;
+    for (int r = w.rank % 2; r < w.size; r += 2) want += r;
+    ASSERT_TRUE((*g)->AllReduce(&x, &sum, 1, DType::kI64, ReduceOp::kSum).ok());
+    EXPECT_EQ(sum, want);
+  }
+}
+
 TEST(MpiDist, PointToPointChecksSizes) {
   Comms& w = World();
   if (w.size < 2) GTEST_SKIP() << "needs 2 ranks";

@@ -204,6 +204,19 @@ class MpiCommunicator final : public Communicator, public internal::WatchdogClie
     return FromMpi(MPI_Barrier(comm_), "Barrier");
   }
 
+  Result<std::unique_ptr<Communicator>> DoSplit(int color, int key,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<int64_t>&) override {
+    internal::WatchdogScope watch(this, "split", options_.timeout_seconds);
+    MPI_Comm split;
+    FP8MOE_RETURN_IF_ERROR(FromMpi(MPI_Comm_split(comm_, color, key, &split), "Comm_split"));
+    MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(split, &rank);
+    MPI_Comm_size(split, &size);
+    return std::unique_ptr<Communicator>(new MpiCommunicator(split, rank, size, options_));
+  }
+
   Result<CommRequest> DoISend(const void* buf, int64_t bytes, int peer, int tag) override {
     const int slot = NewSlot(-1);
     const int err = MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_,

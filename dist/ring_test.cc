@@ -362,6 +362,43 @@ TEST(Ring, BadArgumentsAreClearErrors) {
   });
 }
 
+// Split: groups by color, ranked by (key, rank); collectives stay inside.
+TEST(Ring, SplitFormsGroups) {
+  const int p = 7;
+  std::vector<int> sizes(p), ranks(p);
+  std::vector<int64_t> sums(p), inner(p);
+  RunOk(p, [&](Communicator& c) {
+    // Colors 0 (even ranks) and 1 (odd); key reverses the order.
+    FP8MOE_ASSIGN_OR_RETURN(auto g, c.Split(c.rank() % 2, -c.rank()));
+    sizes[c.rank()] = g->size();
+    ranks[c.rank()] = g->rank();
+    int64_t x = c.rank(), sum = 0;
+    FP8MOE_RETURN_IF_ERROR(g->AllReduce(&x, &sum, 1, DType::kI64, ReduceOp::kSum));
+    sums[c.rank()] = sum;
+    // A split of a split, then the parent still works.
+    FP8MOE_ASSIGN_OR_RETURN(auto h, g->Split(0, g->rank()));
+    int64_t one = 1;
+    FP8MOE_RETURN_IF_ERROR(h->AllReduce(&one, &inner[c.rank()], 1, DType::kI64, ReduceOp::kSum));
+    return c.Barrier();
+  });
+  for (int r = 0; r < p; ++r) {
+    const int group_size = r % 2 == 0 ? 4 : 3;
+    EXPECT_EQ(sizes[r], group_size) << r;
+    EXPECT_EQ(sums[r], r % 2 == 0 ? 0 + 2 + 4 + 6 : 1 + 3 + 5) << r;
+    EXPECT_EQ(inner[r], group_size) << r;
+  }
+  // Reversed keys: the highest parent rank is rank 0 of its group.
+  EXPECT_EQ(ranks[6], 0);
+  EXPECT_EQ(ranks[0], 3);
+  EXPECT_EQ(ranks[5], 0);
+  EXPECT_EQ(ranks[1], 2);
+  // A negative color is an error on every rank.
+  const Status bad = RunThreadRanks(2, [](Communicator& c) -> Status {
+    return c.Split(c.rank() == 1 ? -1 : 0, 0).status();
+  });
+  EXPECT_NE(bad.message().find("rank 1 passed color -1"), std::string::npos) << bad.ToString();
+}
+
 // A rank that leaves early makes its peers fail after the timeout, with a
 // message that says so, instead of hanging.
 TEST(Ring, AMissingRankTimesOut) {

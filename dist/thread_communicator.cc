@@ -3,6 +3,7 @@
 // match messages of the same (source, tag) in the order both were posted.
 // Sends are eager (the data is copied at ISend), so a send never blocks.
 // The single-rank communicator is a group of one.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -44,6 +45,13 @@ struct Group {
   std::map<Key, std::deque<std::shared_ptr<PostedRecv>>> posted;
   int barrier_arrived = 0;
   uint64_t barrier_generation = 0;
+  // Groups being formed by Split: (split number, color) -> the new group and
+  // how many of its members have taken it.
+  struct Child {
+    std::shared_ptr<Group> group;
+    int taken = 0;
+  };
+  std::map<std::pair<uint64_t, int64_t>, Child> children;
 };
 
 // Delivers `data` into a posted receive (the sizes must match).
@@ -103,6 +111,30 @@ class ThreadCommunicator final : public Communicator {
       return TimedOut("barrier");
     }
     return OkStatus();
+  }
+
+  Result<std::unique_ptr<Communicator>> DoSplit(int color, int key,
+                                                const std::vector<int64_t>& colors,
+                                                const std::vector<int64_t>& keys) override {
+    std::vector<std::pair<int64_t, int>> members;  // (key, rank) of my color
+    for (int r = 0; r < size(); ++r) {
+      if (colors[r] == color) members.emplace_back(keys[r], r);
+    }
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    while (members[static_cast<size_t>(new_rank)].second != rank()) ++new_rank;
+    const int new_size = static_cast<int>(members.size());
+    std::shared_ptr<Group> child;
+    {
+      std::lock_guard lock(group_->mu);
+      auto& entry = group_->children[{splits_, color}];
+      if (!entry.group) entry.group = std::make_shared<Group>(new_size, group_->timeout_seconds);
+      child = entry.group;
+      if (++entry.taken == new_size) group_->children.erase({splits_, color});
+    }
+    ++splits_;
+    (void)key;
+    return std::unique_ptr<Communicator>(new ThreadCommunicator(child, new_rank, name_));
   }
 
   Result<CommRequest> DoISend(const void* buf, int64_t bytes, int peer, int tag) override {
@@ -207,6 +239,7 @@ class ThreadCommunicator final : public Communicator {
   std::string name_;
   std::unordered_map<uint64_t, std::shared_ptr<PostedRecv>> requests_;
   uint64_t next_id_ = kCompletedSend + 1;
+  uint64_t splits_ = 0;  // Split calls so far (the same count on every rank)
   internal::RingScratch scratch_;
 };
 

@@ -131,6 +131,13 @@ class Communicator {
   Status Send(const void* buf, int64_t bytes, int peer, int tag);
   Status Recv(void* buf, int64_t bytes, int peer, int tag);
 
+  // ---- Groups ----
+  // A communicator over the ranks that pass the same `color` (>= 0), ranked
+  // by (key, rank here) (MPI_Comm_split). Collective: every rank calls it,
+  // in the same order. The trainer's FSDP groups and expert rings are splits
+  // of the world (docs/distributed.md). Same algorithm and timeout.
+  Result<std::unique_ptr<Communicator>> Split(int color, int key);
+
   // Ends the whole job: prints "fp8moe rank R/N: MESSAGE" to stderr and
   // exits every rank with `exit_code` (MPI_Abort under MPI).
   [[noreturn]] virtual void Abort(int exit_code, std::string_view message) = 0;
@@ -163,6 +170,10 @@ class Communicator {
   virtual Result<CommRequest> DoISend(const void* buf, int64_t bytes, int peer, int tag) = 0;
   virtual Result<CommRequest> DoIRecv(void* buf, int64_t bytes, int peer, int tag) = 0;
   virtual Status DoWaitAll(std::span<CommRequest> requests) = 0;
+  // colors / keys: every rank's, gathered by Split.
+  virtual Result<std::unique_ptr<Communicator>> DoSplit(int color, int key,
+                                                        const std::vector<int64_t>& colors,
+                                                        const std::vector<int64_t>& keys) = 0;
 
   void CountSent(int64_t bytes) { bytes_sent_ += bytes; }
 
