@@ -1,9 +1,10 @@
 #include "dist/ring.h"
 
+#include <algorithm>
 #include <array>
-#include <vector>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "dist/reduce.h"
 
