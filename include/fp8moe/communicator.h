@@ -26,7 +26,7 @@
 //    by message size; docs/distributed.md).
 //
 // Uneven sizes: a tensor of `total` elements is split over the ranks by
-// ShardRange (numpy.array_split's rule: the first total % size ranks hold one
+// GetShardRange (numpy.array_split's rule: the first total % size ranks hold one
 // element more). The *Shards collectives work on that layout directly, so
 // FSDP needs no padding.
 #ifndef FP8MOE_COMMUNICATOR_H_
@@ -193,9 +193,10 @@ std::unique_ptr<Communicator> MakeSingleRankCommunicator();
 
 // Runs body(comm) on `ranks` threads, each with its own Communicator of a
 // group of `ranks` in-process ranks (messages are copied between threads;
-// collectives use the ring). Returns the first error by rank order, or ok.
-// A rank whose body returns early leaves its peers waiting: they fail after
-// options.timeout_seconds (default here 60 s when <= 0 is not given).
+// collectives use the ring; options.algorithm must be kRing). Returns the
+// first error by rank order, or ok. A rank whose body returns early leaves
+// its peers waiting: their waits fail after options.timeout_seconds (<= 0:
+// they wait forever).
 Status RunThreadRanks(int ranks, const std::function<Status(Communicator&)>& body,
                       const CommOptions& options = {});
 
