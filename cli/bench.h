@@ -17,6 +17,7 @@ struct BenchOptions {
   bool all_passes = true;   // bench gmm: dlhs and tgmm too (else fwd only)
   int64_t tokens = 4096;    // bench moe: T
   std::vector<int64_t> fwd_tiles;  // bench gmm: forward tiles m, k, n (0 = default)
+  int64_t min_payload = int64_t{64} << 10;  // bench comm: smallest payload in bytes
   int64_t max_payload = int64_t{64} << 20;  // bench comm: largest payload in bytes
 };
 

@@ -117,7 +117,7 @@ int BenchComm(const BenchOptions& opt) {
   nlohmann::json rows = nlohmann::json::array();
   std::mt19937 rng(77 + me);
   std::uniform_int_distribution<int> small(-8, 8);
-  for (int64_t payload = int64_t{64} << 10; payload <= opt.max_payload; payload *= 4) {
+  for (int64_t payload = opt.min_payload; payload <= opt.max_payload; payload *= 4) {
     const int64_t count = std::max<int64_t>(1, payload / 4 / p);  // f32 per rank block
     const int64_t total = count * p;
     const double bytes = static_cast<double>(total) * 4;

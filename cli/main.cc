@@ -56,9 +56,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"quant", "gmm", "moe", "comm"}));
   bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T; bench comm: tokens per rank")
       ->check(CLI::Range(1, 1 << 20));
+  bench->add_option("--min-payload", bopt.min_payload,
+                    "bench comm: smallest payload in bytes (default 64 KiB; x4 each row)")
+      ->check(CLI::Range(int64_t{1} << 10, int64_t{1} << 30));
   bench->add_option("--max-payload", bopt.max_payload,
-                    "bench comm: largest payload in bytes (from 64 KiB, x4 each row)")
-      ->check(CLI::Range(int64_t{64} << 10, int64_t{1} << 30));
+                    "bench comm: largest payload in bytes (default 64 MiB)")
+      ->check(CLI::Range(int64_t{1} << 10, int64_t{1} << 30));
   bench->add_flag("--json", bopt.json, "print JSON instead of a table");
   bench->add_option("--threads", bopt.threads, "threads (default: OpenMP's)")
       ->check(CLI::Range(1, 1024));
