@@ -1,5 +1,4 @@
-// The fp8moe command: info, bench, op (train and checkpoint come with the
-// trainer). Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input.
+// The fp8moe command: info, bench, op, train, report. Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input.
 #include <omp.h>
 
 #include <cstdio>
@@ -10,6 +9,7 @@
 
 #include "cli/bench.h"
 #include "cli/op.h"
+#include "cli/train.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/version.h"
 
@@ -46,10 +46,10 @@ int main(int argc, char** argv) {
   fp8moe::bench::BenchOptions bopt;
   bopt.threads = omp_get_max_threads();
   std::string bench_what;
-  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm, moe");
-  bench->add_option("what", bench_what, "which benchmark: quant, gmm or moe")
+  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm, moe, train");
+  bench->add_option("what", bench_what, "which benchmark: quant, gmm, moe or train")
       ->required()
-      ->check(CLI::IsMember({"quant", "gmm", "moe"}));
+      ->check(CLI::IsMember({"quant", "gmm", "moe", "train"}));
   bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T")->check(CLI::Range(1, 1 << 20));
   bench->add_flag("--json", bopt.json, "print JSON instead of a table");
   bench->add_option("--threads", bopt.threads, "threads (default: OpenMP's)")
@@ -69,6 +69,19 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 32));
+
+  std::vector<std::string> train_args;
+  bool print_base_config = false;
+  auto* train = app.add_subcommand("train", "train a MoE transformer: fp8moe train [config.yml] [key=value ...]");
+  train->add_option("args", train_args, "a config file first (optional), then key=value flags (configs/base.yml)");
+  train->add_flag("--print-base-config", print_base_config, "print configs/base.yml as the flag schema makes it");
+  std::vector<std::string> report_dirs;
+  std::string report_out;
+  auto* report = app.add_subcommand("report", "plot runs into one PNG: fp8moe report RUN_DIR [RUN_DIR ...]");
+  report->add_option("runs", report_dirs, "run directories (each with a metrics.jsonl)")->required();
+  report->add_option("--out", report_out, "the PNG (default: RUN_DIR/report.png of the first run)");
+  std::vector<std::string> bench_keys;
+  bench->add_option("keys", bench_keys, "bench train: key=value flags of fp8moe train (e.g. steps=1200)");
 
   std::string op_name, in_path, out_path;
   std::vector<std::string> op_keys;
@@ -102,10 +115,17 @@ int main(int argc, char** argv) {
                    static_cast<long long>(bopt.fwd_tiles[1]));
       return 2;
     }
+    if (bench_what == "train") return fp8moe::cli::BenchTrain(bench_keys, bopt.json);
+    if (!bench_keys.empty()) {
+      std::fprintf(stderr, "error: bench %s takes no key=value settings\n", bench_what.c_str());
+      return 2;
+    }
     if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
     if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
     return fp8moe::bench::BenchQuant(bopt);
   }
   if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);
+  if (*train) return fp8moe::cli::RunTrain(train_args, print_base_config);
+  if (*report) return fp8moe::cli::RunReport(report_dirs, report_out);
   return 2;
 }

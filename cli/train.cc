@@ -1,0 +1,57 @@
+// `fp8moe train [config.yml] [key=value ...]`.
+#include "cli/train.h"
+
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "fp8moe/train.h"
+
+namespace fp8moe::cli {
+
+namespace {
+
+// Exit code of a failed run: 1 for a bug in fp8moe, 2 for everything the
+// user can fix (flags, data, checkpoints, disk space, divergence).
+int ExitCode(const Status& s) { return s.code() == StatusCode::kInternal ? 1 : 2; }
+
+}  // namespace
+
+int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
+  if (print_base_config) {
+    std::fputs(BaseConfigYaml().c_str(), stdout);
+    return 0;
+  }
+  // A file-size limit (ulimit -f) must fail a write with EFBIG, which the
+  // checkpoint writer reports, instead of killing the process mid-save.
+  std::signal(SIGXFSZ, SIG_IGN);
+  std::string yaml;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (i == 0 && args[i].find('=') == std::string::npos) {
+      yaml = args[i];
+    } else {
+      overrides.push_back(args[i]);
+    }
+  }
+  auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
+  if (!raw.ok()) {
+    std::fprintf(stderr, "error: %s\n", raw.status().message().c_str());
+    return 2;
+  }
+  auto cfg = TrainConfigFrom(*raw);
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "error: %s\n", cfg.status().message().c_str());
+    return 2;
+  }
+  auto summary = Train(*cfg, *raw);
+  if (!summary.ok()) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", summary.status().message().c_str());
+    return ExitCode(summary.status());
+  }
+  return 0;
+}
+
+}  // namespace fp8moe::cli
