@@ -15,6 +15,7 @@
 
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
+#include "train/optimizer.h"
 
 namespace fp8moe {
 namespace {
@@ -68,6 +69,53 @@ TEST(Train, ScheduleWarmsUpThenDecaysToTheFinalFraction) {
   EXPECT_NEAR(LearningRate(c, 99), 0.1, 1e-12);
   EXPECT_NEAR(LearningRate(c, 10 + 89 / 2.0), 0.55, 0.02);
   for (int s = 11; s < 100; ++s) EXPECT_LT(LearningRate(c, s), LearningRate(c, s - 1));
+}
+
+// AdamW and clipping against the formulas in double, two steps.
+TEST(Train, AdamWMatchesTheFormulaInDouble) {
+  auto raw = LoadConfig(TrainConfigSchema(), "", Tiny("adam"));
+  ASSERT_TRUE(raw.ok());
+  auto cfg = TrainConfigFrom(*raw);
+  ASSERT_TRUE(cfg.ok());
+  TrainConfig c = *cfg;
+  c.adam_weight_decay = 0.1;
+  auto p = AllocateParams(c.model), g = AllocateParams(c.model), m = AllocateParams(c.model),
+       v = AllocateParams(c.model);
+  ASSERT_TRUE(p.ok() && g.ok() && m.ok() && v.ok());
+  ASSERT_TRUE(InitParams(c.model, 3, &*p).ok());
+  ASSERT_TRUE(InitParams(c.model, 4, &*g).ok());
+  std::vector<std::vector<double>> P, M, V;
+  for (ModelParams* s : {&*m, &*v}) {
+    for (auto& [n, t] : s->Named()) std::memset(t->data(), 0, t->num_bytes());
+  }
+  double norm2 = 0;
+  for (auto& [n, t] : p->Named()) P.emplace_back(t->data_as<float>(), t->data_as<float>() + t->num_elements());
+  for (auto& [n, t] : g->Named()) {
+    for (size_t i = 0; i < t->num_elements(); ++i) norm2 += double(t->data_as<float>()[i]) * t->data_as<float>()[i];
+    M.emplace_back(t->num_elements(), 0.0);
+    V.emplace_back(t->num_elements(), 0.0);
+  }
+  EXPECT_NEAR(internal::GlobalNorm(*g), std::sqrt(norm2), 1e-9 * std::sqrt(norm2));
+  Context ctx;
+  const double scale = 0.5, lr = 0.01;
+  for (int t = 1; t <= 2; ++t) {
+    internal::AdamWUpdate(ctx, c, t, lr, scale, *g, &*p, &*m, &*v);
+    auto gn = g->Named();
+    auto pn = p->Named();
+    for (size_t k = 0; k < gn.size(); ++k) {
+      const double wd = pn[k].second->rank() >= 2 ? c.adam_weight_decay : 0.0;
+      for (size_t i = 0; i < P[k].size(); ++i) {
+        const double gi = gn[k].second->data_as<float>()[i] * scale;
+        M[k][i] = c.adam_b1 * M[k][i] + (1 - c.adam_b1) * gi;
+        V[k][i] = c.adam_b2 * V[k][i] + (1 - c.adam_b2) * gi * gi;
+        const double mh = M[k][i] / (1 - std::pow(c.adam_b1, t));
+        const double vh = V[k][i] / (1 - std::pow(c.adam_b2, t));
+        P[k][i] -= lr * (mh / (std::sqrt(vh) + c.adam_eps) + wd * P[k][i]);
+        ASSERT_NEAR(pn[k].second->data_as<float>()[i], P[k][i], 1e-6 * std::max(1.0, std::fabs(P[k][i])))
+            << pn[k].first << "[" << i << "] step " << t;
+      }
+    }
+  }
 }
 
 TEST(Train, BaseYamlIsTheSchemaWrittenOut) {

@@ -206,7 +206,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     return OkStatus();
   };
 
+  int64_t completed = state.step;
   for (int64_t s = state.step; s < c.steps; ++s) {
+    completed = s + 1;
     const int64_t allocs0 = GetMemoryStats().allocations;
     const double t0 = Now();
     data->NextTrainBatch(inputs.data(), targets.data());
@@ -330,7 +332,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   if (!last_eval) {  // a finished run resumed, or stopped early
     FP8MOE_ASSIGN_OR_RETURN(last_eval, evaluate());
   }
-  sum.steps = state.step > 0 && ran == 0 ? state.step : sum.resumed_from + ran;
+  sum.steps = completed;
   sum.final_eval_loss = last_eval;
   for (double l : recent_losses) sum.final_loss += l / static_cast<double>(recent_losses.size());
   sum.mean_step_time_s = timed > 0 ? time_sum / static_cast<double>(timed) : 0.0;
