@@ -230,6 +230,10 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   // 6. Weighted combine in f32.
   internal::CombineRows(s.routing, s.ysv.data, s.act, s.D, y.as<float>());
   s.forward_done = true;
+  if (MetricsSink* sink = ctx.metrics()) {
+    sink->Record("moe/aux_loss", out.aux_loss);
+    sink->Record("moe/dropless_reruns", static_cast<double>(out.stats.dropless_reruns));
+  }
   if (info != nullptr) *info = out;
   return OkStatus();
 }

@@ -159,6 +159,29 @@ TEST(MoeWorkspace, WeightHealthCountsSaturatedAndFlushedCodes) {
   EXPECT_EQ(hx.values, 0);
 }
 
+TEST(MoeWorkspace, ForwardRecordsIntoTheContextsMetricsSink) {
+  struct Sink : MetricsSink {
+    std::vector<std::pair<std::string, double>> got;
+    void Record(std::string_view name, double value) override { got.emplace_back(name, value); }
+  } sink;
+  LayerInputs in(36, 30, 16, 12, 4);
+  ContextOptions o;
+  o.metrics = &sink;
+  Context ctx(o);
+  const MoeConfig cfg = MakeConfig({"num_experts=4", "ragged_buffer_factor=0.5"});
+  PreparedMoeWeights p;
+  ASSERT_TRUE(PrepareMoeWeights(ctx, cfg, in.wi.view(), in.wo.view(), &p).ok());
+  MoeWorkspace ws;
+  StepOut out(in);
+  MoeStepInfo info;
+  ASSERT_TRUE(MoeForward(ctx, cfg, in.x.view(), in.weights(), p, &ws, out.y.view(), &info).ok());
+  ASSERT_EQ(sink.got.size(), 2u);
+  EXPECT_EQ(sink.got[0].first, "moe/aux_loss");
+  EXPECT_EQ(sink.got[0].second, info.aux_loss);
+  EXPECT_EQ(sink.got[1].first, "moe/dropless_reruns");
+  EXPECT_EQ(sink.got[1].second, 1.0);  // half the dropless buffer always overflows
+}
+
 TEST(MoeWorkspace, MismatchedPreparationAndMisuseAreErrors) {
   LayerInputs in(35, 20, 16, 12, 4);
   Context ctx;

@@ -29,6 +29,13 @@ struct Routing {
 // allocate.
 void Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
            bool norm_topk_prob, Routing* out);
+// The same into a fresh Routing (tests).
+inline Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
+                     bool norm_topk_prob) {
+  Routing r;
+  Route(logits, tokens, experts, k, norm_topk_prob, &r);
+  return r;
+}
 
 // The load-balancing loss weight * E * sum_e f_e p_e.
 double LoadBalanceLoss(const Routing& r, double weight);
