@@ -1,4 +1,5 @@
-// The fp8moe command: info, bench, op, train, report. Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input.
+// The fp8moe command: info, bench, op, train, report. Exit codes: 0 ok,
+// 1 runtime failure, 2 bad usage or input.
 #include <omp.h>
 
 #include <cstdio>
@@ -115,7 +116,10 @@ int main(int argc, char** argv) {
                    static_cast<long long>(bopt.fwd_tiles[1]));
       return 2;
     }
-    if (bench_what == "train") return fp8moe::cli::BenchTrain(bench_keys, bopt.json);
+    if (bench_what == "train") {
+      omp_set_num_threads(bopt.threads);
+      return fp8moe::cli::BenchTrain(bench_keys, bopt.json);
+    }
     if (!bench_keys.empty()) {
       std::fprintf(stderr, "error: bench %s takes no key=value settings\n", bench_what.c_str());
       return 2;
