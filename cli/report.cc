@@ -6,6 +6,7 @@
 // tensors.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -93,13 +94,17 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
   const fs::path tmp(tmpl);
   // Data files: per run, loss / eval / time; for the first run, load and health.
   std::string loss_plot, time_plot;
+  double ymin = 1e300;
   for (size_t r = 0; r < runs.size(); ++r) {
     std::ofstream loss(tmp / ("loss" + std::to_string(r))), eval(tmp / ("eval" + std::to_string(r))),
         time(tmp / ("time" + std::to_string(r)));
     bool any_eval = false;
     for (const json& j : runs[r].steps) {
       const auto step = j["step"].get<int64_t>();
-      if (j.contains("loss") && j["loss"].is_number()) loss << step << " " << j["loss"].get<double>() << "\n";
+      if (j.contains("loss") && j["loss"].is_number()) {
+        loss << step << " " << j["loss"].get<double>() << "\n";
+        ymin = std::min(ymin, j["loss"].get<double>());
+      }
       if (j.contains("eval_loss")) {
         eval << step << " " << j["eval_loss"].get<double>() << "\n";
         any_eval = true;
@@ -117,6 +122,7 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
     time_plot += std::string(time_plot.empty() ? "" : ", ") + Quote((tmp / ("time" + std::to_string(r))).string()) +
                  " with lines lc " + std::to_string(r + 1) + " title " + name;
   }
+  if (runs[0].floor) ymin = std::min(ymin, *runs[0].floor);
   if (runs[0].floor) {
     loss_plot += ", " + std::to_string(*runs[0].floor) + " with lines dt 2 lc rgb 'black' title 'entropy floor'";
   }
@@ -138,11 +144,21 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
                    " using 1:" + std::to_string(e + 2) + " with lines title 'expert " + std::to_string(e) + "'";
     }
   }
-  // FP8 health of the first run: one series per (tensor, saturated|flushed).
+  // FP8 health of the first run that quantizes something: one series per
+  // (tensor, saturated|flushed).
   std::string health_plot;
+  size_t health_run = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    bool any = false;
+    for (const json& j : runs[r].steps) any |= j.contains("fp8_health") && !j["fp8_health"].empty();
+    if (any) {
+      health_run = r;
+      break;
+    }
+  }
   {
     std::map<std::string, std::ofstream> files;
-    for (const json& j : runs[0].steps) {
+    for (const json& j : runs[health_run].steps) {
       if (!j.contains("fp8_health")) continue;
       for (auto it = j["fp8_health"].begin(); it != j["fp8_health"].end(); ++it) {
         for (const char* kind : {"saturated", "flushed"}) {
@@ -161,15 +177,17 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
     }
   }
   std::ostringstream gp;
-  gp << "set terminal png size 1600,1100\nset output " << Quote(out) << "\n"
+  gp << "set terminal png size 1600,1100 noenhanced\nset output " << Quote(out) << "\n"
      << "set multiplot layout 2,2 title " << Quote("fp8moe report: " + runs[0].name +
                                                     (runs.size() > 1 ? " and " + std::to_string(runs.size() - 1) + " more" : ""))
      << "\nset grid\nset key top right font ',9'\nset xlabel 'step'\n"
-     << "set title 'loss (nats/token)'\nset logscale y\nplot " << loss_plot << "\nunset logscale y\n"
+     << "set title 'loss (nats/token)'\nset logscale y\n"
+     << (ymin > 0 && ymin < 1e300 ? "set yrange [" + std::to_string(0.95 * ymin) + ":*]\n" : "")
+     << "plot " << loss_plot << "\nunset logscale y\nset yrange [*:*]\n"
      << "set title 'step time (s)'\nplot " << time_plot << "\n"
      << "set title " << Quote("router load, layer 0 of " + runs[0].name + " (fraction of token-expert pairs)")
      << "\n" << (load_plot.empty() ? "plot 0 notitle" : "plot " + load_plot) << "\n"
-     << "set title " << Quote("FP8 health of " + runs[0].name + " (solid: saturated, dashed: flushed to zero)")
+     << "set title " << Quote("FP8 health of " + runs[health_run].name + " (solid: saturated, dashed: flushed to zero)")
      << "\n" << (health_plot.empty() ? "set label 1 'no quantized tensors' at graph 0.4,0.5\nplot 0 notitle"
                                      : "plot " + health_plot)
      << "\nunset multiplot\n";

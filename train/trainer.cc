@@ -99,9 +99,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   const fs::path ckpt_dir = run_dir / "checkpoints";
   sum.run_dir = run_dir.string();
   std::error_code ec;
-  fs::create_directories(ckpt_dir, ec);
+  fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
   if (ec) {
-    return IoError("cannot create the run directory '" + ckpt_dir.string() + "': " + ec.message() +
+    return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
                    "; set base_output_directory to a writable directory");
   }
 
