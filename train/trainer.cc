@@ -141,6 +141,30 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       sum.resumed_from = state.step;
     }
   }
+  // A finished run is not trained again: its summary stands.
+  if (state.step >= c.steps && fs::exists(run_dir / "summary.json")) {
+    std::ifstream in(run_dir / "summary.json");
+    json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded() && j.contains("final_eval_loss") && j["final_eval_loss"].is_number()) {
+      sum.steps = state.step;
+      sum.final_eval_loss = j["final_eval_loss"].get<double>();
+      if (j.contains("final_loss") && j["final_loss"].is_number()) sum.final_loss = j["final_loss"].get<double>();
+      if (j.contains("mean_step_time_s")) sum.mean_step_time_s = j["mean_step_time_s"].get<double>();
+      if (j.contains("tokens_per_s")) sum.tokens_per_s = j["tokens_per_s"].get<double>();
+      sum.nonfinite_steps = state.nonfinite_steps;
+      if (!opt.quiet) {
+        std::printf("fp8moe train: %s already finished at step %lld (raise steps= to train "
+                    "further, or use another run_name)\n  final eval loss  %.4f\n",
+                    run_dir.string().c_str(), static_cast<long long>(state.step),
+                    *sum.final_eval_loss);
+        if (sum.entropy_floor) {
+          std::printf("  entropy floor    %.4f  (eval loss - floor = %.4f nats)\n",
+                      *sum.entropy_floor, *sum.final_eval_loss - *sum.entropy_floor);
+        }
+      }
+      return sum;
+    }
+  }
   const std::string metrics_path = (run_dir / "metrics.jsonl").string();
   if (sum.resumed_from > 0) {
     FP8MOE_RETURN_IF_ERROR(TrimMetrics(metrics_path, state.step));
