@@ -81,6 +81,99 @@ double ReadGBs(size_t bytes, int threads, int reps) {
   return static_cast<double>(bytes) / t / 1e9;
 }
 
+MachineCeilings MeasureMachineCeilings(int threads, int reps, size_t bytes) {
+  MachineCeilings c;
+  c.peaks = MeasurePeaks(threads);
+  c.bytes = bytes;
+  c.read_gbs = ReadGBs(bytes, threads, reps);
+  c.memcpy_gbs = MemcpyGBs(bytes, threads, reps);
+  return c;
+}
+
+std::vector<std::string> CeilingNotes(const MachineCeilings& c) {
+  const MachinePeaks& m = c.peaks;
+  std::vector<std::string> notes;
+  notes.push_back("machine peaks (same run, " + std::to_string(m.threads) + " threads, SIMD " +
+                  m.simd_target + "): register-only loops, each thread updating " +
+                  std::to_string(m.Get(PeakKind::kF32Fma).loop.chains) +
+                  " independent vector accumulators with one instruction, no loads or stores");
+  for (const Peak& p : m.peaks) {
+    std::string line = "  " + std::string(PeakName(p.kind)) + ": ";
+    if (p.gops <= 0) {
+      line += "none on this target/CPU";
+    } else {
+      const bool flt = p.kind == PeakKind::kF32Fma || p.kind == PeakKind::kBf16Dot;
+      line += Fixed(p.gops, 1) + (flt ? " GFLOP/s" : " GOP/s") + " (" + p.loop.instr;
+      if (p.ops_per_cycle > 0) {
+        line += "; " + Fixed(p.ops_per_cycle, 1) + (flt ? " flop" : " op") + "/cycle/thread = " +
+                Fixed(p.ops_per_cycle / p.loop.ops_per_instr, 2) + " instructions/cycle";
+      }
+      line += std::string(p.loop.kernels_use ? "; the GMM kernels use it" : "") + ")";
+    }
+    notes.push_back(line);
+  }
+  if (m.core_ghz > 0) {
+    const Peak& f = m.Get(PeakKind::kF32Fma);
+    notes.push_back("  core clock " + Fixed(m.core_ghz, 2) +
+                    " GHz under this load (a chain of dependent integer adds, 1 per cycle; TSC " +
+                    Fixed(m.tsc_ghz, 2) + " GHz); two FMA pipes would give 2 x " +
+                    Fixed(f.loop.ops_per_instr, 0) + " flop x " + Fixed(m.core_ghz, 2) + " GHz x " +
+                    std::to_string(m.threads) + " threads = " + Fixed(m.TwoPipeF32Estimate(), 1) +
+                    " GFLOP/s; measured " + Fixed(f.gops / m.TwoPipeF32Estimate(), 2) + " of that");
+  }
+  notes.push_back("bandwidth (same run, " + std::to_string(c.bytes >> 20) +
+                  " MiB buffers): streaming read " + Fixed(c.read_gbs, 1) + " GB/s, memcpy " +
+                  Fixed(c.memcpy_gbs, 1) + " GB/s (read + written)");
+  return notes;
+}
+
+nlohmann::json CeilingsJson(const MachineCeilings& c) {
+  const MachinePeaks& m = c.peaks;
+  nlohmann::json peaks = nlohmann::json::object();
+  for (const Peak& p : m.peaks) {
+    peaks[PeakName(p.kind)] = {
+        {"available", p.gops > 0},        {"kernels_use", p.loop.kernels_use},
+        {"gops", p.gops},                 {"ops_per_cycle", p.ops_per_cycle},
+        {"instructions_per_cycle", p.loop.ops_per_instr > 0 ? p.ops_per_cycle / p.loop.ops_per_instr : 0.0},
+        {"lanes", p.loop.lanes},          {"chains", p.loop.chains},
+        {"ops_per_instruction", p.loop.ops_per_instr}, {"instruction", p.loop.instr},
+        {"what", p.what}};
+  }
+  return {{"threads", m.threads},
+          {"simd_target", m.simd_target},
+          {"core_ghz", m.core_ghz},
+          {"tsc_ghz", m.tsc_ghz},
+          {"f32_fma_two_pipe_estimate_gflops", m.TwoPipeF32Estimate()},
+          {"peaks", peaks},
+          {"read_gbs", c.read_gbs},
+          {"memcpy_gbs", c.memcpy_gbs},
+          {"bandwidth_bytes", c.bytes}};
+}
+
+KernelArith ArithOfMode(const std::string& mode) {
+  if (mode == "f32") return KernelArith::kF32;
+  if (mode == "int8") return KernelArith::kInt16Pairs;
+  return KernelArith::kBf16Pairs;
+}
+
+const Peak& BoundingPeak(const MachinePeaks& peaks, KernelArith arith) {
+  auto used = [&](PeakKind k) {
+    const Peak& p = peaks.Get(k);
+    return p.gops > 0 && p.loop.kernels_use;
+  };
+  switch (arith) {
+    case KernelArith::kF32:
+      break;
+    case KernelArith::kBf16Pairs:
+      if (used(PeakKind::kBf16Dot)) return peaks.Get(PeakKind::kBf16Dot);
+      break;  // bf16 and fp8 operands are widened to f32 and use FMA
+    case KernelArith::kInt16Pairs:
+      if (used(PeakKind::kInt16Vnni)) return peaks.Get(PeakKind::kInt16Vnni);
+      return peaks.Get(PeakKind::kInt16Pairs);
+  }
+  return peaks.Get(PeakKind::kF32Fma);
+}
+
 void Table::Print() const {
   std::vector<size_t> w(columns.size());
   for (size_t c = 0; c < columns.size(); ++c) w[c] = columns[c].size();
