@@ -6,9 +6,9 @@
 // once per step with the instruction under test, whose other operands are
 // loop-invariant registers. A chain's next step waits for its previous one
 // (latency L cycles); P pipes need L x P chains in flight. FMA: L = 4 and
-// P = 2 on Zen 3 and Skylake (8 chains); SSE4's mul + add chain is 6-8
-// cycles long on 2 + 2 pipes (12-16). 12 chains cover these with the 16
-// registers of AVX2/SSE4; AVX-512 has 32 registers and gets 16.
+// P = 2 on Zen 3 and Skylake (8 chains); SSE4 has no FMA, and its mul + add
+// chain is 6 cycles long on Zen 3's 2 mul + 2 add pipes (12 chains). 12
+// chains fit the 16 registers of AVX2/SSE4; AVX-512 has 32 and gets 16.
 #include "cli/machine_peaks.h"
 
 #include <omp.h>
@@ -32,19 +32,19 @@ namespace bench {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// The chains are named variables c0, c1, ... (FOR_EACH_CHAIN(X) expands X(j)
-// for each): GCC keeps arrays of vectors partly on the stack, which would put
+// The chains are named variables c0, c1, ... (FP8MOE_EACH_CHAIN(X) expands
+// X(j) for each): GCC keeps arrays of vectors partly on the stack, which would put
 // loads and stores into the loop.
 #undef FP8MOE_PEAK_AVX3
-#undef FOR_EACH_CHAIN
+#undef FP8MOE_EACH_CHAIN
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 #define FP8MOE_PEAK_AVX3 1
 constexpr int kChains = 16;
-#define FOR_EACH_CHAIN(X) \
+#define FP8MOE_EACH_CHAIN(X) \
   X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #else
 constexpr int kChains = 12;
-#define FOR_EACH_CHAIN(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define FP8MOE_EACH_CHAIN(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #endif
 
 // An empty asm statement that takes and gives back a chain in a vector
@@ -78,12 +78,12 @@ HWY_NOINLINE uint64_t F32FmaLoop(int64_t iters) {
   c##j = hn::MulAdd(c##j, m, a); \
   FP8MOE_IN_REG(c##j.raw);
 #define FP8MOE_SUM(j) s = hn::Add(s, c##j);
-  FOR_EACH_CHAIN(FP8MOE_INIT)
+  FP8MOE_EACH_CHAIN(FP8MOE_INIT)
   for (int64_t i = 0; i < iters; ++i) {
-    FOR_EACH_CHAIN(FP8MOE_STEP)
+    FP8MOE_EACH_CHAIN(FP8MOE_STEP)
   }
   V s = hn::Zero(d);
-  FOR_EACH_CHAIN(FP8MOE_SUM)
+  FP8MOE_EACH_CHAIN(FP8MOE_SUM)
 #undef FP8MOE_INIT
 #undef FP8MOE_STEP
 #undef FP8MOE_SUM
@@ -121,12 +121,12 @@ HWY_NOINLINE uint64_t Int16PairsLoop(int64_t iters) {
   c##j = hn::ReorderWidenMulAccumulate(d32, hn::BitCast(d16, c##j), b, c##j, odd); \
   FP8MOE_IN_REG(c##j.raw);
 #define FP8MOE_SUM(j) s = hn::Add(s, c##j);
-  FOR_EACH_CHAIN(FP8MOE_INIT)
+  FP8MOE_EACH_CHAIN(FP8MOE_INIT)
   for (int64_t i = 0; i < iters; ++i) {
-    FOR_EACH_CHAIN(FP8MOE_STEP)
+    FP8MOE_EACH_CHAIN(FP8MOE_STEP)
   }
   V s = odd;
-  FOR_EACH_CHAIN(FP8MOE_SUM)
+  FP8MOE_EACH_CHAIN(FP8MOE_SUM)
 #undef FP8MOE_INIT
 #undef FP8MOE_STEP
 #undef FP8MOE_SUM
@@ -141,12 +141,12 @@ HWY_NOINLINE uint64_t Int16PairsLoop(int64_t iters) {
 #define FP8MOE_RAW_LOOP(VEC, LANES)                                    \
   VEC s;                                                               \
   {                                                                    \
-    FOR_EACH_CHAIN(FP8MOE_RAW_INIT)                                    \
+    FP8MOE_EACH_CHAIN(FP8MOE_RAW_INIT)                                    \
     for (int64_t i = 0; i < iters; ++i) {                              \
-      FOR_EACH_CHAIN(FP8MOE_RAW_STEP)                                  \
+      FP8MOE_EACH_CHAIN(FP8MOE_RAW_STEP)                                  \
     }                                                                  \
     s = c0;                                                            \
-    FOR_EACH_CHAIN(FP8MOE_RAW_SUM)                                     \
+    FP8MOE_EACH_CHAIN(FP8MOE_RAW_SUM)                                     \
   }                                                                    \
   alignas(64) uint32_t lanes[LANES];                                   \
   std::memcpy(lanes, &s, sizeof(lanes));                               \
@@ -241,6 +241,10 @@ FP8MOE_PEAK_AVXVNNI HWY_NOINLINE uint64_t Int8VnniLoop(int64_t iters) {
 
 const char* PeakTargetName() { return hwy::TargetName(HWY_TARGET); }
 
+// The kernels take their raw AVX-512 paths on the AVX3 target only
+// (kernels/cpu/gemm_exec.cc).
+constexpr bool kKernelsRawAvx512 = HWY_TARGET == HWY_AVX3;
+
 PeakLoop GetPeakLoop(int kind) {
   const hn::ScalableTag<float> df;
   const int lanes = static_cast<int>(hn::Lanes(df));
@@ -273,12 +277,13 @@ PeakLoop GetPeakLoop(int kind) {
       // The int8 kernel's instructions wherever it does not use vpdpwssd.
       p.kernels_use = true;
 #if defined(FP8MOE_PEAK_AVX3)
-      p.kernels_use = !__builtin_cpu_supports("avx512vnni");
+      p.kernels_use = !(kKernelsRawAvx512 && __builtin_cpu_supports("avx512vnni"));
 #endif
       return p;
     case PeakKind::kBf16Dot:
 #if defined(FP8MOE_PEAK_AVX3)
-      p.available = p.kernels_use = __builtin_cpu_supports("avx512bf16");
+      p.available = __builtin_cpu_supports("avx512bf16");
+      p.kernels_use = kKernelsRawAvx512 && p.available;
       p.ops_per_instr = 4.0 * lanes;  // 2 bf16 products + 2 adds per f32 lane
       p.run = &Bf16DotLoop;
       p.instr = "vdpbf16ps zmm";
@@ -286,7 +291,8 @@ PeakLoop GetPeakLoop(int kind) {
       return p;
     case PeakKind::kInt16Vnni:
 #if defined(FP8MOE_PEAK_AVX3)
-      p.available = p.kernels_use = __builtin_cpu_supports("avx512vnni");
+      p.available = __builtin_cpu_supports("avx512vnni");
+      p.kernels_use = kKernelsRawAvx512 && p.available;
       p.ops_per_instr = 4.0 * lanes;
       p.run = &Int16VnniLoop;
       p.instr = "vpdpwssd zmm";
