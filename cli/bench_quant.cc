@@ -110,7 +110,7 @@ int BenchQuant(const BenchOptions& opt) {
                          {"seconds", s}, {"gbs", gbs}, {"ratio_to_memcpy", gbs / memcpy_gbs}});
   }
   t.notes.push_back("memcpy ceiling (same run, " + std::to_string(opt.threads) +
-                    " threads, " + std::to_string(n * 4 >> 20) + " MiB): " +
+                    " threads, " + SizeText(static_cast<size_t>(n) * 4) + "): " +
                     Fixed(memcpy_gbs, 2) + " GB/s (read + write)");
   for (const std::string& note : CeilingNotes(ceil)) t.notes.push_back(note);
   if (opt.json) {

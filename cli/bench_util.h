@@ -26,11 +26,14 @@ double NowSeconds();
 double BestSeconds(int reps, const std::function<void()>& fn);
 
 // memcpy of a `bytes` buffer split over `threads` threads; GB/s counting
-// bytes read plus bytes written.
+// bytes read plus bytes written. Best of max(reps, 3) runs; a small buffer is
+// copied again and again within a run (>= 64 MiB moved), so the rate is that
+// of the cache level it fits in.
 double MemcpyGBs(size_t bytes, int threads, int reps);
 
 // A streaming read of a `bytes` buffer split over `threads` threads (a sum
 // of its words); GB/s read. The ceiling of ops that only stream a weight in.
+// Runs and passes as for MemcpyGBs.
 double ReadGBs(size_t bytes, int threads, int reps);
 
 // Every ceiling a benchmark compares with, measured in its own run with its
@@ -72,6 +75,8 @@ struct Table {
 };
 
 std::string Fixed(double v, int decimals);
+// "256 MiB", "32 KiB", "100 B".
+std::string SizeText(size_t bytes);
 
 }  // namespace fp8moe::bench
 

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cli/machine_peaks.cc"
@@ -344,27 +345,59 @@ double Now() {
       .count();
 }
 
-// Wall seconds of `threads` threads each running fn(iters) at once.
-double TimeTogether(uint64_t (*fn)(int64_t), int64_t iters, int threads) {
-  uint64_t results[1024] = {};
-  const double t0 = Now();
-#pragma omp parallel num_threads(threads)
-  results[omp_get_thread_num() & 1023] = fn(iters);
-  const double t = Now() - t0;
-  volatile uint64_t sink = 0;
-  for (uint64_t r : results) sink = sink + r;
-  return t;
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-// Best wall seconds of `threads` threads running fn(iters) together, over
-// kRuns runs of about target_s / kRuns each, and the iterations used. Short
-// runs, many of them: on a shared machine the best run is one in which no
-// thread was descheduled, and short runs have a better chance of that.
-// Iterations are calibrated on the calling thread alone (grown until a run
-// takes >= 1 ms, far above the clock's resolution), because a parallel
-// region's wall time on a busy machine also holds the wait for the last
-// thread to be scheduled.
-double BestOf(uint64_t (*fn)(int64_t), int threads, double target_s, int64_t* iters_out) {
+// The best of many runs of `threads` threads running fn(iters) at once.
+struct Timing {
+  int64_t iters = 0;
+  // Runs per second of the whole team: the sum over threads of 1 / (the
+  // thread's own CPU seconds), at most as many threads as CPUs counted. CPU
+  // time leaves out the time other processes took from a thread, so a busy
+  // machine does not pull this rate down unless it shares a core's pipes.
+  double runs_per_s = 0;
+  // The same from the parallel region's wall time (threads x 1 / wall): a
+  // lower bound that falls when the machine is busy.
+  double runs_per_s_wall = 0;
+  double per_thread_runs_per_s = 0;  // the mean over threads, from CPU time
+};
+
+// One run: per-thread CPU rates summed, and the region's wall seconds.
+void RunTogether(uint64_t (*fn)(int64_t), int64_t iters, int threads, double* cpu_rate,
+                 double* per_thread_rate, double* wall) {
+  double inv_cpu[1024] = {};
+  uint64_t results[1024] = {};
+  int team = 1;
+  const double t0 = Now();
+#pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num() & 1023;
+    if (id == 0) team = omp_get_num_threads();
+    const double c0 = ThreadCpuSeconds();
+    results[id] = fn(iters);
+    const double c = ThreadCpuSeconds() - c0;
+    inv_cpu[id] = c > 0 ? 1.0 / c : 0.0;
+  }
+  *wall = Now() - t0;
+  double sum = 0;
+  for (int i = 0; i < std::min(team, 1024); ++i) sum += inv_cpu[i];
+  // More threads than CPUs time-share them: count at most one thread per CPU.
+  const int cpus = std::max(1, omp_get_num_procs());
+  *cpu_rate = team > cpus ? sum * cpus / team : sum;
+  *per_thread_rate = sum / team;
+  volatile uint64_t sink = 0;
+  for (uint64_t r : results) sink = sink + r;
+}
+
+// kRuns runs of about target_s / kRuns each. Short runs, many of them: on a
+// shared machine the best run is one in which no thread was disturbed, and
+// short runs have a better chance of that. Iterations are calibrated on the
+// calling thread alone (grown until a run takes >= 1 ms, far above the
+// clocks' resolution).
+Timing BestOf(uint64_t (*fn)(int64_t), int threads, double target_s) {
   constexpr int kRuns = 40;
   volatile uint64_t sink = fn(1);
   int64_t iters = 1 << 8;
@@ -376,11 +409,19 @@ double BestOf(uint64_t (*fn)(int64_t), int threads, double target_s, int64_t* it
     if (t >= 1e-3 || iters >= (int64_t{1} << 40)) break;
     iters *= 2;
   }
-  iters = std::max(iters, static_cast<int64_t>(static_cast<double>(iters) * (target_s / kRuns) / t));
-  TimeTogether(fn, 1, threads);  // starts OpenMP's threads
-  double best = 1e30;
-  for (int r = 0; r < kRuns; ++r) best = std::min(best, TimeTogether(fn, iters, threads));
-  *iters_out = iters;
+  Timing best;
+  best.iters =
+      std::max(iters, static_cast<int64_t>(static_cast<double>(iters) * (target_s / kRuns) / t));
+  double cpu_rate = 0, per_thread = 0, wall = 0;
+  RunTogether(fn, 1, threads, &cpu_rate, &per_thread, &wall);  // starts OpenMP's threads
+  double best_wall = 1e30;
+  for (int r = 0; r < kRuns; ++r) {
+    RunTogether(fn, best.iters, threads, &cpu_rate, &per_thread, &wall);
+    best.runs_per_s = std::max(best.runs_per_s, cpu_rate);
+    best.per_thread_runs_per_s = std::max(best.per_thread_runs_per_s, per_thread);
+    best_wall = std::min(best_wall, wall);
+  }
+  best.runs_per_s_wall = threads / best_wall;
   return best;
 }
 
@@ -422,13 +463,13 @@ MachinePeaks MeasurePeaks(int threads) {
   constexpr double kTargetSeconds = 0.15;
 #if defined(__x86_64__)
   {
-    int64_t iters = 0;
     const uint64_t tsc0 = __rdtsc();
     const double t0 = Now();
-    const double best = BestOf(&AddChain, threads, kTargetSeconds, &iters);
+    const Timing t = BestOf(&AddChain, threads, kTargetSeconds);
     const double wall = Now() - t0;
     const uint64_t tsc1 = __rdtsc();
-    m.core_ghz = 32.0 * static_cast<double>(iters) / best / 1e9;
+    // 32 adds (cycles) per iteration.
+    m.core_ghz = 32.0 * static_cast<double>(t.iters) * t.per_thread_runs_per_s / 1e9;
     m.tsc_ghz = static_cast<double>(tsc1 - tsc0) / wall / 1e9;
   }
 #endif
@@ -441,11 +482,11 @@ MachinePeaks MeasurePeaks(int threads) {
              " 32-bit lanes, no memory traffic; " + std::to_string(threads) +
              " threads at once";
     if (p.loop.available && p.loop.run != nullptr) {
-      int64_t iters = 0;
-      const double best = BestOf(p.loop.run, threads, kTargetSeconds, &iters);
-      const double ops = static_cast<double>(threads) * static_cast<double>(iters) *
-                         p.loop.chains * p.loop.ops_per_instr;
-      p.gops = ops / best / 1e9;
+      const Timing t = BestOf(p.loop.run, threads, kTargetSeconds);
+      const double ops_per_run =
+          static_cast<double>(t.iters) * p.loop.chains * p.loop.ops_per_instr;
+      p.gops = ops_per_run * t.runs_per_s / 1e9;
+      p.gops_wall = ops_per_run * t.runs_per_s_wall / 1e9;
       if (m.core_ghz > 0) p.ops_per_cycle = p.gops / (m.core_ghz * threads);
     }
     m.peaks.push_back(p);

@@ -1,7 +1,8 @@
 // The machine's own arithmetic peaks, measured in the calling process with
 // register-only loops: independent accumulator chains (enough to cover the
 // instruction's latency times its throughput), no loads or stores inside the
-// timed loop, every thread of the benchmark running the same loop at once.
+// timed loop, every thread of the benchmark running the same loop at once,
+// the best of many short runs.
 // Compiled per SIMD target (Highway), so `--simd AVX2` on an AVX-512 machine
 // measures the AVX2 peak; instructions Highway 1.0.3 lacks (vdpbf16ps,
 // vpdpbusd, vpdpwssd) are raw intrinsics of that target with the CPU checked
@@ -42,7 +43,11 @@ struct PeakLoop {
 struct Peak {
   PeakKind kind = PeakKind::kF32Fma;
   PeakLoop loop;
-  double gops = 0;            // GFLOP/s (GOP/s for integers), all threads; 0 if unavailable
+  // GFLOP/s (GOP/s for integers) of all threads together, each thread's rate
+  // from its own CPU time (time other processes take does not count); 0 if
+  // unavailable.
+  double gops = 0;
+  double gops_wall = 0;       // the same from wall time: lower on a busy machine
   double ops_per_cycle = 0;   // per thread per core cycle (0 if the clock is unknown)
   std::string what;           // what the loop does, in words
 };
