@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/bench.h"
+#include "cli/openblas_core.h"
 #include "cli/op.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/version.h"
@@ -100,6 +101,12 @@ int main(int argc, char** argv) {
   if (*info) return Info();
   if (*bench) {
     bopt.all_passes = !fwd_only;
+    fp8moe::bench::IsaTier tier;
+    if (!bopt.sgemm_core.empty() && !fp8moe::bench::CoreTier(bopt.sgemm_core, &tier)) {
+      std::fprintf(stderr, "error: --sgemm-core: '%s' is not an OpenBLAS core name; use one of: %s\n",
+                   bopt.sgemm_core.c_str(), fp8moe::bench::KnownCoreNames().c_str());
+      return 2;
+    }
     if (bopt.fwd_tiles.size() == 3 && bopt.fwd_tiles[1] % 2 != 0) {
       std::fprintf(stderr,
                    "error: --tiles: k = %lld is odd; the kernels reduce k in pairs, so use an even "

@@ -100,6 +100,12 @@ bool CoreTier(std::string_view corename, IsaTier* tier) {
   return false;
 }
 
+std::string KnownCoreNames() {
+  std::string s;
+  for (const NamedCore& c : kCores) s += (s.empty() ? "" : ", ") + std::string(c.name);
+  return s;
+}
+
 CoreAdvice AdviseCore(std::string_view corename, const CpuIsa& isa) {
   const IsaTier cpu = TierOf(isa);
   const std::string core(corename);

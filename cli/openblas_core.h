@@ -47,6 +47,7 @@ IsaTier TierOf(const CpuIsa& isa);
 // The SIMD class of an OpenBLAS core name as openblas_get_corename() spells
 // it (case-insensitive); false for a name this table does not know.
 bool CoreTier(std::string_view corename, IsaTier* tier);
+std::string KnownCoreNames();  // "SapphireRapids, Cooperlake, ..." for messages
 
 struct CoreAdvice {
   bool fallback = false;  // the core is below the CPU (or unknown): not a ceiling

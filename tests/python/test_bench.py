@@ -191,3 +191,6 @@ def test_bench_sgemm_and_bad_sizes(fp8moe_bin):
         p = subprocess.run([fp8moe_bin, "bench", "sgemm", "--sizes", bad], capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 2 and "--sizes" in p.stderr, (bad, p.stderr)
+    p = subprocess.run([fp8moe_bin, "bench", "moe", "--sgemm-core", "Bogus"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "--sgemm-core" in p.stderr and "Haswell" in p.stderr, p.stderr
