@@ -138,8 +138,9 @@ std::vector<std::string> CeilingNotes(const MachineCeilings& c) {
     const Peak& f = m.Get(PeakKind::kF32Fma);
     notes.push_back("  core clock " + Fixed(m.core_ghz, 2) +
                     " GHz under this load (a chain of dependent integer adds, 1 per cycle; TSC " +
-                    Fixed(m.tsc_ghz, 2) + " GHz); two FMA pipes would give 2 x " +
-                    Fixed(f.loop.ops_per_instr, 0) + " flop x " + Fixed(m.core_ghz, 2) + " GHz x " +
+                    Fixed(m.tsc_ghz, 2) + " GHz); two pipes of " + f.loop.instr +
+                    " would give 2 x " + Fixed(f.loop.ops_per_instr, 0) + " flop x " +
+                    Fixed(m.core_ghz, 2) + " GHz x " +
                     std::to_string(m.threads) + " threads = " + Fixed(m.TwoPipeF32Estimate(), 1) +
                     " GFLOP/s; measured " + Fixed(f.gops / m.TwoPipeF32Estimate(), 2) + " of that");
   }

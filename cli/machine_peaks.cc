@@ -261,19 +261,24 @@ PeakLoop GetPeakLoop(int kind) {
       p.instr = "vfmadd ps " FP8MOE_VREG;
 #elif HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3
       p.instr = "mulps + addps xmm (no FMA on this target)";
+#elif HWY_TARGET == HWY_SCALAR
+      p.instr = "scalar mul + add (no SIMD on this target)";
 #else
-      p.instr = "mul + add, emulated vectors (no SIMD target)";
+      p.instr = "mul + add on emulated vectors (no SIMD on this target)";
 #endif
       return p;
     case PeakKind::kInt16Pairs:
       p.available = true;
       p.ops_per_instr = 4.0 * lanes;  // 2 int16 products + 2 adds per 32-bit lane
       p.run = &Int16PairsLoop;
-#if HWY_TARGET == HWY_AVX2 || defined(FP8MOE_PEAK_AVX3) || HWY_TARGET == HWY_SSE4 || \
-    HWY_TARGET == HWY_SSSE3
+#if HWY_TARGET == HWY_AVX2 || defined(FP8MOE_PEAK_AVX3)
       p.instr = "vpmaddwd + vpaddd " FP8MOE_VREG;
+#elif HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3
+      p.instr = "pmaddwd + paddd xmm";
+#elif HWY_TARGET == HWY_SCALAR
+      p.instr = "scalar int16 pair multiply-add";
 #else
-      p.instr = "int16 pair multiply-add, emulated vectors";
+      p.instr = "int16 pair multiply-add on emulated vectors";
 #endif
       // The int8 kernel's instructions wherever it does not use vpdpwssd.
       p.kernels_use = true;

@@ -60,9 +60,11 @@ struct MachinePeaks {
   std::vector<Peak> peaks;  // one per PeakKind, in order
 
   const Peak& Get(PeakKind kind) const { return peaks[static_cast<int>(kind)]; }
-  // f32 flop/s if every core issued two FMAs of the target's width per cycle
-  // at core_ghz (Zen 3, Haswell and later, Skylake-SP Gold/Platinum): the
-  // spec-sheet number to hold the measured f32_fma peak against.
+  // f32 flop/s if every thread issued two f32_fma instructions (FMAs of the
+  // target's width; mul + add pairs where it has no FMA) per cycle at
+  // core_ghz: two FMA pipes (Zen 3: 2 x 256-bit, 32 flop/cycle; Haswell and
+  // later; Skylake-SP Gold/Platinum at 512 bits), or two mul + two add pipes.
+  // The spec-sheet number to hold the measured f32_fma peak against.
   double TwoPipeF32Estimate() const;
 };
 
