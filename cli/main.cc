@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/bench.h"
+#include "cli/openblas_core.h"
 #include "cli/op.h"
 #include "cli/train.h"
 #include "fp8moe/numerics.h"
@@ -47,10 +48,11 @@ int main(int argc, char** argv) {
   fp8moe::bench::BenchOptions bopt;
   bopt.threads = omp_get_max_threads();
   std::string bench_what;
-  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm, moe, train");
-  bench->add_option("what", bench_what, "which benchmark: quant, gmm, moe or train")
+  auto* bench = app.add_subcommand(
+      "bench", "benchmarks with their own ceilings: quant, gmm, moe, train (sgemm: the OpenBLAS ceiling alone)");
+  bench->add_option("what", bench_what, "which benchmark: quant, gmm, moe, train or sgemm")
       ->required()
-      ->check(CLI::IsMember({"quant", "gmm", "moe", "train"}));
+      ->check(CLI::IsMember({"quant", "gmm", "moe", "train", "sgemm"}));
   bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T")->check(CLI::Range(1, 1 << 20));
   bench->add_flag("--json", bopt.json, "print JSON instead of a table");
   bench->add_option("--threads", bopt.threads, "threads (default: OpenMP's)")
@@ -68,6 +70,10 @@ int main(int argc, char** argv) {
                     "bench gmm: forward tiles M K N (0 keeps a default; k must be even)")
       ->expected(3)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  bench->add_option("--sgemm-core", bopt.sgemm_core,
+                    "measure the sgemm ceiling in a child with OPENBLAS_CORETYPE=this (default: "
+                    "the loaded core if right for the CPU, else a right one)");
+  bench->add_option("--sizes", bopt.sgemm_sizes, "bench sgemm: MxKxN[,MxKxN...]");
   bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 32));
 
@@ -109,6 +115,12 @@ int main(int argc, char** argv) {
   if (*info) return Info();
   if (*bench) {
     bopt.all_passes = !fwd_only;
+    fp8moe::bench::IsaTier tier;
+    if (!bopt.sgemm_core.empty() && !fp8moe::bench::CoreTier(bopt.sgemm_core, &tier)) {
+      std::fprintf(stderr, "error: --sgemm-core: '%s' is not an OpenBLAS core name; use one of: %s\n",
+                   bopt.sgemm_core.c_str(), fp8moe::bench::KnownCoreNames().c_str());
+      return 2;
+    }
     if (bopt.fwd_tiles.size() == 3 && bopt.fwd_tiles[1] % 2 != 0) {
       std::fprintf(stderr,
                    "error: --tiles: k = %lld is odd; the kernels reduce k in pairs, so use an even "
@@ -126,6 +138,7 @@ int main(int argc, char** argv) {
     }
     if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
     if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
+    if (bench_what == "sgemm") return fp8moe::bench::BenchSgemm(bopt);
     return fp8moe::bench::BenchQuant(bopt);
   }
   if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);
