@@ -37,39 +37,49 @@ def assert_readable(run):
         st.read(c)  # raises on a torn or malformed file
 
 
+def logged_steps(run):
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def test_sigkill_at_random_moments_loses_nothing_but_steps(fp8moe_bin, tmp_path):
-    flags = ["steps=30", "checkpoint_period=2", "eval_interval=10"]
+    steps = 40
+    flags = [f"steps={steps}", "checkpoint_period=2", "eval_interval=10"]
     whole = train(fp8moe_bin, tmp_path, "whole", *flags)
     assert whole.returncode == 0, whole.stderr
     rng = random.Random(int(os.environ.get("FP8MOE_TEST_SEED", "7")))
     run = tmp_path / "killed"
+    # Four kills, each once the run has logged a random step past the last
+    # kill's, then after a random delay of up to 5 ms: the kill
+    # lands while training, evaluating or in the middle of a save (one save
+    # every 2 steps), whatever the machine's speed.
+    targets = sorted(rng.sample(range(3, steps - 8), 4))
     kills = 0
-    for _ in range(12):
-        if kills >= 4:
-            break
+    for target in targets:
         p = subprocess.Popen([fp8moe_bin, "train", f"base_output_directory={tmp_path}",
                               "run_name=killed", *TINY, *flags],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-        time.sleep(rng.uniform(0.05, 0.6))
+        while p.poll() is None and logged_steps(run) < target:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.005))
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
             kills += 1
         p.wait()
         assert_readable(run)  # never a corrupt checkpoint, whenever the kill came
-        if (run / "summary.json").exists():
-            break
-    assert kills >= 2, "the run finished before it could be killed; make it longer"
+        assert not (run / "summary.json").exists()
+    assert kills == len(targets)
     done = train(fp8moe_bin, tmp_path, "killed", *flags)
     assert done.returncode == 0, done.stderr
     a = st.read(checkpoints(tmp_path / "whole")[-1])
     b = st.read(checkpoints(run)[-1])
-    assert checkpoints(run)[-1].name == "step_00000030.safetensors"
+    assert checkpoints(run)[-1].name == f"step_{steps:08d}.safetensors"
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].tobytes() == b[k].tobytes(), k
     # metrics.jsonl holds each step once.
-    steps = [int(l.split('"step":')[1].split(",")[0]) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 31))
+    logged = [int(l.split('"step":')[1].split(",")[0]) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))
 
 
 def test_full_disk_while_saving_is_a_clear_error_and_keeps_the_last_checkpoint(fp8moe_bin, tmp_path):
