@@ -154,20 +154,17 @@ Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
 
 int RunOp(const std::string& name, const std::string& in_path,
           const std::string& out_path, const std::vector<std::string>& keys) {
-  // Unknown ops and keys are reported before the input is read.
-  bool known = false;
-  for (const OpDef& o : AllOps()) known = known || o.name == name;
-  if (known) {
-    for (const OpDef& o : AllOps()) {
-      if (o.name != name) continue;
-      if (auto c = LoadConfig(o.keys, "", keys); !c.ok()) {
-        std::fprintf(stderr, "error: op %s: %s\n", name.c_str(), c.status().message().c_str());
-        return 2;
-      }
-    }
+  // An unknown op or a bad key is reported before the input is read.
+  const OpDef* op = nullptr;
+  for (const OpDef& o : AllOps()) {
+    if (o.name == name) op = &o;
   }
   SafetensorsFile in;
-  if (known) {
+  if (op != nullptr) {
+    if (auto c = LoadConfig(op->keys, "", keys); !c.ok()) {
+      std::fprintf(stderr, "error: op %s: %s\n", name.c_str(), c.status().message().c_str());
+      return 2;
+    }
     auto read = ReadSafetensors(in_path);
     if (!read.ok()) {
       std::fprintf(stderr, "error: %s\n", read.status().ToString().c_str());

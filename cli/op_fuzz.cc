@@ -15,9 +15,10 @@
 //  - and whatever the sanitizers, the leak checker and -timeout catch.
 //
 // Caps keep each input fast under ASan: at most 2^16 input elements in all,
-// data dimensions of at most 64 (enormous dimensions only beside a zero, so
+// data dimensions of at most 520 (enormous dimensions only beside a zero, so
 // the tensor is empty), and a 256 MiB memory cap (memory.h), so large outputs
-// take the refusal path the command takes.
+// take the refusal path the command takes. The kernels' scratch is released
+// after every input, so each input runs from the same state (replayable).
 //
 // Input format (little-endian, read in order; reading past the end gives 0):
 //   u8 op (index into AllOps(), mod count)
@@ -48,6 +49,7 @@
 #include <vector>
 
 #include "cli/op.h"
+#include "fp8moe/gmm.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
@@ -217,10 +219,10 @@ bool Decode(const uint8_t* data, size_t size, Case* c) {
     }
     auto n = CheckedNumElements(shape, DTypeSize(dtype));
     if (!n.ok() || *n > kMaxInputElements) return false;
-    // Large dimensions only in empty tensors: the data caps the work.
+    // Enormous dimensions only in empty tensors: the data caps the work.
     if (*n > 0) {
       for (int64_t d : shape) {
-        if (d > 64) return false;
+        if (d > 520) return false;
       }
     }
     elements += *n;
@@ -259,20 +261,48 @@ Result<Config> KeysOf(const Case& c, const std::vector<std::string>& keys) {
   return LoadConfig(c.op->keys, "", keys);
 }
 
-std::vector<std::string> Without(const std::vector<std::string>& keys,
-                                 bool (*drop)(const std::string& name)) {
-  std::vector<std::string> out;
-  for (const auto& k : keys) {
-    const std::string name = k.substr(0, k.find('='));
-    if (!drop(name)) out.push_back(k);
-  }
-  return out;
-}
-
 bool IsTileKey(const std::string& n) {
   return n == "tile_m" || n == "tile_k" || n == "tile_n" ||
          (n.size() > 8 && (n.rfind("wi_tile_", 0) == 0 || n.rfind("wo_tile_", 0) == 0));
 }
+
+// Tiles that are part of the numerics, not only of the schedule: TGMM's m
+// tile is its in-kernel quantization tile (dout_quant_granularity=tile, and
+// the MoE drhs batch_seq tiles with moe_bwd_inkernel_quant=true).
+bool IsNumericTile(const Case& c, const Config& cfg, const std::string& n) {
+  if (c.op->name == "tgmm") {
+    return n == "tile_m" && cfg.GetString("dout_quant") != "none" &&
+           cfg.GetString("dout_quant_granularity") == "tile";
+  }
+  if (c.op->name == "moe_forward" || c.op->name == "moe_backward") {
+    return cfg.GetBool("moe_bwd_inkernel_quant") &&
+           (n == "wi_tile_drhs_batch_seq" || n == "wo_tile_drhs_batch_seq");
+  }
+  return false;
+}
+
+// Whether the run with tile keys must give the bits of the run without the
+// schedule-only ones (which are then dropped into `plain`).
+bool ScheduleTilesGiven(const Case& c, std::vector<std::string>* plain) {
+  auto cfg = LoadConfig(c.op->keys, "", c.keys);
+  if (!cfg.ok()) Fail("keys that ran do not load");
+  bool any = false;
+  plain->clear();
+  for (const auto& k : c.keys) {
+    const std::string name = k.substr(0, k.find('='));
+    if (IsTileKey(name) && !IsNumericTile(c, *cfg, name)) {
+      any = true;
+    } else {
+      plain->push_back(k);
+    }
+  }
+  return any;
+}
+
+// The fast SwiGLU is wrong for gates below about -177 (silu(g) comes out as g;
+// the kernels' issue, left to it by issue 9): gates below this are skipped by
+// the SwiGLU and dSwiGLU comparisons until that is fixed.
+constexpr double kKnownBadGate = -170.0;
 
 bool SameBits(const SafetensorsFile& a, const SafetensorsFile& b, std::string* why) {
   if (a.tensors.size() != b.tensors.size()) {
@@ -352,9 +382,11 @@ void ExpectWithin(const Case& c, const std::string& name, const Tensor& fast,
          " but the reference's is " + ShapeToString(ref.shape()));
   }
   for (size_t i = 0; i < fast.num_elements(); ++i) {
+    // Compared where the bound is finite and the result is not near the f32
+    // overflow threshold (one side may round to FLT_MAX, the other to inf).
     const double b = bound[i];
-    if (!(b < 1e37)) continue;
     const double f = ValueAt(fast, i), r = ValueAt(ref, i);
+    if (!(b < 1e37) || !(std::fabs(r) < 1e38) || f == r) continue;
     if (!(std::fabs(f - r) <= b)) {
       char buf[200];
       std::snprintf(buf, sizeof(buf), ": '%s'[%zu] fast %.9g, reference %.9g, bound %.3g",
@@ -374,11 +406,10 @@ void CheckGmmFamily(const Case& c, const SafetensorsFile& fast) {
   SafetensorsFile ref;
   const Status rs = Run(c, ref_keys, &ref);
   if (!rs.ok()) Fail(Describe(c) + ": the fast path ran but the reference fails: " + rs.ToString());
-  // Tiles never change the bits.
-  if (std::any_of(c.keys.begin(), c.keys.end(),
-                  [](const std::string& k) { return IsTileKey(k.substr(0, k.find('='))); })) {
+  // Schedule tiles never change the bits.
+  if (std::vector<std::string> plain_keys; ScheduleTilesGiven(c, &plain_keys)) {
     SafetensorsFile plain;
-    const Status ps = Run(c, Without(c.keys, IsTileKey), &plain);
+    const Status ps = Run(c, plain_keys, &plain);
     std::string why;
     if (!ps.ok()) Fail(Describe(c) + ": runs with tile keys but not without: " + ps.ToString());
     if (!SameBits(fast, plain, &why)) Fail(Describe(c) + ": tile keys change the bits: " + why);
@@ -433,6 +464,7 @@ void CheckGmmFamily(const Case& c, const SafetensorsFile& fast) {
         const double hr = bf16 ? std::ldexp(std::fabs(g) + std::fabs(u), -7) : 0;
         b[i * f + j] = ds * std::fabs(u) * (eg + hr) + std::fabs(g * s) * (eu + hr) + 1e-5 * v + 1e-30;
         if (bf16) b[i * f + j] = 2 * b[i * f + j] + std::ldexp(v, -7);
+        if (g < kKnownBadGate) b[i * f + j] = INFINITY;
       }
     }
     ExpectWithin(c, "out", *fast_out, *ref_out, b);
@@ -471,7 +503,7 @@ void CheckGmmFamily(const Case& c, const SafetensorsFile& fast) {
         const double terms = half == 0 ? std::fabs(u) * (1 + std::fabs(g)) : std::fabs(g);
         double bound = coef * eda + 1e-5 * std::fabs(a) * terms + 1e-30;
         if (bf16) bound = 2 * bound + std::ldexp(v, -7);
-        b[i * 2 * k + half * k + j] = bound;
+        b[i * 2 * k + half * k + j] = g < kKnownBadGate ? INFINITY : bound;
       }
     }
   }
@@ -548,12 +580,10 @@ void CheckQuantize(const Case& c, const SafetensorsFile& out) {
 }
 
 void CheckMoeTiles(const Case& c, const SafetensorsFile& out) {
-  if (!std::any_of(c.keys.begin(), c.keys.end(),
-                   [](const std::string& k) { return IsTileKey(k.substr(0, k.find('='))); })) {
-    return;
-  }
+  std::vector<std::string> plain_keys;
+  if (!ScheduleTilesGiven(c, &plain_keys)) return;
   SafetensorsFile plain;
-  const Status s = Run(c, Without(c.keys, IsTileKey), &plain);
+  const Status s = Run(c, plain_keys, &plain);
   if (!s.ok()) Fail(Describe(c) + ": runs with tile keys but not without: " + s.ToString());
   std::string why;
   if (!SameBits(out, plain, &why)) Fail(Describe(c) + ": tile keys change the bits: " + why);
@@ -568,17 +598,34 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   return 0;
 }
 
+namespace fp8moe::cli {
+namespace {
+
+void RunCase(const Case& c);
+
+}  // namespace
+}  // namespace fp8moe::cli
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace fp8moe;
   using namespace fp8moe::cli;
   Case c;
   if (!Decode(data, size, &c)) return -1;
+  RunCase(c);
+  ReleaseGmmScratch();  // the next input starts from the same state
+  return 0;
+}
+
+namespace fp8moe::cli {
+namespace {
+
+void RunCase(const Case& c) {
   SafetensorsFile out;
   const Status s = Run(c, c.keys, &out);
   if (!s.ok()) {
     if (!IsBadRequest(s)) Fail(Describe(c) + ": exit code 1 for " + s.ToString());
     if (s.message().empty()) Fail(Describe(c) + ": an error without a message");
-    return 0;
+    return;
   }
   // The outputs must be a writable file that reads back the same.
   auto bytes = SerializeSafetensors(out);
@@ -598,5 +645,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else if (op == "moe_forward" || op == "moe_backward") {
     CheckMoeTiles(c, out);
   }
-  return 0;
 }
+
+}  // namespace
+}  // namespace fp8moe::cli

@@ -382,6 +382,10 @@ class Runner:
             return "exit2", None, err, args
         try:
             out = st.read(dst)
+        except ValueError as ex:
+            if "too big" in str(ex):  # numpy cannot hold [2^62, 0]-like shapes; fp8moe can
+                return "ok", {}, "output not judged (numpy limit)", args
+            return "bad_output_file", None, str(ex), args
         except Exception as ex:  # noqa: BLE001
             return "bad_output_file", None, str(ex), args
         return "ok", out, f"{dt:.2f}s", args
@@ -435,7 +439,7 @@ def gamma(r):
 def abs_tensors(tensors):
     out = {}
     for nm, t in tensors.items():
-        if nm in ("group_sizes", "rhs_scale", "h"):
+        if nm in ("group_sizes", "h"):
             out[nm] = t
             continue
         raw = bytearray(t.data)
@@ -460,6 +464,25 @@ def f64(a):
     return np.asarray(a).astype(np.float64)
 
 
+# The fast SwiGLU is wrong for gates below about -177 (silu(g) comes out as g;
+# the kernels' issue, which issue 9 leaves to it): such gates are not compared.
+KNOWN_BAD_GATE = -170.0
+
+
+def schedule_tile_keys(op, keys):
+    """Tile keys that must not change the bits: all of them, except TGMM's m
+    tile when it is the in-kernel quantization tile (and the MoE drhs
+    batch_seq tiles with moe_bwd_inkernel_quant=true)."""
+    tiles = TILE_KEYS if op in ("gmm", "dlhs", "tgmm") else MOE_TILE_KEYS
+    out = [k for k in tiles if k in keys]
+    if op == "tgmm" and keys.get("dout_quant", "none") != "none" and \
+            keys.get("dout_quant_granularity", "group") == "tile":
+        out = [k for k in out if k != "tile_m"]
+    if op.startswith("moe") and keys.get("moe_bwd_inkernel_quant") == "true":
+        out = [k for k in out if k not in ("wi_tile_drhs_batch_seq", "wo_tile_drhs_batch_seq")]
+    return out
+
+
 def check_gmm_family(runner, op, tensors, keys, out):
     """Fast vs reference within the f32 accumulation bound; tiles never change bits."""
     name = {"gmm": "out", "dlhs": "dlhs", "tgmm": "drhs"}[op]
@@ -471,8 +494,9 @@ def check_gmm_family(runner, op, tensors, keys, out):
     for nm in ref:
         if nm not in fast or fast[nm].shape != ref[nm].shape or fast[nm].dtype != ref[nm].dtype:
             return f"{op}: output '{nm}' {ref[nm].shape} (ref) vs {fast.get(nm, np.zeros(0)).shape} (fast)"
-    if any(k in keys for k in TILE_KEYS):
-        plain = {k: v for k, v in keys.items() if k not in TILE_KEYS}
+    sched = schedule_tile_keys(op, keys)
+    if sched:
+        plain = {k: v for k, v in keys.items() if k not in sched}
         status, untiled, err, _ = runner.run(op, tensors, plain, "untiled")
         if status != "ok":
             return f"{op}: without tile keys {status}: {err[:200]}"
@@ -511,6 +535,7 @@ def check_gmm_family(runner, op, tensors, keys, out):
             ds = np.abs(s * (1 + g * (1 - s)))
             v = np.abs(g * s * u)
             b = ds * np.abs(u) * eg + np.abs(g * s) * eu + 1e-5 * v + 1e-30
+            b = np.where(g < KNOWN_BAD_GATE, np.inf, b)
             return compare(op, "out", f64(fast["out"]), f64(ref["out"]), b, bf16)
         # dswiglu: da from the reference without the epilogue
         status, da, err, _ = runner.run(op, {k: v for k, v in tensors.items() if k != "h"},
@@ -526,6 +551,8 @@ def check_gmm_family(runner, op, tensors, keys, out):
         ds = s * (1 + g * (1 - s))
         b0 = np.abs(u * ds) * bound + 1e-5 * np.abs(a) * np.abs(u) * (1 + np.abs(g)) + 1e-30
         b1 = np.abs(g * s) * bound + 1e-5 * np.abs(a) * np.abs(g) + 1e-30
+        b0 = np.where(g < KNOWN_BAD_GATE, np.inf, b0)
+        b1 = np.where(g < KNOWN_BAD_GATE, np.inf, b1)
         return compare(op, name, f64(fast[name]), f64(ref[name]), np.concatenate([b0, b1], 1), bf16)
 
 
@@ -534,9 +561,11 @@ def compare(op, nm, fast, ref, bound, bf16):
         return f"{op}: '{nm}' shapes {fast.shape} vs {ref.shape}"
     if bf16:
         bound = bound * 2 + np.abs(ref) * 2.0**-7
-    ok_region = np.isfinite(bound) & (bound < 1e37)
+    # Compared where the bound is finite and the result is not near the f32
+    # overflow threshold (where one side may round to FLT_MAX, the other to inf).
+    ok_region = np.isfinite(bound) & (bound < 1e37) & (np.abs(ref) < 1e38)
     diff = np.abs(fast - ref)
-    bad = ok_region & ~(diff <= bound)
+    bad = ok_region & ~(diff <= bound) & ~(fast == ref)
     if bad.any():
         i = np.argwhere(bad)[0]
         return (f"{op}: '{nm}' fast {fast[tuple(i)]!r} vs reference {ref[tuple(i)]!r} at {i.tolist()}"
@@ -545,9 +574,10 @@ def compare(op, nm, fast, ref, bound, bf16):
 
 
 def check_moe(runner, op, tensors, keys, out):
-    if not any(k in keys for k in MOE_TILE_KEYS):
+    sched = schedule_tile_keys(op, keys)
+    if not sched:
         return None
-    plain = {k: v for k, v in keys.items() if k not in MOE_TILE_KEYS}
+    plain = {k: v for k, v in keys.items() if k not in sched}
     status, other, err, _ = runner.run(op, tensors, plain, "untiled")
     if status != "ok":
         return f"{op}: without tile keys {status}: {err[:200]}"

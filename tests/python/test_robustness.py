@@ -425,3 +425,33 @@ def test_signal_during_bench_exits_by_the_signal(fp8moe_bin, tmp_path):
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=TIMEOUT) == -signal.SIGINT
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- the command line itself -------------------------------------------------------------
+
+@pytest.mark.parametrize("args,needle", [
+    (["op"], "name"),                                   # no op name, no --in/--out
+    (["op", "cast", "--in", "x", "--out", "y", "--bogus"], "--bogus"),
+    (["--simd", "NOSUCH", "info"], "NOSUCH"),
+    (["frobnicate"], "subcommand"),
+    (["bench", "gmm", "--threads", "0"], "--threads"),
+])
+def test_bad_command_lines_exit_2(fp8moe_bin, args, needle):
+    p = subprocess.run([fp8moe_bin, *args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 2 and needle in p.stderr, (p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize("keys,needle", [(["noequals"], "key=value"), (["=1"], "empty key"),
+                                         ([""], "empty setting"), (["format=e4m3fn=x"], "format")])
+def test_malformed_keys_exit_2(op, keys, needle):
+    code, _, err = op("cast", arrays(x=np.zeros(2, np.float32)), *keys)
+    assert code == 2 and needle in err, err
+
+
+def test_missing_or_directory_input_exit_2(fp8moe_bin, tmp_path):
+    for src, needle in [(tmp_path / "nope.safetensors", "nope.safetensors"),
+                        (tmp_path, "not a regular file")]:
+        p = subprocess.run([fp8moe_bin, "op", "cast", "--in", str(src), "--out",
+                            str(tmp_path / "o.safetensors")], capture_output=True, text=True,
+                           timeout=TIMEOUT)
+        assert p.returncode == 2 and needle in p.stderr, (p.returncode, p.stderr)
