@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -100,6 +101,13 @@ int main(int argc, char** argv) {
     const fp8moe::Status s = fp8moe::RestrictSimdTarget(simd);
     if (!s.ok()) {
       std::fprintf(stderr, "error: --simd: %s\n", s.message().c_str());
+      return 2;
+    }
+  }
+  // A malformed FP8MOE_MEMORY_CAP is a bad request, not a silent default.
+  if (const char* env = std::getenv("FP8MOE_MEMORY_CAP"); env != nullptr && *env != '\0') {
+    if (const auto cap = fp8moe::ParseByteSize(env); !cap.ok()) {
+      std::fprintf(stderr, "error: FP8MOE_MEMORY_CAP: %s\n", cap.status().message().c_str());
       return 2;
     }
   }

@@ -160,8 +160,8 @@ void Fill(Reader& r, uint8_t mode, Tensor* t) {
         case DType::kF16: reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(gen()); break;
         case DType::kBool: p[i] = static_cast<uint8_t>(gen() % 2); break;
         case DType::kI8:
-          reinterpret_cast<int8_t*>(p)[i] =
-              static_cast<int8_t>(std::clamp(std::nearbyint(v * 20), -127.0, 127.0));
+          reinterpret_cast<int8_t*>(p)[i] = static_cast<int8_t>(
+              std::isfinite(v) ? std::clamp(std::nearbyint(v * 20), -127.0, 127.0) : 0.0);
           break;
         case DType::kI32:
           reinterpret_cast<int32_t*>(p)[i] = std::isfinite(v) ? static_cast<int32_t>(
@@ -622,6 +622,9 @@ namespace {
 void RunCase(const Case& c) {
   SafetensorsFile out;
   const Status s = Run(c, c.keys, &out);
+  // OP_FUZZ_STATS=1: one line per input, to see what a corpus reaches.
+  static const bool stats = std::getenv("OP_FUZZ_STATS") != nullptr;
+  if (stats) std::fprintf(stderr, "op_fuzz: %s %s\n", c.op->name.c_str(), s.ok() ? "ok" : std::string(StatusCodeName(s.code())).c_str());
   if (!s.ok()) {
     if (!IsBadRequest(s)) Fail(Describe(c) + ": exit code 1 for " + s.ToString());
     if (s.message().empty()) Fail(Describe(c) + ": an error without a message");

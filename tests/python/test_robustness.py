@@ -276,7 +276,9 @@ def test_memory_cap_refuses_a_large_input_file_by_name(op):
 
 def test_bad_memory_cap_is_exit_2(op):
     code, _, err = op("cast", arrays(x=np.zeros(4, np.float32)), pre=("--memory-cap", "lots"))
-    assert code == 2 and "--memory-cap" in err, err
+    assert code == 2 and "--memory-cap" in err and "'lots'" in err, err
+    code, _, err = op("cast", arrays(x=np.zeros(4, np.float32)), env={"FP8MOE_MEMORY_CAP": "8X"})
+    assert code == 2 and "FP8MOE_MEMORY_CAP" in err and "'8X'" in err, err
 
 
 def test_moe_tokens_past_int32_rows_are_refused(op):
