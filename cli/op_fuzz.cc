@@ -11,7 +11,8 @@
 //    (reference=true) within the f32 accumulation bound gamma_R * sum|a b|
 //    (sum|a b| from the reference on |inputs|); cast and decode against the
 //    scalar conversions; quantize against the plain-loop quantizers; the same
-//    bits whether tile keys are given or not (gmm family and the MoE ops);
+//    bits whether tile keys are given or not (gmm family and the MoE ops),
+//    and for dlhs from codes in mode bf16 and mode fake_qat (gmm.h);
 //  - and whatever the sanitizers, the leak checker and -timeout catch.
 //
 // Caps keep each input fast under ASan: at most 2^16 input elements in all,
@@ -437,6 +438,21 @@ void CheckGmmFamily(const Case& c, const SafetensorsFile& fast) {
     std::string why;
     if (!ps.ok()) Fail(Describe(c) + ": runs with tile keys but not without: " + ps.ToString());
     if (!SameBits(fast, plain, &why)) Fail(Describe(c) + ": tile keys change the bits: " + why);
+  }
+  // dLHS from codes: mode bf16 (dequantized tile by tile) and mode fake_qat
+  // (the BF16 copy) give the same bits, by contract (gmm.h).
+  const std::string mode = cfg->GetString("mode");
+  if (op == "dlhs" && c.in.Find("rhs_codes") != nullptr && (mode == "bf16" || mode == "fake_qat")) {
+    std::vector<std::string> other;
+    for (const auto& k : c.keys) {
+      if (k.rfind("fp8_dtype=", 0) != 0) other.push_back(k);
+    }
+    other.push_back(mode == "bf16" ? "mode=fake_qat" : "mode=bf16");
+    SafetensorsFile twin;
+    const Status ts = Run(c, other, &twin);
+    std::string why;
+    if (!ts.ok()) Fail(Describe(c) + ": dlhs from codes runs in one of bf16 / fake_qat only: " + ts.ToString());
+    if (!SameBits(fast, twin, &why)) Fail(Describe(c) + ": dlhs bf16 from codes != fake_qat: " + why);
   }
   const std::string epilogue = op == "tgmm" ? "none" : cfg->GetString("epilogue");
   std::vector<std::string> abs_keys = ref_keys;
