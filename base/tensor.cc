@@ -56,24 +56,36 @@ LargeBlockPool& Pool() {
 
 Result<size_t> CheckedNumElements(const Shape& shape, size_t elem_size,
                                   size_t max_bytes) {
-  size_t n = 1;
+  // The nonzero dimensions are multiplied on their own, so a zero-element
+  // shape such as [2^40, 2^40, 0] is refused like [2^40, 2^40]: every partial
+  // product of a shape's dimensions (the strides and offsets kernels compute)
+  // then fits, and no index arithmetic on the shape can overflow.
+  bool zero = false;
   for (int64_t d : shape) {
     if (d < 0) {
       return InvalidArgument("shape " + ShapeToString(shape) +
                              " has a negative dimension");
     }
+    zero = zero || d == 0;
+  }
+  const auto too_large = [&] {
+    return ResourceExhausted(
+        "shape " + ShapeToString(shape) + " of " + std::to_string(elem_size) +
+        "-byte elements is too large: " +
+        (zero ? "its nonzero dimensions need more than " + std::to_string(max_bytes) +
+                    " bytes (refused although a 0 makes it empty, so that no index "
+                    "arithmetic on the shape can overflow)"
+              : "it needs more than " + std::to_string(max_bytes) + " bytes"));
+  };
+  size_t nonzero = 1;
+  for (int64_t d : shape) {
+    if (d == 0) continue;
     const size_t ud = static_cast<size_t>(d);
-    if (ud != 0 && n > max_bytes / ud) {
-      return ResourceExhausted("shape " + ShapeToString(shape) +
-                               " is too large to allocate");
-    }
-    n *= ud;
+    if (nonzero > max_bytes / ud) return too_large();
+    nonzero *= ud;
   }
-  if (elem_size != 0 && n > max_bytes / elem_size) {
-    return ResourceExhausted("shape " + ShapeToString(shape) +
-                             " is too large to allocate");
-  }
-  return n;
+  if (elem_size != 0 && nonzero > max_bytes / elem_size) return too_large();
+  return zero ? size_t{0} : nonzero;
 }
 
 std::string ShapeToString(const Shape& shape) {
@@ -101,6 +113,9 @@ Result<Tensor> Tensor::Create(DType dtype, Shape shape) {
   auto n = CheckedNumElements(shape, DTypeSize(dtype));
   if (!n.ok()) return n.status();
   const size_t bytes = *n * DTypeSize(dtype);
+  // Refused before anything is allocated when it would pass the memory cap.
+  FP8MOE_RETURN_IF_ERROR(CheckMemoryRequest(
+      "a tensor " + std::string(DTypeName(dtype)) + " " + ShapeToString(shape), bytes));
   // Large tensors (weights, activations) sit on 2 MiB-aligned memory marked
   // for transparent huge pages: kernels walk weights down K with a stride of
   // a row, touching a new 4 KiB page on every step, and TLB misses then cost
@@ -114,9 +129,10 @@ Result<Tensor> Tensor::Create(DType dtype, Shape shape) {
     if (p != nullptr && huge) madvise(p, padded, MADV_HUGEPAGE);  // a hint: failure is fine
   }
   if (p == nullptr) {
-    return ResourceExhausted("cannot allocate " + std::to_string(bytes) +
-                             " bytes for a tensor of shape " +
-                             ShapeToString(shape));
+    return ResourceExhausted("cannot allocate " + FormatBytes(bytes) +
+                             " for a tensor of shape " + ShapeToString(shape) +
+                             ": the system is out of memory (the memory cap is " +
+                             FormatBytes(MemoryCap()) + ")");
   }
   std::memset(p + bytes, 0, std::min(padded - bytes, kAlign));
   Tensor t;

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -13,7 +14,9 @@
 #include "cli/op.h"
 #include "cli/train.h"
 #include "cli/world.h"
+#include "fp8moe/memory.h"
 #include "fp8moe/numerics.h"
+#include "fp8moe/safetensors.h"
 #include "fp8moe/version.h"
 
 namespace {
@@ -24,6 +27,8 @@ int Info() {
   std::printf("threads: %d (OpenMP; set OMP_NUM_THREADS to change)\n",
               omp_get_max_threads());
   std::printf("mpi: %s\n", fp8moe::cli::MpiInfo().c_str());
+  std::printf("memory cap: %s, from %s\n", fp8moe::FormatBytes(fp8moe::MemoryCap()).c_str(),
+              fp8moe::MemoryCapSource().c_str());
   return 0;
 }
 
@@ -74,6 +79,10 @@ int main(int argc, char** argv) {
   std::string simd;
   app.add_option("--simd", simd, "restrict SIMD dispatch to this target and below (e.g. AVX2)")
       ->envname("FP8MOE_SIMD");
+  std::string memory_cap;
+  app.add_option("--memory-cap", memory_cap,
+                 "refuse requests needing more memory than this (bytes, or e.g. 8G, 512MiB; "
+                 "0 = no cap; default: FP8MOE_MEMORY_CAP, else the available memory)");
   bench->add_option("--shape", bopt.shape,
                     "bench gmm: only shapes whose name contains this; bench moe: only such modes");
   bool fwd_only = false;
@@ -110,6 +119,10 @@ int main(int argc, char** argv) {
   op->add_option("--in", in_path, "input .safetensors")->required();
   op->add_option("--out", out_path, "output .safetensors (written atomically)")->required();
   op->footer(OpList());
+  // --simd and --memory-cap may also follow the subcommand.
+  op->fallthrough();
+  bench->fallthrough();
+  train->fallthrough();
 
   try {
     app.parse(argc, argv);
@@ -124,6 +137,23 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // A malformed FP8MOE_MEMORY_CAP is a bad request, not a silent default.
+  if (const char* env = std::getenv("FP8MOE_MEMORY_CAP"); env != nullptr && *env != '\0') {
+    if (const auto cap = fp8moe::ParseByteSize(env); !cap.ok()) {
+      std::fprintf(stderr, "error: FP8MOE_MEMORY_CAP: %s\n", cap.status().message().c_str());
+      return 2;
+    }
+  }
+  if (!memory_cap.empty()) {
+    const auto cap = fp8moe::ParseByteSize(memory_cap);
+    if (!cap.ok()) {
+      std::fprintf(stderr, "error: --memory-cap: %s\n", cap.status().message().c_str());
+      return 2;
+    }
+    fp8moe::SetMemoryCap(*cap, "--memory-cap");
+  }
+  // An interrupted op never leaves a partial or temporary output file.
+  fp8moe::RemoveTempFilesOnSignals();
   if (*info) return Info();
   if (*bench) {
     bopt.all_passes = !fwd_only;

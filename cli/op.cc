@@ -2,6 +2,10 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
+
+#include "fp8moe/finite.h"
+#include "fp8moe/memory.h"
 
 namespace fp8moe::cli {
 
@@ -11,6 +15,11 @@ const std::vector<OpDef>& AllOps() {
     RegisterNumericsOps(&v);
     RegisterGmmOps(&v);
     RegisterMoeOps(&v);
+    for (OpDef& op : v) {
+      AddKey(&op.keys, {"check_finite", FlagType::kBool, "false",
+                        "refuse NaN or Inf in any floating-point input tensor (exit 2 "
+                        "naming the tensor, the count and the first index)"});
+    }
     return v;
   }();
   return ops;
@@ -24,6 +33,49 @@ void AddKey(ConfigSchema* schema, FlagSpec spec) {
                  s.ToString().c_str());
     std::abort();
   }
+}
+
+uint64_t SatMul(uint64_t a, uint64_t b) {
+  if (a != 0 && b > std::numeric_limits<uint64_t>::max() / a) {
+    return std::numeric_limits<uint64_t>::max();
+  }
+  return a * b;
+}
+
+uint64_t SatAdd(uint64_t a, uint64_t b) {
+  return a > std::numeric_limits<uint64_t>::max() - b ? std::numeric_limits<uint64_t>::max()
+                                                       : a + b;
+}
+
+uint64_t PlannedBytes(DType dtype, const Shape& shape) {
+  uint64_t n = DTypeSize(dtype);
+  for (int64_t d : shape) n = SatMul(n, d < 0 ? 0 : static_cast<uint64_t>(d));
+  return n;
+}
+
+Status PlanMemory(const std::string& op, const std::vector<PlannedTensor>& tensors,
+                  uint64_t scratch_bytes) {
+  uint64_t total = scratch_bytes, largest_bytes = 0;
+  const PlannedTensor* largest = nullptr;
+  for (const PlannedTensor& t : tensors) {
+    // Shapes are checked as Tensor::Create will check them, but named here.
+    if (const auto n = CheckedNumElements(t.shape, DTypeSize(t.dtype)); !n.ok()) {
+      return Status(n.status().code(), "op " + op + ": " + t.name + ": " + n.status().message());
+    }
+    const uint64_t b = PlannedBytes(t.dtype, t.shape);
+    total = SatAdd(total, b);
+    if (largest == nullptr || b > largest_bytes) {
+      largest = &t;
+      largest_bytes = b;
+    }
+  }
+  std::string what = "op " + op;
+  if (largest != nullptr) {
+    what += " (its largest tensor: " + largest->name + " " +
+            std::string(DTypeName(largest->dtype)) + " " + ShapeToString(largest->shape) +
+            ", " + FormatBytes(largest_bytes) + ")";
+  }
+  return CheckMemoryRequest(what, total);
 }
 
 Result<const Tensor*> GetInput(const std::string& op, const SafetensorsFile& in,
@@ -50,8 +102,26 @@ Result<const Tensor*> GetInput(const std::string& op, const SafetensorsFile& in,
                          expected);
 }
 
-int RunOp(const std::string& name, const std::string& in_path,
-          const std::string& out_path, const std::vector<std::string>& keys) {
+int ExitCodeOf(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kOk:
+      return 0;
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kResourceExhausted:
+    case StatusCode::kDataLoss:
+      return 2;
+    case StatusCode::kIoError:
+    case StatusCode::kInternal:
+      return 1;
+  }
+  return 1;
+}
+
+Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
+                      const std::vector<std::string>& keys, SafetensorsFile* out) {
   const OpDef* op = nullptr;
   std::vector<std::string> names;
   for (const OpDef& o : AllOps()) {
@@ -62,36 +132,56 @@ int RunOp(const std::string& name, const std::string& in_path,
     std::string list;
     for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
     const std::string close = SuggestClosest(name, names);
-    std::fprintf(stderr, "error: unknown op '%s'%s; ops: %s\n", name.c_str(),
-                 close.empty() ? "" : ("; did you mean '" + close + "'?").c_str(),
-                 list.c_str());
-    return 2;
+    return NotFound("unknown op '" + name + "'" +
+                    (close.empty() ? "" : "; did you mean '" + close + "'?") +
+                    "; ops: " + list);
   }
   auto config = LoadConfig(op->keys, "", keys);
   if (!config.ok()) {
-    std::fprintf(stderr, "error: op %s: %s\n", name.c_str(),
-                 config.status().message().c_str());
-    return 2;
+    return Status(config.status().code(), "op " + name + ": " + config.status().message());
   }
-  auto in = ReadSafetensors(in_path);
-  if (!in.ok()) {
-    std::fprintf(stderr, "error: %s\n", in.status().ToString().c_str());
-    return in.status().code() == StatusCode::kIoError ? 1 : 2;
+  if (config->GetBool("check_finite")) {
+    for (const auto& [tensor_name, t] : in.tensors) {
+      const Status s = CheckFinite(tensor_name, t.view());
+      if (!s.ok()) {
+        return InvalidArgument("op " + name + ": check_finite: " + s.message() +
+                               "; fix the input or drop check_finite=true");
+      }
+    }
+  }
+  return op->run(in, *config, out);
+}
+
+int RunOp(const std::string& name, const std::string& in_path,
+          const std::string& out_path, const std::vector<std::string>& keys) {
+  // An unknown op or a bad key is reported before the input is read.
+  const OpDef* op = nullptr;
+  for (const OpDef& o : AllOps()) {
+    if (o.name == name) op = &o;
+  }
+  SafetensorsFile in;
+  if (op != nullptr) {
+    if (auto c = LoadConfig(op->keys, "", keys); !c.ok()) {
+      std::fprintf(stderr, "error: op %s: %s\n", name.c_str(), c.status().message().c_str());
+      return 2;
+    }
+    auto read = ReadSafetensors(in_path);
+    if (!read.ok()) {
+      std::fprintf(stderr, "error: %s\n", read.status().ToString().c_str());
+      return ExitCodeOf(read.status());
+    }
+    in = std::move(*read);
   }
   SafetensorsFile out;
-  const Status s = op->run(*in, *config, &out);
+  const Status s = RunOpOnTensors(name, in, keys, &out);
   if (!s.ok()) {
     std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    const StatusCode c = s.code();
-    return (c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||
-            c == StatusCode::kOutOfRange || c == StatusCode::kFailedPrecondition)
-               ? 2
-               : 1;
+    return ExitCodeOf(s);
   }
   const Status w = WriteSafetensors(out_path, out);
   if (!w.ok()) {
     std::fprintf(stderr, "error: %s\n", w.ToString().c_str());
-    return 1;
+    return ExitCodeOf(w);
   }
   return 0;
 }

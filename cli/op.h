@@ -26,12 +26,26 @@ struct OpDef {
       run;
 };
 
-// Every op, in the order `fp8moe op --help` lists them.
+// Every op, in the order `fp8moe op --help` lists them. Each op's keys end
+// with the keys every op has: check_finite.
 const std::vector<OpDef>& AllOps();
 
-// Runs op `name`; returns the process exit code (0 ok, 2 for a bad request:
-// unknown op or key, missing or mistyped tensor; 1 for anything else) after
-// printing any error to stderr.
+// The command's exit code for a Status: 0 ok; 2 for a request that is wrong
+// or cannot be served (invalid argument, not found, out of range, failed
+// precondition, resource exhausted: too large for the memory cap or the
+// machine, data loss: a malformed input file); 1 for I/O failures and bugs.
+int ExitCodeOf(const Status& status);
+
+// Everything `fp8moe op` does between reading --in and writing --out, on
+// tensors in memory: finds op `name` (unknown: NotFound with "did you mean"),
+// loads `keys` ("key=value") against its schema, with check_finite=true
+// refuses non-finite inputs by name, and runs the op, which checks its memory
+// plan against the cap before allocating outputs. The op fuzzer calls this.
+Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
+                      const std::vector<std::string>& keys, SafetensorsFile* out);
+
+// Reads `in_path`, RunOpOnTensors, writes `out_path` atomically; prints any
+// error to stderr and returns the exit code (ExitCodeOf).
 int RunOp(const std::string& name, const std::string& in_path,
           const std::string& out_path, const std::vector<std::string>& keys);
 
@@ -45,6 +59,24 @@ Result<const Tensor*> GetInput(const std::string& op, const SafetensorsFile& in,
 // Adds a string flag with fixed choices to a schema (aborts on a bad spec:
 // schemas are built from literals).
 void AddKey(ConfigSchema* schema, FlagSpec spec);
+
+// A tensor an op is about to allocate.
+struct PlannedTensor {
+  std::string name;  // e.g. "output 'out'" or "the BF16 copy of 'lhs'"
+  DType dtype;
+  Shape shape;
+};
+// The op's memory plan, checked before anything is allocated: every planned
+// shape must be valid and all of them plus `scratch_bytes` must fit under the
+// memory cap (memory.h). The error (ResourceExhausted, exit 2) names the op,
+// the largest tensor, the total bytes and the cap.
+Status PlanMemory(const std::string& op, const std::vector<PlannedTensor>& tensors,
+                  uint64_t scratch_bytes = 0);
+// a * b and a + b saturating at UINT64_MAX, for memory plans.
+uint64_t SatMul(uint64_t a, uint64_t b);
+uint64_t SatAdd(uint64_t a, uint64_t b);
+// Bytes of a dtype and shape, saturating (0 for a negative dimension).
+uint64_t PlannedBytes(DType dtype, const Shape& shape);
 
 // Registration functions, one per file of ops.
 void RegisterNumericsOps(std::vector<OpDef>* ops);

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <omp.h>
+
 #include "cli/op.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
@@ -109,9 +111,115 @@ Result<GmmTiles> ParseTiles(const std::string& op, const Config& keys) {
                              " is invalid; tiles must be positive (omit the "
                              "key for the per-shape default)");
     }
+    if (v > kMaxGmmTile) {
+      return InvalidArgument("op " + op + ": " + name + "=" + std::to_string(v) +
+                             " exceeds the largest tile, " + std::to_string(kMaxGmmTile) +
+                             " (2^20); a tile as large as its dimension already covers it "
+                             "whole, so use at most " + std::to_string(kMaxGmmTile) +
+                             " (or omit the key)");
+    }
     *slot = v;
   }
   return tiles;
+}
+
+// ---- Memory plans (PlanMemory), from the input shapes before any copy ----
+
+// Dimension i of tensor `name` if it has rank `rank`, else 0 (a wrong shape
+// is reported by validation later; the plan just must not overstate it).
+int64_t DimOf(const SafetensorsFile& in, const char* name, int rank, int i) {
+  const Tensor* t = in.Find(name);
+  return t != nullptr && t->rank() == rank ? t->dim(i) : 0;
+}
+
+uint64_t U(int64_t v) { return v > 0 ? static_cast<uint64_t>(v) : 0; }
+
+// Per-thread packing buffers of the fast kernels for an output of rows x cols
+// and a reduction of `red`, with the tiles as the kernels clamp them.
+uint64_t PackingBytes(const GmmTiles& t, int64_t rows, int64_t cols, int64_t red) {
+  const uint64_t kc = std::min(U(t.k.value_or(256)), U(red)) + 2;
+  const uint64_t width = std::min(U(t.n.value_or(1024)), U(cols)) + 32;
+  const uint64_t m = std::min(U(t.m.value_or(512)), U(rows)) + 16;
+  const uint64_t per_thread =
+      SatAdd(SatAdd(SatMul(112 * 4, kc), SatMul(8 * width, kc)), SatMul(8 * m, width));
+  return SatMul(per_thread, U(omp_get_max_threads()));
+}
+
+// The plan of gmm, dlhs and tgmm: converted operands, outputs, the kernels'
+// pre-pass buffers and packing, or the reference twin's dense copies.
+Status PlanGmmFamily(const std::string& op, const SafetensorsFile& in, const GmmOptions& o,
+                     const Config& keys, bool dout_quant) {
+  const bool reference = keys.GetBool("reference");
+  const DType out_dt = OutDType(keys);
+  const bool bf16_mode = o.mode == GmmMode::kBf16 || o.mode == GmmMode::kFakeQat;
+  const char* rhs_name = in.Find("rhs_codes") != nullptr ? "rhs_codes" : "rhs";
+  std::vector<PlannedTensor> plan;
+  uint64_t scratch = 0;
+  int64_t m = 0, k = 0, n = 0, e = 0;
+  if (op == "tgmm") {
+    m = DimOf(in, "lhs", 2, 0);
+    k = DimOf(in, "lhs", 2, 1);
+    n = DimOf(in, "dout", 2, 1);
+    e = DimOf(in, "group_sizes", 1, 0);
+  } else {
+    e = DimOf(in, rhs_name, 3, 0);
+    k = DimOf(in, rhs_name, 3, 1);
+    n = DimOf(in, rhs_name, 3, 2);
+    m = op == "gmm" ? DimOf(in, "lhs", 2, 0) : DimOf(in, "dout", 2, 0);
+  }
+  const Tensor* lhs = in.Find(op == "dlhs" ? "dout" : "lhs");
+  if (bf16_mode && lhs != nullptr && lhs->dtype() == DType::kF32) {
+    plan.push_back({"the BF16 copy of '" + std::string(op == "dlhs" ? "dout" : "lhs") + "'",
+                    DType::kBF16, lhs->shape()});
+  }
+  const Tensor* dout = in.Find("dout");
+  if (op == "tgmm" && bf16_mode && !dout_quant && dout != nullptr &&
+      dout->dtype() == DType::kF32) {
+    plan.push_back({"the BF16 copy of 'dout'", DType::kBF16, dout->shape()});
+  }
+  const Tensor* rhs = in.Find("rhs");
+  const bool quantize_rhs = o.mode == GmmMode::kFakeQat || o.mode == GmmMode::kNativeFp8 ||
+                            o.mode == GmmMode::kInt8;
+  if (op != "tgmm" && rhs != nullptr && in.Find("rhs_codes") == nullptr) {
+    if (quantize_rhs) {
+      plan.push_back({"the F32 copy of 'rhs'", DType::kF32, rhs->shape()});
+      plan.push_back({"the codes of 'rhs'", DType::kU8, rhs->shape()});
+      plan.push_back({"the scales of 'rhs'", DType::kF32, {e, n}});
+    } else if (bf16_mode && rhs->dtype() == DType::kF32) {
+      plan.push_back({"the BF16 copy of 'rhs'", DType::kBF16, rhs->shape()});
+    }
+  }
+  if (op == "gmm") {
+    const bool swiglu = o.epilogue == GmmEpilogue::kSwiGlu;
+    plan.push_back({"output 'out'", out_dt, {m, swiglu ? n / 2 : n}});
+    if (swiglu) plan.push_back({"output 'h'", out_dt, {m, n}});
+  } else if (op == "dlhs") {
+    const int64_t k2 = k > std::numeric_limits<int64_t>::max() / 2
+                           ? std::numeric_limits<int64_t>::max()
+                           : 2 * k;
+    plan.push_back({"output 'dlhs'", out_dt, {m, o.epilogue == GmmEpilogue::kDSwiGlu ? k2 : k}});
+  } else {
+    plan.push_back({"output 'drhs'", DType::kF32, {e, k, n}});
+    if (out_dt == DType::kBF16) plan.push_back({"the BF16 'drhs'", DType::kBF16, {e, k, n}});
+  }
+  // Working memory, saturating: a few full-size copies at most.
+  const uint64_t mk = SatMul(U(m), U(k)), mn = SatMul(U(m), U(n));
+  const uint64_t ekn = SatMul(U(e), SatMul(U(k), U(n)));
+  if (reference) {
+    // The twins hold dense f32 copies of their operands and results.
+    scratch = SatAdd(scratch, SatMul(8, SatAdd(SatAdd(mk, mn), ekn)));
+  } else {
+    if (o.mode == GmmMode::kFakeQat) scratch = SatAdd(scratch, SatMul(2, ekn));
+    if (o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8) {
+      scratch = SatAdd(scratch, SatMul(5, mk));
+    }
+    if (dout_quant) scratch = SatAdd(scratch, SatAdd(SatMul(5, mn), SatMul(24, SatAdd(U(m), U(e)))));
+    const int64_t out_rows = op == "tgmm" ? k : m;
+    const int64_t out_cols = op == "dlhs" ? k : n;
+    const int64_t red = op == "gmm" ? k : op == "dlhs" ? n : m;
+    scratch = SatAdd(scratch, PackingBytes(o.tiles, out_rows, out_cols, red));
+  }
+  return PlanMemory(op, plan, scratch);
 }
 
 // mode, tiles and (where the op has them) fp8_dtype and epilogue.
@@ -220,6 +328,7 @@ Status RunGmm(const SafetensorsFile& in, const Config& keys, SafetensorsFile* ou
   FP8MOE_ASSIGN_OR_RETURN(GmmOptions o, ParseOptions(op, keys, true, true));
   o.lhs_quant_block_size = keys.GetInt("lhs_quant_block_size");
   const bool reference = keys.GetBool("reference");
+  FP8MOE_RETURN_IF_ERROR(PlanGmmFamily(op, in, o, keys, false));
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* lhs_in,
                           GetInput(op, in, "lhs", {DType::kF32, DType::kBF16}));
   FP8MOE_RETURN_IF_ERROR(NeedRank(op, "lhs", *lhs_in, 2, "[M, K]"));
@@ -255,6 +364,7 @@ Status RunDlhs(const SafetensorsFile& in, const Config& keys, SafetensorsFile* o
   const std::string op = "dlhs";
   FP8MOE_ASSIGN_OR_RETURN(const GmmOptions o, ParseOptions(op, keys, true, true));
   const bool reference = keys.GetBool("reference");
+  FP8MOE_RETURN_IF_ERROR(PlanGmmFamily(op, in, o, keys, false));
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* dout_in,
                           GetInput(op, in, "dout", {DType::kF32, DType::kBF16}));
   FP8MOE_RETURN_IF_ERROR(NeedRank(op, "dout", *dout_in, 2, "[M, N]"));
@@ -313,6 +423,7 @@ Status RunTgmm(const SafetensorsFile& in, const Config& keys, SafetensorsFile* o
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* gs,
                           GetInput(op, in, "group_sizes", {DType::kI32}));
   FP8MOE_RETURN_IF_ERROR(NeedRank(op, "group_sizes", *gs, 1, "[E]"));
+  FP8MOE_RETURN_IF_ERROR(PlanGmmFamily(op, in, o, keys, quant.dout_dtype.has_value()));
   FP8MOE_ASSIGN_OR_RETURN(const Operand lhs, FloatOperand(lhs_in, o.mode));
   // A quantized dout is quantized from F32 inside the call: never round it.
   FP8MOE_ASSIGN_OR_RETURN(const Operand dout,

@@ -1,6 +1,8 @@
 // Ops on the MoE layer: moe_forward and moe_backward. Their keys are the MoE
 // and QAT flags of configs/base.yml (MoeConfigSchema), checked and validated
 // exactly as the trainer checks them.
+#include <cmath>
+#include <limits>
 #include <string>
 
 #include "cli/op.h"
@@ -25,6 +27,8 @@ Result<MoeInputs> Inputs(const std::string& op, const SafetensorsFile& in) {
   return m;
 }
 
+uint64_t U64(int64_t v) { return v > 0 ? static_cast<uint64_t>(v) : 0; }
+
 Status Prefixed(const std::string& op, Status s) {
   if (s.ok()) return s;
   return Status(s.code(), "op " + op + ": " + s.message());
@@ -34,6 +38,63 @@ Result<MoeConfig> ConfigOf(const std::string& op, const Config& keys) {
   auto c = MoeConfigFrom(keys);
   if (!c.ok()) return Prefixed(op, c.status());
   return c;
+}
+
+// The layer's memory, estimated from the input shapes before it runs: the
+// router logits and routing tables, the sorted buffers (x_sorted, h, a,
+// y_sorted and, backward, their gradients), the weights as the QAT mode
+// presents them, and the outputs. The layer counts rows in int32 group sizes,
+// so T * k beyond int32 is refused here too, with the reason.
+Status PlanMoe(const std::string& op, const SafetensorsFile& in, const MoeConfig& cfg,
+               bool backward) {
+  const Tensor* x = in.Find("x");
+  const Tensor* wi = in.Find("wi");
+  if (x == nullptr || x->rank() != 2 || wi == nullptr || wi->rank() != 3) {
+    return OkStatus();  // the layer reports the missing or misshapen tensor
+  }
+  const int64_t t = x->dim(0), d = x->dim(1), e = wi->dim(0), f2 = wi->dim(2);
+  const int64_t k = cfg.num_experts_per_tok;
+  const int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  if (k > 0 && t > kInt32Max / k) {
+    return InvalidArgument("op " + op + ": x has " + std::to_string(t) +
+                           " tokens; with num_experts_per_tok=" + std::to_string(k) +
+                           " that is more than 2147483647 routed rows, and the layer counts "
+                           "rows in int32 group sizes; split the batch");
+  }
+  const uint64_t pairs = SatMul(U64(t), U64(k));
+  uint64_t rows = pairs;
+  if (cfg.ragged_buffer_factor > 0) {  // validated <= kMaxRaggedBufferFactor
+    const double r = std::ceil(cfg.ragged_buffer_factor * static_cast<double>(pairs));
+    rows = std::max<uint64_t>(pairs, r >= 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(r));
+  }
+  const bool f32 = cfg.dtype == DType::kF32 && PlanMoeQuantization(cfg).mode == MoeQatMode::kNone;
+  const DType act = f32 ? DType::kF32 : DType::kBF16;
+  const int64_t rows_i = rows > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())
+                             ? std::numeric_limits<int64_t>::max()
+                             : static_cast<int64_t>(rows);
+  std::vector<PlannedTensor> plan = {
+      {"the router logits", DType::kF32, {t, e}},
+      {"the sorted tokens x_sorted", act, {rows_i, d}},
+      {"the wi pre-activation h", act, {rows_i, f2}},
+      {"the SwiGLU output a", act, {rows_i, f2 / 2}},
+      {"the expert outputs y_sorted", act, {rows_i, d}},
+      {"output 'y'", DType::kF32, {t, d}},
+  };
+  if (backward) {
+    plan.push_back({"the sorted gradient dy_sorted", act, {rows_i, d}});
+    plan.push_back({"the gradient dh", act, {rows_i, f2}});
+    plan.push_back({"the gradient dx_sorted", DType::kF32, {rows_i, d}});
+    plan.push_back({"output 'dx'", DType::kF32, {t, d}});
+    plan.push_back({"output 'dwi'", DType::kF32, wi->shape()});
+    if (const Tensor* wo = in.Find("wo")) plan.push_back({"output 'dwo'", DType::kF32, wo->shape()});
+  }
+  // Routing tables (expert, weight, row maps: 24 bytes per pair, probs 4 per
+  // logit) and up to three copies of each weight (bf16 copy or codes, the
+  // fake-QAT dequantized copy, backward f32 copies), 6 bytes per element.
+  uint64_t scratch = SatAdd(SatMul(24, pairs), SatMul(4, SatMul(U64(t), U64(e))));
+  const uint64_t weights = SatMul(2, PlannedBytes(DType::kF32, wi->shape()));  // wi + wo
+  scratch = SatAdd(scratch, SatMul(backward ? 3 : 2, weights));
+  return PlanMemory(op, plan, scratch);
 }
 
 // Moves y and group_sizes out of the forward result into the output file.
@@ -48,6 +109,7 @@ Status AddForwardOutputs(MoeForwardResult* f, SafetensorsFile* out) {
 Status Forward(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
   FP8MOE_ASSIGN_OR_RETURN(const MoeConfig cfg, ConfigOf("moe_forward", keys));
   FP8MOE_ASSIGN_OR_RETURN(MoeInputs m, Inputs("moe_forward", in));
+  FP8MOE_RETURN_IF_ERROR(PlanMoe("moe_forward", in, cfg, false));
   auto f = MoeForward(cfg, m.x->view(), m.w);
   if (!f.ok()) return Prefixed("moe_forward", f.status());
   return AddForwardOutputs(&*f, out);
@@ -57,6 +119,7 @@ Status Backward(const SafetensorsFile& in, const Config& keys, SafetensorsFile* 
   FP8MOE_ASSIGN_OR_RETURN(const MoeConfig cfg, ConfigOf("moe_backward", keys));
   FP8MOE_ASSIGN_OR_RETURN(MoeInputs m, Inputs("moe_backward", in));
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* dy, GetInput("moe_backward", in, "dy", {DType::kF32}));
+  FP8MOE_RETURN_IF_ERROR(PlanMoe("moe_backward", in, cfg, true));
   auto f = MoeForward(cfg, m.x->view(), m.w);
   if (!f.ok()) return Prefixed("moe_backward", f.status());
   auto g = MoeBackward(cfg, m.x->view(), m.w, *f, dy->view());

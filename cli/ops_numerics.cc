@@ -26,6 +26,13 @@ Status Cast(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out)
   const bool saturate = keys.GetBool("saturate");
   const size_t n = x->num_elements();
   const float* xs = x->data_as<float>();
+  const DType out_dtype =
+      format == "bf16" ? DType::kBF16
+                       : (ParseFp8Format(format).ok() ? Fp8FormatDType(*ParseFp8Format(format))
+                                                      : DType::kU8);
+  std::vector<PlannedTensor> plan = {{"output 'y'", out_dtype, x->shape()}};
+  if (format == "bf16" && saturate) plan.push_back({"the clipped copy of 'x'", DType::kF32, x->shape()});
+  FP8MOE_RETURN_IF_ERROR(PlanMemory("cast", plan));
   if (format == "bf16") {
     FP8MOE_ASSIGN_OR_RETURN(Tensor y, Tensor::Create(DType::kBF16, x->shape()));
     if (saturate) {  // clip to the largest finite bf16 first; NaN stays NaN
@@ -65,6 +72,18 @@ Status Decode(const SafetensorsFile& in, const Config& keys, SafetensorsFile* ou
                            have + "; drop the key or pass format=" + have);
   }
   const std::string& fmt = have.empty() ? format : have;
+  // Every (dtype, format) pair must agree on the byte width, or the decoder
+  // would read past the tensor: bf16 takes 2-byte values, fp8 formats 1.
+  const size_t width = fmt == "bf16" ? 2 : 1;
+  if (DTypeSize(y->dtype()) != width) {
+    return InvalidArgument("op decode: format=" + fmt + " reads " + std::to_string(width) +
+                           "-byte values but tensor 'y' is " +
+                           std::string(DTypeName(y->dtype())) + " (" +
+                           std::to_string(DTypeSize(y->dtype())) +
+                           "-byte values); store bf16 values as a BF16 tensor, or pass an "
+                           "fp8 format (e4m3fn, e4m3fnuz, e5m2, e5m2fnuz) for U8 codes");
+  }
+  FP8MOE_RETURN_IF_ERROR(PlanMemory("decode", {{"output 'x'", DType::kF32, y->shape()}}));
   FP8MOE_ASSIGN_OR_RETURN(Tensor x, Tensor::Create(DType::kF32, y->shape()));
   if (fmt == "bf16") {
     Bf16ToF32Span(y->data_as<uint16_t>(), x.data_as<float>(), y->num_elements());
@@ -125,6 +144,8 @@ Status Quantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile* 
   FP8MOE_ASSIGN_OR_RETURN(const Calibration cal,
                           Calibration::Parse(keys.GetString("calibration")));
   FP8MOE_ASSIGN_OR_RETURN(const QuantLayout l, Layout("quantize", x->shape(), keys));
+  FP8MOE_RETURN_IF_ERROR(PlanMemory("quantize", {{"output 'q'", QuantStorageDType(dt), x->shape()},
+                                                 {"output 'scale'", DType::kF32, l.scale_shape}}));
   FP8MOE_ASSIGN_OR_RETURN(Tensor q, Tensor::Create(QuantStorageDType(dt), x->shape()));
   FP8MOE_ASSIGN_OR_RETURN(Tensor scale, Tensor::Create(DType::kF32, l.scale_shape));
   const float* xs = x->data_as<float>();
@@ -163,6 +184,7 @@ Status Dequantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile
                            l.granularity + " of q " + ShapeToString(q->shape()) +
                            " needs " + ShapeToString(l.scale_shape));
   }
+  FP8MOE_RETURN_IF_ERROR(PlanMemory("dequantize", {{"output 'x'", DType::kF32, q->shape()}}));
   FP8MOE_ASSIGN_OR_RETURN(Tensor x, Tensor::Create(DType::kF32, q->shape()));
   const uint8_t* qs = q->data_as<uint8_t>();
   const float* ss = scale->data_as<float>();

@@ -478,10 +478,17 @@ std::string Config::ToYaml() const {
 Result<Config> LoadConfig(const ConfigSchema& schema,
                           const std::string& yaml_path,
                           const std::vector<std::string>& overrides) {
+  if (yaml_path.empty()) return LoadConfigText(schema, "", "", overrides);
+  FP8MOE_ASSIGN_OR_RETURN(const std::string text, ReadFile(yaml_path));
+  return LoadConfigText(schema, text, yaml_path, overrides);
+}
+
+Result<Config> LoadConfigText(const ConfigSchema& schema, const std::string& yaml_text,
+                              const std::string& source,
+                              const std::vector<std::string>& overrides) {
   Config config(schema);
-  if (!yaml_path.empty()) {
-    FP8MOE_ASSIGN_OR_RETURN(const std::string text, ReadFile(yaml_path));
-    FP8MOE_RETURN_IF_ERROR(ApplyYaml(schema, yaml_path, text, &config));
+  if (!yaml_text.empty()) {
+    FP8MOE_RETURN_IF_ERROR(ApplyYaml(schema, source, yaml_text, &config));
   }
   for (const std::string& arg : overrides) {
     std::string key, value;

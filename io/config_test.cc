@@ -540,3 +540,27 @@ TEST_F(ConfigFileTest, ToYamlRoundTrip) {
 
 }  // namespace
 }  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+
+TEST_F(ConfigFileTest, LoadConfigTextMatchesLoadConfig) {
+  // The text entry point (the fuzzer's) gives the same values and the same
+  // errors, with the given source name where the path would be.
+  const std::string text = "num_experts: 3\nrun_name: run\n";
+  auto from_file = LoadConfig(schema_, Write("a.yml", text), {"learning_rate=0.5"});
+  auto from_text = LoadConfigText(schema_, text, "a.yml", {"learning_rate=0.5"});
+  ASSERT_TRUE(from_file.ok() && from_text.ok());
+  EXPECT_EQ(from_file->ToYaml(), from_text->ToYaml());
+  auto bad = LoadConfigText(schema_, "num_experts: x\n", "inline.yml", {});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("inline.yml line 1"), std::string::npos)
+      << bad.status().message();
+  // Deep nesting is a clean error, never a stack overflow.
+  const std::string deep = "run_name: " + std::string(10000, '[') + std::string(10000, ']');
+  auto nested = LoadConfigText(schema_, deep, "deep.yml", {});
+  EXPECT_FALSE(nested.ok());
+}
+
+}  // namespace
+}  // namespace fp8moe

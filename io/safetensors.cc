@@ -3,6 +3,7 @@
 #include "fp8moe/safetensors.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +15,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+
+#include "fp8moe/memory.h"
 
 namespace fp8moe {
 namespace {
@@ -286,19 +289,52 @@ Result<Header> ParseHeader(const uint8_t* text, size_t size,
         "safetensors header is not valid JSON: NUL byte at header offset " +
         std::to_string(static_cast<const uint8_t*>(nul) - text));
   }
+  // nlohmann skips a leading UTF-8 byte order mark; the official reader
+  // refuses any header that does not start with '{', so a BOM is refused
+  // here too rather than accepted by one reader and not the other.
+  if (size >= 3 && text[0] == 0xEF && text[1] == 0xBB && text[2] == 0xBF) {
+    return DataLoss(
+        "safetensors header starts with a UTF-8 byte order mark (EF BB BF); a "
+        "header is plain JSON starting with '{' (the official reader refuses a "
+        "BOM too): write the file without one");
+  }
+  // JSON leaves duplicate keys undefined and nlohmann keeps the last, so a
+  // repeated tensor name, metadata key or entry field would silently pick one
+  // of two values (another reader may pick the other): refuse them.
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate;
+  size_t duplicate_depth = 0;
   Json root;
   try {
     root = Json::parse(
         text, text + size,
-        [&key_pos](int depth, Json::parse_event_t event, Json& parsed) {
-          if (depth == 1 && event == Json::parse_event_t::key) {
-            key_pos.emplace(parsed.get<std::string>(), key_pos.size());
+        [&](int depth, Json::parse_event_t event, Json& parsed) {
+          if (event == Json::parse_event_t::object_start) {
+            open_objects.emplace_back();
+          } else if (event == Json::parse_event_t::object_end) {
+            if (!open_objects.empty()) open_objects.pop_back();
+          } else if (event == Json::parse_event_t::key) {
+            const std::string& key = parsed.get_ref<const std::string&>();
+            if (depth == 1) key_pos.emplace(key, key_pos.size());
+            if (!open_objects.empty() && !open_objects.back().insert(key).second &&
+                duplicate.empty()) {
+              duplicate = key;
+              duplicate_depth = open_objects.size();
+            }
           }
           return true;
         });
   } catch (const Json::exception& ex) {
     return DataLoss(std::string("safetensors header is not valid JSON: ") +
                     ex.what());
+  }
+  if (!duplicate.empty()) {
+    return DataLoss("safetensors header: key " + Quote(duplicate) + " appears twice in " +
+                    (duplicate_depth == 1 ? std::string("the header (a tensor name or "
+                                                        "__metadata__ given twice)")
+                                          : std::string("one object")) +
+                    "; names, metadata keys and fields must be unique (JSON readers "
+                    "disagree on which copy wins)");
   }
   if (!root.is_object()) {
     return DataLoss("safetensors header is not a JSON object");
@@ -372,9 +408,33 @@ template <typename Fill>
 Result<SafetensorsFile> Materialize(Header h, Fill fill) {
   SafetensorsFile file;
   file.metadata = std::move(h.metadata);
+  // The whole file against the memory cap first, so a file too large to
+  // hold is refused before anything is allocated, naming its largest tensor.
+  uint64_t total = 0, largest = 0;
+  const Entry* big = nullptr;
+  for (const Entry& e : h.entries) {
+    const uint64_t b = e.end - e.begin;
+    total += b;  // the entries tile a buffer that fits in memory: no overflow
+    if (big == nullptr || b > largest) {
+      big = &e;
+      largest = b;
+    }
+  }
+  if (big != nullptr) {
+    FP8MOE_RETURN_IF_ERROR(CheckMemoryRequest(
+        "reading the file's " + std::to_string(h.entries.size()) +
+            " tensors (the largest: " + Quote(big->name) + " " +
+            std::string(DTypeName(big->dtype)) + " " + ShapeToString(big->shape) + ")",
+        total));
+  }
   file.tensors.reserve(h.entries.size());
   for (Entry& e : h.entries) {
-    FP8MOE_ASSIGN_OR_RETURN(Tensor t, Tensor::Create(e.dtype, e.shape));
+    auto created = Tensor::Create(e.dtype, e.shape);
+    if (!created.ok()) {
+      return Status(created.status().code(),
+                    "tensor " + Quote(e.name) + ": " + created.status().message());
+    }
+    Tensor t = std::move(*created);
     if (t.num_bytes() > 0) FP8MOE_RETURN_IF_ERROR(fill(e, t.data()));
     FP8MOE_RETURN_IF_ERROR(CheckBool(e, t));
     file.tensors.emplace_back(std::move(e.name), std::move(t));
@@ -536,6 +596,50 @@ Result<std::string> BuildPrefix(const SafetensorsFile& file) {
   return prefix + json;
 }
 
+// ---- Temporary files a signal handler must remove ----
+// A fixed table of paths, so the handler only reads memory and calls
+// unlink (async-signal-safe). A slot is claimed, filled, then published.
+constexpr int kTempSlots = 16;
+constexpr size_t kTempPathMax = 4096;
+struct TempSlot {
+  std::atomic<int> state{0};  // 0 free, 1 being filled, 2 published
+  char path[kTempPathMax];
+};
+TempSlot g_temp_slots[kTempSlots];
+
+// Publishes `path`; returns the slot, or -1 if none is free or it is too long
+// (the write still works, only without removal on a signal).
+int RegisterTemp(const std::string& path) {
+  if (path.size() >= kTempPathMax) return -1;
+  for (int i = 0; i < kTempSlots; ++i) {
+    int expected = 0;
+    if (g_temp_slots[i].state.compare_exchange_strong(expected, 1)) {
+      std::memcpy(g_temp_slots[i].path, path.c_str(), path.size() + 1);
+      g_temp_slots[i].state.store(2);
+      return i;
+    }
+  }
+  return -1;
+}
+
+void UnregisterTemp(int slot) {
+  if (slot >= 0) g_temp_slots[slot].state.store(0);
+}
+
+void RemoveTempFiles() {
+  for (TempSlot& slot : g_temp_slots) {
+    if (slot.state.load() == 2) ::unlink(slot.path);
+  }
+}
+
+void OnTerminatingSignal(int sig) {
+  RemoveTempFiles();
+  // Die of the signal as the process would have without this handler, so a
+  // shell sees 128 + sig and a parent sees the signal.
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
 std::string DirName(const std::string& path) {
   const size_t slash = path.rfind('/');
   if (slash == std::string::npos) return ".";
@@ -613,6 +717,17 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
   return file;
 }
 
+void RemoveTempFilesOnSignals() {
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction old {};
+    if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
+    struct sigaction sa {};
+    sa.sa_handler = OnTerminatingSignal;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(sig, &sa, nullptr);
+  }
+}
+
 Result<std::vector<uint8_t>> SerializeSafetensors(const SafetensorsFile& file) {
   FP8MOE_ASSIGN_OR_RETURN(std::string prefix, BuildPrefix(file));
   size_t total = prefix.size();
@@ -631,15 +746,24 @@ Status WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
   // Everything that can be checked is checked before the disk is touched.
   FP8MOE_ASSIGN_OR_RETURN(std::string prefix, BuildPrefix(file));
 
-  // A fresh name per attempt; O_EXCL so two writers never share a temp file.
+  // A fresh name per attempt, unique per process (pid) and per call
+  // (counter); O_EXCL so two writers never share a temp file. Each candidate
+  // is registered before it is created, so a signal arriving at any point
+  // removes it (RemoveTempFilesOnSignals).
   static std::atomic<uint64_t> counter{0};
   std::string tmp;
-  int raw_fd = -1;
+  int raw_fd = -1, slot = -1;
   for (int attempt = 0; attempt < 100 && raw_fd < 0; ++attempt) {
     tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
           std::to_string(counter.fetch_add(1));
+    slot = RegisterTemp(tmp);
     raw_fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (raw_fd < 0 && errno != EEXIST) break;
+    if (raw_fd < 0) {
+      const int err = errno;
+      UnregisterTemp(slot);
+      errno = err;
+      if (err != EEXIST) break;
+    }
   }
   if (raw_fd < 0) {
     return IoError("cannot write '" + path + "': cannot create '" + tmp +
@@ -649,6 +773,7 @@ Status WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
   auto fail = [&](const char* what, int err) {
     fd.Close();
     ::unlink(tmp.c_str());
+    UnregisterTemp(slot);
     return IoError("cannot write '" + path + "': " + what + " '" + tmp +
                    "': " + Errno(err));
   };
@@ -666,6 +791,7 @@ Status WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     return fail("rename onto the target of", errno);
   }
+  UnregisterTemp(slot);  // a signal now would unlink a name that is gone
 
   // Make the rename itself durable. Some file systems cannot fsync a
   // directory (EINVAL); the data is then as safe as they allow.

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -15,6 +16,9 @@
 #include <initializer_list>
 #include <iterator>
 #include <random>
+#include <thread>
+
+#include "fp8moe/memory.h"
 
 namespace fp8moe {
 namespace {
@@ -390,10 +394,19 @@ TEST(SafetensorsParse, ShapeProductOverflow) {
       MakeFile(
           R"({"w":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})"),
       StatusCode::kResourceExhausted, {"\"w\""});
-  // A zero dimension makes any other dimension harmless.
+  // A zero dimension makes the tensor empty, but the other dimensions must
+  // still multiply in range (tensor.h), so no stride computed from them can
+  // overflow: [0, 2^40] is fine, [0, 2^63 - 1] of F64 and [2^40, 2^40, 0] are not.
   auto ok = Parse(MakeFile(
-      R"({"w":{"dtype":"F64","shape":[0,9223372036854775807],"data_offsets":[0,0]}})"));
+      R"({"w":{"dtype":"F64","shape":[0,1099511627776],"data_offsets":[0,0]}})"));
   EXPECT_TRUE(ok.ok()) << ok.status().ToString();
+  ExpectError(
+      MakeFile(R"({"w":{"dtype":"F64","shape":[0,9223372036854775807],"data_offsets":[0,0]}})"),
+      StatusCode::kResourceExhausted, {"\"w\"", "nonzero dimensions"});
+  ExpectError(
+      MakeFile(
+          R"({"w":{"dtype":"U8","shape":[1099511627776,1099511627776,0],"data_offsets":[0,0]}})"),
+      StatusCode::kResourceExhausted, {"\"w\"", "nonzero dimensions"});
 }
 
 TEST(SafetensorsParse, DataOffsetsNotTwoIntegers) {
@@ -468,15 +481,51 @@ TEST(SafetensorsParse, TrailingBytes) {
   ExpectError(MakeFile("{}", {0}), StatusCode::kDataLoss, {"last 1 bytes"});
 }
 
-TEST(SafetensorsParse, DuplicateKeysDoNotCrash) {
-  // JSON leaves duplicate keys undefined; nlohmann keeps the last one.
-  auto r =
-      Parse(MakeFile(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
-                     R"("a":{"dtype":"I8","shape":[2],"data_offsets":[0,2]}})",
-                     {1, 2}));
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_EQ(r->tensors.size(), 1u);
-  EXPECT_EQ(r->tensors[0].second.dtype(), DType::kI8);
+TEST(SafetensorsParse, DuplicateKeysAreRefused) {
+  // JSON leaves duplicate keys undefined (nlohmann keeps the last, other
+  // readers the first), so a repeated tensor name, metadata key or entry
+  // field is refused instead of silently picking one.
+  ExpectError(MakeFile(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                       R"("a":{"dtype":"I8","shape":[2],"data_offsets":[0,2]}})",
+                       {1, 2}),
+              StatusCode::kDataLoss, {"\"a\"", "appears twice", "tensor name"});
+  ExpectError(MakeFile(R"({"__metadata__":{"k":"1","k":"2"}})"), StatusCode::kDataLoss,
+              {"\"k\"", "appears twice"});
+  ExpectError(MakeFile(R"({"__metadata__":{},"__metadata__":{}})"), StatusCode::kDataLoss,
+              {"__metadata__", "appears twice"});
+  ExpectError(MakeFile(R"({"a":{"dtype":"U8","dtype":"I8","shape":[1],"data_offsets":[0,1]}})",
+                       {1}),
+              StatusCode::kDataLoss, {"\"dtype\"", "appears twice"});
+  // The same name in different objects is fine.
+  auto ok = Parse(MakeFile(R"({"__metadata__":{"a":"x"},"a":{"dtype":"U8","shape":[1],)"
+                           R"("data_offsets":[0,1]}})",
+                           {1}));
+  EXPECT_TRUE(ok.ok()) << ok.status().ToString();
+}
+
+TEST(SafetensorsParse, ByteOrderMarkIsRefused) {
+  // nlohmann would skip it; the official reader requires '{' first.
+  ExpectError(MakeFile("\xEF\xBB\xBF{}"), StatusCode::kDataLoss, {"byte order mark"});
+  ExpectError(MakeFile("\xEF\xBB\xBF"), StatusCode::kDataLoss, {"byte order mark"});
+  // Leading JSON whitespace stays accepted, as before.
+  EXPECT_TRUE(Parse(MakeFile(" {}")).ok());
+}
+
+TEST(SafetensorsParse, FileOverTheMemoryCapIsRefusedBeforeAllocating) {
+  const uint64_t cap = MemoryCap();
+  const std::string source = MemoryCapSource();
+  SetMemoryCap(16, "the test");
+  const int64_t allocations = GetMemoryStats().allocations;
+  auto r = Parse(MakeFile(R"({"small":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
+                          R"("big":{"dtype":"F32","shape":[8],"data_offsets":[4,36]}})",
+                          std::vector<uint8_t>(36)));
+  SetMemoryCap(cap, source);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  for (const char* needle : {"\"big\"", "36 bytes", "memory cap is 16 bytes", "the test"}) {
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+  }
+  EXPECT_EQ(GetMemoryStats().allocations, allocations);
 }
 
 TEST(SafetensorsParse, MetadataNotAnObjectOfStrings) {
@@ -643,6 +692,72 @@ TEST_F(SafetensorsTest, WriteRefusesInvalidContentsBeforeTouchingDisk) {
   SafetensorsFile bad_utf8;
   bad_utf8.tensors.emplace_back("bad\xff", RandomTensor(DType::kU8, {1}));
   expect_refused(bad_utf8, "UTF-8");
+}
+
+}  // namespace
+}  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+
+TEST_F(SafetensorsTest, ConcurrentWritersLeaveOneCompleteFile) {
+  // Two writers of the same path, many rounds: each writes its own temp file
+  // (unique per process and call) and renames it over the target, so the
+  // target is always one of the two complete files and no temp file stays.
+  const std::string path = dir_ + "/out.safetensors";
+  SafetensorsFile a, b;
+  ASSERT_TRUE(a.Add("a", RandomTensor(DType::kF32, {256, 1024})).ok());
+  ASSERT_TRUE(b.Add("b", RandomTensor(DType::kBF16, {512, 1000})).ok());
+  const std::vector<uint8_t> want_a = *SerializeSafetensors(a), want_b = *SerializeSafetensors(b);
+  for (int round = 0; round < 8; ++round) {
+    Status sa, sb;
+    std::thread ta([&] { sa = WriteSafetensors(path, a); });
+    std::thread tb([&] { sb = WriteSafetensors(path, b); });
+    ta.join();
+    tb.join();
+    ASSERT_TRUE(sa.ok()) << sa.ToString();
+    ASSERT_TRUE(sb.ok()) << sb.ToString();
+    const std::vector<uint8_t> got = ReadBytes(path);
+    EXPECT_TRUE(got == want_a || got == want_b) << "round " << round;
+    EXPECT_EQ(DirEntries(), std::vector<std::string>{"out.safetensors"});
+  }
+}
+
+TEST_F(SafetensorsTest, SignalDuringWriteRemovesTheTempFile) {
+  // A child process writes a large file over and over with the handlers of
+  // RemoveTempFilesOnSignals; as soon as a temp file shows up the parent
+  // sends SIGTERM. The child must die of SIGTERM and leave no temp file, and
+  // the target is either absent or a complete earlier write.
+  const std::string path = dir_ + "/big.safetensors";
+  SafetensorsFile f;
+  Tensor w = Tensor::Create(DType::kU32, {4, 1024, 1024}).value();  // 16 MiB
+  for (size_t i = 0; i < w.num_elements(); ++i) w.data_as<uint32_t>()[i] = static_cast<uint32_t>(i * 2654435761u);
+  ASSERT_TRUE(f.Add("w", std::move(w)).ok());
+  const std::vector<uint8_t> want = *SerializeSafetensors(f);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    RemoveTempFilesOnSignals();
+    for (;;) {
+      if (!WriteSafetensors(path, f).ok()) _exit(3);
+    }
+  }
+  bool seen = false;
+  for (int i = 0; i < 200000 && !seen; ++i) {  // up to ~20 s
+    for (const std::string& e : DirEntries()) seen = seen || e.find(".tmp.") != std::string::npos;
+    if (!seen) usleep(100);
+  }
+  kill(child, SIGTERM);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(seen) << "never saw the temp file";
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+  for (const std::string& e : DirEntries()) {
+    EXPECT_EQ(e, "big.safetensors") << "left behind: " << e;
+  }
+  if (access(path.c_str(), F_OK) == 0) {
+    EXPECT_TRUE(ReadBytes(path) == want);
+  }
 }
 
 }  // namespace

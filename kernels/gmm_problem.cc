@@ -33,6 +33,12 @@ Status CheckRank(const char* what, const TensorView& t, int rank) {
     return InvalidArgument(std::string(what) + " has shape " + Str(t.shape) +
                            "; expected rank " + std::to_string(rank));
   }
+  // A view is not checked when it is made: a negative dimension, or nonzero
+  // dimensions whose product overflows (even beside a zero), would break the
+  // index arithmetic below, so such views are refused like such tensors.
+  if (const auto n = CheckedNumElements(t.shape, DTypeSize(t.dtype)); !n.ok()) {
+    return InvalidArgument(std::string(what) + ": " + n.status().message());
+  }
   if (t.data == nullptr && t.num_elements() > 0) {
     return InvalidArgument(std::string(what) + " has no data");
   }
@@ -45,6 +51,13 @@ Status CheckTiles(const GmmTiles& t) {
       return InvalidArgument(std::string("tile ") + name + " = " + std::to_string(*v) +
                              " is invalid; tiles must be positive (leave it "
                              "unset for the per-shape default)");
+    }
+    if (v && *v > kMaxGmmTile) {
+      return InvalidArgument(std::string("tile ") + name + " = " + std::to_string(*v) +
+                             " exceeds the largest tile, " + std::to_string(kMaxGmmTile) +
+                             " (2^20); a tile at least as large as its dimension "
+                             "already covers it whole, so use at most " +
+                             std::to_string(kMaxGmmTile) + " (or leave it unset)");
     }
     return OkStatus();
   };

@@ -234,6 +234,11 @@ void CheckShape(const MoeConfig& c, std::vector<std::string>* out) {
     out->push_back("num_experts=" + Num(c.num_experts) +
                    " must be at least 1; set num_experts to a positive count");
   }
+  if (c.num_experts > kMaxNumExperts) {
+    out->push_back("num_experts=" + Num(c.num_experts) + " exceeds " + Num(kMaxNumExperts) +
+                   " (expert indices and group sizes are int32); set num_experts to at "
+                   "most " + Num(kMaxNumExperts));
+  }
   if (c.num_experts_per_tok < 1) {
     out->push_back("num_experts_per_tok=" + Num(c.num_experts_per_tok) +
                    " must be at least 1; set num_experts_per_tok=1 or more");
@@ -267,6 +272,16 @@ void CheckDispatch(const MoeConfig& c, std::vector<std::string>* out) {
         Num(c.capacity_factor) +
         " instead and drop capacity_factor (or set "
         "capacity_factor=-1)");
+  }
+  // Bounded so ceil(factor * T * k) stays a row count: 1e18 would ask for
+  // exabytes and 1e300 is past the range of int64 (undefined to convert).
+  if (!(c.ragged_buffer_factor <= kMaxRaggedBufferFactor)) {
+    out->push_back("ragged_buffer_factor=" + Num(c.ragged_buffer_factor) +
+                   " is larger than " + Num(kMaxRaggedBufferFactor) +
+                   ": a factor > 0 sizes the sorted buffer as factor x the T*k "
+                   "routed rows, so 1 already holds every row and more only adds "
+                   "unused ones; set ragged_buffer_factor to at most " +
+                   Num(kMaxRaggedBufferFactor) + ", or <= 0 for dropless");
   }
   if (c.ici_tensor_parallelism < 1) {
     out->push_back("ici_tensor_parallelism=" + Num(c.ici_tensor_parallelism) +
@@ -437,6 +452,13 @@ void CheckTiles(const MoeConfig& c, std::vector<std::string>* out) {
     if (*v <= 0) {
       out->push_back(name + "=" + Num(*v) + " is not a tile size; set " + name +
                      "=-1 (chosen per shape) or a positive size");
+    } else if (*v > kMaxGmmTile) {
+      // The GMMs refuse such tiles too (gmm.h); say so at load time, before
+      // any tile arithmetic could overflow.
+      out->push_back(name + "=" + Num(*v) + " exceeds the largest tile, " +
+                     Num(kMaxGmmTile) + " (2^20); a tile as large as its dimension "
+                     "already covers it whole, so set " + name + " to at most " +
+                     Num(kMaxGmmTile) + " or -1");
     } else if (f.axis == &GmmTiles::k && *v % 2 != 0) {
       // The GMM would refuse it on the first step; say so at load time.
       out->push_back(

@@ -13,7 +13,11 @@ namespace {
 // can never read or write out of bounds.
 int64_t Clamp(int64_t i, int64_t n) { return std::min(std::max<int64_t>(i, 0), n - 1); }
 
+// Both helpers return at once for a zero-width row: the row buffers of a
+// D = 0 layer are empty vectors whose data() may be null, and memcpy must
+// not be handed a null pointer even for zero bytes.
 void RowToF32(const void* buffer, DType dtype, int64_t row, int64_t cols, float* out) {
+  if (cols <= 0) return;
   if (dtype == DType::kF32) {
     std::memcpy(out, static_cast<const float*>(buffer) + row * cols,
                 static_cast<size_t>(cols) * sizeof(float));
@@ -24,6 +28,7 @@ void RowToF32(const void* buffer, DType dtype, int64_t row, int64_t cols, float*
 }
 
 void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t row) {
+  if (cols <= 0) return;
   if (dtype == DType::kF32) {
     std::memcpy(static_cast<float*>(buffer) + row * cols, v,
                 static_cast<size_t>(cols) * sizeof(float));

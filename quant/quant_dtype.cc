@@ -115,7 +115,8 @@ float DequantizeValue(uint8_t code, float scale, QuantDType dtype) {
 
 int64_t NumBlocks(int64_t cols, int64_t block_size) {
   if (block_size <= 0) return 1;
-  return (cols + block_size - 1) / block_size;
+  // ceil without cols + block_size - 1, which could overflow.
+  return cols / block_size + (cols % block_size != 0 ? 1 : 0);
 }
 
 Status CheckGroupSizes(const int32_t* group_sizes, int64_t groups, int64_t m) {
@@ -150,7 +151,8 @@ Result<int64_t> NumGroupTiles(const int32_t* group_sizes, int64_t groups,
     if (tile_m == 0) {
       ++tiles;
     } else {
-      tiles += (group_sizes[g] + tile_m - 1) / tile_m;
+      // ceil without size + tile_m - 1, which overflows for a huge tile_m.
+      tiles += group_sizes[g] / tile_m + (group_sizes[g] % tile_m != 0 ? 1 : 0);
     }
   }
   return tiles;

@@ -131,6 +131,9 @@ Status QuantizeRows(const float* x, int64_t rows, int64_t cols,
   FP8MOE_RETURN_IF_ERROR(internal::CheckRowArgs(rows, cols, valid_rows, block_size));
   const int64_t nb = NumBlocks(cols, block_size);
   const int64_t bs = block_size > 0 ? block_size : cols;
+  // No codes and no scales to write: a zero-width x of any height costs
+  // nothing (the work is bounded by the elements, not the dimensions).
+  if (cols == 0 && nb == 0) return OkStatus();
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     if (r >= valid_rows) {  // tail row: never read
@@ -155,6 +158,8 @@ Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
                         QuantDType dtype, const Calibration& calib, uint8_t* q,
                         float* scales) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"experts", experts}, {"k", k}, {"n", n}}));
+  FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("w [experts, k, n]", {experts, k, n}, sizeof(float)));
+  if (n == 0) return OkStatus();  // no channels: no scales, no codes
   std::vector<int32_t> acc(static_cast<size_t>(n));
   for (int64_t e = 0; e < experts; ++e) {
     const float* we = w + e * k * n;
@@ -175,8 +180,10 @@ Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
                                  const Calibration& calib, uint8_t* q,
                                  float* scales) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"m", m}, {"c", c}}));
+  FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("x [m, c]", {m, c}, sizeof(float)));
   FP8MOE_ASSIGN_OR_RETURN(const int64_t num_tiles,
                           NumGroupTiles(group_sizes, groups, m, tile_m));
+  if (c == 0) return OkStatus();  // no channels: no scales, no codes
   const auto tiles = internal::GroupTiles(group_sizes, groups, tile_m);
   const int64_t row = tiles.empty() ? 0 : tiles.back().first + tiles.back().rows;
   if (m > row && c > 0) {  // tail rows
@@ -221,6 +228,7 @@ void DequantizeSpan(const uint8_t* q, int64_t n, const float* scales,
 
 void DequantizeTensor(const uint8_t* q, int64_t n, float scale,
                       QuantDType dtype, float* x) {
+  if (n <= 0) return;
   const DecodeTable t(dtype);
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
@@ -233,6 +241,7 @@ void DequantizeTensor(const uint8_t* q, int64_t n, float scale,
 void DequantizeRows(const uint8_t* q, int64_t rows, int64_t cols,
                     int64_t block_size, const float* scales, QuantDType dtype,
                     float* x) {
+  if (rows <= 0 || cols <= 0) return;  // no elements to write
   const DecodeTable t(dtype);
   const int64_t nb = NumBlocks(cols, block_size);
   const int64_t bs = block_size > 0 ? block_size : cols;
@@ -249,6 +258,7 @@ void DequantizeRows(const uint8_t* q, int64_t rows, int64_t cols,
 void DequantizeChannels(const uint8_t* q, int64_t experts, int64_t k,
                         int64_t n, const float* scales, QuantDType dtype,
                         float* w) {
+  if (experts <= 0 || k <= 0 || n <= 0) return;  // no elements to write
   const DecodeTable t(dtype);
 #pragma omp parallel for schedule(static) if (experts * k * n >= kParallelMin)
   for (int64_t r = 0; r < experts * k; ++r) {
@@ -261,7 +271,9 @@ Status DequantizeGroupTileChannels(const uint8_t* q, int64_t m, int64_t c,
                                    int64_t tile_m, const float* scales,
                                    QuantDType dtype, float* x) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"m", m}, {"c", c}}));
+  FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("x [m, c]", {m, c}, sizeof(float)));
   FP8MOE_RETURN_IF_ERROR(NumGroupTiles(group_sizes, groups, m, tile_m).status());
+  if (c == 0) return OkStatus();  // no elements to write
   const DecodeTable t(dtype);
   const auto tiles = internal::GroupTiles(group_sizes, groups, tile_m);
   int64_t row = 0;  // end of the valid rows

@@ -45,6 +45,7 @@ Status QuantizeRows(const float* x, int64_t rows, int64_t cols,
   FP8MOE_RETURN_IF_ERROR(internal::CheckRowArgs(rows, cols, valid_rows, block_size));
   const int64_t nb = NumBlocks(cols, block_size);
   const int64_t bs = block_size > 0 ? block_size : cols;
+  if (cols == 0 && nb == 0) return OkStatus();  // nothing to write
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t c0 = b * bs, c1 = std::min(cols, c0 + bs);
@@ -67,6 +68,8 @@ Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
                         QuantDType dtype, const Calibration& calib, uint8_t* q,
                         float* scales) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"experts", experts}, {"k", k}, {"n", n}}));
+  FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("w [experts, k, n]", {experts, k, n}, sizeof(float)));
+  if (n == 0) return OkStatus();  // no channels: nothing to write
   for (int64_t e = 0; e < experts; ++e) {
     const float* we = w + e * k * n;
     for (int64_t j = 0; j < n; ++j) {
@@ -86,7 +89,9 @@ Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
                                  const Calibration& calib, uint8_t* q,
                                  float* scales) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"m", m}, {"c", c}}));
+  FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("x [m, c]", {m, c}, sizeof(float)));
   FP8MOE_RETURN_IF_ERROR(NumGroupTiles(group_sizes, groups, m, tile_m).status());
+  if (c == 0) return OkStatus();  // no channels: nothing to write
   if (m * c > 0) std::memset(q, 0, static_cast<size_t>(m * c));  // tail stays 0
   const auto tiles = internal::GroupTiles(group_sizes, groups, tile_m);
   for (size_t t = 0; t < tiles.size(); ++t) {

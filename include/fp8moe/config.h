@@ -109,6 +109,14 @@ Result<Config> LoadConfig(const ConfigSchema& schema,
                           const std::string& yaml_path,
                           const std::vector<std::string>& overrides);
 
+// LoadConfig with the YAML given as text instead of a path; `source` names
+// it in messages (as the path would). What LoadConfig does after reading the
+// file, so a fuzzer or a caller holding the text in memory gets the same
+// checks.
+Result<Config> LoadConfigText(const ConfigSchema& schema, const std::string& yaml_text,
+                              const std::string& source,
+                              const std::vector<std::string>& overrides);
+
 // Splits `arg` at its first '=' into *key and *value ("a=b=c" gives "a" and
 // "b=c"; "a=" gives an empty value). Fails if there is no '=' or the key is
 // empty.

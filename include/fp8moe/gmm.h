@@ -58,10 +58,16 @@ enum class GmmEpilogue : uint8_t {
 // the in-kernel quantization tile), k: reduction block (drhs: output rows per
 // item), n: columns per item. Any positive size is accepted and gives the
 // same bits as any other: sizes the kernel cannot take exactly are adjusted
-// (docs/kernels.md). 0, negative, or an odd k are errors.
+// (docs/kernels.md). 0, negative, an odd k, or a size above kMaxGmmTile are
+// errors.
 struct GmmTiles {
   std::optional<int64_t> m, k, n;
 };
+
+// The largest tile size accepted (2^20). Bounding tiles keeps every tile
+// computation (row + tile, tile + 1) far from int64 overflow; a tile larger
+// than its dimension acts as the whole dimension anyway.
+inline constexpr int64_t kMaxGmmTile = int64_t{1} << 20;
 
 struct GmmOptions {
   GmmMode mode = GmmMode::kBf16;

@@ -22,6 +22,13 @@
 
 namespace fp8moe {
 
+// Bounds ValidateMoeConfig enforces beyond the DESIGN 3.5 rules: the sorted
+// buffer's factor (so ceil(factor * T * k) stays a row count), the expert
+// count (expert indices and group sizes are int32), and every tile flag at
+// most kMaxGmmTile (gmm.h).
+inline constexpr double kMaxRaggedBufferFactor = 1024.0;
+inline constexpr int64_t kMaxNumExperts = 2147483647;
+
 // The MoE and QAT flags, each with its MaxText name, type, default, a doc
 // line and (for enums) its choices.
 ConfigSchema MoeConfigSchema();

@@ -13,7 +13,13 @@
 //
 // The reader is strict, like the official implementation: the tensors, sorted
 // by offset, must tile the byte buffer exactly (no overlaps, holes or trailing
-// bytes), and BOOL bytes must be 0 or 1 (anything else is not a valid bool).
+// bytes), BOOL bytes must be 0 or 1 (anything else is not a valid bool), no
+// key may appear twice in one JSON object (a tensor name, a metadata key or an
+// entry field: JSON leaves the winner undefined), and the header may not start
+// with a UTF-8 byte order mark (the official reader requires '{' first).
+// Shapes follow tensor.h's CheckedNumElements: the nonzero dimensions must
+// multiply to a size that fits, even when another dimension is 0 (stricter
+// than the official reader for [0, 2^62]-like shapes, which no real file has).
 // Error codes: kDataLoss for a malformed or truncated file,
 // kInvalidArgument for a well-formed file we do not support (unknown dtype or
 // format), kResourceExhausted for sizes over the limits, kNotFound / kIoError
@@ -68,9 +74,19 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path);
 Result<std::vector<uint8_t>> SerializeSafetensors(const SafetensorsFile& file);
 
 // Writes `file` to `path` atomically: a temporary file in the same directory
-// is written, fsynced and renamed over `path`, then the directory is fsynced.
-// On failure the temporary file is removed and `path` is left as it was.
+// (`path`.tmp.PID.N, unique per process and call) is written, fsynced and
+// renamed over `path`, then the directory is fsynced. On failure the
+// temporary file is removed and `path` is left as it was. Two processes
+// writing the same `path` leave one complete file (the last rename wins).
 Status WriteSafetensors(const std::string& path, const SafetensorsFile& file);
+
+// Makes SIGINT, SIGTERM and SIGHUP first remove the temporary file of every
+// WriteSafetensors in progress, then kill the process as the signal would
+// have (exit status 128 + signal in a shell), so an interrupted write leaves
+// `path` as it was and no temporary file. Signals the process ignores stay
+// ignored; SIGKILL cannot be caught and may leave a `.tmp.` file (never a
+// partial `path`). For commands: the library never installs handlers itself.
+void RemoveTempFilesOnSignals();
 
 }  // namespace fp8moe
 

@@ -17,7 +17,10 @@ namespace fp8moe {
 using Shape = std::vector<int64_t>;
 
 // Number of elements of `shape`; an error if a dimension is negative or the
-// product (times `elem_size` bytes) overflows or exceeds `max_bytes`.
+// product of its nonzero dimensions (times `elem_size` bytes) exceeds
+// `max_bytes`. Zeros are left out of that product on purpose: [2^40, 2^40, 0]
+// has no elements but is refused, so every partial product of an accepted
+// shape's dimensions fits in int64 and index arithmetic on it cannot overflow.
 Result<size_t> CheckedNumElements(const Shape& shape, size_t elem_size,
                                   size_t max_bytes = SIZE_MAX / 2);
 
@@ -45,7 +48,8 @@ class Tensor {
  public:
   Tensor() = default;
   // Allocates an uninitialized tensor; fails with a clear error when the shape
-  // is invalid or too large to allocate.
+  // is invalid (InvalidArgument), too large to allocate, or would pass the
+  // memory cap of memory.h (ResourceExhausted, checked before allocating).
   static Result<Tensor> Create(DType dtype, Shape shape);
   // As Create, but every byte is zero.
   static Result<Tensor> Zeros(DType dtype, Shape shape);

@@ -40,6 +40,14 @@ constexpr int64_t kMinTgmmTile = 128;
 
 int64_t EvenUp(int64_t v) { return v + (v & 1); }
 
+// The reduction block for a reduction of `len`: the tile, but no larger than
+// the (even-rounded) reduction itself, so a huge tile never sizes packing
+// buffers past the data. Tiles are at most kMaxGmmTile (validated), so
+// nothing here can overflow; the bits do not depend on the block size.
+int64_t ReductionBlock(int64_t tile, int64_t len) {
+  return EvenUp(std::min(tile, std::max<int64_t>(len, 1)));
+}
+
 Source Plain(const TensorView& t, int64_t ld) {
   Source s;
   s.data = t.data;
@@ -77,16 +85,21 @@ void ZeroRows(const TensorView& t, int64_t from) {
               static_cast<size_t>(rows - from) * row_bytes);
 }
 
-// Work items over the rows of each group x the output columns.
+// Work items over the rows of each group x the output columns. Steps never
+// pass the end (m + rows <= r1), so no tile size can overflow the loop.
 void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len,
                    int64_t tile_m, int64_t tile_n, std::vector<WorkItem>* items) {
+  if (cols <= 0) return;
   for (int64_t g = 0; g < p.e; ++g) {
     const int64_t r0 = p.offsets[g], r1 = p.offsets[g + 1];
-    for (int64_t m = r0; m < r1; m += tile_m) {
-      for (int64_t c = 0; c < cols; c += tile_n) {
-        items->push_back({static_cast<int32_t>(g), m, std::min(tile_m, r1 - m), c,
-                          std::min(tile_n, cols - c), 0, red_len});
+    for (int64_t m = r0; m < r1;) {
+      const int64_t rows = std::min(tile_m, r1 - m);
+      for (int64_t c = 0; c < cols;) {
+        const int64_t width = std::min(tile_n, cols - c);
+        items->push_back({static_cast<int32_t>(g), m, rows, c, width, 0, red_len});
+        c += width;
       }
+      m += rows;
     }
   }
 }
@@ -194,10 +207,13 @@ Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
            const TensorView& out, const TensorView* h_out) {
   FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
                           internal::CheckGmm(o, lhs, rhs, rhs_scale, group_sizes, out, h_out));
+  // Nothing to write (h_out is empty too): return before any pre-pass, so a
+  // zero-element call costs nothing whatever its other dimensions.
+  if (out.num_elements() == 0) return OkStatus();
   GemmCall call;
   call.pass = Pass::kFwd;
   call.red_len = p.k;
-  call.kc = EvenUp(o.tiles.k.value_or(kDefaultKc));
+  call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.k);
   call.a = Plain(lhs, p.k);
   call.b = RhsSource(rhs, rhs_scale, p);
   uint8_t* qa = nullptr;
@@ -259,10 +275,11 @@ Status GmmDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rh
                const TensorView& out, const TensorView* h) {
   FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
                           internal::CheckDlhs(o, dout, rhs, rhs_scale, group_sizes, out, h));
+  if (out.num_elements() == 0) return OkStatus();  // nothing to write
   GemmCall call;
   call.pass = Pass::kDlhs;
   call.red_len = p.n;
-  call.kc = EvenUp(o.tiles.k.value_or(kDefaultKc));
+  call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.n);
   call.a = Plain(dout, p.n);
   call.b = RhsSource(rhs, rhs_scale, p);
   if (o.mode == GmmMode::kFakeQat) {
@@ -293,14 +310,23 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
             const TensorView& drhs) {
   FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
                           internal::CheckTgmm(o, quant, lhs, dout, group_sizes, drhs));
+  if (drhs.num_elements() == 0) return OkStatus();  // nothing to write
   GemmCall call;
   call.pass = Pass::kTgmm;
   call.a = Plain(lhs, p.k);
   call.b = Plain(dout, p.n);
   Tensor qg, sg;
   std::vector<int32_t> row_tile;
-  const int64_t quant_tile =
+  int64_t quant_tile =
       quant.per_group ? 0 : o.tiles.m.value_or(internal::kTgmmDefaultQuantTile);
+  if (quant_tile > 0) {
+    // A tile at least as tall as the largest group cuts every group into one
+    // tile, exactly as that largest size does; clamping keeps the reduction
+    // block (the tile) from sizing packing buffers past the data.
+    int64_t largest = 1;
+    for (int64_t g = 0; g < p.e; ++g) largest = std::max(largest, p.offsets[g + 1] - p.offsets[g]);
+    quant_tile = std::min(quant_tile, largest);
+  }
   if (quant.dout_dtype) {
     const int32_t* sizes = group_sizes.as<int32_t>();
     FP8MOE_ASSIGN_OR_RETURN(const int64_t tiles, NumGroupTiles(sizes, p.e, p.m, quant_tile));
@@ -326,7 +352,7 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
     call.b_row_tile = row_tile.data();
     call.b_block = quant_tile;
   }
-  call.kc = EvenUp(o.tiles.m.value_or(kDefaultKc));
+  call.kc = ReductionBlock(o.tiles.m.value_or(kDefaultKc), p.valid_rows);
   call.epi.kind = Epilogue::Kind::kAccumulateF32;
   call.epi.out = drhs.data;
   call.epi.out_ld = p.n;
@@ -347,12 +373,15 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
     }
   }
   for (int64_t g = 0; g < p.e; ++g) {
-    for (int64_t k = 0; k < p.k; k += tile_k) {
-      for (int64_t n = 0; n < p.n; n += tile_n) {
-        call.items.push_back({static_cast<int32_t>(g), k, std::min(tile_k, p.k - k), n,
-                              std::min(tile_n, p.n - n), p.offsets[g],
+    for (int64_t k = 0; k < p.k;) {
+      const int64_t rows = std::min(tile_k, p.k - k);
+      for (int64_t n = 0; n < p.n;) {
+        const int64_t cols = std::min(tile_n, p.n - n);
+        call.items.push_back({static_cast<int32_t>(g), k, rows, n, cols, p.offsets[g],
                               p.offsets[g + 1] - p.offsets[g]});
+        n += cols;
       }
+      k += rows;
     }
   }
   return internal::ExecuteGemm(call);

@@ -158,6 +158,9 @@ Status Gmm(const GmmOptions& options, const TensorView& lhs,
   FP8MOE_ASSIGN_OR_RETURN(
       const GmmProblem p,
       internal::CheckGmm(options, lhs, rhs, rhs_scale, group_sizes, out, h_out));
+  // No output elements (h_out is empty too): nothing to compute, however
+  // large the other dimensions are.
+  if (out.num_elements() == 0) return OkStatus();
   // h [M, N]: the product rounded to f32; tail rows stay 0.
   std::vector<float> h(Idx(p.m * p.n), 0.0f);
   switch (options.mode) {
@@ -205,6 +208,7 @@ Status GmmDlhs(const GmmOptions& options, const TensorView& dout,
   FP8MOE_ASSIGN_OR_RETURN(
       const GmmProblem p,
       internal::CheckDlhs(options, dout, rhs, rhs_scale, group_sizes, out, h));
+  if (out.num_elements() == 0) return OkStatus();  // nothing to compute
   // kBf16 and kFakeQat see the same bf16 weight values, so their results are
   // identical by construction, as gmm.h promises for the fast kernels.
   const std::vector<float> w =
@@ -255,6 +259,7 @@ Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
   FP8MOE_ASSIGN_OR_RETURN(
       const GmmProblem p,
       internal::CheckTgmm(options, quant, lhs, dout, group_sizes, drhs));
+  if (drhs.num_elements() == 0) return OkStatus();  // nothing to compute
   // a [M, K]: lhs values (codes as their exact values, no scale).
   // b [M, N]: dout values, or dout quantized and dequantized.
   // Tail rows of both stay 0 and are never used.
