@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _core
 from ._arrays import ML_DTYPES, arg, opt, out
+from ._flags_text import flag_list as _flags
 
 __version__: str = _core.version()
 
@@ -175,14 +176,6 @@ def tgmm(lhs: Any, dout: Any, group_sizes: Any, mode: Literal["f32", "bf16"] = "
     return out(_core.tgmm(*arg(lhs), *arg(dout), *arg(group_sizes), mode,
                           dout_quant or "none", per_group, calibration, scale_arithmetic,
                           *_tiles(tiles), reference))
-
-
-def _flags(flags: dict[str, Any]) -> list[str]:
-    def text(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        return str(v)
-    return [f"{k}={text(v)}" for k, v in flags.items()]
 
 
 def moe_config(**flags: Any) -> dict[str, Any]:

@@ -49,7 +49,8 @@ nb::dict MoeConfigDict(const std::vector<std::string>& flags) {
   ThrowIfError(fn, c.status());
   ThrowIfError(fn, MoeConfigFrom(*c).status());
   nb::dict d;
-  for (const FlagSpec& f : MoeConfigSchema().flags()) {
+  const ConfigSchema schema = MoeConfigSchema();
+  for (const FlagSpec& f : schema.flags()) {
     const char* k = f.name.c_str();
     switch (f.type) {
       case FlagType::kBool: d[k] = c->GetBool(f.name); break;
