@@ -13,9 +13,23 @@
 #include <gtest/gtest.h>
 
 #include "fp8moe/quant.h"
+#include "hwy/targets.h"
 
 namespace fp8moe {
 namespace {
+
+// Runs fn once per Highway target this CPU supports and the library was
+// compiled for, with dispatch forced to that target.
+template <class Fn>
+void ForEachTarget(const Fn& fn) {
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    ASSERT_STREQ(SimdTargetName(), hwy::TargetName(target));
+    fn();
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
 
 constexpr QuantDType kDTypes[] = {QuantDType::kE4M3FN, QuantDType::kE4M3FNUZ,
                                   QuantDType::kE5M2, QuantDType::kE5M2FNUZ,
@@ -228,6 +242,7 @@ TEST(Quant, XlaReciprocalScaleFormula) {
 // x / s and x * (1 / s) round to different codes: each arithmetic must give
 // its own formula's codes, and the two must differ somewhere.
 TEST(Quant, XlaReciprocalCodesNearMidpoints) {
+ ForEachTarget([] {
   for (QuantDType d : {QuantDType::kE4M3FN, QuantDType::kE5M2, QuantDType::kInt8}) {
     const int64_t cols = 512;
     std::vector<float> mids;
@@ -270,6 +285,46 @@ TEST(Quant, XlaReciprocalCodesNearMidpoints) {
     }
     EXPECT_GT(differ, 0) << QuantDTypeName(d);
   }
+ });
+}
+
+// Both arithmetics on every target: the per-lane (channels, group tiles) and
+// one-scale (rows) SIMD paths against their plain-loop twins.
+TEST_F(QuantTest, BothArithmeticsMatchReferenceOnEveryTarget) {
+  const int64_t e = 2, k = 33, n = 37, rows = 9, cols = 300;
+  const auto w = Random(static_cast<size_t>(e * k * n), 13);
+  const auto x = Random(static_cast<size_t>(rows * cols), cols);
+  const std::vector<int32_t> sizes = {3, 0, 5};
+  ForEachTarget([&] {
+    for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, kXla}) {
+      for (QuantDType d : kDTypes) {
+        const Calibration cal = Calibration::AbsMax().With(a);
+        std::vector<uint8_t> q1(e * k * n), q2(e * k * n);
+        std::vector<float> s1(e * n), s2(e * n);
+        ASSERT_TRUE(QuantizeChannels(w.data(), e, k, n, d, cal, q1.data(), s1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeChannels(w.data(), e, k, n, d, cal, q2.data(),
+                                                s2.data()).ok());
+        ASSERT_EQ(q1, q2) << QuantDTypeName(d);
+        ExpectSameBits(s1, s2);
+        std::vector<uint8_t> r1(rows * cols), r2(rows * cols);
+        std::vector<float> t1(rows * 3), t2(rows * 3);
+        ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows - 1, 128, d, cal, r1.data(),
+                                 t1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeRows(x.data(), rows, cols, rows - 1, 128, d, cal,
+                                            r2.data(), t2.data()).ok());
+        ASSERT_EQ(r1, r2) << QuantDTypeName(d);
+        ExpectSameBits(t1, t2);
+        std::vector<float> g1(3 * cols), g2(3 * cols);
+        ASSERT_TRUE(QuantizeGroupTileChannels(x.data(), rows, cols, sizes.data(), 3, 0, d,
+                                              cal, r1.data(), g1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeGroupTileChannels(x.data(), rows, cols, sizes.data(),
+                                                         3, 0, d, cal, r2.data(),
+                                                         g2.data()).ok());
+        ASSERT_EQ(r1, r2) << QuantDTypeName(d);
+        ExpectSameBits(g1, g2);
+      }
+    }
+  });
 }
 
 TEST_F(QuantTest, ZeroRowsInfAndNaNStayInTheirGroup) {

@@ -187,3 +187,24 @@ def test_bad_inputs_raise_value_error():
         fp8moe.dequantize(np.zeros((4, 6), ml_dtypes.float8_e4m3fn), np.ones((3, 1), np.float32))
     with pytest.raises(ValueError, match="unknown dtype 'complex64'"):
         fp8moe.cast(x.astype(np.complex64), "e4m3fn")
+
+
+@pytest.mark.parametrize("arith", ["exact_divide", "xla_reciprocal"])
+@pytest.mark.parametrize("granularity,block", [("row", 0), ("row", 128), ("channel", 0),
+                                               ("tensor", 0)])
+def test_quantize_equals_op_quantize(run_op, arith, granularity, block):
+    """The op's scale_arithmetic key and the package's argument are one option."""
+    rng = np.random.default_rng()
+    x = random_rows(rng, 24, 256)
+    if granularity == "channel":
+        x = x.reshape(3, 8, 256)
+    q, s = fp8moe.quantize(x, "e4m3fn", granularity, block_size=block,
+                           scale_arithmetic=arith)
+    code, out, err = run_op("quantize", {"x": x}, f"granularity={granularity}",
+                            f"block_size={block}", f"scale_arithmetic={arith}")
+    assert code == 0, err
+    assert np.array_equal(bits(q), bits(out["q"])) and np.array_equal(bits(s), bits(out["scale"]))
+    other = "exact_divide" if arith == "xla_reciprocal" else "xla_reciprocal"
+    _, s2 = fp8moe.quantize(x, "e4m3fn", granularity, block_size=block, scale_arithmetic=other)
+    if granularity != "tensor":  # half the scales differ; one tensor scale may not
+        assert not np.array_equal(bits(s), bits(s2))
