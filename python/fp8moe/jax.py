@@ -9,7 +9,8 @@ over as they are (row-major, no copy) and the kernels write XLA's result
 buffers in place. Gradients come from jax.custom_vjp rules that call the
 library's backward kernels (dLHS, TGMM); group sizes may be traced arrays.
 Errors in the data (e.g. a negative group size) are raised by XLA at run time
-with the library's message. docs/python.md has the full story.
+with the library's message. The primitives have no batching rule (no vmap).
+docs/python.md has the full story.
 """
 from __future__ import annotations
 
@@ -291,7 +292,8 @@ def moe(x, router, wi, wo, **flags):
     backward call reruns the forward inside the library (the layer's saved
     state cannot cross from one XLA call to the next).
     """
-    for name, a, rank in (("x", x, 2), ("router", router, 2), ("wi", wi, 3), ("wo", wo, 3)):
-        _check_rank("moe", name, a, rank, "")
+    for name, a, rank, dims in (("x", x, 2, "[T, D]"), ("router", router, 2, "[D, E]"),
+                                ("wi", wi, 3, "[E, D, 2F]"), ("wo", wo, 3, "[E, F, D]")):
+        _check_rank("moe", name, a, rank, dims)
     text = _flags_text.validated(flags)
     return _moe(text, x, router, wi, wo)
