@@ -17,8 +17,8 @@ library's argument checks) and with 8 rows, the same through numpy, and
 ragged_dot on the 8 rows. The FFI overhead is the empty call minus the no-op.
 
 Times on a shared machine drift: each number is the best of --reps runs
-(ragged_dot calls slower than 2 s run once), and ratios within one run are
-what to read.
+(ragged_dot calls slower than 2 s run once; the jax and numpy fp8moe calls
+alternate), and ratios within one run are what to read.
 """
 from __future__ import annotations
 
@@ -74,6 +74,20 @@ def best(fn, reps: int, slow_s: float = 2.0) -> float:
     return min(times)
 
 
+def best_pair(fa, fb, reps: int) -> tuple[float, float]:
+    """Best times of fa() and fb() over reps alternating runs (after one warm-up
+    each), so drift on a shared machine hits both alike."""
+    fa()
+    fb()
+    ta, tb = [], []
+    for _ in range(reps):
+        for f, out in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+    return min(ta), min(tb)
+
+
 def per_call_us(fn, calls: int, reps: int) -> float:
     """Best over reps of the mean time of `calls` back-to-back synchronous calls."""
     fn()
@@ -105,10 +119,11 @@ def bench_shapes(names, reps, rows):
             ragged = jax.jit(lambda l, r, g: jax.lax.ragged_dot(l, r, g))
             ours = jax.jit(lambda l, r, g, mode=dt_name: fj.gmm(l, r, g, mode))
             t_r = best(lambda: ragged(lhs, rhs, gs).block_until_ready(), reps)
-            t_o = best(lambda: ours(lhs, rhs, gs).block_until_ready(), reps)
             ln, rn = np.asarray(lhs), np.asarray(rhs)
-            t_np = best(lambda: fp8moe.gmm(ln, rn, gs_np, dt_name, out_dtype="float32"
-                                           if dt_name == "f32" else "bfloat16"), reps)
+            out_dt = "float32" if dt_name == "f32" else "bfloat16"
+            t_o, t_np = best_pair(lambda: ours(lhs, rhs, gs).block_until_ready(),
+                                  lambda: fp8moe.gmm(ln, rn, gs_np, dt_name, out_dtype=out_dt),
+                                  reps)
             rows.append(dict(shape=name, mode=dt_name, gflop=flops / 1e9,
                              ragged_dot_ms=t_r * 1e3, fp8moe_jax_ms=t_o * 1e3,
                              speedup=t_r / t_o, fp8moe_numpy_ms=t_np * 1e3,
