@@ -49,6 +49,20 @@ Result<QuantDType> QuantDTypeOf(DType dtype) {
   return static_cast<QuantDType>(*f);
 }
 
+std::string_view ScaleArithmeticName(ScaleArithmetic arithmetic) {
+  return arithmetic == ScaleArithmetic::kExactDivide ? "exact_divide"
+                                                     : "xla_reciprocal";
+}
+
+Result<ScaleArithmetic> ParseScaleArithmetic(std::string_view name) {
+  if (name == "exact_divide") return ScaleArithmetic::kExactDivide;
+  if (name == "xla_reciprocal") return ScaleArithmetic::kXlaReciprocal;
+  return InvalidArgument("unknown scale arithmetic '" + std::string(name) +
+                         "'; expected exact_divide (true divisions, the "
+                         "default) or xla_reciprocal (what qwix computes "
+                         "under jax.jit)");
+}
+
 Result<Calibration> Calibration::Parse(std::string_view text) {
   if (text == "absmax") return AbsMax();
   const std::string usage =
@@ -98,8 +112,26 @@ float ScaleFromAmax(float amax, QuantDType dtype) {
   return std::fmax(amax, 1e-12f) / QuantMax(dtype);
 }
 
-uint8_t QuantizeValue(float x, float scale, QuantDType dtype) {
-  const float v = x / scale;
+float CalibratedScale(float amax, QuantDType dtype, const Calibration& calib) {
+  const bool fixed = calib.kind == Calibration::Kind::kFixed;
+  if (fixed) amax = calib.FixedAmax();
+  if (calib.arithmetic == ScaleArithmetic::kExactDivide) {
+    return ScaleFromAmax(amax, dtype);
+  }
+  // XLA folds a constant amax / fmax exactly and rewrites the division of a
+  // computed amax into a multiplication by the folded f32(1 / fmax).
+  const float fmax = QuantMax(dtype);
+  const float scale = fixed ? amax / fmax : amax * (1.0f / fmax);
+  // qwix: jnp.where(scale < sqrt(finfo(f32).tiny), 1, scale); sqrt(2^-126)
+  // is 2^-63 exactly. NaN compares false and stays.
+  return scale < 0x1p-63f ? 1.0f : scale;
+}
+
+uint8_t QuantizeValue(float x, float scale, QuantDType dtype,
+                      ScaleArithmetic arithmetic) {
+  const float v = arithmetic == ScaleArithmetic::kExactDivide
+                      ? x / scale
+                      : x * (1.0f / scale);
   if (dtype == QuantDType::kInt8) {
     return static_cast<uint8_t>(EncodeInt8(v));
   }

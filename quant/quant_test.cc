@@ -13,9 +13,23 @@
 #include <gtest/gtest.h>
 
 #include "fp8moe/quant.h"
+#include "hwy/targets.h"
 
 namespace fp8moe {
 namespace {
+
+// Runs fn once per Highway target this CPU supports and the library was
+// compiled for, with dispatch forced to that target.
+template <class Fn>
+void ForEachTarget(const Fn& fn) {
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    ASSERT_STREQ(SimdTargetName(), hwy::TargetName(target));
+    fn();
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
 
 constexpr QuantDType kDTypes[] = {QuantDType::kE4M3FN, QuantDType::kE4M3FNUZ,
                                   QuantDType::kE5M2, QuantDType::kE5M2FNUZ,
@@ -55,9 +69,13 @@ void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b) {
   }
 }
 
+constexpr ScaleArithmetic kXla = ScaleArithmetic::kXlaReciprocal;
 const Calibration kCalibs[] = {Calibration::AbsMax(),
                                Calibration::Fixed(-224.0f, 224.0f),
-                               Calibration::Fixed(-0.01f, 0.003f)};
+                               Calibration::Fixed(-0.01f, 0.003f),
+                               Calibration::AbsMax().With(kXla),
+                               Calibration::Fixed(-224.0f, 224.0f).With(kXla),
+                               Calibration::Fixed(-0.01f, 0.003f).With(kXla)};
 
 TEST_F(QuantTest, TensorMatchesReference) {
   for (QuantDType d : kDTypes) {
@@ -124,12 +142,13 @@ TEST_F(QuantTest, GroupTilesMatchReferenceAndPerTileChannels) {
   const int64_t m = valid + 11;  // tail rows
   for (QuantDType d : kDTypes) {
     for (int64_t tile_m : {0, 1, 16, 64, 1000}) {
+     for (ScaleArithmetic arith : {ScaleArithmetic::kExactDivide, kXla}) {
       auto x = Random(static_cast<size_t>(m * c), c * 3);
       for (int64_t i = valid * c; i < m * c; ++i) x[i] = kNaN;  // poisoned tail
       const int64_t tiles = *NumGroupTiles(sizes.data(), 7, m, tile_m);
       std::vector<uint8_t> q1(m * c, 0xA5), q2(m * c, 0x5A);
       std::vector<float> s1(tiles * c, kNaN), s2(tiles * c, -kNaN);
-      const Calibration cal = Calibration::AbsMax();
+      const Calibration cal = Calibration::AbsMax().With(arith);
       ASSERT_TRUE(QuantizeGroupTileChannels(x.data(), m, c, sizes.data(), 7, tile_m,
                                             d, cal, q1.data(), s1.data()).ok());
       ASSERT_TRUE(reference::QuantizeGroupTileChannels(x.data(), m, c, sizes.data(), 7,
@@ -162,6 +181,7 @@ TEST_F(QuantTest, GroupTilesMatchReferenceAndPerTileChannels) {
       ASSERT_TRUE(DequantizeGroupTileChannels(q1.data(), m, c, sizes.data(), 7, tile_m,
                                               s1.data(), d, back.data()).ok());
       for (int64_t i = valid * c; i < m * c; ++i) ASSERT_EQ(back[i], 0.0f);
+     }
     }
   }
 }
@@ -188,6 +208,125 @@ TEST(Quant, ScaleFormulaAndFixedCalibration) {
   EXPECT_TRUE(Calibration::Parse("absmax").ok());
 }
 
+TEST(Quant, XlaReciprocalScaleFormula) {
+  EXPECT_EQ(ScaleArithmeticName(kXla), "xla_reciprocal");
+  EXPECT_EQ(*ParseScaleArithmetic("exact_divide"), ScaleArithmetic::kExactDivide);
+  EXPECT_EQ(*ParseScaleArithmetic("xla_reciprocal"), kXla);
+  const auto bad = ParseScaleArithmetic("reciprocal");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("xla_reciprocal"), std::string::npos);
+
+  const QuantDType d = QuantDType::kE4M3FN;
+  const Calibration absmax = Calibration::AbsMax().With(kXla);
+  // 100 / 448 and 100 * f32(1 / 448) differ by one ulp: the case XLA changes.
+  const float r448 = 1.0f / 448.0f;
+  ASSERT_NE(Bits(100.0f / 448.0f), Bits(100.0f * r448));
+  EXPECT_EQ(Bits(CalibratedScale(100.0f, d, absmax)), Bits(100.0f * r448));
+  EXPECT_EQ(Bits(CalibratedScale(100.0f, d, Calibration::AbsMax())),
+            Bits(100.0f / 448.0f));
+  // A fixed amax is a constant XLA folds exactly.
+  EXPECT_EQ(Bits(CalibratedScale(0.0f, d, Calibration::Fixed(-100, 100).With(kXla))),
+            Bits(100.0f / 448.0f));
+  // qwix's floor instead of the 1e-12 epsilon: below 2^-63 the scale is 1.
+  EXPECT_EQ(CalibratedScale(0.0f, d, absmax), 1.0f);
+  EXPECT_EQ(CalibratedScale(1e-20f, d, absmax), 1.0f);
+  const float edge = std::ldexp(1.0f, -63) * 448.0f;  // amax * r448 rounds to 2^-63
+  EXPECT_EQ(CalibratedScale(edge, d, absmax), edge * r448);
+  EXPECT_EQ(CalibratedScale(std::nextafter(edge * 0.5f, 0.0f), d, absmax), 1.0f);
+  EXPECT_TRUE(std::isnan(CalibratedScale(kNaN, d, absmax)));
+  EXPECT_TRUE(std::isinf(CalibratedScale(INFINITY, d, absmax)));
+  EXPECT_EQ(CalibratedScale(0.0f, d, Calibration::AbsMax()), 1e-12f / 448.0f);
+}
+
+// Values next to the midpoints between fp8 codes (times the scale), where
+// x / s and x * (1 / s) round to different codes: each arithmetic must give
+// its own formula's codes, and the two must differ somewhere.
+TEST(Quant, XlaReciprocalCodesNearMidpoints) {
+ ForEachTarget([] {
+  for (QuantDType d : {QuantDType::kE4M3FN, QuantDType::kE5M2, QuantDType::kInt8}) {
+    const int64_t cols = 512;
+    std::vector<float> mids;
+    for (int c = 0; c < 255; ++c) {
+      const float a = DequantizeValue(static_cast<uint8_t>(c), 1.0f, d);
+      const float b = DequantizeValue(static_cast<uint8_t>(c + 1), 1.0f, d);
+      if (std::isfinite(a) && std::isfinite(b) && a < b) mids.push_back(0.5f * (a + b));
+    }
+    std::vector<float> x;
+    const float amax = 100.0f;
+    const float s = 100.0f * (1.0f / QuantMax(d));  // the xla scale of amax 100
+    for (float m : mids) {
+      float v = m * s;
+      for (int k = 0; k < 6 && x.size() < static_cast<size_t>(cols) - 1; ++k) {
+        if (std::fabs(v) < amax) x.push_back(v);
+        v = std::nextafter(v, INFINITY);
+      }
+    }
+    while (x.size() < static_cast<size_t>(cols) - 1) x.push_back(0.5f);
+    x.push_back(amax);
+    std::vector<uint8_t> q_div(cols), q_rcp(cols);
+    float s_div = 0, s_rcp = 0;
+    ASSERT_TRUE(QuantizeRows(x.data(), 1, cols, 1, 0, d, Calibration::AbsMax(),
+                             q_div.data(), &s_div).ok());
+    ASSERT_TRUE(QuantizeRows(x.data(), 1, cols, 1, 0, d,
+                             Calibration::AbsMax().With(kXla), q_rcp.data(),
+                             &s_rcp).ok());
+    ASSERT_EQ(Bits(s_rcp), Bits(s));
+    int differ = 0;
+    for (int64_t i = 0; i < cols; ++i) {
+      ASSERT_EQ(q_div[i], QuantizeValue(x[i], s_div, d)) << i;
+      const float inv = 1.0f / s_rcp;
+      const float v = x[i] * inv;
+      const uint8_t want = d == QuantDType::kInt8
+                               ? static_cast<uint8_t>(EncodeInt8(v))
+                               : EncodeFp8(v, static_cast<Fp8Format>(d), true);
+      ASSERT_EQ(q_rcp[i], want) << QuantDTypeName(d) << " at " << i;
+      // Same scale, other arithmetic: count where only the reciprocal differs.
+      differ += QuantizeValue(x[i], s_rcp, d) != q_rcp[i];
+    }
+    EXPECT_GT(differ, 0) << QuantDTypeName(d);
+  }
+ });
+}
+
+// Both arithmetics on every target: the per-lane (channels, group tiles) and
+// one-scale (rows) SIMD paths against their plain-loop twins.
+TEST_F(QuantTest, BothArithmeticsMatchReferenceOnEveryTarget) {
+  const int64_t e = 2, k = 33, n = 37, rows = 9, cols = 300;
+  const auto w = Random(static_cast<size_t>(e * k * n), 13);
+  const auto x = Random(static_cast<size_t>(rows * cols), cols);
+  const std::vector<int32_t> sizes = {3, 0, 5};
+  ForEachTarget([&] {
+    for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, kXla}) {
+      for (QuantDType d : kDTypes) {
+        const Calibration cal = Calibration::AbsMax().With(a);
+        std::vector<uint8_t> q1(e * k * n), q2(e * k * n);
+        std::vector<float> s1(e * n), s2(e * n);
+        ASSERT_TRUE(QuantizeChannels(w.data(), e, k, n, d, cal, q1.data(), s1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeChannels(w.data(), e, k, n, d, cal, q2.data(),
+                                                s2.data()).ok());
+        ASSERT_EQ(q1, q2) << QuantDTypeName(d);
+        ExpectSameBits(s1, s2);
+        std::vector<uint8_t> r1(rows * cols), r2(rows * cols);
+        std::vector<float> t1(rows * 3), t2(rows * 3);
+        ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows - 1, 128, d, cal, r1.data(),
+                                 t1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeRows(x.data(), rows, cols, rows - 1, 128, d, cal,
+                                            r2.data(), t2.data()).ok());
+        ASSERT_EQ(r1, r2) << QuantDTypeName(d);
+        ExpectSameBits(t1, t2);
+        std::vector<float> g1(3 * cols), g2(3 * cols);
+        ASSERT_TRUE(QuantizeGroupTileChannels(x.data(), rows, cols, sizes.data(), 3, 0, d,
+                                              cal, r1.data(), g1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeGroupTileChannels(x.data(), rows, cols, sizes.data(),
+                                                         3, 0, d, cal, r2.data(),
+                                                         g2.data()).ok());
+        ASSERT_EQ(r1, r2) << QuantDTypeName(d);
+        ExpectSameBits(g1, g2);
+      }
+    }
+  });
+}
+
 TEST_F(QuantTest, ZeroRowsInfAndNaNStayInTheirGroup) {
   const int64_t rows = 6, cols = 300;
   for (QuantDType d : kDTypes) {
@@ -201,6 +340,15 @@ TEST_F(QuantTest, ZeroRowsInfAndNaNStayInTheirGroup) {
                              Calibration::AbsMax(), q.data(), s.data()).ok());
     EXPECT_EQ(s[0], 1e-12f / QuantMax(d));
     for (int64_t j = 0; j < cols; ++j) EXPECT_EQ(q[j], 0);
+    // The xla arithmetic floors the zero row's scale at 1 (codes still 0).
+    std::vector<uint8_t> qx(rows * cols, 0xA5);
+    std::vector<float> sx(rows);
+    ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, 0, d,
+                             Calibration::AbsMax().With(kXla), qx.data(), sx.data()).ok());
+    EXPECT_EQ(sx[0], 1.0f);
+    for (int64_t j = 0; j < cols; ++j) EXPECT_EQ(qx[j], 0);
+    EXPECT_TRUE(std::isinf(sx[1]));
+    EXPECT_TRUE(std::isnan(sx[2]));
     EXPECT_TRUE(std::isinf(s[1]));
     EXPECT_TRUE(std::isnan(s[2]));
     // Rows 3..5 are exactly what quantizing them alone gives.

@@ -1,7 +1,9 @@
 // Per-target SIMD pieces of quantization: amax by integer max over |x| bits
 // (non-negative f32 bit patterns order like their values and NaN sorts above
 // inf, so one integer max is exact and propagates NaN), and the division by
-// the scale fused with the saturating fp8 encode or the int8 round and clamp.
+// the scale (or the multiplication by its reciprocal, for
+// ScaleArithmetic::kXlaReciprocal) fused with the saturating fp8 encode or the
+// int8 round and clamp.
 
 #if defined(FP8MOE_QUANT_QUANTIZE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef FP8MOE_QUANT_QUANTIZE_INL_H_
@@ -67,12 +69,14 @@ inline void AbsMaxAccumulateT(const float* HWY_RESTRICT x, size_t n,
   }
 }
 
-// Codes of x / scale in u32 lanes (int8 codes as their byte value).
-template <QuantDType kDType, class DF>
+// Codes of x / factor (kMultiply false: a true division, as DESIGN 3.2 asks)
+// or x * factor (kMultiply true: factor is a reciprocal scale) in u32 lanes
+// (int8 codes as their byte value).
+template <QuantDType kDType, bool kMultiply, class DF>
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> QuantizeVec(DF df, hn::Vec<DF> x,
-                                                       hn::Vec<DF> scale) {
+                                                       hn::Vec<DF> factor) {
   const hn::RebindToSigned<DF> di;
-  const auto v = hn::Div(x, scale);  // a true division, as DESIGN 3.2 asks
+  const auto v = kMultiply ? hn::Mul(x, factor) : hn::Div(x, factor);
   if constexpr (kDType == QuantDType::kInt8) {
     const auto clamped = hn::Min(hn::Max(hn::IfThenZeroElse(hn::IsNaN(v), v),
                                          hn::Set(df, -127.0f)),
@@ -84,8 +88,9 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> QuantizeVec(DF df, hn::Vec<DF> x,
   }
 }
 
-// q[i] = code of x[i] / scales[per_lane ? i : 0].
-template <QuantDType kDType, bool kPerLane>
+// q[i] = code of x[i] / scales[per_lane ? i : 0], or of x[i] * scales[...]
+// with kMultiply (the caller passes reciprocal scales).
+template <QuantDType kDType, bool kPerLane, bool kMultiply>
 void QuantizeSpanT(const float* HWY_RESTRICT x, size_t n,
                    const float* HWY_RESTRICT scales, uint8_t* HWY_RESTRICT q) {
   const hn::ScalableTag<float> df;
@@ -101,7 +106,8 @@ void QuantizeSpanT(const float* HWY_RESTRICT x, size_t n,
   };
   size_t i = 0;
   for (; i + N <= n; i += N) {
-    const auto c = QuantizeVec<kDType>(df, hn::LoadU(df, x + i), scale_at(scales + i));
+    const auto c = QuantizeVec<kDType, kMultiply>(df, hn::LoadU(df, x + i),
+                                                  scale_at(scales + i));
     hn::StoreU(hn::DemoteTo(d8, c), d8, q + i);
   }
   if (i < n) {
@@ -111,7 +117,7 @@ void QuantizeSpanT(const float* HWY_RESTRICT x, size_t n,
     std::memcpy(xin, x + i, (n - i) * sizeof(float));
     for (size_t j = 0; j < N; ++j) sin[j] = kPerLane ? 1.0f : scales[0];
     if (kPerLane) std::memcpy(sin, scales + i, (n - i) * sizeof(float));
-    const auto c = QuantizeVec<kDType>(df, hn::Load(df, xin), hn::Load(df, sin));
+    const auto c = QuantizeVec<kDType, kMultiply>(df, hn::Load(df, xin), hn::Load(df, sin));
     hn::Store(hn::DemoteTo(d8, c), d8, out);
     std::memcpy(q + i, out, n - i);
   }

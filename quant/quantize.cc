@@ -19,11 +19,16 @@ HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
 namespace HWY_NAMESPACE {
 
-void QuantizeSpan(const float* x, size_t n, const float* scales, bool per_lane,
-                  QuantDType dtype, uint8_t* q) {
-#define FP8MOE_Q(D)                                             \
-  return per_lane ? QuantizeSpanT<D, true>(x, n, scales, q)   \
-                  : QuantizeSpanT<D, false>(x, n, scales, q)
+// multiply: `factors` hold reciprocal scales (ScaleArithmetic::kXlaReciprocal).
+void QuantizeSpan(const float* x, size_t n, const float* factors, bool per_lane,
+                  bool multiply, QuantDType dtype, uint8_t* q) {
+#define FP8MOE_Q(D)                                                        \
+  if (multiply) {                                                          \
+    return per_lane ? QuantizeSpanT<D, true, true>(x, n, factors, q)       \
+                    : QuantizeSpanT<D, false, true>(x, n, factors, q);     \
+  }                                                                        \
+  return per_lane ? QuantizeSpanT<D, true, false>(x, n, factors, q)        \
+                  : QuantizeSpanT<D, false, false>(x, n, factors, q)
   switch (dtype) {
     case QuantDType::kE4M3FN: FP8MOE_Q(QuantDType::kE4M3FN);
     case QuantDType::kE4M3FNUZ: FP8MOE_Q(QuantDType::kE4M3FNUZ);
@@ -61,17 +66,33 @@ float AmaxFromBits(uint32_t bits) {
   return std::bit_cast<float>(bits);
 }
 
-float Scale(float amax, QuantDType dtype, const Calibration& calib) {
-  if (calib.kind == Calibration::Kind::kFixed) {
-    return ScaleFromAmax(calib.FixedAmax(), dtype);
-  }
-  return ScaleFromAmax(amax, dtype);
+bool Reciprocal(const Calibration& calib) {
+  return calib.arithmetic == ScaleArithmetic::kXlaReciprocal;
 }
 
 void QuantizeOneScale(const float* x, int64_t n, float scale, QuantDType dtype,
-                      uint8_t* q) {
-  HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &scale, false,
-                                     dtype, q);
+                      const Calibration& calib, uint8_t* q) {
+  const bool rcp = Reciprocal(calib);
+  const float factor = rcp ? 1.0f / scale : scale;
+  HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &factor, false,
+                                     rcp, dtype, q);
+}
+
+// Quantizes one row x [n] with per-channel scales [n]; `inv` [n] is scratch
+// for the reciprocals of kXlaReciprocal, filled once per scaling group by
+// Reciprocals().
+void QuantizeChannelRow(const float* x, int64_t n, const float* scales,
+                        const float* inv, QuantDType dtype,
+                        const Calibration& calib, uint8_t* q) {
+  const bool rcp = Reciprocal(calib);
+  HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), rcp ? inv : scales,
+                                     true, rcp, dtype, q);
+}
+
+void Reciprocals(const float* scales, int64_t n, const Calibration& calib,
+                 float* inv) {
+  if (!Reciprocal(calib)) return;
+  for (int64_t j = 0; j < n; ++j) inv[j] = 1.0f / scales[j];
 }
 
 float AbsMax(const float* x, int64_t n) {
@@ -103,7 +124,8 @@ void ChannelScales(const float* x, int64_t rows, int64_t c, QuantDType dtype,
     }
   }
   for (int64_t j = 0; j < c; ++j) {
-    scales[j] = Scale(AmaxFromBits(static_cast<uint32_t>(acc[j])), dtype, calib);
+    scales[j] = CalibratedScale(AmaxFromBits(static_cast<uint32_t>(acc[j])), dtype,
+                                calib);
   }
 }
 
@@ -112,7 +134,7 @@ void ChannelScales(const float* x, int64_t rows, int64_t c, QuantDType dtype,
 Status QuantizeTensor(const float* x, int64_t n, QuantDType dtype,
                       const Calibration& calib, uint8_t* q, float* scale) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"n", n}}));
-  const float s = Scale(
+  const float s = CalibratedScale(
       calib.kind == Calibration::Kind::kAbsMax ? AbsMaxParallel(x, n) : 0.0f,
       dtype, calib);
   *scale = s;
@@ -120,7 +142,7 @@ Status QuantizeTensor(const float* x, int64_t n, QuantDType dtype,
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t b = c * kChunk;
-    QuantizeOneScale(x + b, std::min(kChunk, n - b), s, dtype, q + b);
+    QuantizeOneScale(x + b, std::min(kChunk, n - b), s, dtype, calib, q + b);
   }
   return OkStatus();
 }
@@ -144,11 +166,11 @@ Status QuantizeRows(const float* x, int64_t rows, int64_t cols,
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
       const float* xr = x + r * cols + c0;
-      const float s = Scale(
+      const float s = CalibratedScale(
           calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xr, len) : 0.0f,
           dtype, calib);
       scales[r * nb + b] = s;
-      QuantizeOneScale(xr, len, s, dtype, q + r * cols + c0);
+      QuantizeOneScale(xr, len, s, dtype, calib, q + r * cols + c0);
     }
   }
   return OkStatus();
@@ -161,14 +183,16 @@ Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
   FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("w [experts, k, n]", {experts, k, n}, sizeof(float)));
   if (n == 0) return OkStatus();  // no channels: no scales, no codes
   std::vector<int32_t> acc(static_cast<size_t>(n));
+  std::vector<float> inv(Reciprocal(calib) ? static_cast<size_t>(n) : 0);
   for (int64_t e = 0; e < experts; ++e) {
     const float* we = w + e * k * n;
     float* se = scales + e * n;
     ChannelScales(we, k, n, dtype, calib, acc.data(), se);
+    Reciprocals(se, n, calib, inv.data());
 #pragma omp parallel for schedule(static) if (k * n >= kParallelMin)
     for (int64_t i = 0; i < k; ++i) {
-      HWY_DYNAMIC_DISPATCH(QuantizeSpan)(we + i * n, static_cast<size_t>(n), se,
-                                         true, dtype, q + e * k * n + i * n);
+      QuantizeChannelRow(we + i * n, n, se, inv.data(), dtype, calib,
+                         q + e * k * n + i * n);
     }
   }
   return OkStatus();
@@ -192,14 +216,16 @@ Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
 #pragma omp parallel
   {
     std::vector<int32_t> acc(static_cast<size_t>(c));
+    std::vector<float> inv(Reciprocal(calib) ? static_cast<size_t>(c) : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tiles; ++t) {
       const auto [r0, rows] = tiles[static_cast<size_t>(t)];
       float* st = scales + t * c;
       ChannelScales(x + r0 * c, rows, c, dtype, calib, acc.data(), st);
+      Reciprocals(st, c, calib, inv.data());
       for (int64_t i = 0; i < rows; ++i) {
-        HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x + (r0 + i) * c, static_cast<size_t>(c),
-                                           st, true, dtype, q + (r0 + i) * c);
+        QuantizeChannelRow(x + (r0 + i) * c, c, st, inv.data(), dtype, calib,
+                           q + (r0 + i) * c);
       }
     }
   }

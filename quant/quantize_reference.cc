@@ -22,11 +22,23 @@ float AbsMax(const float* x, int64_t n, int64_t stride) {
   return amax;
 }
 
+// The scale of one group, from the definitions in quant.h.
 float GroupScale(float amax, QuantDType dtype, const Calibration& calib) {
-  if (calib.kind == Calibration::Kind::kFixed) {
-    return ScaleFromAmax(calib.FixedAmax(), dtype);
+  const bool fixed = calib.kind == Calibration::Kind::kFixed;
+  if (fixed) amax = calib.FixedAmax();
+  const float fmax = QuantMax(dtype);
+  if (calib.arithmetic == ScaleArithmetic::kExactDivide) {
+    if (std::isnan(amax)) return amax;
+    return std::fmax(amax, 1e-12f) / fmax;
   }
-  return ScaleFromAmax(amax, dtype);
+  const float reciprocal_fmax = 1.0f / fmax;
+  const float scale = fixed ? amax / fmax : amax * reciprocal_fmax;
+  const float tiny_sqrt = std::sqrt(std::numeric_limits<float>::min());
+  return scale < tiny_sqrt ? 1.0f : scale;
+}
+
+uint8_t Code(float x, float scale, QuantDType dtype, const Calibration& calib) {
+  return QuantizeValue(x, scale, dtype, calib.arithmetic);
 }
 
 }  // namespace
@@ -35,7 +47,7 @@ Status QuantizeTensor(const float* x, int64_t n, QuantDType dtype,
                       const Calibration& calib, uint8_t* q, float* scale) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"n", n}}));
   *scale = GroupScale(AbsMax(x, n, 1), dtype, calib);
-  for (int64_t i = 0; i < n; ++i) q[i] = QuantizeValue(x[i], *scale, dtype);
+  for (int64_t i = 0; i < n; ++i) q[i] = Code(x[i], *scale, dtype, calib);
   return OkStatus();
 }
 
@@ -57,7 +69,7 @@ Status QuantizeRows(const float* x, int64_t rows, int64_t cols,
       const float s = GroupScale(AbsMax(x + r * cols + c0, c1 - c0, 1), dtype, calib);
       scales[r * nb + b] = s;
       for (int64_t c = c0; c < c1; ++c) {
-        q[r * cols + c] = QuantizeValue(x[r * cols + c], s, dtype);
+        q[r * cols + c] = Code(x[r * cols + c], s, dtype, calib);
       }
     }
   }
@@ -76,7 +88,7 @@ Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
       const float s = GroupScale(AbsMax(we + j, k, n), dtype, calib);
       scales[e * n + j] = s;
       for (int64_t i = 0; i < k; ++i) {
-        q[e * k * n + i * n + j] = QuantizeValue(we[i * n + j], s, dtype);
+        q[e * k * n + i * n + j] = Code(we[i * n + j], s, dtype, calib);
       }
     }
   }
@@ -100,7 +112,7 @@ Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
       const float s = GroupScale(AbsMax(x + first * c + j, rows, c), dtype, calib);
       scales[t * c + j] = s;
       for (int64_t i = first; i < first + rows; ++i) {
-        q[i * c + j] = QuantizeValue(x[i * c + j], s, dtype);
+        q[i * c + j] = Code(x[i * c + j], s, dtype, calib);
       }
     }
   }

@@ -2,8 +2,9 @@
 //
 // For every scaling group: amax = max |x| over the group's valid elements
 // (NaN if any is NaN), scale = max(amax, 1e-12) / fmax in f32, and
-// q = saturating_cast(x / scale) with a true f32 division. Dequantization is
-// f32(q) * scale. A NaN or Inf inside a group makes that group's scale NaN or
+// q = saturating_cast(x / scale) with a true f32 division; or, with
+// ScaleArithmetic::kXlaReciprocal, what XLA computes for the same formulas
+// (below). Dequantization is f32(q) * scale. A NaN or Inf inside a group makes that group's scale NaN or
 // Inf and so reaches only that group; tail rows (past the valid rows of a
 // buffer) are never read, get code 0 and, where they own a scale, scale 0.
 //
@@ -34,17 +35,49 @@ DType QuantStorageDType(QuantDType dtype);
 // The quant dtype storing codes of `dtype`; an error for non-code dtypes.
 Result<QuantDType> QuantDTypeOf(DType dtype);
 
+// How a scale and the codes are computed from amax (docs/numerics.md).
+//  kExactDivide    scale = max(amax, 1e-12) / fmax; q = cast(x / scale), both
+//                  true f32 divisions (DESIGN 3.2). The default.
+//  kXlaReciprocal  what qwix's quantizer computes under jax.jit on XLA:CPU,
+//                  whose algebraic simplifier turns a division by a constant
+//                  or by a broadcast scale into a multiplication by its
+//                  reciprocal, and which floors tiny scales instead of
+//                  adding an epsilon:
+//                    absmax: scale = amax * f32(1 / fmax)
+//                    fixed:  scale = amax / fmax (a constant: XLA folds it
+//                            exactly)
+//                    then a scale below sqrt(f32 tiny) = 2^-63 becomes 1
+//                    (amax 0 included; NaN stays NaN), and
+//                    q = cast(x * f32(1 / scale)).
+enum class ScaleArithmetic : uint8_t { kExactDivide, kXlaReciprocal };
+
+// "exact_divide", "xla_reciprocal".
+std::string_view ScaleArithmeticName(ScaleArithmetic arithmetic);
+Result<ScaleArithmetic> ParseScaleArithmetic(std::string_view name);
+
 // How amax is found: from the data of each scaling group ("absmax") or fixed
-// for the whole tensor ("fixed,a,b": amax = max(|a|, |b|)).
+// for the whole tensor ("fixed,a,b": amax = max(|a|, |b|)); and the
+// arithmetic that turns amax into scales and codes (not part of the text
+// form: Parse leaves it kExactDivide).
 struct Calibration {
   enum class Kind : uint8_t { kAbsMax, kFixed };
   Kind kind = Kind::kAbsMax;
   float lo = 0.0f, hi = 0.0f;  // kFixed only
+  ScaleArithmetic arithmetic = ScaleArithmetic::kExactDivide;
 
   static Calibration AbsMax() { return {}; }
-  static Calibration Fixed(float lo, float hi) { return {Kind::kFixed, lo, hi}; }
+  static Calibration Fixed(float lo, float hi) {
+    return {Kind::kFixed, lo, hi, ScaleArithmetic::kExactDivide};
+  }
+  // This calibration with `a` as its arithmetic.
+  Calibration With(ScaleArithmetic a) const {
+    Calibration c = *this;
+    c.arithmetic = a;
+    return c;
+  }
   // Parses "absmax" or "fixed,a,b" (a, b finite numbers).
   static Result<Calibration> Parse(std::string_view text);
+  // "absmax" or "fixed,a,b" (without the arithmetic).
   std::string ToString() const;
   // The fixed amax max(|lo|, |hi|).
   float FixedAmax() const;
@@ -52,10 +85,15 @@ struct Calibration {
 
 // ---- Scalar building blocks ----
 
-// max(amax, 1e-12) / fmax in f32; NaN stays NaN.
+// max(amax, 1e-12) / fmax in f32; NaN stays NaN (kExactDivide).
 float ScaleFromAmax(float amax, QuantDType dtype);
-// The code of x / scale (int8 codes as their two's complement byte).
-uint8_t QuantizeValue(float x, float scale, QuantDType dtype);
+// The scale of one scaling group whose data has this amax (ignored by a fixed
+// calibration), in calib's arithmetic.
+float CalibratedScale(float amax, QuantDType dtype, const Calibration& calib);
+// The code of x / scale (kExactDivide) or x * f32(1 / scale)
+// (kXlaReciprocal); int8 codes as their two's complement byte.
+uint8_t QuantizeValue(float x, float scale, QuantDType dtype,
+                      ScaleArithmetic arithmetic = ScaleArithmetic::kExactDivide);
 // f32(q) * scale.
 float DequantizeValue(uint8_t code, float scale, QuantDType dtype);
 
