@@ -196,8 +196,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   ModelStepInfo info;
   ResetMemoryPeak();
   const double t_start = Now();
-  double time_sum = 0, loss_window = 0;
-  int64_t timed = 0, window_n = 0, allocs_after_first = 0, ran = 0;
+  double time_sum = 0;
+  int64_t timed = 0, allocs_after_first = 0, ran = 0;
   std::vector<double> recent_losses;
   std::optional<double> last_eval;
 
