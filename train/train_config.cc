@@ -12,6 +12,10 @@
 namespace fp8moe {
 namespace {
 
+// Batches of one evaluation: a million is already hours; more only looks
+// like a hang (and eval batch indices times the batch size stay in int64).
+constexpr int64_t kMaxEvalSteps = 1000000;
+
 struct Section {
   const char* title;  // may hold '\n' for a multi-line header
   std::vector<FlagSpec> flags;
@@ -298,7 +302,9 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
   need(c.GetInt("data_shuffle_seed") >= 0, "data_shuffle_seed must not be negative");
   need(t.checkpoint_period >= 0, "checkpoint_period must not be negative (0: only at the end)");
   need(t.eval_interval >= 0, "eval_interval must not be negative (0: only at the end)");
-  need(t.eval_steps >= 1, "eval_steps must be at least 1");
+  need(t.eval_steps >= 1 && t.eval_steps <= kMaxEvalSteps,
+       "eval_steps=" + std::to_string(t.eval_steps) + " must be in [1, " +
+           std::to_string(kMaxEvalSteps) + "] (batches per evaluation)");
   need(t.log_period >= 1, "log_period must be at least 1");
   need(t.max_nonfinite_steps >= 0, "max_nonfinite_steps must not be negative");
   if (!problems.empty()) {

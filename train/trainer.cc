@@ -93,18 +93,16 @@ json HealthJson(const Fp8Health& h) {
 
 Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainOptions& opt) {
   const ModelConfig& mc = c.model;
+  // The whole run's memory against the cap, before a directory is created or
+  // a byte allocated.
+  FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(mc));
+  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c));
   TrainSummary sum;
   sum.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc.moe).mode));
   const fs::path run_dir = fs::path(c.base_output_directory) / c.run_name;
   const fs::path ckpt_dir = run_dir / "checkpoints";
   sum.run_dir = run_dir.string();
-  std::error_code ec;
-  fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
-  if (ec) {
-    return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
-                   "; set base_output_directory to a writable directory");
-  }
-
+  // The data first: a run refused for its dataset leaves no directory behind.
   DataConfig dc;
   dc.type = c.dataset_type;
   dc.path = c.dataset_path;
@@ -118,6 +116,13 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   dc.eval_fraction = c.eval_split_fraction;
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> data, OpenDataset(dc));
   sum.entropy_floor = data->EntropyFloor();
+
+  std::error_code ec;
+  fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
+  if (ec) {
+    return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
+                   "; set base_output_directory to a writable directory");
+  }
 
   ContextOptions co;
   co.seed = c.data_shuffle_seed;
@@ -136,7 +141,11 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     if (auto latest = internal::LatestCheckpoint(ckpt_dir.string())) {
       FP8MOE_RETURN_IF_ERROR(
           internal::LoadCheckpoint(*latest, c, &params, &adam_m, &adam_v, &state));
-      FP8MOE_RETURN_IF_ERROR(data->SetPosition(state.data_position));
+      if (Status st = data->SetPosition(state.data_position); !st.ok()) {
+        return DataLoss("checkpoint '" + *latest + "' has a data_position this dataset cannot "
+                        "use: " + st.message() + "; resume with the dataset flags it was "
+                        "trained with, or use another run_name to start a new run");
+      }
       ctx.rng().set_state(state.rng);
       sum.resumed_from = state.step;
     }
