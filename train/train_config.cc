@@ -307,6 +307,18 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
            std::to_string(kMaxEvalSteps) + "] (batches per evaluation)");
   need(t.log_period >= 1, "log_period must be at least 1");
   need(t.max_nonfinite_steps >= 0, "max_nonfinite_steps must not be negative");
+  if (t.dataset_type == "synthetic") {
+    // Before the memory plan, which sizes the corpus's tables from these
+    // (OpenDataset checks the same and the work of building them).
+    const int64_t v = m.vocab_size, M = t.synthetic_num_sources, A = t.synthetic_alphabet_size;
+    need(M >= 1 && A >= 2 && t.synthetic_branching >= 1,
+         "synthetic data needs synthetic_num_sources >= 1, synthetic_alphabet_size >= 2 and "
+         "synthetic_branching >= 1");
+    need(M <= v && A <= v && M + A <= v,
+         "synthetic_num_sources + synthetic_alphabet_size = " + std::to_string(M) + " + " +
+             std::to_string(A) + " tokens exceed vocab_size=" + std::to_string(v) +
+             "; raise vocab_size or lower the two");
+  }
   if (!problems.empty()) {
     std::string msg = "invalid training configuration: " + problems[0];
     for (size_t i = 1; i < problems.size(); ++i) msg += "; " + problems[i];
