@@ -1,6 +1,9 @@
 // The training loop (include/fp8moe/train.h).
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -85,6 +88,36 @@ Status TrimMetrics(const std::string& path, int64_t last_step) {
   return WriteTextAtomically(path, kept);
 }
 
+// An exclusive flock on <run_dir>/train.lock, held until destruction.
+class RunLock {
+ public:
+  RunLock() = default;
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+  ~RunLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Status Acquire(const fs::path& path) {
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      return IoError("cannot open '" + path.string() + "': " + std::strerror(errno) +
+                     "; set base_output_directory to a writable directory");
+    }
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EWOULDBLOCK) {
+        return FailedPrecondition("the run directory '" + path.parent_path().string() +
+                                  "' is in use by another fp8moe train; wait for it to end, "
+                                  "or set run_name to start a separate run");
+      }
+      return IoError("cannot lock '" + path.string() + "': " + std::strerror(errno));
+    }
+    return OkStatus();
+  }
+
+ private:
+  int fd_ = -1;
+};
+
 json HealthJson(const Fp8Health& h) {
   return {{"saturated", h.saturated}, {"flushed", h.flushed}};
 }
@@ -123,6 +156,11 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
                    "; set base_output_directory to a writable directory");
   }
+  // One process per run directory: two trainers resuming the same run would
+  // both append to metrics.jsonl (every step twice) and race on the
+  // checkpoints. The lock dies with the process, SIGKILL included.
+  RunLock lock;
+  FP8MOE_RETURN_IF_ERROR(lock.Acquire(run_dir / "train.lock"));
 
   ContextOptions co;
   co.seed = c.data_shuffle_seed;

@@ -268,3 +268,29 @@ def test_mpirun_with_several_ranks_is_refused(fp8moe_bin, tmp_path, ranks):
     cmd[2] = "1"
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_a_second_trainer_on_the_same_run_is_refused(fp8moe_bin, tmp_path):
+    """Two processes resuming one run both appended every step to
+    metrics.jsonl and raced on the checkpoints; the second is refused now,
+    and the lock dies with the first (SIGKILL included)."""
+    import signal
+    import time
+    cmd = [fp8moe_bin, "train", f"base_output_directory={tmp_path}", "run_name=shared", *TINY,
+           "steps=100000", "checkpoint_period=50", "eval_interval=0"]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        metrics = tmp_path / "shared" / "metrics.jsonl"
+        deadline = time.time() + 60
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.05)
+        assert first.poll() is None
+        p = train(fp8moe_bin, tmp_path, "shared", "steps=100000")
+        assert p.returncode == 2, (p.returncode, p.stderr)
+        assert "is in use by another fp8moe train" in p.stderr, p.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    p = train(fp8moe_bin, tmp_path, "shared", "steps=2")
+    assert p.returncode in (0, 2), p.stderr  # 2: the checkpoint is past steps=2
+    assert "in use" not in p.stderr, p.stderr
