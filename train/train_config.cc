@@ -294,7 +294,11 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
        "cosine_learning_rate_final_fraction must be in [0, 1]");
   need(t.adam_b1 >= 0 && t.adam_b1 < 1, "adam_b1 must be in [0, 1)");
   need(t.adam_b2 >= 0 && t.adam_b2 < 1, "adam_b2 must be in [0, 1)");
-  need(t.adam_eps > 0, "adam_eps must be positive");
+  // The update runs in float32: a smaller epsilon rounds to 0 there, and 0 / 0
+  // turns every weight whose gradient is 0 into NaN.
+  need(t.adam_eps >= 1.1754943508222875e-38,
+       "adam_eps must be at least 1.2e-38 (the smallest normal float32; the AdamW update "
+       "runs in float32)");
   need(t.adam_weight_decay >= 0, "adam_weight_decay must not be negative");
   need(t.gradient_clipping_threshold >= 0,
        "gradient_clipping_threshold must not be negative (0 turns clipping off)");

@@ -306,6 +306,19 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
                               ? c.gradient_clipping_threshold / rep.grad_norm
                               : 1.0;
       internal::AdamWUpdate(ctx, c, s + 1, rep.lr, clip, grads, &params, &adam_m, &adam_v);
+      // Finite gradients can still give non-finite weights (a learning rate or
+      // weight decay past float range, an epsilon that rounds to 0): stop
+      // before such weights reach a checkpoint or the next step.
+      if (const std::string w = internal::FirstNonFinite(params); !w.empty()) {
+        if (tty) std::fprintf(stderr, "\n");
+        char lr[32];
+        std::snprintf(lr, sizeof(lr), "%g", rep.lr);
+        return OutOfRange("stopping: the AdamW update of step " + std::to_string(s + 1) +
+                          " made the weights of " + w + " non-finite (learning rate " + lr +
+                          "); lower learning_rate or "
+                          "adam_weight_decay, or raise adam_eps. The last checkpoint is "
+                          "intact");
+      }
     }
     rep.step_time_s = Now() - t0;
     rep.allocations = GetMemoryStats().allocations - allocs0;

@@ -31,6 +31,9 @@ BAD_FLAGS = [
     (["steps=99999999999999999999"], "'steps'"), (["steps="], "'steps'"),
     (["learning_rate=nan"], "learning_rate"), (["learning_rate=inf"], "learning_rate"),
     (["learning_rate=-1"], "learning_rate"), (["learning_rate=abc"], "learning_rate"),
+    # Rounded to 0 in the float32 update: 0 / 0 made the weights NaN, and the
+    # run ended with exit 0, a NaN eval loss and a NaN checkpoint.
+    (["adam_eps=1e-300"], "adam_eps"),
     (["adam_b1=1"], "adam_b1"), (["adam_b2=-0.1"], "adam_b2"), (["adam_eps=0"], "adam_eps"),
     (["adam_weight_decay=-1"], "adam_weight_decay"),
     (["warmup_steps_fraction=2"], "warmup_steps_fraction"),
@@ -294,3 +297,17 @@ def test_a_second_trainer_on_the_same_run_is_refused(fp8moe_bin, tmp_path):
     p = train(fp8moe_bin, tmp_path, "shared", "steps=2")
     assert p.returncode in (0, 2), p.stderr  # 2: the checkpoint is past steps=2
     assert "in use" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("flag", ["learning_rate=1e308", "adam_weight_decay=1e38"])
+def test_an_update_that_makes_the_weights_non_finite_stops_the_run(fp8moe_bin, tmp_path, flag):
+    """Finite gradients, non-finite weights after the update: the run went on
+    with NaN weights (every later step skipped), exited 0 and saved them."""
+    ok = train(fp8moe_bin, tmp_path, "nan", "steps=2", "checkpoint_period=2", "eval_interval=0")
+    assert ok.returncode == 0, ok.stderr
+    before = {c.name: c.read_bytes() for c in (tmp_path / "nan" / "checkpoints").iterdir()}
+    p = train(fp8moe_bin, tmp_path, "nan", "steps=4", "checkpoint_period=1", flag)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "made the weights of" in p.stderr and "non-finite" in p.stderr, p.stderr
+    after = {c.name: c.read_bytes() for c in (tmp_path / "nan" / "checkpoints").iterdir()}
+    assert after == before  # no checkpoint of NaN weights
