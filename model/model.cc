@@ -61,13 +61,14 @@ Status ValidateModelConfig(const ModelConfig& c) {
   bounded(c.mlp_dim, "base_moe_mlp_dim");
   bounded(c.seq_len, "max_target_length");
   bounded(c.batch, "per_device_batch_size");
-  // Sizes whose products would overflow the kernels' int32 group sizes (each
-  // factor is below 2^31 here, and k below 2^31, so the product is computed
-  // in 128 bits without overflow).
-  const __int128 pairs = static_cast<__int128>(std::max<int64_t>(c.batch, 0)) *
-                         std::max<int64_t>(c.seq_len, 0) *
-                         std::max<int64_t>(c.moe.num_experts_per_tok, 0);
-  if (problems.empty() && pairs > (1 << 30)) {
+  // Sizes whose products would overflow the kernels' int32 group sizes. Only
+  // once B and S are known to be below 2^31 (k below 2^63): the product then
+  // fits in 128 bits.
+  auto routed_pairs = [&] {
+    return static_cast<__int128>(std::max<int64_t>(c.batch, 0)) *
+           std::max<int64_t>(c.seq_len, 0) * std::max<int64_t>(c.moe.num_experts_per_tok, 0);
+  };
+  if (problems.empty() && routed_pairs() > (1 << 30)) {
     problems.push_back(
         "per_device_batch_size x max_target_length x num_experts_per_tok is more than 2^30 "
         "routed rows for one step (group sizes are int32); lower per_device_batch_size or "
