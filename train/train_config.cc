@@ -1,5 +1,6 @@
 // The flags of `fp8moe train` (TrainConfigSchema), configs/base.yml as
 // generated from them, and their conversion to a TrainConfig.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -284,6 +285,12 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
   need(!t.run_name.empty() && t.run_name.find('/') == std::string::npos && t.run_name != "." &&
            t.run_name != "..",
        "run_name='" + t.run_name + "' must be a plain, non-empty directory name; set run_name=NAME");
+  // A directory name: at most NAME_MAX (255) bytes, no control characters
+  // (a newline or an escape in a path only confuses the logs and the shell).
+  need(t.run_name.size() <= 255 &&
+           std::none_of(t.run_name.begin(), t.run_name.end(),
+                        [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f; }),
+       "run_name must be at most 255 bytes without control characters; set run_name=NAME");
   need(!t.base_output_directory.empty(),
        "base_output_directory is empty; set base_output_directory=DIR");
   need(t.steps >= 1, "steps=" + std::to_string(t.steps) + " must be at least 1");

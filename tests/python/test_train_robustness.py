@@ -46,7 +46,7 @@ BAD_FLAGS = [
     (["init_weights_seed=-1"], "init_weights_seed"), (["data_shuffle_seed=-1"], "data_shuffle_seed"),
     (["enable_checkpointing=maybe"], "enable_checkpointing"),
     (["run_name=a/b"], "run_name"), (["run_name=.."], "run_name"), (["run_name=."], "run_name"),
-    (["run_name="], "run_name"), (["base_output_directory="], "base_output_directory"),
+    (["run_name="], "run_name"), (["run_name=a\nb"], "run_name"), (["run_name=" + "x" * 300], "run_name"), (["base_output_directory="], "base_output_directory"),
     (["vocab_size=0"], "vocab_size"), (["vocab_size=4294967296"], "vocab_size"),
     (["base_emb_dim=-1"], "base_emb_dim"), (["base_num_decoder_layers=1000000000000"],
                                              "base_num_decoder_layers"),
