@@ -19,12 +19,36 @@ namespace {
 // user can fix (flags, data, checkpoints, disk space, divergence).
 int ExitCode(const Status& s) { return s.code() == StatusCode::kInternal ? 1 : 2; }
 
+// The ranks an MPI launcher started, from its environment (Open MPI, MPICH /
+// hydra, Slurm), or 1. Read without initialising MPI.
+long LaunchedRanks() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}) {
+    if (const char* v = std::getenv(var)) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (end != v && n > 1) return n;
+    }
+  }
+  return 1;
+}
+
 }  // namespace
 
 int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   if (print_base_config) {
     std::fputs(BaseConfigYaml().c_str(), stdout);
     return 0;
+  }
+  // The trainer runs on one rank. Started N times by mpirun, every copy would
+  // train the same run alone and write the same run directory and
+  // checkpoints at once: refused (every rank prints it and exits 2).
+  if (const long ranks = LaunchedRanks(); ranks > 1) {
+    std::fprintf(stderr,
+                 "error: fp8moe train runs on one rank, but an MPI launcher started %ld "
+                 "ranks; each would train the same run and write the same directory. Run it "
+                 "without mpirun (or with -np 1)\n",
+                 ranks);
+    return 2;
   }
   // A file-size limit (ulimit -f) must fail a write with EFBIG, which the
   // checkpoint writer reports, instead of killing the process mid-save.

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -325,8 +326,19 @@ Result<Header> ParseHeader(const uint8_t* text, size_t size,
           return true;
         });
   } catch (const Json::exception& ex) {
-    return DataLoss(std::string("safetensors header is not valid JSON: ") +
-                    ex.what());
+    // nlohmann quotes the bytes it last read, which in a damaged file may be
+    // anything: escape them so the message is printable text.
+    std::string what;
+    for (const unsigned char c : std::string(ex.what())) {
+      if (c >= 0x20 && c < 0x7f) {
+        what += static_cast<char>(c);
+      } else {
+        char esc[5];
+        std::snprintf(esc, sizeof(esc), "\\x%02X", c);
+        what += esc;
+      }
+    }
+    return DataLoss("safetensors header is not valid JSON: " + what);
   }
   if (!duplicate.empty()) {
     return DataLoss("safetensors header: key " + Quote(duplicate) + " appears twice in " +

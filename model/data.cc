@@ -3,15 +3,22 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
-#include <fstream>
+#include <filesystem>
 #include <iterator>
 #include <string>
 
 #include "fp8moe/context.h"
+#include "fp8moe/memory.h"
 
 namespace fp8moe {
 namespace {
+
+// The most multiply-adds the synthetic corpus's loss floor may take (about
+// ten seconds); past it a config is refused instead of seeming to hang.
+constexpr int64_t kMaxSyntheticSize = (int64_t{1} << 31) - 1;
+constexpr unsigned __int128 kMaxSyntheticWork = static_cast<unsigned __int128>(1) << 34;
 
 // A seed for sequence `index` of `stream` (0 train, 1 eval): every sequence
 // has its own generator, so any one can be drawn without the ones before.
@@ -171,7 +178,9 @@ class TextDataset : public Dataset {
     return {s[0], s[1], s[2], s[3]};
   }
   Status SetPosition(const std::vector<uint64_t>& p) override {
-    if (p.size() != 4) return InvalidArgument("a text data position is four numbers");
+    if (p.size() != 4 || (p[0] | p[1] | p[2] | p[3]) == 0) {
+      return InvalidArgument("a text data position is four numbers, not all zero");
+    }
     rng_.set_state({p[0], p[1], p[2], p[3]});
     return OkStatus();
   }
@@ -206,12 +215,44 @@ Result<std::unique_ptr<Dataset>> OpenDataset(const DataConfig& c) {
       return InvalidArgument("synthetic data needs synthetic_num_sources >= 1, "
                              "synthetic_alphabet_size >= 2 and synthetic_branching >= 1");
     }
-    if (c.num_sources + c.alphabet_size > c.vocab_size) {
+    // Compared one at a time first: the sum of two huge values would overflow.
+    if (c.num_sources > c.vocab_size || c.alphabet_size > c.vocab_size ||
+        c.num_sources + c.alphabet_size > c.vocab_size) {
       return InvalidArgument(
           "synthetic data uses " + std::to_string(c.num_sources + c.alphabet_size) +
           " tokens (synthetic_num_sources + synthetic_alphabet_size) but vocab_size=" +
           std::to_string(c.vocab_size) + "; raise vocab_size or lower the two");
     }
+    if (c.branching > c.alphabet_size) {
+      return InvalidArgument("synthetic_branching=" + std::to_string(c.branching) +
+                             " exceeds synthetic_alphabet_size=" +
+                             std::to_string(c.alphabet_size) +
+                             " (a symbol has at most that many successors); lower it");
+    }
+    if (c.num_sources > kMaxSyntheticSize || c.alphabet_size > kMaxSyntheticSize ||
+        c.seq_len > kMaxSyntheticSize) {
+      return InvalidArgument("synthetic_num_sources, synthetic_alphabet_size and "
+                             "max_target_length must be below 2^31");
+    }
+    // The exact loss floor walks every source's chain over the sequence:
+    // M x S x A^2 multiply-adds (each factor is below 2^31 here).
+    const unsigned __int128 work = static_cast<unsigned __int128>(c.num_sources) *
+                                   static_cast<unsigned __int128>(c.seq_len) *
+                                   static_cast<unsigned __int128>(c.alphabet_size) *
+                                   static_cast<unsigned __int128>(c.alphabet_size);
+    if (work > kMaxSyntheticWork) {
+      return InvalidArgument(
+          "synthetic data of synthetic_num_sources x max_target_length x "
+          "synthetic_alphabet_size^2 = " + std::to_string(c.num_sources) + " x " +
+          std::to_string(c.seq_len) + " x " + std::to_string(c.alphabet_size) +
+          "^2 is more than 2^34 steps to set up; lower synthetic_alphabet_size or "
+          "synthetic_num_sources");
+    }
+    FP8MOE_RETURN_IF_ERROR(CheckMemoryRequest(
+        "the synthetic corpus's tables (synthetic_num_sources x synthetic_alphabet_size^2 "
+        "doubles)",
+        static_cast<uint64_t>(8 * (c.num_sources * c.alphabet_size * c.alphabet_size +
+                                   c.num_sources * c.alphabet_size + 3 * c.alphabet_size))));
     return std::unique_ptr<Dataset>(new SyntheticDataset(c));
   }
   if (c.type != "text") {
@@ -228,13 +269,35 @@ Result<std::unique_ptr<Dataset>> OpenDataset(const DataConfig& c) {
   if (!(c.eval_fraction > 0 && c.eval_fraction < 1)) {
     return InvalidArgument("eval_split_fraction must be between 0 and 1 (exclusive)");
   }
-  std::ifstream in(c.path, std::ios::binary);
-  if (!in) {
+  // A regular file only: a directory, a FIFO or a device (/dev/zero never
+  // ends) is refused before reading, and the file's size is checked against
+  // the memory cap before it is read into memory.
+  std::error_code ec;
+  const auto status = std::filesystem::status(c.path, ec);
+  if (ec || !std::filesystem::exists(status)) {
+    return NotFound("cannot read dataset_path '" + c.path + "': " +
+                    (ec ? ec.message() : std::string("no such file")) +
+                    "; give a readable text file");
+  }
+  if (!std::filesystem::is_regular_file(status)) {
+    return InvalidArgument("dataset_path '" + c.path + "' is not a regular file (" +
+                           (std::filesystem::is_directory(status) ? "a directory" : "a device, "
+                            "FIFO or socket") + "); give a text file");
+  }
+  const uint64_t size = std::filesystem::file_size(c.path, ec);
+  if (ec) return NotFound("cannot read dataset_path '" + c.path + "': " + ec.message());
+  FP8MOE_RETURN_IF_ERROR(CheckMemoryRequest("dataset_path '" + c.path + "'", size));
+  std::FILE* f = std::fopen(c.path.c_str(), "rb");
+  if (f == nullptr) {
     return NotFound("cannot read dataset_path '" + c.path + "': " + std::strerror(errno) +
                     "; give a readable text file");
   }
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return NotFound("cannot read dataset_path '" + c.path + "'");
+  std::string bytes(static_cast<size_t>(size), '\0');
+  const size_t got = std::fread(bytes.data(), 1, bytes.size(), f);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) return NotFound("cannot read dataset_path '" + c.path + "': read error");
+  bytes.resize(got);  // a file that shrank while being read
   const int64_t n = static_cast<int64_t>(bytes.size());
   const int64_t train = n - static_cast<int64_t>(std::ceil(static_cast<double>(n) * c.eval_fraction));
   // Each split needs one window of S+1 bytes and room for a second start.

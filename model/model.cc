@@ -1,10 +1,13 @@
 // The transformer's forward and backward (include/fp8moe/model.h).
 #include "fp8moe/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
+#include "fp8moe/memory.h"
 #include "model/layers.h"
 
 namespace fp8moe {
@@ -40,10 +43,45 @@ Status ValidateModelConfig(const ModelConfig& c) {
   if (!(c.norm_eps > 0.0)) {
     problems.push_back("normalization_layer_epsilon must be positive; set it to 1e-6");
   }
-  // Sizes whose products would overflow the kernels' int32 group sizes.
-  if (c.batch >= 1 && c.seq_len >= 1 && c.batch * c.seq_len * c.moe.num_experts_per_tok > (1 << 30)) {
-    problems.push_back("per_device_batch_size x max_target_length x num_experts_per_tok is too "
-                       "large for one step; lower per_device_batch_size");
+  // Every size is an int32 somewhere (token ids, group sizes, row counts), so
+  // each is bounded before any product of them is formed.
+  const int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  auto bounded = [&](int64_t v, const char* flag) {
+    if (v > kMaxDim) {
+      problems.push_back(std::string(flag) + "=" + std::to_string(v) + " exceeds " +
+                         std::to_string(kMaxDim) + " (sizes are int32 in the kernels); set " +
+                         flag + " to at most " + std::to_string(kMaxDim));
+    }
+  };
+  bounded(c.vocab_size, "vocab_size");
+  bounded(c.emb_dim, "base_emb_dim");
+  bounded(c.num_layers, "base_num_decoder_layers");
+  bounded(c.num_heads, "base_num_query_heads");
+  bounded(c.head_dim, "head_dim");
+  bounded(c.mlp_dim, "base_moe_mlp_dim");
+  bounded(c.seq_len, "max_target_length");
+  bounded(c.batch, "per_device_batch_size");
+  // Sizes whose products would overflow the kernels' int32 group sizes. Only
+  // once B and S are known to be below 2^31 (k below 2^63): the product then
+  // fits in 128 bits.
+  auto routed_pairs = [&] {
+    return static_cast<__int128>(std::max<int64_t>(c.batch, 0)) *
+           std::max<int64_t>(c.seq_len, 0) * std::max<int64_t>(c.moe.num_experts_per_tok, 0);
+  };
+  if (problems.empty() && routed_pairs() > (1 << 30)) {
+    problems.push_back(
+        "per_device_batch_size x max_target_length x num_experts_per_tok is more than 2^30 "
+        "routed rows for one step (group sizes are int32); lower per_device_batch_size or "
+        "max_target_length");
+  }
+  if (problems.empty() &&
+      static_cast<__int128>(c.num_heads) * c.head_dim * 3 > kMaxDim) {
+    problems.push_back("3 x base_num_query_heads x head_dim exceeds " + std::to_string(kMaxDim) +
+                       " (the fused q|k|v width); lower base_num_query_heads or head_dim");
+  }
+  if (problems.empty() && 2 * c.mlp_dim > kMaxDim) {
+    problems.push_back("2 x base_moe_mlp_dim exceeds " + std::to_string(kMaxDim) +
+                       " (wi's fused gate|up width); lower base_moe_mlp_dim");
   }
   if (!problems.empty()) {
     std::string m = "invalid model configuration: " + problems[0];
@@ -78,8 +116,29 @@ std::vector<std::pair<std::string, const Tensor*>> ModelParams::Named() const {
   return out;
 }
 
+uint64_t ModelParamCount(const ModelConfig& c) {
+  // Sizes clamped to [0, 2^31] (validation refuses more): products of four
+  // of them stay inside 128 bits; the total saturates at UINT64_MAX.
+  using U = unsigned __int128;
+  auto size = [](int64_t v) { return static_cast<U>(std::clamp<int64_t>(v, 0, int64_t{1} << 31)); };
+  const U D = size(c.emb_dim), HD = size(c.num_heads) * size(c.head_dim),
+          E = size(c.moe.num_experts), F = size(c.mlp_dim), V = size(c.vocab_size),
+          L = size(c.num_layers);
+  const U layer = 2 * D + D * 3 * HD + HD * D + D * E + E * D * 2 * F + E * F * D;
+  const U total = 2 * V * D + D + L * layer;
+  return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
+                                                      : static_cast<uint64_t>(total);
+}
+
 Result<ModelParams> AllocateParams(const ModelConfig& c) {
   FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(c));
+  // The whole set is checked against the memory cap before the first tensor
+  // (and the per-layer table) is allocated.
+  const uint64_t count = ModelParamCount(c);
+  FP8MOE_RETURN_IF_ERROR(CheckMemoryRequest(
+      "the model's f32 weights (" + std::to_string(count) + " parameters)",
+      count > std::numeric_limits<uint64_t>::max() / 4 ? std::numeric_limits<uint64_t>::max()
+                                                       : count * 4));
   const int64_t D = c.emb_dim, HD = c.num_heads * c.head_dim, E = c.moe.num_experts,
                 F = c.mlp_dim, V = c.vocab_size;
   auto make = [](Shape s) { return Tensor::Create(DType::kF32, std::move(s)); };

@@ -15,6 +15,7 @@
 #include "fp8moe/config.h"
 #include "fp8moe/context.h"
 #include "fp8moe/model.h"
+#include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
 
 namespace fp8moe::internal {
@@ -28,6 +29,11 @@ struct TrainState {
 
 // "V=256 D=64 L=2 H=4 hd=16 F=128 E=4 k=2": what the weights' shapes depend on.
 std::string ModelSignature(const ModelConfig& model);
+
+// The checksum SaveCheckpoint records in the metadata ("checksum") and
+// LoadCheckpoint verifies: every metadata entry but itself and every tensor's
+// name, dtype, shape and bytes. 16 hex digits.
+std::string CheckpointChecksum(const SafetensorsFile& file);
 
 // <dir>/step_NNNNNNNN.safetensors
 std::string CheckpointPath(const std::string& dir, int64_t step);

@@ -1,5 +1,6 @@
 // The flags of `fp8moe train` (TrainConfigSchema), configs/base.yml as
 // generated from them, and their conversion to a TrainConfig.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +12,10 @@
 
 namespace fp8moe {
 namespace {
+
+// Batches of one evaluation: a million is already hours; more only looks
+// like a hang (and eval batch indices times the batch size stay in int64).
+constexpr int64_t kMaxEvalSteps = 1000000;
 
 struct Section {
   const char* title;  // may hold '\n' for a multi-line header
@@ -280,6 +285,12 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
   need(!t.run_name.empty() && t.run_name.find('/') == std::string::npos && t.run_name != "." &&
            t.run_name != "..",
        "run_name='" + t.run_name + "' must be a plain, non-empty directory name; set run_name=NAME");
+  // A directory name: at most NAME_MAX (255) bytes, no control characters
+  // (a newline or an escape in a path only confuses the logs and the shell).
+  need(t.run_name.size() <= 255 &&
+           std::none_of(t.run_name.begin(), t.run_name.end(),
+                        [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f; }),
+       "run_name must be at most 255 bytes without control characters; set run_name=NAME");
   need(!t.base_output_directory.empty(),
        "base_output_directory is empty; set base_output_directory=DIR");
   need(t.steps >= 1, "steps=" + std::to_string(t.steps) + " must be at least 1");
@@ -290,7 +301,11 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
        "cosine_learning_rate_final_fraction must be in [0, 1]");
   need(t.adam_b1 >= 0 && t.adam_b1 < 1, "adam_b1 must be in [0, 1)");
   need(t.adam_b2 >= 0 && t.adam_b2 < 1, "adam_b2 must be in [0, 1)");
-  need(t.adam_eps > 0, "adam_eps must be positive");
+  // The update runs in float32: a smaller epsilon rounds to 0 there, and 0 / 0
+  // turns every weight whose gradient is 0 into NaN.
+  need(t.adam_eps >= 1.1754943508222875e-38,
+       "adam_eps must be at least 1.2e-38 (the smallest normal float32; the AdamW update "
+       "runs in float32)");
   need(t.adam_weight_decay >= 0, "adam_weight_decay must not be negative");
   need(t.gradient_clipping_threshold >= 0,
        "gradient_clipping_threshold must not be negative (0 turns clipping off)");
@@ -298,9 +313,23 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
   need(c.GetInt("data_shuffle_seed") >= 0, "data_shuffle_seed must not be negative");
   need(t.checkpoint_period >= 0, "checkpoint_period must not be negative (0: only at the end)");
   need(t.eval_interval >= 0, "eval_interval must not be negative (0: only at the end)");
-  need(t.eval_steps >= 1, "eval_steps must be at least 1");
+  need(t.eval_steps >= 1 && t.eval_steps <= kMaxEvalSteps,
+       "eval_steps=" + std::to_string(t.eval_steps) + " must be in [1, " +
+           std::to_string(kMaxEvalSteps) + "] (batches per evaluation)");
   need(t.log_period >= 1, "log_period must be at least 1");
   need(t.max_nonfinite_steps >= 0, "max_nonfinite_steps must not be negative");
+  if (t.dataset_type == "synthetic") {
+    // Before the memory plan, which sizes the corpus's tables from these
+    // (OpenDataset checks the same and the work of building them).
+    const int64_t v = m.vocab_size, M = t.synthetic_num_sources, A = t.synthetic_alphabet_size;
+    need(M >= 1 && A >= 2 && t.synthetic_branching >= 1,
+         "synthetic data needs synthetic_num_sources >= 1, synthetic_alphabet_size >= 2 and "
+         "synthetic_branching >= 1");
+    need(M <= v && A <= v && M + A <= v,
+         "synthetic_num_sources + synthetic_alphabet_size = " + std::to_string(M) + " + " +
+             std::to_string(A) + " tokens exceed vocab_size=" + std::to_string(v) +
+             "; raise vocab_size or lower the two");
+  }
   if (!problems.empty()) {
     std::string msg = "invalid training configuration: " + problems[0];
     for (size_t i = 1; i < problems.size(); ++i) msg += "; " + problems[i];

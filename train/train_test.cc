@@ -2,8 +2,10 @@
 // schema, bit-identical resumption, refusing a checkpoint of another model
 // or mode, and stopping after max_nonfinite_steps non-finite steps.
 #include <omp.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,46 +18,10 @@
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
 #include "train/optimizer.h"
+#include "train/train_test_util.h"
 
 namespace fp8moe {
 namespace {
-namespace fs = std::filesystem;
-
-// A tiny run in a fresh directory.
-std::vector<std::string> Tiny(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "fp8moe_train_test";
-  return {"base_output_directory=" + dir, "run_name=" + name, "base_emb_dim=16",
-          "base_num_decoder_layers=2", "base_num_query_heads=2", "head_dim=8",
-          "base_moe_mlp_dim=16", "max_target_length=16", "per_device_batch_size=4",
-          "vocab_size=40", "synthetic_alphabet_size=8", "steps=12", "checkpoint_period=4",
-          "eval_interval=6", "eval_steps=2", "log_period=3"};
-}
-
-Result<TrainSummary> RunTiny(std::vector<std::string> flags, const TrainOptions& o = {},
-                         bool fresh = false) {
-  // One thread: these shapes are far too small to gain from two, and on a
-  // busy machine OpenMP's barriers make a second thread slow. (The bits do
-  // not depend on the thread count: model_test checks that.)
-  omp_set_num_threads(1);
-  auto raw = LoadConfig(TrainConfigSchema(), "", flags);
-  if (!raw.ok()) return raw.status();
-  auto cfg = TrainConfigFrom(*raw);
-  if (!cfg.ok()) return cfg.status();
-  if (fresh) {
-    std::error_code ec;
-    fs::remove_all(fs::path(cfg->base_output_directory) / cfg->run_name, ec);
-  }
-  TrainOptions q = o;
-  q.quiet = true;
-  return Train(*cfg, *raw, q);
-}
-
-std::string Bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 TEST(Train, ScheduleWarmsUpThenDecaysToTheFinalFraction) {
   TrainConfig c;

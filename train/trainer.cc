@@ -1,6 +1,9 @@
 // The training loop (include/fp8moe/train.h).
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -85,6 +88,36 @@ Status TrimMetrics(const std::string& path, int64_t last_step) {
   return WriteTextAtomically(path, kept);
 }
 
+// An exclusive flock on <run_dir>/train.lock, held until destruction.
+class RunLock {
+ public:
+  RunLock() = default;
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+  ~RunLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Status Acquire(const fs::path& path) {
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      return IoError("cannot open '" + path.string() + "': " + std::strerror(errno) +
+                     "; set base_output_directory to a writable directory");
+    }
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EWOULDBLOCK) {
+        return FailedPrecondition("the run directory '" + path.parent_path().string() +
+                                  "' is in use by another fp8moe train; wait for it to end, "
+                                  "or set run_name to start a separate run");
+      }
+      return IoError("cannot lock '" + path.string() + "': " + std::strerror(errno));
+    }
+    return OkStatus();
+  }
+
+ private:
+  int fd_ = -1;
+};
+
 json HealthJson(const Fp8Health& h) {
   return {{"saturated", h.saturated}, {"flushed", h.flushed}};
 }
@@ -93,18 +126,16 @@ json HealthJson(const Fp8Health& h) {
 
 Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainOptions& opt) {
   const ModelConfig& mc = c.model;
+  // The whole run's memory against the cap, before a directory is created or
+  // a byte allocated.
+  FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(mc));
+  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c));
   TrainSummary sum;
   sum.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc.moe).mode));
   const fs::path run_dir = fs::path(c.base_output_directory) / c.run_name;
   const fs::path ckpt_dir = run_dir / "checkpoints";
   sum.run_dir = run_dir.string();
-  std::error_code ec;
-  fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
-  if (ec) {
-    return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
-                   "; set base_output_directory to a writable directory");
-  }
-
+  // The data first: a run refused for its dataset leaves no directory behind.
   DataConfig dc;
   dc.type = c.dataset_type;
   dc.path = c.dataset_path;
@@ -118,6 +149,18 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   dc.eval_fraction = c.eval_split_fraction;
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> data, OpenDataset(dc));
   sum.entropy_floor = data->EntropyFloor();
+
+  std::error_code ec;
+  fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
+  if (ec) {
+    return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
+                   "; set base_output_directory to a writable directory");
+  }
+  // One process per run directory: two trainers resuming the same run would
+  // both append to metrics.jsonl (every step twice) and race on the
+  // checkpoints. The lock dies with the process, SIGKILL included.
+  RunLock lock;
+  FP8MOE_RETURN_IF_ERROR(lock.Acquire(run_dir / "train.lock"));
 
   ContextOptions co;
   co.seed = c.data_shuffle_seed;
@@ -136,7 +179,11 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     if (auto latest = internal::LatestCheckpoint(ckpt_dir.string())) {
       FP8MOE_RETURN_IF_ERROR(
           internal::LoadCheckpoint(*latest, c, &params, &adam_m, &adam_v, &state));
-      FP8MOE_RETURN_IF_ERROR(data->SetPosition(state.data_position));
+      if (Status st = data->SetPosition(state.data_position); !st.ok()) {
+        return DataLoss("checkpoint '" + *latest + "' has a data_position this dataset cannot "
+                        "use: " + st.message() + "; resume with the dataset flags it was "
+                        "trained with, or use another run_name to start a new run");
+      }
       ctx.rng().set_state(state.rng);
       sum.resumed_from = state.step;
     }
@@ -259,6 +306,19 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
                               ? c.gradient_clipping_threshold / rep.grad_norm
                               : 1.0;
       internal::AdamWUpdate(ctx, c, s + 1, rep.lr, clip, grads, &params, &adam_m, &adam_v);
+      // Finite gradients can still give non-finite weights (a learning rate or
+      // weight decay past float range, an epsilon that rounds to 0): stop
+      // before such weights reach a checkpoint or the next step.
+      if (const std::string w = internal::FirstNonFinite(params); !w.empty()) {
+        if (tty) std::fprintf(stderr, "\n");
+        char lr[32];
+        std::snprintf(lr, sizeof(lr), "%g", rep.lr);
+        return OutOfRange("stopping: the AdamW update of step " + std::to_string(s + 1) +
+                          " made the weights of " + w + " non-finite (learning rate " + lr +
+                          "); lower learning_rate or "
+                          "adam_weight_decay, or raise adam_eps. The last checkpoint is "
+                          "intact");
+      }
     }
     rep.step_time_s = Now() - t0;
     rep.allocations = GetMemoryStats().allocations - allocs0;

@@ -68,7 +68,12 @@ struct ModelParams {
   std::vector<std::pair<std::string, const Tensor*>> Named() const;
 };
 
-// Tensors of the model's shapes, uninitialized.
+// Parameters of the model (every tensor of ModelParams), saturating at
+// UINT64_MAX for configs that fail ValidateModelConfig.
+uint64_t ModelParamCount(const ModelConfig& config);
+
+// Tensors of the model's shapes, uninitialized. The whole set is checked
+// against the memory cap (CheckMemoryRequest) before anything is allocated.
 Result<ModelParams> AllocateParams(const ModelConfig& config);
 // Normal(0, 1/sqrt(fan_in)) matrices (embedding: Normal(0, 1)), norm gains 1,
 // drawn from Rng(seed) in Named() order.

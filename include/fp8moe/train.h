@@ -62,6 +62,23 @@ struct TrainConfig {
 // named with its flag and fix in one InvalidArgument.
 Result<TrainConfig> TrainConfigFrom(const Config& config);
 
+// What a training run holds at its peak, from the config alone (bytes; each
+// saturates at UINT64_MAX).
+struct TrainMemoryPlan {
+  uint64_t weights_bytes = 0;     // weights, gradients, AdamW m and v, checkpoint copies
+  uint64_t expert_bytes = 0;      // expert weights as the QAT mode presents them
+  uint64_t activation_bytes = 0;  // activations kept for the backward, logits, gradients
+  uint64_t data_bytes = 0;        // synthetic tables or the text file
+  uint64_t scratch_bytes = 0;     // the kernels' scratch, with a margin
+  uint64_t total_bytes = 0;
+};
+TrainMemoryPlan PlanTrainMemory(const TrainConfig& config);
+
+// Checks the plan against the memory cap (CheckMemoryRequest): Train calls it
+// before it creates a directory or allocates anything. ResourceExhausted names
+// the bytes of each part, the total and the cap.
+Status CheckTrainMemory(const TrainConfig& config);
+
 // The learning rate of 0-based step `step`: linear warmup from lr/W to lr over
 // the first W = round(warmup_steps_fraction * steps) steps, then a cosine
 // from lr down to lr * cosine_learning_rate_final_fraction at the last step.

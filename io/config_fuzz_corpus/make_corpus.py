@@ -17,6 +17,21 @@ with open(os.path.join(ROOT, "configs", "base.yml"), "rb") as f:
 
 SEEDS = {
     "base": BASE,
+    # The trainer's flags (TrainConfigSchema): sizes whose products overflowed,
+    # huge models for the memory plan, bad run names and step counts.
+    "train_tiny": (b"base_emb_dim: 16\nbase_num_decoder_layers: 2\nhead_dim: 8\n"
+                   b"base_moe_mlp_dim: 16\nmax_target_length: 16\nper_device_batch_size: 4\n"
+                   b"vocab_size: 40\nsynthetic_alphabet_size: 8\nsteps: 12\n"),
+    "train_batch_overflow": b"per_device_batch_size: 4611686018427387904\nmax_target_length: 4\n",
+    "train_heads_overflow": b"\0base_num_query_heads=2147483647\0head_dim=2147483646",
+    "train_huge_model": b"base_emb_dim: 100000\nnum_experts: 1000\nbase_moe_mlp_dim: 100000\n",
+    "train_layers": b"base_num_decoder_layers: 1000000000000\n",
+    "train_run_name": b"run_name: ../x\nbase_output_directory: ''\n\0run_name=a/b",
+    "train_steps": b"steps: 0\neval_steps: 4611686018427387904\nlog_period: 0\n",
+    "train_synthetic": (b"synthetic_num_sources: 9223372036854775807\n"
+                        b"synthetic_alphabet_size: 9223372036854775807\n"
+                        b"synthetic_branching: 1000000000000\n"),
+    "train_adam": b"adam_b1: 1\nadam_b2: -0.5\nadam_eps: 0\nlearning_rate: 1e308\n",
     "base_with_overrides": BASE + b"\0num_experts=16\0num_experts_per_tok=4",
     "fake_qat": b"num_experts: 4\nfp8_moe_fake_quant: true\n",
     "native": (b"fp8_moe_fake_quant: true\nfp8_fake_quant_hoist: gather8\n"

@@ -50,7 +50,7 @@ def simd_target() -> str:
 
 
 def set_num_threads(n: int) -> None:
-    """OpenMP threads for calls made from the calling Python thread."""
+    """OpenMP threads (1 to 1024) for calls made from the calling Python thread."""
     _core.set_num_threads(n)
 
 

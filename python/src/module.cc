@@ -30,7 +30,16 @@ void BindInfo(nb::module_& m) {
   m.def("max_threads", [] { return omp_get_max_threads(); },
         "OpenMP threads a call from this Python thread uses.");
   m.def("set_num_threads", [](int n) {
-    if (n < 1) throw nb::value_error("set_num_threads: n must be >= 1");
+    // libgomp allocates its thread table for n up front at the next parallel
+    // region and exits the process when that fails (n = 2^31 - 1 asked for
+    // 448 GiB): bounded here, far above any core count.
+    constexpr int kMaxThreads = 1024;  // as `fp8moe bench --threads`
+    if (n < 1 || n > kMaxThreads) {
+      throw nb::value_error(("set_num_threads: n=" + std::to_string(n) +
+                             " must be in [1, 1024]; the machine has " +
+                             std::to_string(omp_get_num_procs()) + " processors")
+                                .c_str());
+    }
     omp_set_num_threads(n);
   }, nb::arg("n"), "Threads for calls made from the calling Python thread.");
   m.def("restrict_simd_target", [](const std::string& name) {

@@ -69,3 +69,11 @@ def read(path):
         b, end = e["data_offsets"]
         out[name] = np.frombuffer(body[b:end], dtype=dtype).reshape(e["shape"])
     return out
+
+
+def read_metadata(path):
+    """The file's __metadata__ entries (a dict of strings)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return header.get("__metadata__", {})
