@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "cli/world.h"
+#include "fp8moe/dist.h"
 #include "fp8moe/train.h"
 
 namespace fp8moe::cli {
@@ -45,22 +47,49 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
       overrides.push_back(args[i]);
     }
   }
-  auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
-  if (!raw.ok()) {
-    std::fprintf(stderr, "error: %s\n", raw.status().message().c_str());
+  // The ranks: MPI under mpirun, else one.
+  auto world = StartWorld();
+  if (!world.ok()) {
+    std::fprintf(stderr, "error: %s\n", world.status().message().c_str());
     return 2;
   }
-  auto cfg = TrainConfigFrom(*raw);
-  if (!cfg.ok()) {
-    std::fprintf(stderr, "error: %s\n", cfg.status().message().c_str());
+  auto comm_or = (*world)->Open(CommOptions{});
+  if (!comm_or.ok()) {
+    std::fprintf(stderr, "error: %s\n", comm_or.status().message().c_str());
     return 2;
   }
-  auto summary = Train(*cfg, *raw);
-  if (!summary.ok()) {
+  Communicator& comm = **comm_or;
+  // Every rank reports its own errors (under mpirun with its rank).
+  auto fail = [&](const Status& s, int code) {
     std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", summary.status().message().c_str());
-    return ExitCode(summary.status());
+    if (comm.size() > 1) {
+      std::fprintf(stderr, "fp8moe rank %d/%d: error: %s\n", comm.rank(), comm.size(),
+                   s.message().c_str());
+    } else {
+      std::fprintf(stderr, "error: %s\n", s.message().c_str());
+    }
+    return code;
+  };
+  auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
+  // Before anything else every rank compares its configuration with the
+  // others' (a rank whose flags did not parse takes part with its error as
+  // its configuration), so flags that differ across ranks are one clear
+  // error on every rank, never a hang.
+  {
+    const std::string text =
+        raw.ok() ? raw->ToYaml() : "invalid configuration: " + raw.status().message();
+    const int64_t fsdp = raw.ok() ? raw->GetInt("ici_fsdp_parallelism") : -1;
+    const int64_t expert = raw.ok() ? raw->GetInt("ici_expert_parallelism") : 1;
+    auto layout = CheckDistributedConfig(comm, text, fsdp, expert);
+    if (!layout.ok()) return fail(layout.status(), 2);
   }
+  if (!raw.ok()) return fail(raw.status(), 2);
+  auto cfg = TrainConfigFrom(*raw);
+  if (!cfg.ok()) return fail(cfg.status(), 2);
+  TrainOptions options;
+  options.comm = &comm;
+  auto summary = Train(*cfg, *raw, options);
+  if (!summary.ok()) return fail(summary.status(), ExitCode(summary.status()));
   return 0;
 }
 

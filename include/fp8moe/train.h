@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "fp8moe/communicator.h"
 #include "fp8moe/config.h"
 #include "fp8moe/model.h"
 #include "fp8moe/status.h"
@@ -56,6 +57,9 @@ struct TrainConfig {
   std::string dataset_type, dataset_path;
   int64_t synthetic_num_sources = 0, synthetic_alphabet_size = 0, synthetic_branching = 0;
   double eval_split_fraction = 0;
+  // MaxText's mesh axes (-1: the ranks the other leaves); checked against the
+  // job by CheckDistributedConfig before any work.
+  int64_t ici_fsdp_parallelism = -1, ici_expert_parallelism = 1;
 };
 
 // Converts and validates a Config of TrainConfigSchema(); every problem is
@@ -96,6 +100,9 @@ struct TrainOptions {
   std::function<void(const StepReport&)> on_step;
   // Tests: stop (as if killed) right after this many steps of this process.
   int64_t stop_after_steps = 0;
+  // The ranks of the job (every rank calls Train with the same config);
+  // null: one rank. Train runs CheckDistributedConfig on it first.
+  Communicator* comm = nullptr;
 };
 
 // Runs (or resumes) the run the config describes. Errors: InvalidArgument /

@@ -1,0 +1,80 @@
+// FSDP state of one rank (internal to train/; docs/distributed.md): every
+// parameter's f32 master and AdamW moments sharded flat over the FSDP group by
+// GetShardRange (ZeRO-3's flat layout: AdamW is elementwise, so each rank
+// updates only its range), the weights gathered whole once per step, the
+// gradients reduce-scattered. On one rank every shard is the whole tensor and
+// every collective a copy, so the single-rank trainer runs this same code and
+// its bits are those of the plain loop.
+#ifndef FP8MOE_TRAIN_FSDP_H_
+#define FP8MOE_TRAIN_FSDP_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fp8moe/communicator.h"
+#include "fp8moe/context.h"
+#include "fp8moe/dist.h"
+#include "fp8moe/model.h"
+#include "fp8moe/moe.h"
+#include "fp8moe/train.h"
+
+namespace fp8moe::internal {
+
+// Sums of per-rank values, the same bits on every rank: all-gathered, then
+// added in rank order in double (the ring's reductions have no f64).
+Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<double>& local);
+
+class FsdpState : public ExpertWeightSource {
+ public:
+  // Shards of tensors shaped like `like` over `comm` (the FSDP group).
+  static Result<std::unique_ptr<FsdpState>> Create(Communicator& comm, const ModelParams& like);
+
+  // Keeps this rank's range of every tensor (initial weights, or a
+  // checkpoint's whole tensors: resharding is slicing).
+  void Slice(const ModelParams& params, const ModelParams& m, const ModelParams& v);
+
+  // The f32 masters gathered whole into *params; with skip_experts the
+  // expert weights wi / wo are left out (their codes or bf16 copies come
+  // through this ExpertWeightSource instead).
+  Status GatherParams(ModelParams* params, bool skip_experts);
+  // Masters and moments gathered whole (for a checkpoint).
+  Status GatherAll(ModelParams* params, ModelParams* m, ModelParams* v);
+
+  // grads: this rank's whole gradient of its local mean loss. Reduce-scatters
+  // (f32 sum, the ring's fixed order) and scales by 1 / size: the gradient of
+  // the global mean loss, this rank's range.
+  Status ReduceGradients(const ModelParams& grads);
+  // Collective: the first tensor (Named() order) with a non-finite gradient
+  // on any rank, or "".
+  Result<std::string> FirstNonFinite();
+  // Collective: sqrt of the sum of squares of the whole gradient.
+  Result<double> GlobalNorm();
+  void AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale);
+
+  // ExpertWeightSource: gather8 (GatherFp8Weight) and the bf16 gather.
+  Status Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
+                  const Calibration& calib, uint8_t* codes, float* scale,
+                  Fp8Health* health) override;
+  Status RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) override;
+
+  Communicator& comm() { return comm_; }
+
+ private:
+  explicit FsdpState(Communicator& comm) : comm_(comm) {}
+  size_t ExpertIndex(int64_t layer, bool wo) const;
+
+  Communicator& comm_;
+  std::vector<std::string> names_;
+  std::vector<int64_t> totals_;
+  std::vector<ShardRange> ranges_;
+  std::vector<bool> decay_;       // matrices: weight decay applies
+  std::vector<bool> expert_;      // a layer's wi or wo
+  std::vector<Tensor> master_, m_, v_, g_;  // F32 [range.size()]
+  DistScratch scratch_;
+};
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_TRAIN_FSDP_H_
