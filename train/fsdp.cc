@@ -143,8 +143,10 @@ Status FsdpState::Quantize(int64_t layer, bool wo, const Shape& shape, QuantDTyp
     return Internal("FSDP has no expert weight of layer " + std::to_string(layer) +
                     " shaped " + ShapeToString(shape));
   }
+  const int64_t sent = comm_.bytes_sent();
   FP8MOE_RETURN_IF_ERROR(GatherFp8Weight(comm_, master_[k].data_as<float>(), shape[0], shape[1],
                                          shape[2], dtype, calib, codes, scale, scratch_));
+  expert_gather_bytes_ += comm_.bytes_sent() - sent;
   // Health: integer counts of this rank's range, summed over the ranks.
   const Fp8HealthCounts mine = CountFp8Health(codes + ranges_[k].begin,
                                               master_[k].data_as<float>(), ranges_[k].size(),
@@ -161,7 +163,10 @@ Status FsdpState::RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16
     return Internal("FSDP has no expert weight of layer " + std::to_string(layer) +
                     " shaped " + ShapeToString(shape));
   }
-  return GatherBf16Weight(comm_, master_[k].data_as<float>(), totals_[k], out);
+  const int64_t sent = comm_.bytes_sent();
+  FP8MOE_RETURN_IF_ERROR(GatherBf16Weight(comm_, master_[k].data_as<float>(), totals_[k], out));
+  expert_gather_bytes_ += comm_.bytes_sent() - sent;
+  return OkStatus();
 }
 
 }  // namespace fp8moe::internal

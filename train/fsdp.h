@@ -60,6 +60,9 @@ class FsdpState : public ExpertWeightSource {
   Status RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) override;
 
   Communicator& comm() { return comm_; }
+  // Bytes this rank sent for the expert weights' gathers (codes and amax
+  // all-reduce, or bf16) since it was created.
+  int64_t expert_gather_bytes() const { return expert_gather_bytes_; }
 
  private:
   explicit FsdpState(Communicator& comm) : comm_(comm) {}
@@ -73,6 +76,7 @@ class FsdpState : public ExpertWeightSource {
   std::vector<bool> expert_;      // a layer's wi or wo
   std::vector<Tensor> master_, m_, v_, g_;  // F32 [range.size()]
   DistScratch scratch_;
+  int64_t expert_gather_bytes_ = 0;
 };
 
 }  // namespace fp8moe::internal

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "fp8moe/communicator.h"
+#include "fp8moe/dist.h"
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
 
@@ -42,6 +43,7 @@ struct RunResult {
   Status status;
   std::vector<double> losses;  // rank 0's, per step
   std::vector<double> grad_norms;
+  std::vector<int64_t> expert_bytes;  // rank 0's, per step
   TrainSummary summary;
   std::vector<std::string> errors;  // every rank's error message
 };
@@ -83,6 +85,7 @@ RunResult RunRanks(int ranks, const std::vector<std::string>& flags, bool fresh,
           o.on_step = [&](const StepReport& r) {
             out.losses.push_back(r.loss);
             out.grad_norms.push_back(r.grad_norm);
+            out.expert_bytes.push_back(r.expert_gather_bytes);
           };
         }
         auto s = Train(*cfg, *raw, o);
@@ -181,6 +184,40 @@ TEST(TrainDist, EveryQatModeStaysWithinItsBound) {
     // Step 1 sees the same weights: the same codes (gather8 gives
     // QuantizeChannels' bits), so only the order of the ranks' means differs.
     EXPECT_NEAR(two.losses[0], one.losses[0], 1e-6 * one.losses[0]);
+  }
+}
+
+// gather8 moves exactly half the bytes of a bf16 gather of the same expert
+// weights, plus the amax all-reduce (1/K-th of it), every step.
+TEST(TrainDist, Gather8MovesHalfTheBytesOfABf16Gather) {
+  const std::vector<std::string> bf16 = {"fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=",
+                                         "fp8_moe_native_fwd=false",
+                                         "fp8_moe_native_bwd_dlhs=false"};
+  for (int ranks : {2, 3}) {
+    SCOPED_TRACE(ranks);
+    RunResult g8 = RunRanks(ranks, Tiny("bytes", 3), true);
+    RunResult b16 = RunRanks(ranks, With(Tiny("bytes", 3), bf16), true);
+    ASSERT_TRUE(g8.status.ok() && b16.status.ok());
+    // Tiny(): L = 2, E = 4, D = 16, F = 16: wi [4, 16, 32], wo [4, 16, 16].
+    int64_t codes = 0, amax = 0, bf16_bytes = 0;
+    for (int l = 0; l < 2; ++l) {
+      for (auto [k, n] : {std::pair<int64_t, int64_t>{16, 32}, {16, 16}}) {
+        const GatherTraffic t = Fp8WeightGatherTraffic(ranks, 0, 4, k, n, /*absmax=*/true);
+        codes += t.payload;
+        amax += t.scales;
+        bf16_bytes += Bf16WeightGatherTraffic(ranks, 0, 4 * k * n).total();
+      }
+    }
+    ASSERT_EQ(g8.expert_bytes.size(), 3u);
+    for (size_t s = 0; s < 3; ++s) {
+      EXPECT_EQ(g8.expert_bytes[s], codes + amax);
+      EXPECT_EQ(b16.expert_bytes[s], bf16_bytes);
+    }
+    EXPECT_EQ(2 * codes, bf16_bytes);
+    std::printf("%d ranks, rank 0, per step: gather8 %lld bytes (codes %lld + amax %lld), bf16 "
+                "%lld bytes\n", ranks, static_cast<long long>(codes + amax),
+                static_cast<long long>(codes), static_cast<long long>(amax),
+                static_cast<long long>(bf16_bytes));
   }
 }
 

@@ -336,6 +336,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   for (int64_t s = state.step; s < c.steps; ++s) {
     completed = s + 1;
     const int64_t allocs0 = GetMemoryStats().allocations;
+    const int64_t sent0 = comm->bytes_sent(), expert0 = fsdp->expert_gather_bytes();
     const double t0 = Now();
     data->NextTrainBatch(inputs.data(), targets.data());
     FP8MOE_RETURN_IF_ERROR(gather());
@@ -383,6 +384,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       fsdp->AdamW(ctx, c, s + 1, rep.lr, clip);
     }
     rep.step_time_s = Now() - t0;
+    rep.comm_bytes = comm->bytes_sent() - sent0;
+    rep.expert_gather_bytes = fsdp->expert_gather_bytes() - expert0;
     rep.allocations = GetMemoryStats().allocations - allocs0;
     if (ran > 0) {
       time_sum += rep.step_time_s;
@@ -401,6 +404,10 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
               {"dropless_reruns", info.dropless_reruns},
               {"dropped_tokens", 0},
               {"nonfinite_steps", state.nonfinite_steps}};
+    if (comm->size() > 1) {
+      j["comm_bytes"] = rep.comm_bytes;  // rank 0's
+      j["expert_gather_bytes"] = rep.expert_gather_bytes;
+    }
     json load = json::array();
     for (const auto& layer : info.expert_load) {
       json l = json::array();

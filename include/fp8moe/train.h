@@ -78,6 +78,9 @@ struct StepReport {
   std::optional<double> eval_loss;
   bool skipped = false;          // non-finite loss or gradient
   int64_t allocations = 0;       // library allocations during the step
+  // Bytes this rank sent during the step (0 on one rank), and of them the
+  // expert weights' gathers (gather8: codes + amax all-reduce; bf16).
+  int64_t comm_bytes = 0, expert_gather_bytes = 0;
 };
 
 struct TrainSummary {
