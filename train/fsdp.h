@@ -26,6 +26,13 @@ namespace fp8moe::internal {
 // added in rank order in double (the ring's reductions have no f64).
 Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<double>& local);
 
+// The layout: the dense tensors (embedding, attention, router, norms, LM
+// head) are one flat vector, sharded as a whole, so a step gathers them and
+// reduce-scatters their gradients in one collective each (on a loaded
+// machine every collective is a wait for the peers to be scheduled, and
+// their number, not their bytes, set the cost: 55 per step made 2 ranks
+// take twice one rank's time). Each expert weight is sharded on its own, the
+// flat layout GatherFp8Weight expects.
 class FsdpState : public ExpertWeightSource {
  public:
   // Shards of tensors shaped like `like` over `comm` (the FSDP group).
@@ -46,12 +53,18 @@ class FsdpState : public ExpertWeightSource {
   // (f32 sum, the ring's fixed order) and scales by 1 / size: the gradient of
   // the global mean loss, this rank's range.
   Status ReduceGradients(const ModelParams& grads);
-  // Collective: the first tensor (Named() order) with a non-finite gradient
-  // on any rank, or "".
-  Result<std::string> FirstNonFinite();
-  // Collective: sqrt of the sum of squares of the whole gradient.
-  Result<double> GlobalNorm();
+  struct GradientCheck {
+    std::string first_nonfinite;  // the first tensor (Named() order) with a
+                                  // NaN or an infinity on any rank, or ""
+    double norm = 0;              // sqrt of the sum of squares, every rank
+  };
+  // Collective (one all-gather).
+  Result<GradientCheck> CheckGradients();
   void AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale);
+
+  // Whether Quantize counts the codes' FP8 health (one all-reduce per
+  // tensor): the trainer asks only on the steps that log it.
+  void set_count_health(bool on) { count_health_ = on; }
 
   // ExpertWeightSource: gather8 (GatherFp8Weight) and the bf16 gather.
   Status Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
@@ -59,24 +72,44 @@ class FsdpState : public ExpertWeightSource {
                   Fp8Health* health) override;
   Status RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) override;
 
-  Communicator& comm() { return comm_; }
   // Bytes this rank sent for the expert weights' gathers (codes and amax
   // all-reduce, or bf16) since it was created.
   int64_t expert_gather_bytes() const { return expert_gather_bytes_; }
 
  private:
+  // A sharded unit: one expert tensor, or every dense tensor back to back.
+  struct Unit {
+    std::vector<size_t> members;   // tensor indices (Named() order)
+    std::vector<int64_t> offsets;  // each member's place in the unit
+    int64_t total = 0;
+    ShardRange range;
+    bool expert = false;
+    Tensor master, m, v, g;  // F32 [range.size()]
+    Tensor staging;          // F32 [total] (units of several tensors)
+  };
+  // Tensor k's part of its unit's shard: elements [begin, begin + size) of
+  // the tensor, at `at` in the unit's shard arrays.
+  struct Part {
+    size_t unit = 0;
+    int64_t begin = 0, size = 0, at = 0;
+  };
+
   explicit FsdpState(Communicator& comm) : comm_(comm) {}
-  size_t ExpertIndex(int64_t layer, bool wo) const;
+  size_t ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status* error) const;
+  // The unit's whole data from `tensors` (staged when it has several).
+  const float* Whole(Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors);
+  // Gathers `shard` of unit u whole into `tensors`.
+  Status GatherUnit(Unit& u, const Tensor& shard,
+                    const std::vector<std::pair<std::string, Tensor*>>& tensors);
 
   Communicator& comm_;
   std::vector<std::string> names_;
-  std::vector<int64_t> totals_;
-  std::vector<ShardRange> ranges_;
-  std::vector<bool> decay_;       // matrices: weight decay applies
-  std::vector<bool> expert_;      // a layer's wi or wo
-  std::vector<Tensor> master_, m_, v_, g_;  // F32 [range.size()]
+  std::vector<bool> decay_;  // matrices: weight decay applies
+  std::vector<Part> parts_;  // per tensor
+  std::vector<Unit> units_;
   DistScratch scratch_;
   int64_t expert_gather_bytes_ = 0;
+  bool count_health_ = true;
 };
 
 }  // namespace fp8moe::internal

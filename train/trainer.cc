@@ -339,35 +339,39 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     const int64_t sent0 = comm->bytes_sent(), expert0 = fsdp->expert_gather_bytes();
     const double t0 = Now();
     data->NextTrainBatch(inputs.data(), targets.data());
+    const bool last = s + 1 == c.steps;
+    const bool log_step = (s + 1) % c.log_period == 0 || last;
+    fsdp->set_count_health(log_step);
     FP8MOE_RETURN_IF_ERROR(gather());
+    const double t_gathered = Now();
     FP8MOE_RETURN_IF_ERROR(
         model.Step(ctx, params, prepared, my_inputs, my_targets, &grads, &info));
-    // Losses, router loads and reruns of the global batch.
-    {
-      FP8MOE_ASSIGN_OR_RETURN(std::vector<double> m, global_mean({info.loss, info.aux_loss}));
-      info.loss = m[0];
-      info.aux_loss = m[1];
-      std::vector<int64_t> counts;
-      for (const auto& layer : info.expert_load) counts.insert(counts.end(), layer.begin(), layer.end());
-      counts.push_back(info.dropless_reruns);
-      FP8MOE_RETURN_IF_ERROR(comm->AllReduce(counts.data(), counts.data(),
-                                             static_cast<int64_t>(counts.size()), DType::kI64,
-                                             ReduceOp::kSum));
-      size_t i = 0;
+    const double t_computed = Now();
+    // Losses, router loads and reruns of the global batch, in one
+    // collective (the counts are exact in double).
+    if (F > 1) {
+      std::vector<double> v = {info.loss, info.aux_loss,
+                               static_cast<double>(info.dropless_reruns)};
+      for (const auto& layer : info.expert_load) v.insert(v.end(), layer.begin(), layer.end());
+      FP8MOE_ASSIGN_OR_RETURN(v, internal::SumOverRanks(*comm, v));
+      info.loss = v[0] / static_cast<double>(F);
+      info.aux_loss = v[1] / static_cast<double>(F);
+      info.dropless_reruns = static_cast<int64_t>(v[2]);
+      size_t i = 3;
       for (auto& layer : info.expert_load) {
-        for (int32_t& x : layer) x = static_cast<int32_t>(counts[i++]);
+        for (int32_t& x : layer) x = static_cast<int32_t>(v[i++]);
       }
-      info.dropless_reruns = counts[i];
     }
     FP8MOE_RETURN_IF_ERROR(fsdp->ReduceGradients(grads));
     StepReport rep;
     rep.step = s + 1;
     rep.loss = info.loss;
     rep.lr = LearningRate(c, s);
-    std::string bad = std::isfinite(info.loss) && std::isfinite(info.aux_loss) ? "" : "loss";
-    if (bad.empty()) {
-      FP8MOE_ASSIGN_OR_RETURN(bad, fsdp->FirstNonFinite());
-    }
+    FP8MOE_ASSIGN_OR_RETURN(const internal::FsdpState::GradientCheck check,
+                            fsdp->CheckGradients());
+    std::string bad = std::isfinite(info.loss) && std::isfinite(info.aux_loss)
+                          ? check.first_nonfinite
+                          : "loss";
     if (!bad.empty()) {
       rep.skipped = true;
       ++state.nonfinite_steps;
@@ -377,7 +381,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
                    static_cast<long long>(state.nonfinite_steps),
                    static_cast<long long>(c.max_nonfinite_steps));
     } else {
-      FP8MOE_ASSIGN_OR_RETURN(rep.grad_norm, fsdp->GlobalNorm());
+      rep.grad_norm = check.norm;
       const double clip = c.gradient_clipping_threshold > 0 && rep.grad_norm > c.gradient_clipping_threshold
                               ? c.gradient_clipping_threshold / rep.grad_norm
                               : 1.0;
@@ -406,6 +410,11 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
               {"nonfinite_steps", state.nonfinite_steps}};
     if (comm->size() > 1) {
       j["comm_bytes"] = rep.comm_bytes;  // rank 0's
+      // Rank 0's time in the weight gathers (with the experts' quantization)
+      // and in forward + backward (with the MoE layers' count all-reduces);
+      // the rest of step_time_s is the gradient reduce-scatter and the update.
+      j["gather_time_s"] = t_gathered - t0;
+      j["compute_time_s"] = t_computed - t_gathered;
       j["expert_gather_bytes"] = rep.expert_gather_bytes;
     }
     json load = json::array();
@@ -416,8 +425,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       load.push_back(l);
     }
     j["expert_load"] = load;
-    const bool last = s + 1 == c.steps;
-    if (lead && ((s + 1) % c.log_period == 0 || last)) {
+    if (lead && log_step) {
       // Weights: counted over the whole tensors; activations: rank 0's slice.
       json health = json::object();
       for (int64_t l = 0; l < mc.num_layers; ++l) {
