@@ -71,6 +71,7 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
     return code;
   };
   auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
+  Result<ParallelLayout> layout = ParallelLayout{};
   // Before anything else every rank compares its configuration with the
   // others' (a rank whose flags did not parse takes part with its error as
   // its configuration), so flags that differ across ranks are one clear
@@ -80,16 +81,27 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
         raw.ok() ? raw->ToYaml() : "invalid configuration: " + raw.status().message();
     const int64_t fsdp = raw.ok() ? raw->GetInt("ici_fsdp_parallelism") : -1;
     const int64_t expert = raw.ok() ? raw->GetInt("ici_expert_parallelism") : 1;
-    auto layout = CheckDistributedConfig(comm, text, fsdp, expert);
+    layout = CheckDistributedConfig(comm, text, fsdp, expert);
     if (!layout.ok()) return fail(layout.status(), 2);
   }
+  // From here every rank has the same config, so these answers agree.
   if (!raw.ok()) return fail(raw.status(), 2);
   auto cfg = TrainConfigFrom(*raw);
   if (!cfg.ok()) return fail(cfg.status(), 2);
+  if (Status s = CheckTrainLayout(*cfg, *layout, comm.size()); !s.ok()) return fail(s, 2);
   TrainOptions options;
   options.comm = &comm;
   auto summary = Train(*cfg, *raw, options);
-  if (!summary.ok()) return fail(summary.status(), ExitCode(summary.status()));
+  if (!summary.ok()) {
+    if (comm.size() > 1) {
+      // An error may be this rank's alone (a file it cannot read or write),
+      // with its peers waiting in a collective: end the whole job now rather
+      // than leave them to the watchdog's timeout.
+      std::fflush(stdout);
+      comm.Abort(ExitCode(summary.status()), "error: " + summary.status().message());
+    }
+    return fail(summary.status(), ExitCode(summary.status()));
+  }
   return 0;
 }
 

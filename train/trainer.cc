@@ -94,6 +94,22 @@ json HealthJson(const Fp8Health& h) {
 
 }  // namespace
 
+Status CheckTrainLayout(const TrainConfig& c, const ParallelLayout& layout, int ranks) {
+  if (layout.expert > 1) {
+    return InvalidArgument("ici_expert_parallelism=" + std::to_string(layout.expert) +
+                           ": the ring of experts (expert parallelism) is not implemented yet; "
+                           "set ici_expert_parallelism=1 (FSDP over all " +
+                           std::to_string(ranks) + " ranks)");
+  }
+  if (c.model.batch % layout.fsdp != 0) {
+    return InvalidArgument("per_device_batch_size=" + std::to_string(c.model.batch) +
+                           " (the global batch) does not divide over ici_fsdp_parallelism=" +
+                           std::to_string(layout.fsdp) + " ranks; make it a multiple of " +
+                           std::to_string(layout.fsdp));
+  }
+  return OkStatus();
+}
+
 Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainOptions& opt_in) {
   // ---- The ranks: checked before any work (docs/distributed.md) ----
   std::unique_ptr<Communicator> own_comm;
@@ -105,19 +121,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   FP8MOE_ASSIGN_OR_RETURN(const ParallelLayout layout,
                           CheckDistributedConfig(*comm, raw.ToYaml(), c.ici_fsdp_parallelism,
                                                  c.ici_expert_parallelism));
-  if (layout.expert > 1) {
-    return InvalidArgument("ici_expert_parallelism=" + std::to_string(layout.expert) +
-                           ": the ring of experts (expert parallelism) is not implemented yet; "
-                           "set ici_expert_parallelism=1 (FSDP over all " +
-                           std::to_string(comm->size()) + " ranks)");
-  }
+  FP8MOE_RETURN_IF_ERROR(CheckTrainLayout(c, layout, comm->size()));
   const int F = layout.fsdp;
-  if (c.model.batch % F != 0) {
-    return InvalidArgument("per_device_batch_size=" + std::to_string(c.model.batch) +
-                           " (the global batch) does not divide over ici_fsdp_parallelism=" +
-                           std::to_string(F) + " ranks; make it a multiple of " +
-                           std::to_string(F));
-  }
   const bool lead = comm->rank() == 0;  // writes files and prints
   TrainOptions opt = opt_in;
   if (!lead) opt.quiet = true;

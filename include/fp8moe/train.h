@@ -26,6 +26,7 @@
 
 #include "fp8moe/communicator.h"
 #include "fp8moe/config.h"
+#include "fp8moe/dist.h"
 #include "fp8moe/model.h"
 #include "fp8moe/status.h"
 
@@ -107,6 +108,12 @@ struct TrainOptions {
   // null: one rank. Train runs CheckDistributedConfig on it first.
   Communicator* comm = nullptr;
 };
+
+// Whether the trainer runs on this layout of `ranks` ranks (from
+// CheckDistributedConfig): the ring of experts (expert > 1) is not
+// implemented yet, and the global batch must divide over the FSDP ranks.
+// The same answer on every rank.
+Status CheckTrainLayout(const TrainConfig& config, const ParallelLayout& layout, int ranks);
 
 // Runs (or resumes) the run the config describes. Errors: InvalidArgument /
 // NotFound / FailedPrecondition for bad input (flags, data, a checkpoint of
