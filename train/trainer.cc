@@ -161,7 +161,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   Context ctx(co);
   // params: the whole weights the model reads (gathered each step); grads:
   // this rank's whole gradient; adam_m / adam_v: whole moments, used only to
-  // initialise, load and save (the optimizer runs on the FSDP shards).
+  // initialise and load, then freed (a save gathers into fresh ones; the
+  // optimizer runs on the FSDP shards).
   FP8MOE_ASSIGN_OR_RETURN(ModelParams params, AllocateParams(mc));
   FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, &params));
   FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));
@@ -185,6 +186,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
                           internal::FsdpState::Create(*comm, params));
   fsdp->Slice(params, adam_m, adam_v);
+  // The whole moments are needed again only while saving a checkpoint.
+  adam_m = ModelParams{};
+  adam_v = ModelParams{};
   // The expert weights reach the GMMs as gathered codes (gather8) or bf16
   // copies, never whole in f32, except in the f32 mode (the GMMs read the
   // master) and with a fixed weight calibration (its straight-through mask
@@ -315,8 +319,10 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     // temporary name, then a rename: no partial checkpoint is ever visible)
     // and tells the others how it went, which also holds them until the
     // file is complete.
-    FP8MOE_RETURN_IF_ERROR(fsdp->GatherAll(&params, &adam_m, &adam_v));
-    Status s = lead ? internal::SaveCheckpoint(path, c, raw, params, adam_m, adam_v, state)
+    FP8MOE_ASSIGN_OR_RETURN(ModelParams whole_m, AllocateParams(mc));
+    FP8MOE_ASSIGN_OR_RETURN(ModelParams whole_v, AllocateParams(mc));
+    FP8MOE_RETURN_IF_ERROR(fsdp->GatherAll(&params, &whole_m, &whole_v));
+    Status s = lead ? internal::SaveCheckpoint(path, c, raw, params, whole_m, whole_v, state)
                     : OkStatus();
     poison_experts();
     int64_t code = static_cast<int64_t>(s.code());
