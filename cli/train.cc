@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "cli/world.h"
+#include "fp8moe/dist.h"
 #include "fp8moe/train.h"
 
 namespace fp8moe::cli {
@@ -19,36 +21,12 @@ namespace {
 // user can fix (flags, data, checkpoints, disk space, divergence).
 int ExitCode(const Status& s) { return s.code() == StatusCode::kInternal ? 1 : 2; }
 
-// The ranks an MPI launcher started, from its environment (Open MPI, MPICH /
-// hydra, Slurm), or 1. Read without initialising MPI.
-long LaunchedRanks() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}) {
-    if (const char* v = std::getenv(var)) {
-      char* end = nullptr;
-      const long n = std::strtol(v, &end, 10);
-      if (end != v && n > 1) return n;
-    }
-  }
-  return 1;
-}
-
 }  // namespace
 
 int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   if (print_base_config) {
     std::fputs(BaseConfigYaml().c_str(), stdout);
     return 0;
-  }
-  // The trainer runs on one rank. Started N times by mpirun, every copy would
-  // train the same run alone and write the same run directory and
-  // checkpoints at once: refused (every rank prints it and exits 2).
-  if (const long ranks = LaunchedRanks(); ranks > 1) {
-    std::fprintf(stderr,
-                 "error: fp8moe train runs on one rank, but an MPI launcher started %ld "
-                 "ranks; each would train the same run and write the same directory. Run it "
-                 "without mpirun (or with -np 1)\n",
-                 ranks);
-    return 2;
   }
   // A file-size limit (ulimit -f) must fail a write with EFBIG, which the
   // checkpoint writer reports, instead of killing the process mid-save.
@@ -69,21 +47,60 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
       overrides.push_back(args[i]);
     }
   }
-  auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
-  if (!raw.ok()) {
-    std::fprintf(stderr, "error: %s\n", raw.status().message().c_str());
+  // The ranks: MPI under mpirun, else one.
+  auto world = StartWorld();
+  if (!world.ok()) {
+    std::fprintf(stderr, "error: %s\n", world.status().message().c_str());
     return 2;
   }
-  auto cfg = TrainConfigFrom(*raw);
-  if (!cfg.ok()) {
-    std::fprintf(stderr, "error: %s\n", cfg.status().message().c_str());
+  auto comm_or = (*world)->Open(CommOptions{});
+  if (!comm_or.ok()) {
+    std::fprintf(stderr, "error: %s\n", comm_or.status().message().c_str());
     return 2;
   }
-  auto summary = Train(*cfg, *raw);
-  if (!summary.ok()) {
+  Communicator& comm = **comm_or;
+  // Every rank reports its own errors (under mpirun with its rank).
+  auto fail = [&](const Status& s, int code) {
     std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", summary.status().message().c_str());
-    return ExitCode(summary.status());
+    if (comm.size() > 1) {
+      std::fprintf(stderr, "fp8moe rank %d/%d: error: %s\n", comm.rank(), comm.size(),
+                   s.message().c_str());
+    } else {
+      std::fprintf(stderr, "error: %s\n", s.message().c_str());
+    }
+    return code;
+  };
+  auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
+  Result<ParallelLayout> layout = ParallelLayout{};
+  // Before anything else every rank compares its configuration with the
+  // others' (a rank whose flags did not parse takes part with its error as
+  // its configuration), so flags that differ across ranks are one clear
+  // error on every rank, never a hang.
+  {
+    const std::string text =
+        raw.ok() ? raw->ToYaml() : "invalid configuration: " + raw.status().message();
+    const int64_t fsdp = raw.ok() ? raw->GetInt("ici_fsdp_parallelism") : -1;
+    const int64_t expert = raw.ok() ? raw->GetInt("ici_expert_parallelism") : 1;
+    layout = CheckDistributedConfig(comm, text, fsdp, expert);
+    if (!layout.ok()) return fail(layout.status(), 2);
+  }
+  // From here every rank has the same config, so these answers agree.
+  if (!raw.ok()) return fail(raw.status(), 2);
+  auto cfg = TrainConfigFrom(*raw);
+  if (!cfg.ok()) return fail(cfg.status(), 2);
+  if (Status s = CheckTrainLayout(*cfg, *layout, comm.size()); !s.ok()) return fail(s, 2);
+  TrainOptions options;
+  options.comm = &comm;
+  auto summary = Train(*cfg, *raw, options);
+  if (!summary.ok()) {
+    if (comm.size() > 1) {
+      // An error may be this rank's alone (a file it cannot read or write),
+      // with its peers waiting in a collective: end the whole job now rather
+      // than leave them to the watchdog's timeout.
+      std::fflush(stdout);
+      comm.Abort(ExitCode(summary.status()), "error: " + summary.status().message());
+    }
+    return fail(summary.status(), ExitCode(summary.status()));
   }
   return 0;
 }

@@ -1,5 +1,5 @@
 // The ranks this process runs with, for the commands that communicate (bench
-// comm; later train). Two implementations, chosen at build time by CMake:
+// comm, train). Two implementations, chosen at build time by CMake:
 // world_mpi.cc (MPI found: MPI under mpirun, one rank otherwise) and
 // world_single.cc (built without MPI: always one rank).
 #ifndef FP8MOE_CLI_WORLD_H_

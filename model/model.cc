@@ -247,11 +247,13 @@ void Add(const float* a, const float* b, size_t n, float* out) {
 }  // namespace
 
 Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
-                             std::vector<PreparedMoeWeights>* prepared) {
+                             std::vector<PreparedMoeWeights>* prepared,
+                             ExpertWeightSource* source) {
   if (prepared->size() != params.layers.size()) prepared->resize(params.layers.size());
   for (size_t l = 0; l < params.layers.size(); ++l) {
     FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, config_.moe, params.layers[l].wi.view(),
-                                             params.layers[l].wo.view(), &(*prepared)[l]));
+                                             params.layers[l].wo.view(), &(*prepared)[l],
+                                             source, static_cast<int64_t>(l)));
   }
   return OkStatus();
 }
@@ -308,9 +310,11 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                              static_cast<float>(c.norm_eps), A.n2.data_as<float>(),
                              A.inv2.data_as<float>());
     MoeStepInfo mi;
+    MoeOptions mo;
+    mo.sum_batch_counts = sum_batch_counts_;
     FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(P),
                                       prepared[static_cast<size_t>(l)], &A.moe, b.moe_y.view(),
-                                      &mi));
+                                      &mi, mo));
     info->aux_loss += mi.aux_loss;
     info->dropless_reruns += mi.stats.dropless_reruns;
     const TensorView gs = A.moe.group_sizes();

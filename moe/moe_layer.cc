@@ -194,8 +194,19 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   FP8MOE_ASSIGN_OR_RETURN(s.group_sizes_view, Grow(&s.group_sizes, DType::kI32, {s.E}));
   std::memcpy(s.group_sizes_view.data, s.routing.group_sizes.data(),
               static_cast<size_t>(s.E) * sizeof(int32_t));
+  // The load-balancing fractions: of this batch, or of the whole batch it
+  // is a part of (FSDP ranks).
+  if (options.sum_batch_counts) {
+    s.lb_counts.assign(static_cast<size_t>(s.E + 1), 0);
+    for (int64_t e = 0; e < s.E; ++e) s.lb_counts[static_cast<size_t>(e)] = s.routing.group_sizes[static_cast<size_t>(e)];
+    s.lb_counts[static_cast<size_t>(s.E)] = s.T;
+    FP8MOE_RETURN_IF_ERROR(options.sum_batch_counts(s.lb_counts.data(), s.E + 1));
+    internal::LoadFractions(s.routing, s.lb_counts.data(), &s.lb_fraction);
+  } else {
+    internal::LoadFractions(s.routing, nullptr, &s.lb_fraction);
+  }
   out.aux_loss = static_cast<float>(
-      internal::LoadBalanceLoss(s.routing, cfg.load_balance_loss_weight));
+      internal::LoadBalanceLoss(s.routing, s.lb_fraction, cfg.load_balance_loss_weight));
 
   // 4. The ragged buffer.
   const int64_t valid = s.T * s.k;
@@ -425,7 +436,7 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   // Router: dlogits from the routing weights and the load-balancing loss;
   // drouter = x^T dlogits, dx = unpermuted dx_sorted + dlogits Wr^T.
   FP8MOE_ASSIGN_OR_RETURN(TensorView dlogits, Grow(&s.dlogits, DType::kF32, {s.T, s.E}));
-  internal::RouterBackward(s.routing, dweight.as<float>(), cfg.norm_topk_prob,
+  internal::RouterBackward(s.routing, s.lb_fraction, dweight.as<float>(), cfg.norm_topk_prob,
                            cfg.load_balance_loss_weight, dlogits.as<float>());
   FP8MOE_ASSIGN_OR_RETURN(TensorView one, OneGroup(s));
   GmmOptions o32;

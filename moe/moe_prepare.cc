@@ -63,8 +63,9 @@ const CodeTable& TableOf(QuantDType q) {
   return tables[static_cast<int>(q)];
 }
 
-// Health of codes q [n] quantized from x [n] (the values that were there).
-Fp8Health CountHealth(const uint8_t* q, const float* x, int64_t n, QuantDType dtype) {
+}  // namespace
+
+Fp8HealthCounts CountFp8Health(const uint8_t* q, const float* x, int64_t n, QuantDType dtype) {
   const CodeTable& t = TableOf(dtype);
   int64_t sat = 0, flushed = 0;
   // Integer counts: the same total for any thread count.
@@ -73,17 +74,31 @@ Fp8Health CountHealth(const uint8_t* q, const float* x, int64_t n, QuantDType dt
     sat += t.saturated[q[i]];
     flushed += t.zero[q[i]] && x[i] != 0.0f;
   }
+  return {sat, flushed, n};
+}
+
+Fp8Health Fp8HealthCounts::Fractions() const {
   Fp8Health h;
-  h.values = n;
-  if (n > 0) {
-    h.saturated = static_cast<double>(sat) / static_cast<double>(n);
-    h.flushed = static_cast<double>(flushed) / static_cast<double>(n);
+  h.values = values;
+  if (values > 0) {
+    h.saturated = static_cast<double>(saturated) / static_cast<double>(values);
+    h.flushed = static_cast<double>(flushed) / static_cast<double>(values);
   }
   return h;
 }
 
+namespace {
+
+// Health of codes q [n] quantized from x [n] (the values that were there).
+Fp8Health CountHealth(const uint8_t* q, const float* x, int64_t n, QuantDType dtype) {
+  return CountFp8Health(q, x, n, dtype).Fractions();
+}
+
+// source: null, or where the codes / bf16 copy come from (FSDP), for
+// expert weight `wo` of layer `layer`.
 Status PrepareWeight(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
-                     const TensorView& master, PreparedExpertWeight* p) {
+                     const TensorView& master, PreparedExpertWeight* p,
+                     ExpertWeightSource* source, int64_t layer, bool wo) {
   const int64_t E = master.shape[0], K = master.shape[1], N = master.shape[2];
   p->health = {};
   if (plan.mode == MoeQatMode::kNone) {
@@ -92,7 +107,12 @@ Status PrepareWeight(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
       p->view = master;
     } else {
       FP8MOE_ASSIGN_OR_RETURN(p->view, Grow(&p->owned, DType::kBF16, master.shape));
-      F32ToBf16Span(master.as<float>(), p->view.as<uint16_t>(), master.num_elements());
+      if (source != nullptr) {
+        FP8MOE_RETURN_IF_ERROR(
+            source->RoundToBf16(layer, wo, master.shape, p->view.as<uint16_t>()));
+      } else {
+        F32ToBf16Span(master.as<float>(), p->view.as<uint16_t>(), master.num_elements());
+      }
     }
     return OkStatus();
   }
@@ -100,11 +120,18 @@ Status PrepareWeight(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
   p->quant = *plan.fwd.rhs;
   FP8MOE_ASSIGN_OR_RETURN(p->view, Grow(&p->owned, QuantStorageDType(p->quant), master.shape));
   FP8MOE_ASSIGN_OR_RETURN(TensorView scale, Exact(&p->scale, DType::kF32, {E, N}));
-  FP8MOE_RETURN_IF_ERROR(QuantizeChannels(master.as<float>(), E, K, N, p->quant,
-                                          cfg.weight_quantization_calibration_method,
-                                          p->view.as<uint8_t>(), scale.as<float>()));
-  p->health = CountHealth(p->view.as<uint8_t>(), master.as<float>(),
-                          static_cast<int64_t>(master.num_elements()), p->quant);
+  if (source != nullptr) {
+    FP8MOE_RETURN_IF_ERROR(source->Quantize(layer, wo, master.shape, p->quant,
+                                            cfg.weight_quantization_calibration_method,
+                                            p->view.as<uint8_t>(), scale.as<float>(),
+                                            &p->health));
+  } else {
+    FP8MOE_RETURN_IF_ERROR(QuantizeChannels(master.as<float>(), E, K, N, p->quant,
+                                            cfg.weight_quantization_calibration_method,
+                                            p->view.as<uint8_t>(), scale.as<float>()));
+    p->health = CountHealth(p->view.as<uint8_t>(), master.as<float>(),
+                            static_cast<int64_t>(master.num_elements()), p->quant);
+  }
   if (p->quant == QuantDType::kInt8) {
     // The backward dLHS of the int8 scheme reads bf16(f32(q) * s).
     FP8MOE_ASSIGN_OR_RETURN(TensorView copy, Exact(&p->dlhs_copy, DType::kBF16, master.shape));
@@ -130,6 +157,12 @@ Status PrepareWeight(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
 
 Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& wi,
                          const TensorView& wo, PreparedMoeWeights* prepared) {
+  return PrepareMoeWeights(ctx, cfg, wi, wo, prepared, nullptr, 0);
+}
+
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& wi,
+                         const TensorView& wo, PreparedMoeWeights* prepared,
+                         ExpertWeightSource* source, int64_t layer) {
   (void)ctx;
   FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
   const bool ok = wi.dtype == DType::kF32 && wo.dtype == DType::kF32 && wi.rank() == 3 &&
@@ -147,8 +180,8 @@ Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& w
   p.act = p.plan.mode == MoeQatMode::kNone ? cfg.dtype : DType::kBF16;
   p.wi_shape = wi.shape;
   p.wo_shape = wo.shape;
-  FP8MOE_RETURN_IF_ERROR(PrepareWeight(cfg, p.plan, p.act, wi, &p.wi));
-  return PrepareWeight(cfg, p.plan, p.act, wo, &p.wo);
+  FP8MOE_RETURN_IF_ERROR(PrepareWeight(cfg, p.plan, p.act, wi, &p.wi, source, layer, false));
+  return PrepareWeight(cfg, p.plan, p.act, wo, &p.wo, source, layer, true);
 }
 
 namespace {

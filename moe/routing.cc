@@ -105,27 +105,31 @@ void Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
   }
 }
 
-double LoadBalanceLoss(const Routing& r, double weight) {
+void LoadFractions(const Routing& r, const int64_t* batch, std::vector<double>* f) {
+  const int64_t E = r.experts;
+  f->resize(static_cast<size_t>(E));
+  const int64_t tokens = batch != nullptr ? batch[E] : r.tokens;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t pairs = batch != nullptr ? batch[e] : r.group_sizes[static_cast<size_t>(e)];
+    (*f)[static_cast<size_t>(e)] =
+        static_cast<double>(pairs) / static_cast<double>(std::max<int64_t>(tokens * r.k, 1));
+  }
+}
+
+double LoadBalanceLoss(const Routing& r, const std::vector<double>& f, double weight) {
   if (weight == 0.0 || r.tokens == 0) return 0.0;
   double loss = 0.0;
   for (int64_t e = 0; e < r.experts; ++e) {
     double p = 0.0;
     for (int64_t t = 0; t < r.tokens; ++t) p += r.probs[static_cast<size_t>(t * r.experts + e)];
-    const double f = static_cast<double>(r.group_sizes[static_cast<size_t>(e)]) /
-                     static_cast<double>(r.tokens * r.k);
-    loss += f * (p / static_cast<double>(r.tokens));
+    loss += f[static_cast<size_t>(e)] * (p / static_cast<double>(r.tokens));
   }
   return weight * static_cast<double>(r.experts) * loss;
 }
 
-void RouterBackward(const Routing& r, const float* dweight, bool norm_topk_prob,
-                    double lb_weight, float* dlogits) {
+void RouterBackward(const Routing& r, const std::vector<double>& f, const float* dweight,
+                    bool norm_topk_prob, double lb_weight, float* dlogits) {
   const int64_t E = r.experts, k = r.k;
-  std::vector<double> f(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) {
-    f[static_cast<size_t>(e)] = static_cast<double>(r.group_sizes[static_cast<size_t>(e)]) /
-                                static_cast<double>(std::max<int64_t>(r.tokens * k, 1));
-  }
   const double lb = r.tokens > 0 ? lb_weight * static_cast<double>(E) / static_cast<double>(r.tokens) : 0.0;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < r.tokens; ++t) {

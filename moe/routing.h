@@ -37,13 +37,21 @@ inline Routing Route(const float* logits, int64_t tokens, int64_t experts, int64
   return r;
 }
 
-// The load-balancing loss weight * E * sum_e f_e p_e.
-double LoadBalanceLoss(const Routing& r, double weight);
+// f_e [E] of the load-balancing loss: routed pairs of expert e over all
+// pairs. Of this batch when `batch` is null; else of the larger batch this
+// one is a part of (FSDP): batch [E + 1] holds its pairs per expert and, last,
+// its tokens.
+void LoadFractions(const Routing& r, const int64_t* batch, std::vector<double>* f);
+
+// The load-balancing loss weight * E * sum_e f_e p_e (p_e: this batch's mean
+// probability).
+double LoadBalanceLoss(const Routing& r, const std::vector<double>& f, double weight);
 
 // dlogits [T, E] of the router: from dweight [T, k] (the loss's gradient
-// with respect to the routing weights) and the load-balancing loss.
-void RouterBackward(const Routing& r, const float* dweight, bool norm_topk_prob,
-                    double lb_weight, float* dlogits);
+// with respect to the routing weights) and the load-balancing loss with
+// fractions f.
+void RouterBackward(const Routing& r, const std::vector<double>& f, const float* dweight,
+                    bool norm_topk_prob, double lb_weight, float* dlogits);
 
 // buffer [rows, cols] (F32 or BF16): valid row i <- x[token of row i] (f32
 // [T, cols]), converted. Tail rows untouched.

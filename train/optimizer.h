@@ -26,6 +26,11 @@ std::string FirstNonFinite(const ModelParams& grads);
 void AdamWUpdate(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale,
                  const ModelParams& grads, ModelParams* params, ModelParams* m, ModelParams* v);
 
+// The same update on n elements of one tensor (a whole one or an FSDP
+// shard); `decay`: the tensor is a matrix (weight decay applies).
+void AdamWSpan(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale,
+               bool decay, const float* g, float* p, float* m, float* v, int64_t n);
+
 }  // namespace fp8moe::internal
 
 #endif  // FP8MOE_TRAIN_OPTIMIZER_H_

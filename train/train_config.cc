@@ -50,7 +50,9 @@ const std::vector<Section>& TrainerSections() {
            {"base_moe_mlp_dim", FlagType::kInt, "128",
             "Hidden width F of each SwiGLU expert (wi is [E, D, 2F], wo [E, F, D])."},
            {"max_target_length", FlagType::kInt, "64", "Sequence length S of a training example."},
-           {"per_device_batch_size", FlagType::kInt, "16", "Sequences B per step."},
+           {"per_device_batch_size", FlagType::kInt, "16",
+            "Sequences B per step: the global batch; with FSDP each of the F ranks takes B/F of "
+            "them (B must divide by F)."},
            {"rope_max_timescale", FlagType::kFloat, "10000.0",
             "RoPE: the rotation of dimension pair i at position p is p / "
             "rope_max_timescale^(2i / head_dim)."},
@@ -98,6 +100,18 @@ const std::vector<Section>& TrainerSections() {
            {"eval_interval", FlagType::kInt, "100",
             "Steps between evaluations (and one at the end); 0: only at the end."},
            {"eval_steps", FlagType::kInt, "8", "Batches per evaluation (always the same ones)."},
+       }},
+      {"Distributed: mpirun -np N fp8moe train ... (docs/distributed.md)",
+       {
+           {"ici_fsdp_parallelism", FlagType::kInt, "-1",
+            "Ranks that shard the weights and optimizer state (FSDP) and split the batch; -1: "
+            "the ranks ici_expert_parallelism leaves. ici_fsdp_parallelism * "
+            "ici_expert_parallelism must equal the ranks of the job (1 without mpirun). The "
+            "batch per_device_batch_size is the global batch, split over these ranks, so a run "
+            "gives the same model on any rank count."},
+           {"ici_expert_parallelism", FlagType::kInt, "1",
+            "Ranks that split the experts (the ring of experts; not implemented yet: must be "
+            "1)."},
        }},
   };
   return *s;
@@ -278,6 +292,8 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
   t.synthetic_alphabet_size = c.GetInt("synthetic_alphabet_size");
   t.synthetic_branching = c.GetInt("synthetic_branching");
   t.eval_split_fraction = c.GetFloat("eval_split_fraction");
+  t.ici_fsdp_parallelism = c.GetInt("ici_fsdp_parallelism");
+  t.ici_expert_parallelism = c.GetInt("ici_expert_parallelism");
 
   auto need = [&](bool ok, const std::string& what) {
     if (!ok) problems.push_back(what);
@@ -330,6 +346,12 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
              std::to_string(A) + " tokens exceed vocab_size=" + std::to_string(v) +
              "; raise vocab_size or lower the two");
   }
+  need(t.ici_fsdp_parallelism == -1 || t.ici_fsdp_parallelism >= 1,
+       "ici_fsdp_parallelism=" + std::to_string(t.ici_fsdp_parallelism) +
+           " must be -1 (the ranks left) or at least 1");
+  need(t.ici_expert_parallelism == -1 || t.ici_expert_parallelism >= 1,
+       "ici_expert_parallelism=" + std::to_string(t.ici_expert_parallelism) +
+           " must be -1 (the ranks left) or at least 1");
   if (!problems.empty()) {
     std::string msg = "invalid training configuration: " + problems[0];
     for (size_t i = 1; i < problems.size(); ++i) msg += "; " + problems[i];

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -16,10 +17,12 @@
 #include <nlohmann/json.hpp>
 
 #include "fp8moe/data.h"
+#include "fp8moe/dist.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
 #include "train/checkpoint.h"
+#include "train/fsdp.h"
 #include "train/optimizer.h"
 
 namespace fp8moe {
@@ -124,7 +127,41 @@ json HealthJson(const Fp8Health& h) {
 
 }  // namespace
 
-Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainOptions& opt) {
+Status CheckTrainLayout(const TrainConfig& c, const ParallelLayout& layout, int ranks) {
+  if (layout.expert > 1) {
+    return InvalidArgument("ici_expert_parallelism=" + std::to_string(layout.expert) +
+                           ": the ring of experts (expert parallelism) is not implemented yet; "
+                           "set ici_expert_parallelism=1 (FSDP over all " +
+                           std::to_string(ranks) + " ranks)");
+  }
+  if (c.model.batch % layout.fsdp != 0) {
+    return InvalidArgument("per_device_batch_size=" + std::to_string(c.model.batch) +
+                           " (the global batch) does not divide over ici_fsdp_parallelism=" +
+                           std::to_string(layout.fsdp) + " ranks; make it a multiple of " +
+                           std::to_string(layout.fsdp));
+  }
+  return OkStatus();
+}
+
+Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainOptions& opt_in) {
+  // ---- The ranks: checked before any work (docs/distributed.md) ----
+  std::unique_ptr<Communicator> own_comm;
+  Communicator* comm = opt_in.comm;
+  if (comm == nullptr) {
+    own_comm = MakeSingleRankCommunicator();
+    comm = own_comm.get();
+  }
+  FP8MOE_ASSIGN_OR_RETURN(const ParallelLayout layout,
+                          CheckDistributedConfig(*comm, raw.ToYaml(), c.ici_fsdp_parallelism,
+                                                 c.ici_expert_parallelism));
+  FP8MOE_RETURN_IF_ERROR(CheckTrainLayout(c, layout, comm->size()));
+  const int F = layout.fsdp;
+  const bool lead = comm->rank() == 0;  // writes files and prints
+  TrainOptions opt = opt_in;
+  if (!lead) opt.quiet = true;
+  // This rank's model runs B/F sequences; the data reader the global B.
+  ModelConfig local_mc = c.model;
+  local_mc.batch = c.model.batch / F;
   const ModelConfig& mc = c.model;
   // The whole run's memory against the cap, before a directory is created or
   // a byte allocated.
@@ -158,13 +195,18 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   }
   // One process per run directory: two trainers resuming the same run would
   // both append to metrics.jsonl (every step twice) and race on the
-  // checkpoints. The lock dies with the process, SIGKILL included.
+  // checkpoints. The lock dies with the process, SIGKILL included. Under
+  // mpirun the writing rank (0) holds it for the job.
   RunLock lock;
-  FP8MOE_RETURN_IF_ERROR(lock.Acquire(run_dir / "train.lock"));
+  if (lead) FP8MOE_RETURN_IF_ERROR(lock.Acquire(run_dir / "train.lock"));
 
   ContextOptions co;
   co.seed = c.data_shuffle_seed;
   Context ctx(co);
+  // params: the whole weights the model reads (gathered each step); grads:
+  // this rank's whole gradient; adam_m / adam_v: whole moments, used only to
+  // initialise and load, then freed (a save gathers into fresh ones; the
+  // optimizer runs on the FSDP shards).
   FP8MOE_ASSIGN_OR_RETURN(ModelParams params, AllocateParams(mc));
   FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, &params));
   FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));
@@ -188,6 +230,33 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       sum.resumed_from = state.step;
     }
   }
+  // Resharding is slicing: whatever rank count wrote the checkpoint.
+  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
+                          internal::FsdpState::Create(*comm, params));
+  fsdp->Slice(params, adam_m, adam_v);
+  // The whole moments are needed again only while saving a checkpoint.
+  adam_m = ModelParams{};
+  adam_v = ModelParams{};
+  // The expert weights reach the GMMs as gathered codes (gather8) or bf16
+  // copies, never whole in f32, except in the f32 mode (the GMMs read the
+  // master) and with a fixed weight calibration (its straight-through mask
+  // reads the master). Their whole f32 buffers then hold NaN between
+  // checkpoints, so a read of a stale master cannot pass unnoticed.
+  const MoeQuantPlan plan = PlanMoeQuantization(mc.moe);
+  const bool f32_experts =
+      (plan.mode == MoeQatMode::kNone && mc.moe.dtype == DType::kF32) ||
+      (plan.mode != MoeQatMode::kNone &&
+       mc.moe.weight_quantization_calibration_method.kind == Calibration::Kind::kFixed);
+  auto poison_experts = [&]() {
+    if (f32_experts) return;
+    for (auto& L : params.layers) {
+      for (Tensor* t : {&L.wi, &L.wo}) {
+        std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(),
+                  std::numeric_limits<float>::quiet_NaN());
+      }
+    }
+  };
+  poison_experts();
   // A finished run is not trained again: its summary stands.
   if (state.step >= c.steps && fs::exists(run_dir / "summary.json")) {
     std::ifstream in(run_dir / "summary.json");
@@ -213,14 +282,19 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     }
   }
   const std::string metrics_path = (run_dir / "metrics.jsonl").string();
-  if (sum.resumed_from > 0) {
-    FP8MOE_RETURN_IF_ERROR(TrimMetrics(metrics_path, state.step));
+  std::FILE* metrics = nullptr;
+  if (lead) {
+    if (sum.resumed_from > 0) {
+      FP8MOE_RETURN_IF_ERROR(TrimMetrics(metrics_path, state.step));
+    }
+    metrics = std::fopen(metrics_path.c_str(), sum.resumed_from > 0 ? "a" : "w");
+    if (metrics == nullptr) return IoError("cannot open '" + metrics_path + "' for writing");
   }
-  std::FILE* metrics = std::fopen(metrics_path.c_str(), sum.resumed_from > 0 ? "a" : "w");
-  if (metrics == nullptr) return IoError("cannot open '" + metrics_path + "' for writing");
   struct Closer {
     std::FILE* f;
-    ~Closer() { std::fclose(f); }
+    ~Closer() {
+      if (f != nullptr) std::fclose(f);
+    }
   } closer{metrics};
 
   const bool tty = !opt.quiet && ::isatty(::fileno(stderr)) != 0;
@@ -236,10 +310,26 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     std::fflush(stdout);
   }
 
-  Model model(mc);
+  Model model(local_mc);
+  if (F > 1) {
+    // The load-balancing loss over the global batch, as one rank computes it.
+    model.SetBatchCountSum([comm](int64_t* counts, int64_t n) {
+      return comm->AllReduce(counts, counts, n, DType::kI64, ReduceOp::kSum);
+    });
+  }
   std::vector<PreparedMoeWeights> prepared;
-  const int64_t N = mc.batch * mc.seq_len;
+  const int64_t N = mc.batch * mc.seq_len;  // tokens of the global batch
   std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  // This rank's slice of the global batch: sequences [i B/F, (i + 1) B/F).
+  const size_t slice = static_cast<size_t>(layout.fsdp_index * local_mc.batch * mc.seq_len);
+  const int32_t* my_inputs = inputs.data() + slice;
+  const int32_t* my_targets = targets.data() + slice;
+  ExpertWeightSource* expert_source = f32_experts ? nullptr : fsdp.get();
+  // Gathers the weights for a forward and prepares the experts.
+  auto gather = [&]() -> Status {
+    FP8MOE_RETURN_IF_ERROR(fsdp->GatherParams(&params, /*skip_experts=*/!f32_experts));
+    return model.PrepareExperts(ctx, params, &prepared, expert_source);
+  };
   ModelStepInfo info;
   ResetMemoryPeak();
   const double t_start = Now();
@@ -248,15 +338,23 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   std::vector<double> recent_losses;
   std::optional<double> last_eval;
 
+  // The mean over the ranks of a per-rank mean (every rank holds B/F
+  // sequences): the global batch's mean, the same bits on every rank.
+  auto global_mean = [&](std::vector<double> v) -> Result<std::vector<double>> {
+    FP8MOE_ASSIGN_OR_RETURN(std::vector<double> s, internal::SumOverRanks(*comm, v));
+    for (double& x : s) x /= static_cast<double>(F);
+    return s;
+  };
   auto evaluate = [&]() -> Result<double> {
-    FP8MOE_RETURN_IF_ERROR(model.PrepareExperts(ctx, params, &prepared));
+    FP8MOE_RETURN_IF_ERROR(gather());
     double total = 0;
     for (int64_t i = 0; i < c.eval_steps; ++i) {
       data->EvalBatch(i, inputs.data(), targets.data());
       ModelStepInfo ei;
       FP8MOE_RETURN_IF_ERROR(
-          model.Step(ctx, params, prepared, inputs.data(), targets.data(), nullptr, &ei));
-      total += ei.loss;
+          model.Step(ctx, params, prepared, my_inputs, my_targets, nullptr, &ei));
+      FP8MOE_ASSIGN_OR_RETURN(std::vector<double> m, global_mean({ei.loss}));
+      total += m[0];
     }
     return total / static_cast<double>(c.eval_steps);
   };
@@ -265,7 +363,23 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     state.rng = ctx.rng().state();
     state.data_position = data->Position();
     const std::string path = internal::CheckpointPath(ckpt_dir.string(), step);
-    Status s = internal::SaveCheckpoint(path, c, raw, params, adam_m, adam_v, state);
+    // Every rank gathers the whole tensors; rank 0 writes the file (a
+    // temporary name, then a rename: no partial checkpoint is ever visible)
+    // and tells the others how it went, which also holds them until the
+    // file is complete.
+    FP8MOE_ASSIGN_OR_RETURN(ModelParams whole_m, AllocateParams(mc));
+    FP8MOE_ASSIGN_OR_RETURN(ModelParams whole_v, AllocateParams(mc));
+    FP8MOE_RETURN_IF_ERROR(fsdp->GatherAll(&params, &whole_m, &whole_v));
+    Status s = lead ? internal::SaveCheckpoint(path, c, raw, params, whole_m, whole_v, state)
+                    : OkStatus();
+    poison_experts();
+    int64_t code = static_cast<int64_t>(s.code());
+    FP8MOE_RETURN_IF_ERROR(comm->AllReduce(&code, &code, 1, DType::kI64, ReduceOp::kMax));
+    if (!lead && code != 0) {
+      return Status(static_cast<StatusCode>(code),
+                    "rank 0 could not save the checkpoint of step " + std::to_string(step) +
+                        " (see its message)");
+    }
     if (!s.ok()) {
       auto latest = internal::LatestCheckpoint(ckpt_dir.string());
       return Status(s.code(), "cannot save the checkpoint of step " + std::to_string(step) +
@@ -273,7 +387,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
                                   (latest ? "'" + *latest + "' (intact)" : "none") +
                                   "; free disk space and run again to resume");
     }
-    internal::PruneCheckpoints(ckpt_dir.string(), 2);
+    if (lead) internal::PruneCheckpoints(ckpt_dir.string(), 2);
     return OkStatus();
   };
 
@@ -281,35 +395,62 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   for (int64_t s = state.step; s < c.steps; ++s) {
     completed = s + 1;
     const int64_t allocs0 = GetMemoryStats().allocations;
+    const int64_t sent0 = comm->bytes_sent(), expert0 = fsdp->expert_gather_bytes();
     const double t0 = Now();
     data->NextTrainBatch(inputs.data(), targets.data());
-    FP8MOE_RETURN_IF_ERROR(model.PrepareExperts(ctx, params, &prepared));
+    const bool last = s + 1 == c.steps;
+    const bool log_step = (s + 1) % c.log_period == 0 || last;
+    fsdp->set_count_health(log_step);
+    FP8MOE_RETURN_IF_ERROR(gather());
+    const double t_gathered = Now();
     FP8MOE_RETURN_IF_ERROR(
-        model.Step(ctx, params, prepared, inputs.data(), targets.data(), &grads, &info));
+        model.Step(ctx, params, prepared, my_inputs, my_targets, &grads, &info));
+    const double t_computed = Now();
+    // Losses, router loads and reruns of the global batch, in one
+    // collective (the counts are exact in double).
+    if (F > 1) {
+      std::vector<double> v = {info.loss, info.aux_loss,
+                               static_cast<double>(info.dropless_reruns)};
+      for (const auto& layer : info.expert_load) v.insert(v.end(), layer.begin(), layer.end());
+      FP8MOE_ASSIGN_OR_RETURN(v, internal::SumOverRanks(*comm, v));
+      info.loss = v[0] / static_cast<double>(F);
+      info.aux_loss = v[1] / static_cast<double>(F);
+      info.dropless_reruns = static_cast<int64_t>(v[2]);
+      size_t i = 3;
+      for (auto& layer : info.expert_load) {
+        for (int32_t& x : layer) x = static_cast<int32_t>(v[i++]);
+      }
+    }
+    FP8MOE_RETURN_IF_ERROR(fsdp->ReduceGradients(grads));
     StepReport rep;
     rep.step = s + 1;
     rep.loss = info.loss;
     rep.lr = LearningRate(c, s);
-    std::string bad = std::isfinite(info.loss) && std::isfinite(info.aux_loss) ? "" : "loss";
-    if (bad.empty()) bad = internal::FirstNonFinite(grads);
+    FP8MOE_ASSIGN_OR_RETURN(const internal::FsdpState::GradientCheck check,
+                            fsdp->CheckGradients());
+    std::string bad = std::isfinite(info.loss) && std::isfinite(info.aux_loss)
+                          ? check.first_nonfinite
+                          : "loss";
     if (!bad.empty()) {
       rep.skipped = true;
       ++state.nonfinite_steps;
-      std::fprintf(stderr, "%sfp8moe train: step %lld: non-finite %s%s; step skipped (%lld of "
+      if (lead) std::fprintf(stderr, "%sfp8moe train: step %lld: non-finite %s%s; step skipped (%lld of "
                    "max_nonfinite_steps=%lld)\n", tty ? "\n" : "", static_cast<long long>(s + 1),
                    bad == "loss" ? "loss" : "gradient in ", bad == "loss" ? "" : bad.c_str(),
                    static_cast<long long>(state.nonfinite_steps),
                    static_cast<long long>(c.max_nonfinite_steps));
     } else {
-      rep.grad_norm = internal::GlobalNorm(grads);
+      rep.grad_norm = check.norm;
       const double clip = c.gradient_clipping_threshold > 0 && rep.grad_norm > c.gradient_clipping_threshold
                               ? c.gradient_clipping_threshold / rep.grad_norm
                               : 1.0;
-      internal::AdamWUpdate(ctx, c, s + 1, rep.lr, clip, grads, &params, &adam_m, &adam_v);
+      fsdp->AdamW(ctx, c, s + 1, rep.lr, clip);
       // Finite gradients can still give non-finite weights (a learning rate or
       // weight decay past float range, an epsilon that rounds to 0): stop
-      // before such weights reach a checkpoint or the next step.
-      if (const std::string w = internal::FirstNonFinite(params); !w.empty()) {
+      // before such weights reach a checkpoint or the next step. Collective:
+      // every rank checks its shard and all stop together.
+      FP8MOE_ASSIGN_OR_RETURN(const std::string w, fsdp->FirstNonFiniteMaster());
+      if (!w.empty()) {
         if (tty) std::fprintf(stderr, "\n");
         char lr[32];
         std::snprintf(lr, sizeof(lr), "%g", rep.lr);
@@ -321,6 +462,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       }
     }
     rep.step_time_s = Now() - t0;
+    rep.comm_bytes = comm->bytes_sent() - sent0;
+    rep.expert_gather_bytes = fsdp->expert_gather_bytes() - expert0;
     rep.allocations = GetMemoryStats().allocations - allocs0;
     if (ran > 0) {
       time_sum += rep.step_time_s;
@@ -339,6 +482,15 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
               {"dropless_reruns", info.dropless_reruns},
               {"dropped_tokens", 0},
               {"nonfinite_steps", state.nonfinite_steps}};
+    if (comm->size() > 1) {
+      j["comm_bytes"] = rep.comm_bytes;  // rank 0's
+      // Rank 0's time in the weight gathers (with the experts' quantization)
+      // and in forward + backward (with the MoE layers' count all-reduces);
+      // the rest of step_time_s is the gradient reduce-scatter and the update.
+      j["gather_time_s"] = t_gathered - t0;
+      j["compute_time_s"] = t_computed - t_gathered;
+      j["expert_gather_bytes"] = rep.expert_gather_bytes;
+    }
     json load = json::array();
     for (const auto& layer : info.expert_load) {
       json l = json::array();
@@ -347,8 +499,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       load.push_back(l);
     }
     j["expert_load"] = load;
-    const bool last = s + 1 == c.steps;
-    if ((s + 1) % c.log_period == 0 || last) {
+    if (lead && log_step) {
+      // Weights: counted over the whole tensors; activations: rank 0's slice.
       json health = json::object();
       for (int64_t l = 0; l < mc.num_layers; ++l) {
         const std::string p = "layers." + std::to_string(l) + ".";
@@ -369,7 +521,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       j["eval_loss"] = e;
     }
     const std::string line = j.dump() + "\n";
-    if (std::fputs(line.c_str(), metrics) < 0 || std::fflush(metrics) != 0) {
+    if (lead && (std::fputs(line.c_str(), metrics) < 0 || std::fflush(metrics) != 0)) {
       return IoError("cannot append to '" + metrics_path + "' (disk full?)");
     }
     if (!rep.skipped) {
@@ -439,7 +591,10 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
              {"allocations_per_step", sum.allocations_per_step},
              {"wall_time_s", Now() - t_start},
              {"config", raw.ToYaml()}};
-  FP8MOE_RETURN_IF_ERROR(WriteTextAtomically((run_dir / "summary.json").string(), sj.dump(2) + "\n"));
+  if (lead) {
+    FP8MOE_RETURN_IF_ERROR(
+        WriteTextAtomically((run_dir / "summary.json").string(), sj.dump(2) + "\n"));
+  }
 
   if (!opt.quiet) {
     std::printf("\nfp8moe train: done, %s\n", run_dir.string().c_str());

@@ -12,6 +12,7 @@
 #define FP8MOE_MODEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -100,8 +101,11 @@ class Model {
 
   // Prepares every layer's expert weights for this step into *prepared
   // (resized to L).
+  // With a source (FSDP), the codes or bf16 copies come from it and params'
+  // wi / wo give only the shapes (and the f32 mode's weights).
   Status PrepareExperts(Context& ctx, const ModelParams& params,
-                        std::vector<PreparedMoeWeights>* prepared);
+                        std::vector<PreparedMoeWeights>* prepared,
+                        ExpertWeightSource* source = nullptr);
 
   // Forward on tokens: inputs and targets are I32 [B, S] (values in [0, V)).
   // With grads non-null the backward runs too and writes the gradient of
@@ -115,9 +119,16 @@ class Model {
                           const std::vector<PreparedMoeWeights>& prepared, Fp8Health* wi_lhs,
                           Fp8Health* wo_lhs);
 
+  // FSDP: how the MoE layers sum their routed counts over the ranks that
+  // share the batch (MoeOptions::sum_batch_counts); empty: one rank.
+  void SetBatchCountSum(std::function<Status(int64_t* counts, int64_t n)> sum) {
+    sum_batch_counts_ = std::move(sum);
+  }
+
   struct Buffers;
 
  private:
+  std::function<Status(int64_t*, int64_t)> sum_batch_counts_;
   ModelConfig config_;
   std::unique_ptr<Buffers> b_;
 };

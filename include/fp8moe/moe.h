@@ -83,6 +83,12 @@ struct MoeOptions {
   std::function<void(const MoeGmmCall&)> on_gmm;
   // Tests: fill the buffer's tail rows with NaN before the GMMs run.
   bool poison_tail_rows = false;
+  // Data parallelism (FSDP): sums counts [n] (int64, in place) over the
+  // ranks whose batches make up the step's batch, so the load-balancing
+  // loss uses the whole batch's expert fractions f_e, as one process with
+  // the whole batch would (forward; the backward reuses them). Empty: this
+  // batch is the whole batch.
+  std::function<Status(int64_t* counts, int64_t n)> sum_batch_counts;
 };
 
 struct MoeStats {
@@ -99,6 +105,17 @@ struct Fp8Health {
   double flushed = 0;
   int64_t values = 0;  // values counted; 0: the tensor is not quantized
 };
+
+// The integer counts behind an Fp8Health (they add up over the shards of a
+// tensor, exactly).
+struct Fp8HealthCounts {
+  int64_t saturated = 0, flushed = 0, values = 0;
+  Fp8Health Fractions() const;
+};
+// Counts of codes q [n] quantized from x [n]: codes at the format's largest
+// magnitude, and zero codes of non-zero values.
+Fp8HealthCounts CountFp8Health(const uint8_t* codes, const float* x, int64_t n,
+                               QuantDType dtype);
 
 // One expert weight as the QAT mode hands it to the GMMs.
 struct PreparedExpertWeight {
@@ -129,6 +146,31 @@ struct PreparedMoeWeights {
 // the shapes match). The config must have passed ValidateMoeConfig.
 Status PrepareMoeWeights(Context& ctx, const MoeConfig& config, const TensorView& wi,
                          const TensorView& wo, PreparedMoeWeights* prepared);
+
+// Where the prepared expert weights come from when the master is not whole in
+// this process (FSDP: each rank holds a flat shard and gathers; train/). Each
+// call must give on every rank the bits the single-process preparation gives
+// on the whole master [E, K, N].
+class ExpertWeightSource {
+ public:
+  virtual ~ExpertWeightSource() = default;
+  // Quantized modes: codes [E, K, N] and per-channel scale [E, N] as
+  // QuantizeChannels of the whole master, and the codes' health (counted
+  // over the whole tensor). `wo`: false for wi.
+  virtual Status Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
+                          const Calibration& calib, uint8_t* codes, float* scale,
+                          Fp8Health* health) = 0;
+  // Unquantized modes with bf16 activations: the master rounded to bf16.
+  virtual Status RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) = 0;
+};
+
+// As above, but the codes or the bf16 copy come from `source` (layer
+// `layer`); wi and wo give only the shapes, and in the f32 mode (no QAT,
+// dtype=float32) the weights the GMMs read, which the caller must have made
+// whole. With a fixed weight calibration the backward reads the masters too.
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& config, const TensorView& wi,
+                         const TensorView& wo, PreparedMoeWeights* prepared,
+                         ExpertWeightSource* source, int64_t layer);
 
 // The layer's intermediate buffers (routing, ragged buffers, saved
 // activations), owned by the caller and reused from step to step so a

@@ -24,7 +24,9 @@
 #include <string>
 #include <vector>
 
+#include "fp8moe/communicator.h"
 #include "fp8moe/config.h"
+#include "fp8moe/dist.h"
 #include "fp8moe/model.h"
 #include "fp8moe/status.h"
 
@@ -56,6 +58,9 @@ struct TrainConfig {
   std::string dataset_type, dataset_path;
   int64_t synthetic_num_sources = 0, synthetic_alphabet_size = 0, synthetic_branching = 0;
   double eval_split_fraction = 0;
+  // MaxText's mesh axes (-1: the ranks the other leaves); checked against the
+  // job by CheckDistributedConfig before any work.
+  int64_t ici_fsdp_parallelism = -1, ici_expert_parallelism = 1;
 };
 
 // Converts and validates a Config of TrainConfigSchema(); every problem is
@@ -91,6 +96,9 @@ struct StepReport {
   std::optional<double> eval_loss;
   bool skipped = false;          // non-finite loss or gradient
   int64_t allocations = 0;       // library allocations during the step
+  // Bytes this rank sent during the step (0 on one rank), and of them the
+  // expert weights' gathers (gather8: codes + amax all-reduce; bf16).
+  int64_t comm_bytes = 0, expert_gather_bytes = 0;
 };
 
 struct TrainSummary {
@@ -113,7 +121,16 @@ struct TrainOptions {
   std::function<void(const StepReport&)> on_step;
   // Tests: stop (as if killed) right after this many steps of this process.
   int64_t stop_after_steps = 0;
+  // The ranks of the job (every rank calls Train with the same config);
+  // null: one rank. Train runs CheckDistributedConfig on it first.
+  Communicator* comm = nullptr;
 };
+
+// Whether the trainer runs on this layout of `ranks` ranks (from
+// CheckDistributedConfig): the ring of experts (expert > 1) is not
+// implemented yet, and the global batch must divide over the FSDP ranks.
+// The same answer on every rank.
+Status CheckTrainLayout(const TrainConfig& config, const ParallelLayout& layout, int ranks);
 
 // Runs (or resumes) the run the config describes. Errors: InvalidArgument /
 // NotFound / FailedPrecondition for bad input (flags, data, a checkpoint of

@@ -1,8 +1,8 @@
 """`fp8moe train` as a hostile user runs it (docs/robustness.md): every flag
 with bad values, a model too large for the memory cap, datasets that are not
 files, checkpoints mutated at random (each resume must exit 2 naming the file
-and leave it byte for byte as it was), and mpirun with several ranks. Every
-run has a timeout, so a hang fails the test instead of stalling CI."""
+and leave it byte for byte as it was), and mpirun with several ranks (one run, written once).
+Every run has a timeout, so a hang fails the test instead of stalling CI."""
 import os
 import pathlib
 import random
@@ -256,21 +256,31 @@ MPI = shutil.which("mpirun")
 
 @pytest.mark.skipif(MPI is None, reason="no mpirun on this machine")
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_mpirun_with_several_ranks_is_refused(fp8moe_bin, tmp_path, ranks):
-    """`fp8moe train` runs on one rank: N copies would each train the same run
-    and write the same directory at once. Refused on every rank, exit 2, no
-    directory written."""
-    env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+def test_mpirun_ranks_write_one_run_once(fp8moe_bin, tmp_path, ranks):
+    """Under mpirun the ranks train one run (FSDP): rank 0 alone holds the run
+    lock and writes, so metrics.jsonl has every logged step once and the
+    summary and checkpoints are one rank's. Uneven ranks refuse a global batch
+    that does not divide, on every rank, with nothing written."""
+    import json
+    env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    batch = 6 if ranks == 3 else 4
     cmd = [MPI, "-np", str(ranks), "--oversubscribe", fp8moe_bin, "train",
-           f"base_output_directory={tmp_path}", "run_name=mpi", *TINY, "steps=2"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
-    assert p.stderr.count("fp8moe train runs on one rank") >= 1, p.stderr
-    assert not (tmp_path / "mpi").exists()
-    # One rank under mpirun is a plain run.
-    cmd[2] = "1"
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
+           f"base_output_directory={tmp_path}", "run_name=mpi",
+           *[f for f in TINY if not f.startswith(("log_period=", "per_device_batch_size="))],
+           "steps=4",
+           "log_period=1", f"per_device_batch_size={batch}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    steps = [json.loads(line)["step"] for line in (tmp_path / "mpi" / "metrics.jsonl").open()]
+    assert steps == sorted(set(steps)) and steps[-1] == 4, steps
+    assert (tmp_path / "mpi" / "summary.json").exists()
+    cmd[cmd.index(f"per_device_batch_size={batch}")] = f"per_device_batch_size={batch + 1}"
+    cmd[cmd.index("run_name=mpi")] = "run_name=uneven"
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.count("does not divide over ici_fsdp_parallelism") == ranks, p.stderr
+    assert not (tmp_path / "uneven").exists()
 
 
 def test_a_second_trainer_on_the_same_run_is_refused(fp8moe_bin, tmp_path):

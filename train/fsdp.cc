@@ -1,0 +1,242 @@
+// FSDP state of one rank (train/fsdp.h).
+#include "train/fsdp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "train/optimizer.h"
+
+namespace fp8moe::internal {
+
+Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<double>& local) {
+  const size_t n = local.size();
+  std::vector<double> all(n * static_cast<size_t>(comm.size()));
+  FP8MOE_RETURN_IF_ERROR(
+      comm.AllGather(local.data(), all.data(), static_cast<int64_t>(n), DType::kF64));
+  std::vector<double> sum(n, 0.0);
+  for (int r = 0; r < comm.size(); ++r) {
+    for (size_t i = 0; i < n; ++i) sum[i] += all[static_cast<size_t>(r) * n + i];
+  }
+  return sum;
+}
+
+Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
+                                                     const ModelParams& like) {
+  std::unique_ptr<FsdpState> s(new FsdpState(comm));
+  const auto named = like.Named();
+  s->units_.emplace_back();  // unit 0: the dense tensors
+  s->parts_.resize(named.size());
+  for (size_t k = 0; k < named.size(); ++k) {
+    const auto& [name, t] = named[k];
+    s->names_.push_back(name);
+    s->decay_.push_back(t->rank() >= 2);
+    const bool expert =
+        name.starts_with("layers.") && (name.ends_with(".wi") || name.ends_with(".wo"));
+    if (expert) s->units_.emplace_back();
+    Unit& u = expert ? s->units_.back() : s->units_[0];
+    u.expert = expert;
+    u.members.push_back(k);
+    u.offsets.push_back(u.total);
+    s->parts_[k].unit = expert ? s->units_.size() - 1 : 0;
+    u.total += static_cast<int64_t>(t->num_elements());
+  }
+  for (Unit& u : s->units_) {
+    u.range = GetShardRange(u.total, comm.size(), comm.rank());
+    for (Tensor* t : {&u.master, &u.m, &u.v, &u.g}) {
+      FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(DType::kF32, {u.range.size()}));
+    }
+    if (u.members.size() > 1) {
+      FP8MOE_ASSIGN_OR_RETURN(u.staging, Tensor::Create(DType::kF32, {u.total}));
+    }
+    for (size_t i = 0; i < u.members.size(); ++i) {
+      const int64_t lo = u.offsets[i];
+      const int64_t hi = lo + static_cast<int64_t>(named[u.members[i]].second->num_elements());
+      const int64_t b = std::max(lo, u.range.begin), e = std::min(hi, u.range.end);
+      Part& p = s->parts_[u.members[i]];
+      p.begin = b - lo;
+      p.size = std::max<int64_t>(0, e - b);
+      p.at = b - u.range.begin;
+    }
+  }
+  return s;
+}
+
+const float* FsdpState::Whole(
+    Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors) {
+  if (u.members.size() == 1) return tensors[u.members[0]].second->data_as<float>();
+  float* flat = u.staging.data_as<float>();
+  for (size_t i = 0; i < u.members.size(); ++i) {
+    const Tensor& t = *tensors[u.members[i]].second;
+    std::memcpy(flat + u.offsets[i], t.data(), t.num_bytes());
+  }
+  return flat;
+}
+
+Status FsdpState::GatherUnit(Unit& u, const Tensor& shard,
+                             const std::vector<std::pair<std::string, Tensor*>>& tensors) {
+  if (u.members.size() == 1) {
+    return comm_.AllGatherShards(shard.data(), tensors[u.members[0]].second->data(), u.total,
+                                 DType::kF32);
+  }
+  FP8MOE_RETURN_IF_ERROR(
+      comm_.AllGatherShards(shard.data(), u.staging.data(), u.total, DType::kF32));
+  const float* flat = u.staging.data_as<float>();
+  for (size_t i = 0; i < u.members.size(); ++i) {
+    Tensor& t = *tensors[u.members[i]].second;
+    std::memcpy(t.data(), flat + u.offsets[i], t.num_bytes());
+  }
+  return OkStatus();
+}
+
+void FsdpState::Slice(const ModelParams& params, const ModelParams& m, const ModelParams& v) {
+  const auto p = params.Named(), ms = m.Named(), vs = v.Named();
+  for (Unit& u : units_) {
+    const size_t bytes = static_cast<size_t>(u.range.size()) * sizeof(float);
+    std::memcpy(u.master.data(), Whole(u, p) + u.range.begin, bytes);
+    std::memcpy(u.m.data(), Whole(u, ms) + u.range.begin, bytes);
+    std::memcpy(u.v.data(), Whole(u, vs) + u.range.begin, bytes);
+  }
+}
+
+Status FsdpState::GatherParams(ModelParams* params, bool skip_experts) {
+  const auto p = params->Named();
+  for (Unit& u : units_) {
+    if (skip_experts && u.expert) continue;
+    FP8MOE_RETURN_IF_ERROR(GatherUnit(u, u.master, p));
+  }
+  return OkStatus();
+}
+
+Status FsdpState::GatherAll(ModelParams* params, ModelParams* m, ModelParams* v) {
+  FP8MOE_RETURN_IF_ERROR(GatherParams(params, /*skip_experts=*/false));
+  const auto ms = m->Named(), vs = v->Named();
+  for (Unit& u : units_) {
+    FP8MOE_RETURN_IF_ERROR(GatherUnit(u, u.m, ms));
+    FP8MOE_RETURN_IF_ERROR(GatherUnit(u, u.v, vs));
+  }
+  return OkStatus();
+}
+
+Status FsdpState::ReduceGradients(const ModelParams& grads) {
+  const auto g = grads.Named();
+  const float inv = 1.0f / static_cast<float>(comm_.size());
+  for (Unit& u : units_) {
+    FP8MOE_RETURN_IF_ERROR(comm_.ReduceScatterShards(Whole(u, g), u.g.data(), u.total,
+                                                     DType::kF32, ReduceOp::kSum));
+    if (comm_.size() > 1) {
+      float* d = u.g.data_as<float>();
+      for (int64_t i = 0; i < u.range.size(); ++i) d[i] *= inv;
+    }
+  }
+  return OkStatus();
+}
+
+Result<FsdpState::GradientCheck> FsdpState::CheckGradients() {
+  // In Named() order, element by element: on one rank the bits of the
+  // single-process loop.
+  double first = static_cast<double>(names_.size()), sum = 0;
+  for (size_t k = 0; k < names_.size(); ++k) {
+    const Part& p = parts_[k];
+    const float* d = units_[p.unit].g.data_as<float>() + p.at;
+    for (int64_t i = 0; i < p.size; ++i) {
+      if (!std::isfinite(d[i]) && first == static_cast<double>(names_.size())) {
+        first = static_cast<double>(k);
+      }
+      sum += static_cast<double>(d[i]) * d[i];
+    }
+  }
+  const double mine[2] = {first, sum};
+  std::vector<double> all(2 * static_cast<size_t>(comm_.size()));
+  FP8MOE_RETURN_IF_ERROR(comm_.AllGather(mine, all.data(), 2, DType::kF64));
+  double lowest = static_cast<double>(names_.size()), total = 0;
+  for (int r = 0; r < comm_.size(); ++r) {  // rank order: the same bits everywhere
+    lowest = std::min(lowest, all[2 * static_cast<size_t>(r)]);
+    total += all[2 * static_cast<size_t>(r) + 1];
+  }
+  GradientCheck c;
+  const size_t k = static_cast<size_t>(lowest);
+  if (k < names_.size()) c.first_nonfinite = names_[k];
+  c.norm = std::sqrt(total);
+  return c;
+}
+
+Result<std::string> FsdpState::FirstNonFiniteMaster() {
+  double first = static_cast<double>(names_.size());
+  for (size_t k = 0; k < names_.size() && first == static_cast<double>(names_.size()); ++k) {
+    const Part& p = parts_[k];
+    const float* d = units_[p.unit].master.data_as<float>() + p.at;
+    for (int64_t i = 0; i < p.size; ++i) {
+      if (!std::isfinite(d[i])) {
+        first = static_cast<double>(k);
+        break;
+      }
+    }
+  }
+  std::vector<double> all(static_cast<size_t>(comm_.size()));
+  FP8MOE_RETURN_IF_ERROR(comm_.AllGather(&first, all.data(), 1, DType::kF64));
+  double lowest = static_cast<double>(names_.size());
+  for (const double a : all) lowest = std::min(lowest, a);
+  const size_t k = static_cast<size_t>(lowest);
+  return k < names_.size() ? names_[k] : std::string();
+}
+
+void FsdpState::AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr,
+                      double grad_scale) {
+  for (size_t k = 0; k < names_.size(); ++k) {
+    const Part& p = parts_[k];
+    Unit& u = units_[p.unit];
+    AdamWSpan(ctx, config, t, lr, grad_scale, decay_[k], u.g.data_as<float>() + p.at,
+              u.master.data_as<float>() + p.at, u.m.data_as<float>() + p.at,
+              u.v.data_as<float>() + p.at, p.size);
+  }
+}
+
+size_t FsdpState::ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status* error) const {
+  const std::string want = "layers." + std::to_string(layer) + (wo ? ".wo" : ".wi");
+  for (size_t k = 0; k < names_.size(); ++k) {
+    if (names_[k] != want) continue;
+    const Unit& u = units_[parts_[k].unit];
+    if (u.expert && shape.size() == 3 && shape[0] * shape[1] * shape[2] == u.total) {
+      return parts_[k].unit;
+    }
+  }
+  *error = Internal("FSDP has no expert weight " + want + " shaped " + ShapeToString(shape));
+  return units_.size();
+}
+
+Status FsdpState::Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
+                           const Calibration& calib, uint8_t* codes, float* scale,
+                           Fp8Health* health) {
+  Status error;
+  const size_t k = ExpertUnit(layer, wo, shape, &error);
+  if (k == units_.size()) return error;
+  Unit& u = units_[k];
+  const int64_t sent = comm_.bytes_sent();
+  FP8MOE_RETURN_IF_ERROR(GatherFp8Weight(comm_, u.master.data_as<float>(), shape[0], shape[1],
+                                         shape[2], dtype, calib, codes, scale, scratch_));
+  expert_gather_bytes_ += comm_.bytes_sent() - sent;
+  *health = {};
+  if (count_health_) {
+    // Integer counts of this rank's range, summed over the ranks.
+    const Fp8HealthCounts mine =
+        CountFp8Health(codes + u.range.begin, u.master.data_as<float>(), u.range.size(), dtype);
+    int64_t counts[2] = {mine.saturated, mine.flushed};
+    FP8MOE_RETURN_IF_ERROR(comm_.AllReduce(counts, counts, 2, DType::kI64, ReduceOp::kSum));
+    *health = Fp8HealthCounts{counts[0], counts[1], u.total}.Fractions();
+  }
+  return OkStatus();
+}
+
+Status FsdpState::RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) {
+  Status error;
+  const size_t k = ExpertUnit(layer, wo, shape, &error);
+  if (k == units_.size()) return error;
+  Unit& u = units_[k];
+  const int64_t sent = comm_.bytes_sent();
+  FP8MOE_RETURN_IF_ERROR(GatherBf16Weight(comm_, u.master.data_as<float>(), u.total, out));
+  expert_gather_bytes_ += comm_.bytes_sent() - sent;
+  return OkStatus();
+}
+
+}  // namespace fp8moe::internal

@@ -1,0 +1,119 @@
+// FSDP state of one rank (internal to train/; docs/distributed.md): every
+// parameter's f32 master and AdamW moments sharded flat over the FSDP group by
+// GetShardRange (ZeRO-3's flat layout: AdamW is elementwise, so each rank
+// updates only its range), the weights gathered whole once per step, the
+// gradients reduce-scattered. On one rank every shard is the whole tensor and
+// every collective a copy, so the single-rank trainer runs this same code and
+// its bits are those of the plain loop.
+#ifndef FP8MOE_TRAIN_FSDP_H_
+#define FP8MOE_TRAIN_FSDP_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fp8moe/communicator.h"
+#include "fp8moe/context.h"
+#include "fp8moe/dist.h"
+#include "fp8moe/model.h"
+#include "fp8moe/moe.h"
+#include "fp8moe/train.h"
+
+namespace fp8moe::internal {
+
+// Sums of per-rank values, the same bits on every rank: all-gathered, then
+// added in rank order in double (the ring's reductions have no f64).
+Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<double>& local);
+
+// The layout: the dense tensors (embedding, attention, router, norms, LM
+// head) are one flat vector, sharded as a whole, so a step gathers them and
+// reduce-scatters their gradients in one collective each instead of one per
+// tensor (every collective is a point where all ranks wait for the slowest;
+// the small model's step went from ~55 collectives to ~18). Each expert
+// weight is sharded on its own, the flat layout GatherFp8Weight expects.
+class FsdpState : public ExpertWeightSource {
+ public:
+  // Shards of tensors shaped like `like` over `comm` (the FSDP group).
+  static Result<std::unique_ptr<FsdpState>> Create(Communicator& comm, const ModelParams& like);
+
+  // Keeps this rank's range of every tensor (initial weights, or a
+  // checkpoint's whole tensors: resharding is slicing).
+  void Slice(const ModelParams& params, const ModelParams& m, const ModelParams& v);
+
+  // The f32 masters gathered whole into *params; with skip_experts the
+  // expert weights wi / wo are left out (their codes or bf16 copies come
+  // through this ExpertWeightSource instead).
+  Status GatherParams(ModelParams* params, bool skip_experts);
+  // Masters and moments gathered whole (for a checkpoint).
+  Status GatherAll(ModelParams* params, ModelParams* m, ModelParams* v);
+
+  // grads: this rank's whole gradient of its local mean loss. Reduce-scatters
+  // (f32 sum, the ring's fixed order) and scales by 1 / size: the gradient of
+  // the global mean loss, this rank's range.
+  Status ReduceGradients(const ModelParams& grads);
+  struct GradientCheck {
+    std::string first_nonfinite;  // the first tensor (Named() order) with a
+                                  // NaN or an infinity on any rank, or ""
+    double norm = 0;              // sqrt of the sum of squares, every rank
+  };
+  // Collective (one all-gather).
+  Result<GradientCheck> CheckGradients();
+  void AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale);
+  // The first tensor (Named() order) whose master weights hold a NaN or an
+  // infinity on any rank, or "". Collective (one all-gather).
+  Result<std::string> FirstNonFiniteMaster();
+
+  // Whether Quantize counts the codes' FP8 health (one all-reduce per
+  // tensor): the trainer asks only on the steps that log it.
+  void set_count_health(bool on) { count_health_ = on; }
+
+  // ExpertWeightSource: gather8 (GatherFp8Weight) and the bf16 gather.
+  Status Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
+                  const Calibration& calib, uint8_t* codes, float* scale,
+                  Fp8Health* health) override;
+  Status RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) override;
+
+  // Bytes this rank sent for the expert weights' gathers (codes and amax
+  // all-reduce, or bf16) since it was created.
+  int64_t expert_gather_bytes() const { return expert_gather_bytes_; }
+
+ private:
+  // A sharded unit: one expert tensor, or every dense tensor back to back.
+  struct Unit {
+    std::vector<size_t> members;   // tensor indices (Named() order)
+    std::vector<int64_t> offsets;  // each member's place in the unit
+    int64_t total = 0;
+    ShardRange range;
+    bool expert = false;
+    Tensor master, m, v, g;  // F32 [range.size()]
+    Tensor staging;          // F32 [total] (units of several tensors)
+  };
+  // Tensor k's part of its unit's shard: elements [begin, begin + size) of
+  // the tensor, at `at` in the unit's shard arrays.
+  struct Part {
+    size_t unit = 0;
+    int64_t begin = 0, size = 0, at = 0;
+  };
+
+  explicit FsdpState(Communicator& comm) : comm_(comm) {}
+  size_t ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status* error) const;
+  // The unit's whole data from `tensors` (staged when it has several).
+  const float* Whole(Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors);
+  // Gathers `shard` of unit u whole into `tensors`.
+  Status GatherUnit(Unit& u, const Tensor& shard,
+                    const std::vector<std::pair<std::string, Tensor*>>& tensors);
+
+  Communicator& comm_;
+  std::vector<std::string> names_;
+  std::vector<bool> decay_;  // matrices: weight decay applies
+  std::vector<Part> parts_;  // per tensor
+  std::vector<Unit> units_;
+  DistScratch scratch_;
+  int64_t expert_gather_bytes_ = 0;
+  bool count_health_ = true;
+};
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_TRAIN_FSDP_H_
