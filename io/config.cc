@@ -274,8 +274,55 @@ std::string FileLine(const std::string& path, const YAML::Mark& mark) {
   return path + " line " + std::to_string(mark.line + 1);
 }
 
+// The byte offset of the first malformed UTF-8 sequence in text (overlong
+// forms, surrogates and code points past U+10FFFF included), or -1. yaml-cpp
+// 0.7 loops forever on some invalid bytes (0xFF after a plain scalar's start
+// was found by config_fuzz), so text is checked before it reaches the parser.
+int64_t FirstInvalidUtf8(const std::string& text) {
+  const auto* b = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned c = b[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp;
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2, cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3, cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4, cp = c & 0x07;
+    } else {
+      return static_cast<int64_t>(i);
+    }
+    if (i + len > n) return static_cast<int64_t>(i);
+    for (size_t k = 1; k < len; ++k) {
+      if ((b[i + k] & 0xC0) != 0x80) return static_cast<int64_t>(i);
+      cp = (cp << 6) | (b[i + k] & 0x3F);
+    }
+    const bool overlong = (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000);
+    if (overlong || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) {
+      return static_cast<int64_t>(i);
+    }
+    i += len;
+  }
+  return -1;
+}
+
 Status ApplyYaml(const ConfigSchema& schema, const std::string& path,
                  const std::string& text, Config* config) {
+  if (const int64_t at = FirstInvalidUtf8(text); at >= 0) {
+    const int64_t line = 1 + std::count(text.begin(), text.begin() + at, '\n');
+    char byte[8];
+    std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[at]));
+    return InvalidArgument("config file '" + path + "' is not valid UTF-8: byte " + byte +
+                           " at offset " + std::to_string(at) + " (line " +
+                           std::to_string(line) + "); save it as UTF-8");
+  }
   std::vector<YAML::Node> docs;
   try {
     docs = YAML::LoadAll(text);

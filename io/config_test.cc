@@ -563,4 +563,29 @@ TEST_F(ConfigFileTest, LoadConfigTextMatchesLoadConfig) {
 }
 
 }  // namespace
+
+TEST_F(ConfigFileTest, InvalidUtf8IsRefusedBeforeTheParser) {
+  // yaml-cpp 0.7 never returned on this input (config_fuzz found it): a 0xFF
+  // byte where a plain scalar starts. Every malformed UTF-8 form is refused
+  // with its offset and line; valid multi-byte text still parses.
+  const std::string hang = std::string(",ed_buffer_factor: \xff.inf\n");
+  auto r = LoadConfigText(schema_, hang, "fuzz.yml", {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("not valid UTF-8: byte 0xFF at offset 19 (line 1)"),
+            std::string::npos)
+      << r.status().message();
+  for (const std::string bad : {"run_name: \xc0\xaf\n",           // overlong '/'
+                                "run_name: \xed\xa0\x80\n",       // surrogate
+                                "run_name: \xf4\x90\x80\x80\n",  // past U+10FFFF
+                                "run_name: \xe2\x82\n",            // truncated
+                                "a: 1\nrun_name: \x80\n"}) {        // lone continuation
+    auto b = LoadConfigText(schema_, bad, "bad.yml", {});
+    ASSERT_FALSE(b.ok()) << bad;
+    EXPECT_NE(b.status().message().find("not valid UTF-8"), std::string::npos)
+        << b.status().message();
+  }
+  auto multi = LoadConfigText(schema_, "run_name: r\xc3\xa9sum\xc3\xa9\n", "ok.yml", {});
+  EXPECT_TRUE(multi.ok()) << multi.status().message();
+}
+
 }  // namespace fp8moe

@@ -38,9 +38,12 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c) {
           k = Pos(m.moe.num_experts_per_tok);
   TrainMemoryPlan plan;
   // Weights, gradients, AdamW m and v, and the copies a checkpoint save (or
-  // the file a resume reads) holds of weights, m and v: 7 f32 sets.
+  // the file a resume reads) holds of weights, m and v: 7 f32 sets; and the
+  // FSDP state (train/fsdp.h): the shards of master, m, v and gradient (whole
+  // tensors on one rank; the plan does not count on more ranks) and the
+  // staging of the dense unit's gathers: 5 more.
   const U params = ModelParamCount(m);
-  plan.weights_bytes = Saturate(7 * 4 * params);
+  plan.weights_bytes = Saturate(12 * 4 * params);
   // The expert weights as the QAT mode presents them to the GMMs (codes, a
   // BF16 copy, scales: at most 4 bytes an element, every layer), and the f32
   // copies one layer's backward makes (8 bytes an element, one layer).
