@@ -1,6 +1,7 @@
 #include "kernels/gmm_problem.h"
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace fp8moe::internal {
@@ -291,10 +292,19 @@ Result<GmmProblem> CheckTgmm(const GmmOptions& o, const TgmmQuant& quant,
   return p;
 }
 
-double SiluRef(double x) { return x / (1.0 + std::exp(-x)); }
+double SigmoidRef(double x) {
+  if (std::isnan(x)) return x;
+  return 1.0 / (1.0 + std::exp(-x));  // exp overflow gives 1 / inf = +0
+}
+
+double SiluRef(double x) {
+  if (x == -std::numeric_limits<double>::infinity()) return -0.0;  // the limit
+  return x * SigmoidRef(x);
+}
 
 double SiluGradRef(double x) {
-  const double s = 1.0 / (1.0 + std::exp(-x));
+  if (std::isinf(x)) return x > 0 ? 1.0 : -0.0;  // the limits
+  const double s = SigmoidRef(x);
   return s * (1.0 + x * (1.0 - s));
 }
 

@@ -42,7 +42,10 @@ Result<GmmProblem> CheckTgmm(const GmmOptions& options, const TgmmQuant& quant,
 // fast kernel and the reference twin must both use it.
 inline constexpr int64_t kTgmmDefaultQuantTile = 512;
 
-// silu(x) = x * sigmoid(x) and its derivative, in double (reference) form.
+// sigmoid, silu(x) = x * sigmoid(x) and silu', in double (reference) form,
+// with the promises of docs/numerics.md at +-inf and NaN: sigmoid(-inf) = 0,
+// silu(-inf) = -0, silu'(+inf) = 1, silu'(-inf) = -0, NaN -> NaN.
+double SigmoidRef(double x);
 double SiluRef(double x);
 double SiluGradRef(double x);
 

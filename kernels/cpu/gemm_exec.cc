@@ -24,8 +24,8 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/gemm_exec.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "kernels/cpu/activation-inl.h"
 #include "kernels/cpu/microkernels-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -119,64 +119,6 @@ void LoadRow(const void* in, DType dtype, int64_t n, float* v) {
 
 void* RowPtr(void* base, DType dtype, int64_t row, int64_t ld, int64_t col) {
   return static_cast<uint8_t*>(base) + (row * ld + col) * DTypeSize(dtype);
-}
-
-// silu and its derivative over rows, vectorised. The tail runs the same
-// vector code on a padded copy, so an element's bits never depend on where
-// a tile boundary puts it.
-template <class D, class V = hn::Vec<D>>
-HWY_INLINE V Sigmoid(D d, V g) {
-  const auto one = hn::Set(d, 1.0f);
-  return hn::Div(one, hn::Add(one, hn::Exp(d, hn::Neg(g))));
-}
-
-// out = silu(gate) * up
-void SiluMulRow(const float* gate, const float* up, int64_t n, float* out) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  auto one = [&](const float* g_in, const float* u_in, float* o) {
-    const auto g = hn::LoadU(d, g_in);
-    hn::StoreU(hn::Mul(hn::Mul(g, Sigmoid(d, g)), hn::LoadU(d, u_in)), d, o);
-  };
-  int64_t j = 0;
-  for (; j + N <= n; j += N) one(gate + j, up + j, out + j);
-  if (j < n) {
-    HWY_ALIGN float g[hn::MaxLanes(d)] = {}, u[hn::MaxLanes(d)] = {}, o[hn::MaxLanes(d)];
-    const size_t bytes = static_cast<size_t>(n - j) * sizeof(float);
-    std::memcpy(g, gate + j, bytes);
-    std::memcpy(u, up + j, bytes);
-    one(g, u, o);
-    std::memcpy(out + j, o, bytes);
-  }
-}
-
-// dgate = da * up * silu'(gate), dup = da * silu(gate); dgate may alias da.
-void DSiluRow(const float* da, const float* gate, const float* up, int64_t n,
-              float* dgate, float* dup) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  auto one = [&](const float* a_in, const float* g_in, const float* u_in, float* dg,
-                 float* du) {
-    const auto g = hn::LoadU(d, g_in);
-    const auto a = hn::LoadU(d, a_in);
-    const auto sig = Sigmoid(d, g);
-    const auto dsilu = hn::Mul(sig, hn::MulAdd(g, hn::Sub(hn::Set(d, 1.0f), sig), hn::Set(d, 1.0f)));
-    hn::StoreU(hn::Mul(hn::Mul(a, hn::LoadU(d, u_in)), dsilu), d, dg);
-    hn::StoreU(hn::Mul(a, hn::Mul(g, sig)), d, du);
-  };
-  int64_t j = 0;
-  for (; j + N <= n; j += N) one(da + j, gate + j, up + j, dgate + j, dup + j);
-  if (j < n) {
-    HWY_ALIGN float a[hn::MaxLanes(d)] = {}, g[hn::MaxLanes(d)] = {}, u[hn::MaxLanes(d)] = {};
-    HWY_ALIGN float dg[hn::MaxLanes(d)], du[hn::MaxLanes(d)];
-    const size_t bytes = static_cast<size_t>(n - j) * sizeof(float);
-    std::memcpy(a, da + j, bytes);
-    std::memcpy(g, gate + j, bytes);
-    std::memcpy(u, up + j, bytes);
-    one(a, g, u, dg, du);
-    std::memcpy(dgate + j, dg, bytes);
-    std::memcpy(dup + j, du, bytes);
-  }
 }
 
 // Writes an item's finished tile C [rows x width] (f32 or int32).
