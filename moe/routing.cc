@@ -13,7 +13,10 @@ namespace {
 // can never read or write out of bounds.
 int64_t Clamp(int64_t i, int64_t n) { return std::min(std::max<int64_t>(i, 0), n - 1); }
 
+// Zero-width rows copy nothing (their buffers may be null: memcpy must not
+// see them).
 void RowToF32(const void* buffer, DType dtype, int64_t row, int64_t cols, float* out) {
+  if (cols <= 0) return;
   if (dtype == DType::kF32) {
     std::memcpy(out, static_cast<const float*>(buffer) + row * cols,
                 static_cast<size_t>(cols) * sizeof(float));
@@ -24,6 +27,7 @@ void RowToF32(const void* buffer, DType dtype, int64_t row, int64_t cols, float*
 }
 
 void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t row) {
+  if (cols <= 0) return;
   if (dtype == DType::kF32) {
     std::memcpy(static_cast<float*>(buffer) + row * cols, v,
                 static_cast<size_t>(cols) * sizeof(float));
