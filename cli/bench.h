@@ -17,11 +17,21 @@ struct BenchOptions {
   bool all_passes = true;   // bench gmm: dlhs and tgmm too (else fwd only)
   int64_t tokens = 4096;    // bench moe: T
   std::vector<int64_t> fwd_tiles;  // bench gmm: forward tiles m, k, n (0 = default)
+  std::string sgemm_core;   // "" : the loaded OpenBLAS core if right for the CPU, else a
+                            // child with a right one; a name: a child with that core
+  std::string sgemm_sizes = "2048x2048x2048";  // bench sgemm: MxKxN[,MxKxN...]
+  int64_t min_payload = int64_t{64} << 10;  // bench comm: smallest payload in bytes
+  int64_t max_payload = int64_t{64} << 20;  // bench comm: largest payload in bytes
 };
 
 int BenchQuant(const BenchOptions& opt);
 int BenchGmm(const BenchOptions& opt);
 int BenchMoe(const BenchOptions& opt);
+// OpenBLAS sgemm in this process as loaded (the other benches run it in a
+// child with OPENBLAS_CORETYPE set when the loaded core is a fallback).
+int BenchSgemm(const BenchOptions& opt);
+// Under mpirun: ring collectives vs MPI's own, and the gathers' bytes.
+int BenchComm(const BenchOptions& opt);
 
 }  // namespace fp8moe::bench
 

@@ -1,13 +1,12 @@
 // `fp8moe bench gmm`: GFLOP/s of every GMM pass and mode on the shapes of
-// the issue, each next to OpenBLAS sgemm on a dense GEMM of the same FLOPs
-// measured in the same run; GB/s next to memcpy for the weight-bound decode
-// shape.
+// the issue, each next to ceilings measured in the same run: OpenBLAS sgemm
+// (from a core right for this CPU) on a dense GEMM of the same FLOPs, and the
+// register-only peak of the arithmetic the kernel runs on; GB/s next to the
+// streaming read and memcpy bandwidths for the weight-bound decode shape.
 //
 // FLOPs: 2 * valid_rows * K * N per pass (SwiGLU counts both halves).
 // Bytes (decode): the weight once in its stored type + lhs + output.
 #include <omp.h>
-
-#include <cblas.h>
 
 #include <cstdio>
 #include <cstring>
@@ -20,6 +19,7 @@
 
 #include "cli/bench.h"
 #include "cli/bench_util.h"
+#include "cli/sgemm_ceiling.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
@@ -82,13 +82,21 @@ std::vector<int32_t> GroupSizes(const Shape4& s) {
 struct Row {
   std::string shape, pass, mode;
   double seconds, gflops, ratio, gbs = 0, gbs_ratio = 0, read_ratio = 0;
+  std::string bound = {};      // the peak that bounds this row's arithmetic
+  double peak_ratio = 0;       // gflops / that peak
+  double fma_ratio = 0;        // gflops / the f32 FMA peak
 };
+
+int64_t ValidRows(const Shape4& s) {
+  int64_t valid = 0;
+  for (int32_t v : GroupSizes(s)) valid += v;
+  return valid;
+}
 
 }  // namespace
 
 int BenchGmm(const BenchOptions& opt) {
   omp_set_num_threads(opt.threads);
-  openblas_set_num_threads(opt.threads);
   std::vector<Shape4> shapes = {
       {"train-fill wi", 8, 16384, 1024, 2048, true, false, false},
       {"train-fill wo", 8, 16384, 1024, 1024, false, false, false},
@@ -106,8 +114,14 @@ int BenchGmm(const BenchOptions& opt) {
   }
   std::mt19937 rng(7);
   std::vector<Row> rows;
-  const double memcpy_gbs = MemcpyGBs(size_t{256} << 20, opt.threads, opt.reps);
-  const double read_gbs = ReadGBs(size_t{256} << 20, opt.threads, opt.reps);
+  const MachineCeilings ceil = MeasureMachineCeilings(opt.threads, opt.reps, size_t{256} << 20);
+  const double memcpy_gbs = ceil.memcpy_gbs, read_gbs = ceil.read_gbs;
+  const double fma_gflops = ceil.peaks.Get(PeakKind::kF32Fma).gops;
+  // sgemm ceiling of each shape: a dense [valid rows, K] x [K, N], same FLOPs.
+  std::vector<SgemmShape> sgemm_shapes;
+  for (const Shape4& s : shapes) sgemm_shapes.push_back({ValidRows(s), s.k, s.n});
+  const SgemmCeiling sgemm =
+      MeasureSgemmCeiling(sgemm_shapes, opt.threads, opt.reps, opt.sgemm_core);
   for (const Shape4& s : shapes) {
     const std::vector<int32_t> sizes = GroupSizes(s);
     int64_t valid = 0;
@@ -116,17 +130,21 @@ int BenchGmm(const BenchOptions& opt) {
     std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
     const double flops = 2.0 * static_cast<double>(valid) * s.k * s.n;
 
-    // Ceiling: a dense sgemm of the same FLOPs, [valid, K] x [K, N].
-    Tensor a = RandomF32(rng, {valid, s.k}, 1.0f), b = RandomF32(rng, {s.k, s.n}, 0.03f);
-    Tensor c = New(DType::kF32, {valid, s.n});
-    const double t_sgemm = BestSeconds(opt.reps, [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(valid),
-                  static_cast<int>(s.n), static_cast<int>(s.k), 1.0f, a.data_as<float>(),
-                  static_cast<int>(s.k), b.data_as<float>(), static_cast<int>(s.n), 0.0f,
-                  c.data_as<float>(), static_cast<int>(s.n));
-    });
-    const double sgemm_gflops = flops / t_sgemm / 1e9;
-    rows.push_back({s.name, "sgemm", "openblas", t_sgemm, sgemm_gflops, 1.0});
+    // "x sgemm": to sgemm from a right core, else (loudly) to the FMA peak.
+    const size_t si = static_cast<size_t>(&s - shapes.data());
+    const double gemm_ceiling = sgemm.trusted ? sgemm.Gflops(sgemm_shapes, si) : fma_gflops;
+    auto ratios = [&](Row& r, KernelArith arith) {
+      const Peak& bound = BoundingPeak(ceil.peaks, arith);
+      r.ratio = r.gflops / gemm_ceiling;
+      r.bound = PeakName(bound.kind);
+      r.peak_ratio = r.gflops / bound.gops;
+      r.fma_ratio = r.gflops / fma_gflops;
+    };
+    if (sgemm.seconds[si] > 0) {
+      Row r{s.name, "sgemm", "openblas", sgemm.seconds[si], sgemm.Gflops(sgemm_shapes, si), 0};
+      ratios(r, KernelArith::kF32);
+      rows.push_back(r);
+    }
 
     // Operands in every representation.
     Tensor x32 = RandomF32(rng, {s.m, s.k}, 1.0f);
@@ -147,7 +165,8 @@ int BenchGmm(const BenchOptions& opt) {
     auto add = [&](const std::string& pass, const std::string& mode, double weight_bytes,
                    const std::function<void()>& fn) {
       const double t = BestSeconds(opt.reps, fn);
-      Row r{s.name, pass, mode, t, flops / t / 1e9, flops / t / 1e9 / sgemm_gflops};
+      Row r{s.name, pass, mode, t, flops / t / 1e9, 0};
+      ratios(r, ArithOfMode(mode));
       if (s.weight_bound) {
         r.gbs = weight_bytes / t / 1e9;
         r.gbs_ratio = r.gbs / memcpy_gbs;
@@ -217,23 +236,28 @@ int BenchGmm(const BenchOptions& opt) {
   Table t;
   t.title = "fp8moe bench gmm: " + std::to_string(opt.threads) + " threads, SIMD " +
             SimdTargetName();
-  t.columns = {"shape", "pass",  "mode",     "ms",    "GFLOP/s",
-               "x sgemm", "GB/s", "x memcpy", "x read"};
+  t.columns = {"shape", "pass", "mode", "ms", "GFLOP/s", sgemm.trusted ? "x sgemm" : "x FMA peak!",
+               "x peak", "peak", "GB/s", "x memcpy", "x read"};
   nlohmann::json js = nlohmann::json::array();
   for (const Row& r : rows) {
     t.rows.push_back({r.shape, r.pass, r.mode, Fixed(r.seconds * 1e3, 2), Fixed(r.gflops, 1),
-                      Fixed(r.ratio, 2), r.gbs > 0 ? Fixed(r.gbs, 1) : "",
-                      r.gbs > 0 ? Fixed(r.gbs_ratio, 2) : "",
+                      Fixed(r.ratio, 2), Fixed(r.peak_ratio, 2), r.bound,
+                      r.gbs > 0 ? Fixed(r.gbs, 1) : "", r.gbs > 0 ? Fixed(r.gbs_ratio, 2) : "",
                       r.gbs > 0 ? Fixed(r.read_ratio, 2) : ""});
     js.push_back({{"shape", r.shape}, {"pass", r.pass}, {"mode", r.mode}, {"seconds", r.seconds},
-                  {"gflops", r.gflops}, {"ratio_to_sgemm", r.ratio}, {"gbs", r.gbs},
+                  {"gflops", r.gflops},
+                  {"ratio_to_sgemm", sgemm.trusted ? nlohmann::json(r.ratio) : nlohmann::json()},
+                  {"bound_peak", r.bound}, {"ratio_to_peak", r.peak_ratio},
+                  {"ratio_to_fma_peak", r.fma_ratio}, {"gbs", r.gbs},
                   {"ratio_to_memcpy", r.gbs_ratio}, {"ratio_to_read", r.read_ratio}});
   }
-  t.notes.push_back("sgemm: OpenBLAS " + std::string(openblas_get_corename()) +
-                    ", dense [valid rows, K] x [K, N], same FLOPs, same run");
-  t.notes.push_back("memcpy ceiling (same run): " + Fixed(memcpy_gbs, 1) +
-                    " GB/s read+written; streaming read ceiling: " + Fixed(read_gbs, 1) +
-                    " GB/s; decode GB/s counts weight (stored type) + activations + output");
+  t.notes.push_back("sgemm rows: dense [valid rows, K] x [K, N], the same FLOPs as the shape; "
+                    "their 'x peak' is sgemm / f32 FMA peak (a good sgemm reaches 0.7-0.95)");
+  t.notes.push_back("x peak: GFLOP/s over the measured peak of the arithmetic the kernel runs "
+                    "(column 'peak'; bf16/fp8 modes use f32 FMA unless the kernels use vdpbf16ps)");
+  for (const std::string& n : SgemmNotes(sgemm)) t.notes.push_back(n);
+  for (const std::string& n : CeilingNotes(ceil)) t.notes.push_back(n);
+  t.notes.push_back("decode GB/s counts weight (stored type) + activations + output");
   // The decode question: how much faster is reading fp8 weights than bf16.
   auto seconds_of = [&](const std::string& shape, const std::string& mode) {
     for (const Row& r : rows) {
@@ -274,6 +298,7 @@ int BenchGmm(const BenchOptions& opt) {
   if (opt.json) {
     nlohmann::json j = {{"bench", "gmm"}, {"threads", opt.threads},
                         {"simd_target", SimdTargetName()}, {"memcpy_gbs", memcpy_gbs}, {"read_gbs", read_gbs},
+                        {"ceilings", CeilingsJson(ceil)}, {"sgemm", SgemmJson(sgemm, sgemm_shapes)},
                         {"rows", js}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {

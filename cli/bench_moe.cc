@@ -2,12 +2,12 @@
 // issue's shape (T=4096, D=1024, F=1024, E=8, k=2): time, the native / fake
 // QAT ratio, and the memory high-water mark of each step (all tensors and
 // kernel scratch the library allocates, counted by fp8moe/memory.h), next to
-// the time of the same FLOPs in OpenBLAS sgemm measured in the same run.
+// ceilings measured in the same run: OpenBLAS sgemm (from a core right for
+// this CPU) on the step's largest GEMM shape, and the register-only peak of
+// the arithmetic most of the step's FLOPs run on.
 //
 // FLOPs per step: forward 2 * T*k * (D*2F + F*D), backward twice that.
 #include <omp.h>
-
-#include <cblas.h>
 
 #include <cstdio>
 #include <random>
@@ -18,6 +18,7 @@
 
 #include "cli/bench.h"
 #include "cli/bench_util.h"
+#include "cli/sgemm_ceiling.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/moe.h"
@@ -42,7 +43,6 @@ struct Mode {
 
 int BenchMoe(const BenchOptions& opt) {
   omp_set_num_threads(opt.threads);
-  openblas_set_num_threads(opt.threads);
   const int64_t T = opt.tokens, D = 1024, F = 1024, E = 8, k = 2;
   std::mt19937 rng(11);
   Tensor x = RandomF32(rng, {T, D}, 1.0f), dy = RandomF32(rng, {T, D}, 1.0f);
@@ -65,21 +65,22 @@ int BenchMoe(const BenchOptions& opt) {
       {"nanoo_fp8", {"quantization=nanoo_fp8"}},
   };
   const double flops = 3.0 * 2.0 * static_cast<double>(T * k) * (D * 2 * F + F * D);
-  // Ceiling: the same FLOPs as dense sgemms of the step's shapes.
-  Tensor a = RandomF32(rng, {T * k, D}, 1.0f), b = RandomF32(rng, {D, 2 * F}, 0.03f);
-  Tensor c = std::move(Tensor::Create(DType::kF32, {T * k, 2 * F})).value();
-  const double t_sgemm = BestSeconds(opt.reps, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(T * k),
-                static_cast<int>(2 * F), static_cast<int>(D), 1.0f, a.data_as<float>(),
-                static_cast<int>(D), b.data_as<float>(), static_cast<int>(2 * F), 0.0f,
-                c.data_as<float>(), static_cast<int>(2 * F));
-  });
-  const double sgemm_gflops = 2.0 * static_cast<double>(T * k) * D * 2 * F / t_sgemm / 1e9;
+  // Ceilings: the machine's peaks and bandwidths; sgemm of the step's
+  // largest GEMM, [T*k, D] x [D, 2F], from a right core (else, loudly, the
+  // f32 FMA peak stands in for it).
+  const MachineCeilings ceil = MeasureMachineCeilings(opt.threads, opt.reps, size_t{256} << 20);
+  const std::vector<SgemmShape> sgemm_shapes = {{T * k, D, 2 * F}};
+  const SgemmCeiling sgemm =
+      MeasureSgemmCeiling(sgemm_shapes, opt.threads, opt.reps, opt.sgemm_core);
+  const double sgemm_gflops = sgemm.Gflops(sgemm_shapes, 0);
+  const double fma_gflops = ceil.peaks.Get(PeakKind::kF32Fma).gops;
+  const double gemm_ceiling = sgemm.trusted ? sgemm_gflops : fma_gflops;
 
   Table t;
   t.title = "fp8moe bench moe: T=" + std::to_string(T) + " D=1024 F=1024 E=8 k=2, " +
             std::to_string(opt.threads) + " threads, SIMD " + SimdTargetName();
-  t.columns = {"mode", "fwd ms", "bwd ms", "step ms", "GFLOP/s", "x sgemm", "peak MiB"};
+  t.columns = {"mode",   "fwd ms", "bwd ms", "step ms", "GFLOP/s", sgemm.trusted ? "x sgemm" : "x FMA peak!",
+               "x peak", "peak", "peak MiB"};
   nlohmann::json rows = nlohmann::json::array();
   double fake_ms = 0;
   std::vector<std::pair<std::string, double>> steps;
@@ -111,12 +112,19 @@ int BenchMoe(const BenchOptions& opt) {
     if (m.name == "fake_qat") fake_ms = step * 1e3;
     steps.push_back({m.name, step * 1e3});
     const double gf = flops / step / 1e9;
+    // Most of a step's FLOPs run in bf16/fp8 (pair) arithmetic, except in f32
+    // mode (int8 quantizes only the forward, a third of the FLOPs).
+    const Peak& bound = BoundingPeak(
+        ceil.peaks, m.name.rfind("f32", 0) == 0 ? KernelArith::kF32 : KernelArith::kBf16Pairs);
     t.rows.push_back({m.name, Fixed(best_f * 1e3, 1), Fixed(best_b * 1e3, 1), Fixed(step * 1e3, 1),
-                      Fixed(gf, 1), Fixed(gf / sgemm_gflops, 2),
-                      Fixed(static_cast<double>(peak) / (1 << 20), 1)});
+                      Fixed(gf, 1), Fixed(gf / gemm_ceiling, 2), Fixed(gf / bound.gops, 2),
+                      PeakName(bound.kind), Fixed(static_cast<double>(peak) / (1 << 20), 1)});
     rows.push_back({{"mode", m.name}, {"fwd_seconds", best_f}, {"bwd_seconds", best_b},
-                    {"gflops", gf}, {"ratio_to_sgemm", gf / sgemm_gflops},
-                    {"peak_bytes", peak}});
+                    {"gflops", gf},
+                    {"ratio_to_sgemm", sgemm.trusted ? nlohmann::json(gf / sgemm_gflops)
+                                                     : nlohmann::json()},
+                    {"bound_peak", PeakName(bound.kind)}, {"ratio_to_peak", gf / bound.gops},
+                    {"ratio_to_fma_peak", gf / fma_gflops}, {"peak_bytes", peak}});
     if (!opt.json) std::fprintf(stderr, "  %-20s %8.1f ms\n", m.name.c_str(), step * 1e3);
   }
   for (const auto& [name, ms] : steps) {
@@ -125,13 +133,17 @@ int BenchMoe(const BenchOptions& opt) {
                         " (below 1: native is faster)");
     }
   }
-  t.notes.push_back("sgemm ceiling: OpenBLAS " + std::string(openblas_get_corename()) + " " +
-                    Fixed(sgemm_gflops, 1) + " GFLOP/s on [T*k, D] x [D, 2F], same run");
+  t.notes.push_back("sgemm: " + Fixed(sgemm_gflops, 1) + " GFLOP/s on [T*k, D] x [D, 2F] = " +
+                    Fixed(sgemm_gflops / fma_gflops, 2) + " of the f32 FMA peak");
+  for (const std::string& n : SgemmNotes(sgemm)) t.notes.push_back(n);
+  for (const std::string& n : CeilingNotes(ceil)) t.notes.push_back(n);
   t.notes.push_back("peak MiB: high-water of everything fp8moe allocates during one step "
                     "(weights' codes or copies, buffers, scratch), kernel scratch freed before each mode");
   if (opt.json) {
     nlohmann::json j = {{"bench", "moe"}, {"threads", opt.threads}, {"tokens", T},
-                        {"simd_target", SimdTargetName()}, {"sgemm_gflops", sgemm_gflops},
+                        {"simd_target", SimdTargetName()},
+                        {"sgemm_gflops", sgemm.trusted ? nlohmann::json(sgemm_gflops) : nlohmann::json()},
+                        {"ceilings", CeilingsJson(ceil)}, {"sgemm", SgemmJson(sgemm, sgemm_shapes)},
                         {"rows", rows}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {

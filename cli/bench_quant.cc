@@ -1,5 +1,6 @@
 // `fp8moe bench quant`: throughput of every conversion and quantization next
-// to the memcpy bandwidth measured in the same run with the same threads.
+// to the memcpy bandwidth measured in the same run with the same threads (and
+// the machine's other ceilings, printed for reference).
 //
 // Model: all of these are streaming element-wise passes, so the ceiling is
 // memory bandwidth. GB/s counts the bytes a pass must read plus write once
@@ -44,7 +45,8 @@ Tensor MustCreate(DType d, Shape s) {
 
 int BenchQuant(const BenchOptions& opt) {
   const int64_t cols = 1024;
-  const int64_t n = std::max<int64_t>(cols, opt.elements / cols * cols);
+  // At least 8 rows: the per-channel case quantizes [8, rows / 8, cols].
+  const int64_t n = std::max<int64_t>(8 * cols, opt.elements / cols * cols);
   const int64_t rows = n / cols;
   omp_set_num_threads(opt.threads);
 
@@ -53,7 +55,8 @@ int BenchQuant(const BenchOptions& opt) {
   Tensor c8 = MustCreate(DType::kU8, {n});
   Tensor c8b = MustCreate(DType::kU8, {n});
   Tensor h16 = MustCreate(DType::kU16, {n});
-  Tensor scales = MustCreate(DType::kF32, {rows * 8});
+  // Scales: rows x 8 blocks of 128 (row+block128), or 8 x cols (per channel).
+  Tensor scales = MustCreate(DType::kF32, {std::max(rows * 8, 8 * cols)});
   float* xs = x.data_as<float>();
   {
     std::mt19937 rng(1234);
@@ -88,7 +91,11 @@ int BenchQuant(const BenchOptions& opt) {
       {"dequantize row e4m3fn", 5, [&] { DequantizeRows(codes, rows, cols, 0, ss, QuantDType::kE4M3FN, ys); }},
   };
 
-  const double memcpy_gbs = MemcpyGBs(static_cast<size_t>(n) * 4, opt.threads, opt.reps);
+  // The bandwidths over a buffer the size of x, so they see the same caches
+  // as the ops.
+  const MachineCeilings ceil =
+      MeasureMachineCeilings(opt.threads, opt.reps, static_cast<size_t>(n) * 4);
+  const double memcpy_gbs = ceil.memcpy_gbs;
   Table t;
   t.title = "fp8moe bench quant: " + std::to_string(n) + " elements, " +
             std::to_string(opt.threads) + " threads, SIMD " + SimdTargetName();
@@ -103,12 +110,13 @@ int BenchQuant(const BenchOptions& opt) {
                          {"seconds", s}, {"gbs", gbs}, {"ratio_to_memcpy", gbs / memcpy_gbs}});
   }
   t.notes.push_back("memcpy ceiling (same run, " + std::to_string(opt.threads) +
-                    " threads, " + std::to_string(n * 4 >> 20) + " MiB): " +
+                    " threads, " + SizeText(static_cast<size_t>(n) * 4) + "): " +
                     Fixed(memcpy_gbs, 2) + " GB/s (read + write)");
+  for (const std::string& note : CeilingNotes(ceil)) t.notes.push_back(note);
   if (opt.json) {
     nlohmann::json j = {{"bench", "quant"}, {"elements", n}, {"threads", opt.threads},
                         {"simd_target", SimdTargetName()}, {"memcpy_gbs", memcpy_gbs},
-                        {"rows", rows_json}};
+                        {"ceilings", CeilingsJson(ceil)}, {"rows", rows_json}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     t.Print();

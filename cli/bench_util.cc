@@ -30,6 +30,16 @@ double BestSeconds(int reps, const std::function<void()>& fn) {
   return best;
 }
 
+namespace {
+
+// Passes over a buffer per timed run: small buffers are gone over until a
+// run moves >= 64 MiB, so that starting the threads does not dominate.
+size_t PassesFor(size_t bytes) {
+  return std::max<size_t>(1, (size_t{64} << 20) / std::max<size_t>(bytes, 1));
+}
+
+}  // namespace
+
 double MemcpyGBs(size_t bytes, int threads, int reps) {
   // Buffers from the same allocator as the kernels' tensors (2 MiB aligned,
   // huge pages), so the ceiling and the kernels see the same memory system.
@@ -39,16 +49,20 @@ double MemcpyGBs(size_t bytes, int threads, int reps) {
   char* dst = dst_t.data_as<char>();
   std::memset(src, 1, bytes);
   std::memset(dst, 2, bytes);
-  const double t = BestSeconds(reps, [&] {
+  const size_t passes = PassesFor(bytes);
+  const double t = BestSeconds(std::max(reps, 3), [&] {
 #pragma omp parallel num_threads(threads)
     {
       const int nt = omp_get_num_threads(), id = omp_get_thread_num();
       const size_t per = (bytes / nt) & ~size_t{63};
       const size_t b = per * id, e = id == nt - 1 ? bytes : b + per;
-      std::memcpy(dst + b, src + b, e - b);
+      for (size_t p = 0; p < passes; ++p) {
+        std::memcpy(dst + b, src + b, e - b);
+        asm volatile("" ::: "memory");  // every pass is a real copy
+      }
     }
   });
-  return 2.0 * static_cast<double>(bytes) / t / 1e9;
+  return 2.0 * static_cast<double>(bytes * passes) / t / 1e9;
 }
 
 double ReadGBs(size_t bytes, int threads, int reps) {
@@ -57,7 +71,8 @@ double ReadGBs(size_t bytes, int threads, int reps) {
   std::memset(src, 1, bytes);
   const size_t words = bytes / 8;
   volatile uint64_t sink = 0;
-  const double t = BestSeconds(reps, [&] {
+  const size_t passes = PassesFor(bytes);
+  const double t = BestSeconds(std::max(reps, 3), [&] {
     uint64_t total = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
@@ -66,19 +81,121 @@ double ReadGBs(size_t bytes, int threads, int reps) {
       const size_t b = per * static_cast<size_t>(id);
       const size_t e = id == nt - 1 ? words : b + per;
       uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;  // independent sums: no add chain
-      size_t i = b;
-      for (; i + 4 <= e; i += 4) {
-        a0 += src[i];
-        a1 += src[i + 1];
-        a2 += src[i + 2];
-        a3 += src[i + 3];
+      for (size_t p = 0; p < passes; ++p) {
+        asm volatile("" ::: "memory");  // every pass reads the buffer again
+        size_t i = b;
+        for (; i + 4 <= e; i += 4) {
+          a0 += src[i];
+          a1 += src[i + 1];
+          a2 += src[i + 2];
+          a3 += src[i + 3];
+        }
+        for (; i < e; ++i) a0 += src[i];
       }
-      for (; i < e; ++i) a0 += src[i];
       total += a0 + a1 + a2 + a3;
     }
     sink = sink + total;
   });
-  return static_cast<double>(bytes) / t / 1e9;
+  return static_cast<double>(bytes * passes) / t / 1e9;
+}
+
+MachineCeilings MeasureMachineCeilings(int threads, int reps, size_t bytes) {
+  MachineCeilings c;
+  c.peaks = MeasurePeaks(threads);
+  c.bytes = bytes;
+  c.read_gbs = ReadGBs(bytes, threads, reps);
+  c.memcpy_gbs = MemcpyGBs(bytes, threads, reps);
+  return c;
+}
+
+std::vector<std::string> CeilingNotes(const MachineCeilings& c) {
+  const MachinePeaks& m = c.peaks;
+  std::vector<std::string> notes;
+  notes.push_back("machine peaks (same run, " + std::to_string(m.threads) + " threads, SIMD " +
+                  m.simd_target + "): register-only loops, each thread updating " +
+                  std::to_string(m.Get(PeakKind::kF32Fma).loop.chains) +
+                  " independent vector accumulators with one instruction, no loads or stores; "
+                  "each thread's rate from its own CPU time, best of 40 runs");
+  for (const Peak& p : m.peaks) {
+    std::string line = "  " + std::string(PeakName(p.kind)) + ": ";
+    if (p.gops <= 0) {
+      line += "none on this target/CPU";
+    } else {
+      const bool flt = p.kind == PeakKind::kF32Fma || p.kind == PeakKind::kBf16Dot;
+      line += Fixed(p.gops, 1) + (flt ? " GFLOP/s" : " GOP/s") + " (" + p.loop.instr;
+      if (p.ops_per_cycle > 0) {
+        line += "; " + Fixed(p.ops_per_cycle, 1) + (flt ? " flop" : " op") + "/cycle/thread = " +
+                Fixed(p.ops_per_cycle / p.loop.ops_per_instr, 2) + " instructions/cycle";
+      }
+      line += std::string(p.loop.kernels_use ? "; the GMM kernels use it" : "") + ")";
+      if (p.gops_wall < 0.9 * p.gops) {
+        line += " [busy machine: " + Fixed(p.gops_wall, 1) + " by wall time]";
+      }
+    }
+    notes.push_back(line);
+  }
+  if (m.core_ghz > 0) {
+    const Peak& f = m.Get(PeakKind::kF32Fma);
+    notes.push_back("  core clock " + Fixed(m.core_ghz, 2) +
+                    " GHz under this load (a chain of dependent integer adds, 1 per cycle; TSC " +
+                    Fixed(m.tsc_ghz, 2) + " GHz); two pipes of " + f.loop.instr +
+                    " would give 2 x " + Fixed(f.loop.ops_per_instr, 0) + " flop x " +
+                    Fixed(m.core_ghz, 2) + " GHz x " +
+                    std::to_string(m.threads) + " threads = " + Fixed(m.TwoPipeF32Estimate(), 1) +
+                    " GFLOP/s; measured " + Fixed(f.gops / m.TwoPipeF32Estimate(), 2) + " of that");
+  }
+  notes.push_back("bandwidth (same run, " + SizeText(c.bytes) +
+                  " buffers): streaming read " + Fixed(c.read_gbs, 1) + " GB/s, memcpy " +
+                  Fixed(c.memcpy_gbs, 1) + " GB/s (read + written)");
+  return notes;
+}
+
+nlohmann::json CeilingsJson(const MachineCeilings& c) {
+  const MachinePeaks& m = c.peaks;
+  nlohmann::json peaks = nlohmann::json::object();
+  for (const Peak& p : m.peaks) {
+    peaks[PeakName(p.kind)] = {
+        {"available", p.gops > 0},        {"kernels_use", p.loop.kernels_use},
+        {"gops", p.gops},                 {"gops_wall", p.gops_wall},
+        {"ops_per_cycle", p.ops_per_cycle},
+        {"instructions_per_cycle", p.loop.ops_per_instr > 0 ? p.ops_per_cycle / p.loop.ops_per_instr : 0.0},
+        {"lanes", p.loop.lanes},          {"chains", p.loop.chains},
+        {"ops_per_instruction", p.loop.ops_per_instr}, {"instruction", p.loop.instr},
+        {"what", p.what}};
+  }
+  return {{"threads", m.threads},
+          {"simd_target", m.simd_target},
+          {"core_ghz", m.core_ghz},
+          {"tsc_ghz", m.tsc_ghz},
+          {"f32_fma_two_pipe_estimate_gflops", m.TwoPipeF32Estimate()},
+          {"peaks", peaks},
+          {"read_gbs", c.read_gbs},
+          {"memcpy_gbs", c.memcpy_gbs},
+          {"bandwidth_bytes", c.bytes}};
+}
+
+KernelArith ArithOfMode(const std::string& mode) {
+  if (mode == "f32") return KernelArith::kF32;
+  if (mode == "int8") return KernelArith::kInt16Pairs;
+  return KernelArith::kBf16Pairs;
+}
+
+const Peak& BoundingPeak(const MachinePeaks& peaks, KernelArith arith) {
+  auto used = [&](PeakKind k) {
+    const Peak& p = peaks.Get(k);
+    return p.gops > 0 && p.loop.kernels_use;
+  };
+  switch (arith) {
+    case KernelArith::kF32:
+      break;
+    case KernelArith::kBf16Pairs:
+      if (used(PeakKind::kBf16Dot)) return peaks.Get(PeakKind::kBf16Dot);
+      break;  // bf16 and fp8 operands are widened to f32 and use FMA
+    case KernelArith::kInt16Pairs:
+      if (used(PeakKind::kInt16Vnni)) return peaks.Get(PeakKind::kInt16Vnni);
+      return peaks.Get(PeakKind::kInt16Pairs);
+  }
+  return peaks.Get(PeakKind::kF32Fma);
 }
 
 void Table::Print() const {
@@ -111,6 +228,14 @@ std::string Fixed(double v, int decimals) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.*f", decimals, v);
   return buf;
+}
+
+std::string SizeText(size_t bytes) {
+  if (bytes >= (size_t{1} << 20) && bytes % (size_t{1} << 20) == 0) {
+    return std::to_string(bytes >> 20) + " MiB";
+  }
+  if (bytes >= 1024) return Fixed(static_cast<double>(bytes) / 1024, bytes % 1024 ? 1 : 0) + " KiB";
+  return std::to_string(bytes) + " B";
 }
 
 }  // namespace fp8moe::bench

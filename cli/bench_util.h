@@ -1,6 +1,10 @@
 // Shared pieces of the `fp8moe bench` commands: timing, the ceilings every
-// benchmark measures in its own run (memcpy GB/s for bytes, OpenBLAS sgemm
-// GFLOP/s for arithmetic), and a table that prints as text or JSON.
+// benchmark measures in its own run, and a table that prints as text.
+//
+// Ceilings (docs/benchmarks.md): the machine's register-only arithmetic
+// peaks and its streaming read and memcpy bandwidths (MachineCeilings, for
+// every bench, `bench train` and `bench comm` included), and OpenBLAS sgemm
+// from a core right for the CPU (cli/sgemm_ceiling.h).
 #ifndef FP8MOE_CLI_BENCH_UTIL_H_
 #define FP8MOE_CLI_BENCH_UTIL_H_
 
@@ -8,6 +12,10 @@
 #include <functional>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/machine_peaks.h"
 
 namespace fp8moe::bench {
 
@@ -18,12 +26,42 @@ double NowSeconds();
 double BestSeconds(int reps, const std::function<void()>& fn);
 
 // memcpy of a `bytes` buffer split over `threads` threads; GB/s counting
-// bytes read plus bytes written.
+// bytes read plus bytes written. Best of max(reps, 3) runs; a small buffer is
+// copied again and again within a run (>= 64 MiB moved), so the rate is that
+// of the cache level it fits in.
 double MemcpyGBs(size_t bytes, int threads, int reps);
 
 // A streaming read of a `bytes` buffer split over `threads` threads (a sum
 // of its words); GB/s read. The ceiling of ops that only stream a weight in.
+// Runs and passes as for MemcpyGBs.
 double ReadGBs(size_t bytes, int threads, int reps);
+
+// Every ceiling a benchmark compares with, measured in its own run with its
+// own thread count.
+struct MachineCeilings {
+  MachinePeaks peaks;
+  double read_gbs = 0;    // streaming read of `bytes`
+  double memcpy_gbs = 0;  // memcpy of `bytes`, read + written
+  size_t bytes = 0;
+};
+// The peaks (~0.2 s each) and both bandwidths over `bytes`-sized buffers.
+MachineCeilings MeasureMachineCeilings(int threads, int reps, size_t bytes);
+// Lines that say what was measured and how (for a table's notes).
+std::vector<std::string> CeilingNotes(const MachineCeilings& c);
+nlohmann::json CeilingsJson(const MachineCeilings& c);
+
+// The arithmetic a GMM kernel runs on (kernels/cpu/gemm_exec.cc, ChooseKind).
+enum class KernelArith {
+  kF32,        // f32 FMA
+  kBf16Pairs,  // bf16 / fp8 operands: vdpbf16ps where the kernels use it, else f32 FMA
+  kInt16Pairs, // int8 operands as int16 pairs: vpdpwssd where used, else vpmaddwd + vpaddd
+};
+// The arithmetic of a `bench gmm` mode name: "f32" -> kF32, "int8" ->
+// kInt16Pairs, every other mode (bf16, fake_qat, native*, fp8_*) -> kBf16Pairs.
+KernelArith ArithOfMode(const std::string& mode);
+// The measured peak that bounds a kernel of this arithmetic on this run's
+// target and CPU: the instruction the kernels actually issue there.
+const Peak& BoundingPeak(const MachinePeaks& peaks, KernelArith arith);
 
 // A table of string cells with a title; columns right-aligned except the
 // first.
@@ -37,6 +75,8 @@ struct Table {
 };
 
 std::string Fixed(double v, int decimals);
+// "256 MiB", "32 KiB", "100 B".
+std::string SizeText(size_t bytes);
 
 }  // namespace fp8moe::bench
 

@@ -1,5 +1,5 @@
-// The fp8moe command: info, bench, op (train and checkpoint come with the
-// trainer). Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input.
+// The fp8moe command: info, bench, op, train, report. Exit codes: 0 ok,
+// 1 runtime failure, 2 bad usage or input.
 #include <omp.h>
 
 #include <cstdio>
@@ -9,7 +9,10 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/bench.h"
+#include "cli/openblas_core.h"
 #include "cli/op.h"
+#include "cli/train.h"
+#include "cli/world.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/version.h"
 
@@ -20,6 +23,7 @@ int Info() {
   std::printf("simd target: %s (chosen at run time)\n", fp8moe::SimdTargetName());
   std::printf("threads: %d (OpenMP; set OMP_NUM_THREADS to change)\n",
               omp_get_max_threads());
+  std::printf("mpi: %s\n", fp8moe::cli::MpiInfo().c_str());
   return 0;
 }
 
@@ -46,11 +50,22 @@ int main(int argc, char** argv) {
   fp8moe::bench::BenchOptions bopt;
   bopt.threads = omp_get_max_threads();
   std::string bench_what;
-  auto* bench = app.add_subcommand("bench", "benchmarks with their own ceilings: quant, gmm, moe");
-  bench->add_option("what", bench_what, "which benchmark: quant, gmm or moe")
+  auto* bench = app.add_subcommand(
+      "bench", "benchmarks with their own ceilings: quant, gmm, moe, train, comm (sgemm: the "
+               "OpenBLAS ceiling alone)");
+  bench->add_option("what", bench_what,
+                    "which benchmark: quant, gmm, moe, train, sgemm or comm (comm: under "
+                    "mpirun -np N)")
       ->required()
-      ->check(CLI::IsMember({"quant", "gmm", "moe"}));
-  bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T")->check(CLI::Range(1, 1 << 20));
+      ->check(CLI::IsMember({"quant", "gmm", "moe", "train", "sgemm", "comm"}));
+  bench->add_option("--tokens", bopt.tokens, "bench moe: tokens T; bench comm: tokens per rank")
+      ->check(CLI::Range(1, 1 << 20));
+  bench->add_option("--min-payload", bopt.min_payload,
+                    "bench comm: smallest payload in bytes (default 64 KiB; x4 each row)")
+      ->check(CLI::Range(int64_t{1} << 10, int64_t{1} << 30));
+  bench->add_option("--max-payload", bopt.max_payload,
+                    "bench comm: largest payload in bytes (default 64 MiB)")
+      ->check(CLI::Range(int64_t{1} << 10, int64_t{1} << 30));
   bench->add_flag("--json", bopt.json, "print JSON instead of a table");
   bench->add_option("--threads", bopt.threads, "threads (default: OpenMP's)")
       ->check(CLI::Range(1, 1024));
@@ -67,8 +82,25 @@ int main(int argc, char** argv) {
                     "bench gmm: forward tiles M K N (0 keeps a default; k must be even)")
       ->expected(3)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  bench->add_option("--sgemm-core", bopt.sgemm_core,
+                    "measure the sgemm ceiling in a child with OPENBLAS_CORETYPE=this (default: "
+                    "the loaded core if right for the CPU, else a right one)");
+  bench->add_option("--sizes", bopt.sgemm_sizes, "bench sgemm: MxKxN[,MxKxN...]");
   bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 32));
+
+  std::vector<std::string> train_args;
+  bool print_base_config = false;
+  auto* train = app.add_subcommand("train", "train a MoE transformer: fp8moe train [config.yml] [key=value ...]");
+  train->add_option("args", train_args, "a config file first (optional), then key=value flags (configs/base.yml)");
+  train->add_flag("--print-base-config", print_base_config, "print configs/base.yml as the flag schema makes it");
+  std::vector<std::string> report_dirs;
+  std::string report_out;
+  auto* report = app.add_subcommand("report", "plot runs into one PNG: fp8moe report RUN_DIR [RUN_DIR ...]");
+  report->add_option("runs", report_dirs, "run directories (each with a metrics.jsonl)")->required();
+  report->add_option("--out", report_out, "the PNG (default: RUN_DIR/report.png of the first run)");
+  std::vector<std::string> bench_keys;
+  bench->add_option("keys", bench_keys, "bench train: key=value flags of fp8moe train (e.g. steps=1200)");
 
   std::string op_name, in_path, out_path;
   std::vector<std::string> op_keys;
@@ -95,6 +127,12 @@ int main(int argc, char** argv) {
   if (*info) return Info();
   if (*bench) {
     bopt.all_passes = !fwd_only;
+    fp8moe::bench::IsaTier tier;
+    if (!bopt.sgemm_core.empty() && !fp8moe::bench::CoreTier(bopt.sgemm_core, &tier)) {
+      std::fprintf(stderr, "error: --sgemm-core: '%s' is not an OpenBLAS core name; use one of: %s\n",
+                   bopt.sgemm_core.c_str(), fp8moe::bench::KnownCoreNames().c_str());
+      return 2;
+    }
     if (bopt.fwd_tiles.size() == 3 && bopt.fwd_tiles[1] % 2 != 0) {
       std::fprintf(stderr,
                    "error: --tiles: k = %lld is odd; the kernels reduce k in pairs, so use an even "
@@ -102,10 +140,22 @@ int main(int argc, char** argv) {
                    static_cast<long long>(bopt.fwd_tiles[1]));
       return 2;
     }
+    if (bench_what == "train") {
+      omp_set_num_threads(bopt.threads);
+      return fp8moe::cli::BenchTrain(bench_keys, bopt.json);
+    }
+    if (!bench_keys.empty()) {
+      std::fprintf(stderr, "error: bench %s takes no key=value settings\n", bench_what.c_str());
+      return 2;
+    }
     if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
     if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
+    if (bench_what == "sgemm") return fp8moe::bench::BenchSgemm(bopt);
+    if (bench_what == "comm") return fp8moe::bench::BenchComm(bopt);
     return fp8moe::bench::BenchQuant(bopt);
   }
   if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);
+  if (*train) return fp8moe::cli::RunTrain(train_args, print_base_config);
+  if (*report) return fp8moe::cli::RunReport(report_dirs, report_out);
   return 2;
 }

@@ -38,9 +38,9 @@ void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t r
 
 }  // namespace
 
-Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
-              bool norm_topk_prob) {
-  Routing r;
+void Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
+           bool norm_topk_prob, Routing* out) {
+  Routing& r = *out;
   r.tokens = tokens;
   r.experts = experts;
   r.k = k;
@@ -51,16 +51,16 @@ Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
   for (int64_t t = 0; t < tokens; ++t) {
     const float* l = logits + t * experts;
     // Top-k by repeated selection: k is small; ties go to the lower expert.
-    std::vector<bool> taken(static_cast<size_t>(experts), false);
     float* w = r.weight.data() + t * k;
     int32_t* e = r.expert.data() + t * k;
     for (int64_t j = 0; j < k; ++j) {
       int64_t best = -1;
       for (int64_t x = 0; x < experts; ++x) {
-        if (taken[static_cast<size_t>(x)]) continue;
+        bool taken = false;
+        for (int64_t i = 0; i < j; ++i) taken |= e[i] == x;
+        if (taken) continue;
         if (best < 0 || l[x] > l[best]) best = x;
       }
-      taken[static_cast<size_t>(best)] = true;
       e[j] = static_cast<int32_t>(best);
     }
     // Softmax over the k selected logits (e[0] holds the largest).
@@ -89,7 +89,8 @@ Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
   // Stable counting sort of the pairs by expert.
   r.group_sizes.assign(static_cast<size_t>(experts), 0);
   for (int32_t e : r.expert) ++r.group_sizes[static_cast<size_t>(e)];
-  std::vector<int64_t> next(static_cast<size_t>(experts), 0);
+  std::vector<int64_t>& next = r.next_row;
+  next.assign(static_cast<size_t>(experts), 0);
   for (int64_t x = 1; x < experts; ++x) {
     next[static_cast<size_t>(x)] = next[static_cast<size_t>(x - 1)] + r.group_sizes[static_cast<size_t>(x - 1)];
   }
@@ -101,7 +102,6 @@ Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
     r.row_of_pair[static_cast<size_t>(p)] = row;
     r.pair_of_row[static_cast<size_t>(row)] = p;
   }
-  return r;
 }
 
 double LoadBalanceLoss(const Routing& r, double weight) {

@@ -21,11 +21,21 @@ struct Routing {
   std::vector<int32_t> group_sizes;  // [E]
   std::vector<int64_t> row_of_pair;  // [T*k] buffer row of pair p = t*k + j
   std::vector<int64_t> pair_of_row;  // [T*k] inverse: pair of valid row i
+  std::vector<int64_t> next_row;     // [E] scratch of the sort
 };
 
-// logits [T, E] -> routing (top-k, weights, stable expert order).
-Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
-              bool norm_topk_prob);
+// logits [T, E] -> routing (top-k, weights, stable expert order) in *out;
+// its vectors keep their capacity, so a routing reused step to step does not
+// allocate.
+void Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
+           bool norm_topk_prob, Routing* out);
+// The same into a fresh Routing (tests).
+inline Routing Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
+                     bool norm_topk_prob) {
+  Routing r;
+  Route(logits, tokens, experts, k, norm_topk_prob, &r);
+  return r;
+}
 
 // The load-balancing loss weight * E * sum_e f_e p_e.
 double LoadBalanceLoss(const Routing& r, double weight);

@@ -55,6 +55,7 @@
 #include <optional>
 #include <string>
 
+#include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/moe_config.h"
 #include "fp8moe/status.h"
@@ -90,6 +91,105 @@ struct MoeStats {
   int64_t dropless_reruns = 0;  // 1 when the static buffer overflowed
 };
 
+// FP8 health of one quantized tensor: the fraction of its values whose code
+// sits at the format's largest magnitude (saturated), and the fraction of
+// non-zero values whose code is zero (flushed).
+struct Fp8Health {
+  double saturated = 0;
+  double flushed = 0;
+  int64_t values = 0;  // values counted; 0: the tensor is not quantized
+};
+
+// One expert weight as the QAT mode hands it to the GMMs.
+struct PreparedExpertWeight {
+  TensorView view;      // what the GMMs read: the f32 master, a bf16 copy or codes
+  Tensor owned;         // the bf16 copy or the codes [E, K, N]
+  Tensor scale;         // [E, N] per-channel scale of the codes
+  Tensor dlhs_copy;     // int8 schemes: bf16(dequantized weight) for the dLHS
+  Tensor unit_scale;    // fp8_full: [E, N] ones (its dLHS folds s_w into g)
+  bool codes = false;
+  QuantDType quant = QuantDType::kE4M3FN;
+  Fp8Health health;     // of the codes (when codes)
+};
+
+// The expert weights of one layer prepared for one step: quantized once to
+// codes + per-channel scales (the QAT modes) or rounded to the activation
+// dtype. This is where the FP8 weight all-gather ("gather8") plugs in: a
+// distributed trainer quantizes its shard and gathers the codes into here.
+// Reused step to step: after the first step Prepare allocates nothing.
+struct PreparedMoeWeights {
+  MoeQuantPlan plan;
+  DType act = DType::kBF16;  // the activation dtype of the layer's buffers
+  Shape wi_shape, wo_shape;  // of the masters they came from
+  PreparedExpertWeight wi, wo;
+};
+
+// Quantizes (or copies) the master wi [E, D, 2F] and wo [E, F, D] as the
+// config's QAT mode wants them, into `prepared` (its buffers are reused when
+// the shapes match). The config must have passed ValidateMoeConfig.
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& config, const TensorView& wi,
+                         const TensorView& wo, PreparedMoeWeights* prepared);
+
+// The layer's intermediate buffers (routing, ragged buffers, saved
+// activations), owned by the caller and reused from step to step so a
+// steady-state step allocates nothing. One workspace per layer: the backward
+// reads what the forward of the same workspace saved.
+class MoeWorkspace {
+ public:
+  MoeWorkspace();
+  ~MoeWorkspace();
+  MoeWorkspace(MoeWorkspace&&) noexcept;
+  MoeWorkspace& operator=(MoeWorkspace&&) noexcept;
+
+  // After a forward: tokens per expert, I32 [E] (a view into the workspace).
+  TensorView group_sizes() const;
+
+  struct State;  // moe_layer.cc
+  State& state() { return *state_; }
+  const State& state() const { return *state_; }
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+struct MoeStepInfo {
+  float aux_loss = 0;
+  MoeStats stats;
+};
+
+// Gradient outputs, owned by the caller and overwritten (not accumulated):
+// dx [T, D], drouter [D, E], dwi [E, D, 2F], dwo [E, F, D], all F32.
+struct MoeGradientViews {
+  TensorView dx, drouter, dwi, dwo;
+};
+
+// The layer's forward into y [T, D] F32 (caller-owned). `master` gives the
+// router and the shapes; the expert GMMs read `prepared`, which must come
+// from PrepareMoeWeights with the same config and these masters.
+Status MoeForward(Context& ctx, const MoeConfig& config, const TensorView& x,
+                  const MoeWeights& master, const PreparedMoeWeights& prepared,
+                  MoeWorkspace* workspace, const TensorView& y, MoeStepInfo* info,
+                  const MoeOptions& options = {});
+
+// Gradients of sum(y * dy) + aux_loss into `grads`, after MoeForward ran on
+// the same workspace with the same inputs. The masters give the straight-
+// through mask of fixed weight calibration.
+Status MoeBackward(Context& ctx, const MoeConfig& config, const TensorView& x,
+                   const MoeWeights& master, const PreparedMoeWeights& prepared,
+                   MoeWorkspace* workspace, const TensorView& dy,
+                   const MoeGradientViews& grads, const MoeOptions& options = {});
+
+// FP8 health of the activations the forward GMMs quantize (x_sorted for wi,
+// a for wo), recomputed from the workspace after a forward the way the
+// kernels quantize them. values = 0 where the mode quantizes no activation.
+Status MoeActivationHealth(Context& ctx, const MoeConfig& config,
+                           const PreparedMoeWeights& prepared, MoeWorkspace* workspace,
+                           Fp8Health* wi_lhs, Fp8Health* wo_lhs);
+
+// ---- One-call convenience API (tests, fp8moe op, bench moe) ----
+// Each call prepares the weights and allocates a workspace of its own; a
+// training loop uses the functions above instead.
+
 // Everything the backward needs; produced by MoeForward.
 struct MoeSaved;
 
@@ -98,7 +198,7 @@ struct MoeForwardResult {
   Tensor group_sizes;  // [E] i32
   float aux_loss = 0;
   MoeStats stats;
-  std::shared_ptr<const MoeSaved> saved;
+  std::shared_ptr<MoeSaved> saved;
 };
 
 struct MoeGradients {

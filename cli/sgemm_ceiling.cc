@@ -1,0 +1,310 @@
+// The sgemm ceiling: in this process when OpenBLAS loaded a core right for
+// the CPU, else in a child process (this same binary, `fp8moe bench sgemm
+// --sizes ... --json`) whose OPENBLAS_CORETYPE names a right core; OpenBLAS
+// reads that variable only while it is being loaded.
+#include "cli/sgemm_ceiling.h"
+
+#include <cblas.h>
+#include <fcntl.h>
+#include <omp.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "cli/bench.h"
+#include "cli/bench_util.h"
+#include "cli/openblas_core.h"
+#include "fp8moe/tensor.h"
+
+extern char** environ;
+
+namespace fp8moe::bench {
+namespace {
+
+constexpr int64_t kMaxSide = int64_t{1} << 20;
+
+// A tensor of `n` floats in [-0.5, 0.5) from a cheap hash: sgemm's speed does
+// not depend on the values as long as they are normal, and hashing is much
+// faster than drawing normals for the large shapes.
+Tensor Filled(int64_t rows, int64_t cols, uint32_t salt) {
+  Tensor t = std::move(Tensor::Create(DType::kF32, {rows, cols})).value();
+  float* p = t.data_as<float>();
+  for (size_t i = 0; i < t.num_elements(); ++i) {
+    const uint32_t h = (static_cast<uint32_t>(i) + salt) * 2654435761u;
+    p[i] = static_cast<float>(h >> 8) / 16777216.0f - 0.5f;
+  }
+  return t;
+}
+
+std::vector<double> RunSgemmHere(const std::vector<SgemmShape>& shapes, int threads, int reps) {
+  openblas_set_num_threads(threads);
+  std::vector<double> seconds;
+  for (const SgemmShape& s : shapes) {
+    Tensor a = Filled(s.m, s.k, 1), b = Filled(s.k, s.n, 2);
+    Tensor c = std::move(Tensor::Create(DType::kF32, {s.m, s.n})).value();
+    const int m = static_cast<int>(s.m), k = static_cast<int>(s.k), n = static_cast<int>(s.n);
+    seconds.push_back(BestSeconds(reps, [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a.data_as<float>(), k,
+                  b.data_as<float>(), n, 0.0f, c.data_as<float>(), n);
+    }));
+  }
+  return seconds;
+}
+
+// Runs this binary with `args` and OPENBLAS_CORETYPE=coretype; its stdout in
+// *out. False (and why in *error) if it could not start or did not exit 0.
+bool RunChild(const std::vector<std::string>& args, const std::string& coretype,
+              std::string* out, std::string* error) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    *error = std::string("pipe: ") + std::strerror(errno);
+    return false;
+  }
+  std::vector<std::string> env_store;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::strncmp(*e, "OPENBLAS_CORETYPE=", 18) != 0) env_store.emplace_back(*e);
+  }
+  env_store.push_back("OPENBLAS_CORETYPE=" + coretype);
+  std::vector<char*> envp, argv;
+  for (std::string& s : env_store) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> arg_store = args;
+  for (std::string& s : arg_store) argv.push_back(s.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], STDOUT_FILENO);  // dup2 clears O_CLOEXEC
+  pid_t pid = 0;
+  // /proc/self/exe is resolved by the new process, which is still this binary then.
+  const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  close(fds[1]);
+  if (rc != 0) {
+    close(fds[0]);
+    *error = std::string("could not start a child: ") + std::strerror(rc);
+    return false;
+  }
+  char buf[4096];
+  ssize_t got;
+  while ((got = read(fds[0], buf, sizeof(buf))) > 0 || (got < 0 && errno == EINTR)) {
+    if (got > 0) out->append(buf, static_cast<size_t>(got));
+  }
+  close(fds[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    *error = "child killed by signal " + std::to_string(sig) +
+             (sig == SIGILL ? " (SIGILL: the core needs instructions this CPU lacks)" : "");
+    return false;
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    *error = "child exited with status " + std::to_string(WEXITSTATUS(status));
+    return false;
+  }
+  return true;
+}
+
+struct ChildRun {
+  std::string core, config;
+  std::vector<double> seconds;
+};
+
+bool RunSgemmChild(const std::vector<SgemmShape>& shapes, int threads, int reps,
+                   const std::string& coretype, ChildRun* run, std::string* error) {
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  const std::string argv0 = len > 0 ? std::string(self, static_cast<size_t>(len)) : "fp8moe";
+  std::string out;
+  if (!RunChild({argv0, "bench", "sgemm", "--sizes", FormatSgemmShapes(shapes), "--threads",
+                 std::to_string(threads), "--reps", std::to_string(reps), "--json"},
+                coretype, &out, error)) {
+    return false;
+  }
+  const nlohmann::json j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.contains("rows") || !j["rows"].is_array() ||
+      j["rows"].size() != shapes.size() || !j.contains("openblas_core")) {
+    *error = "child printed no usable JSON";
+    return false;
+  }
+  run->core = j["openblas_core"].get<std::string>();
+  run->config = j.value("openblas_config", "");
+  for (const auto& r : j["rows"]) run->seconds.push_back(r.value("seconds", 0.0));
+  return true;
+}
+
+}  // namespace
+
+std::string FormatSgemmShapes(const std::vector<SgemmShape>& shapes) {
+  std::string s;
+  for (const SgemmShape& x : shapes) {
+    if (!s.empty()) s += ",";
+    s += std::to_string(x.m) + "x" + std::to_string(x.k) + "x" + std::to_string(x.n);
+  }
+  return s;
+}
+
+bool ParseSgemmShapes(const std::string& text, std::vector<SgemmShape>* shapes,
+                      std::string* error) {
+  shapes->clear();
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    long long m = 0, k = 0, n = 0;
+    char tail = 0;
+    if (std::sscanf(item.c_str(), "%lldx%lldx%lld%c", &m, &k, &n, &tail) != 3 || m < 1 ||
+        k < 1 || n < 1 || m > kMaxSide || k > kMaxSide || n > kMaxSide) {
+      *error = "'" + item + "' is not MxKxN with each size in [1, 1048576] (e.g. 2048x2048x2048)";
+      return false;
+    }
+    shapes->push_back({m, k, n});
+  }
+  if (shapes->empty()) {
+    *error = "no sizes given; use MxKxN[,MxKxN...]";
+    return false;
+  }
+  return true;
+}
+
+SgemmCeiling MeasureSgemmCeiling(const std::vector<SgemmShape>& shapes, int threads, int reps,
+                                 const std::string& force_core) {
+  SgemmCeiling c;
+  c.loaded_core = openblas_get_corename();
+  c.loaded_config = openblas_get_config();
+  const CpuIsa isa = DetectCpuIsa();
+  const CoreAdvice advice = AdviseCore(c.loaded_core, isa);
+  c.loaded_fallback = advice.fallback;
+  c.advice = advice.why;
+  if (force_core.empty() && !advice.fallback) {
+    c.core = c.loaded_core;
+    c.config = c.loaded_config;
+    c.trusted = true;
+    c.seconds = RunSgemmHere(shapes, threads, reps);
+    return c;
+  }
+  const std::vector<std::string> tries =
+      force_core.empty() ? advice.coretypes : std::vector<std::string>{force_core};
+  bool have_reference = false;
+  for (const std::string& t : tries) {
+    ChildRun run;
+    std::string error;
+    if (!RunSgemmChild(shapes, threads, reps, t, &run, &error)) {
+      c.attempts.push_back("OPENBLAS_CORETYPE=" + t + ": " + error);
+      continue;
+    }
+    const CoreAdvice judged = AdviseCore(run.core, isa);
+    c.attempts.push_back("OPENBLAS_CORETYPE=" + t + ": core " + run.core + " (" +
+                         (judged.fallback ? "rejected: " + judged.why : "right for this CPU") +
+                         ")");
+    if (!judged.fallback || !have_reference) {
+      c.core = run.core;
+      c.config = run.config;
+      c.coretype_env = t;
+      c.seconds = run.seconds;
+      have_reference = true;
+    }
+    if (!judged.fallback) {
+      c.trusted = true;
+      return c;
+    }
+  }
+  // No right core: keep some numbers for reference only. The loaded core
+  // runs here unless it needs instructions the CPU lacks (a forced core).
+  IsaTier tier;
+  const bool runnable = !CoreTier(c.loaded_core, &tier) || tier <= TierOf(isa);
+  if (!have_reference && runnable) {
+    c.core = c.loaded_core;
+    c.config = c.loaded_config;
+    c.seconds = RunSgemmHere(shapes, threads, reps);
+  }
+  if (c.seconds.empty()) c.seconds.assign(shapes.size(), 0.0);
+  std::string tried;
+  for (const std::string& a : c.attempts) tried += "; " + a;
+  std::fprintf(stderr,
+               "WARNING: no OpenBLAS core right for this %s CPU could be had (%s%s); sgemm is "
+               "NOT a ceiling in this run, the benchmark compares with the measured f32 FMA "
+               "peak instead\n",
+               std::string(IsaTierName(TierOf(isa))).c_str(),
+               force_core.empty() ? c.advice.c_str() : "--sgemm-core asked for one core only",
+               tried.c_str());
+  return c;
+}
+
+std::vector<std::string> SgemmNotes(const SgemmCeiling& c) {
+  std::vector<std::string> notes;
+  if (c.trusted && c.coretype_env.empty()) {
+    notes.push_back("sgemm ceiling: OpenBLAS core " + c.core + " in this process (" + c.advice +
+                    "); " + c.config);
+  } else if (c.trusted) {
+    notes.push_back("sgemm ceiling: OpenBLAS core " + c.core +
+                    ", measured in a child process with OPENBLAS_CORETYPE=" + c.coretype_env +
+                    "; this process loaded " + c.loaded_core + " (" + c.advice + ")");
+  } else {
+    notes.push_back("!!! WARNING: NO TRUSTED SGEMM CEILING (every core tried is listed below); "
+                    "this process loaded " + c.loaded_core + " (" + c.advice + ")" +
+                    (c.core.empty() ? std::string("") : "; numbers shown from core " + c.core) +
+                    ". 'x sgemm' is replaced by the ratio to the measured f32 FMA peak.");
+  }
+  for (const std::string& a : c.attempts) notes.push_back("  tried " + a);
+  return notes;
+}
+
+nlohmann::json SgemmJson(const SgemmCeiling& c, const std::vector<SgemmShape>& shapes) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    rows.push_back({{"m", shapes[i].m}, {"k", shapes[i].k}, {"n", shapes[i].n},
+                    {"seconds", c.seconds[i]}, {"gflops", c.Gflops(shapes, i)}});
+  }
+  return {{"loaded_core", c.loaded_core}, {"loaded_config", c.loaded_config},
+          {"loaded_fallback", c.loaded_fallback}, {"advice", c.advice}, {"core", c.core},
+          {"config", c.config}, {"coretype_env", c.coretype_env}, {"trusted", c.trusted},
+          {"cpu_isa", std::string(IsaTierName(TierOf(DetectCpuIsa())))},
+          {"attempts", c.attempts}, {"shapes", rows}};
+}
+
+int BenchSgemm(const BenchOptions& opt) {
+  std::vector<SgemmShape> shapes;
+  std::string error;
+  if (!ParseSgemmShapes(opt.sgemm_sizes, &shapes, &error)) {
+    std::fprintf(stderr, "error: --sizes: %s\n", error.c_str());
+    return 2;
+  }
+  omp_set_num_threads(opt.threads);
+  const std::string core = openblas_get_corename();
+  const CoreAdvice advice = AdviseCore(core, DetectCpuIsa());
+  const std::vector<double> seconds = RunSgemmHere(shapes, opt.threads, opt.reps);
+  if (opt.json) {
+    nlohmann::json rows = nlohmann::json::array();
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      rows.push_back({{"m", shapes[i].m}, {"k", shapes[i].k}, {"n", shapes[i].n},
+                      {"seconds", seconds[i]}, {"gflops", shapes[i].Flops() / seconds[i] / 1e9}});
+    }
+    const nlohmann::json j = {{"bench", "sgemm"},         {"threads", opt.threads},
+                              {"openblas_core", core},    {"openblas_config", openblas_get_config()},
+                              {"fallback", advice.fallback}, {"advice", advice.why},
+                              {"rows", rows}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  Table t;
+  t.title = "fp8moe bench sgemm: OpenBLAS as loaded (set OPENBLAS_CORETYPE to pick a core), " +
+            std::to_string(opt.threads) + " threads";
+  t.columns = {"M x K x N", "ms", "GFLOP/s"};
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    t.rows.push_back({FormatSgemmShapes({shapes[i]}), Fixed(seconds[i] * 1e3, 2),
+                      Fixed(shapes[i].Flops() / seconds[i] / 1e9, 1)});
+  }
+  t.notes.push_back(std::string(advice.fallback ? "!!! WARNING: " : "") + advice.why + "; " +
+                    openblas_get_config());
+  t.Print();
+  return 0;
+}
+
+}  // namespace fp8moe::bench

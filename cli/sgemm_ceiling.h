@@ -1,0 +1,60 @@
+// OpenBLAS sgemm as a benchmark's ceiling, only from a core that is right
+// for this CPU (cli/openblas_core.h says how OpenBLAS picks its core and why
+// a wrong one cannot be replaced inside the process).
+#ifndef FP8MOE_CLI_SGEMM_CEILING_H_
+#define FP8MOE_CLI_SGEMM_CEILING_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace fp8moe::bench {
+
+// Row-major C [m, n] = A [m, k] x B [k, n].
+struct SgemmShape {
+  int64_t m = 0, k = 0, n = 0;
+  double Flops() const { return 2.0 * static_cast<double>(m) * k * n; }
+};
+
+// "MxKxN,MxKxN" <-> shapes. Parse returns false (and says why) on anything
+// else or on a size outside [1, 2^20].
+std::string FormatSgemmShapes(const std::vector<SgemmShape>& shapes);
+bool ParseSgemmShapes(const std::string& text, std::vector<SgemmShape>* shapes,
+                      std::string* error);
+
+struct SgemmCeiling {
+  // This process's OpenBLAS, as loaded.
+  std::string loaded_core, loaded_config;
+  bool loaded_fallback = false;
+  std::string advice;  // why the loaded core is or is not good here
+  // The core whose numbers are in `seconds`.
+  std::string core, config;
+  std::string coretype_env;  // OPENBLAS_CORETYPE of the child that ran them; "" = this process
+  bool trusted = false;      // `core` is right for this CPU: a real ceiling
+  std::vector<double> seconds;  // best time per shape; 0 where nothing ran
+  std::vector<std::string> attempts;  // every child tried, and how it went
+
+  double Gflops(const std::vector<SgemmShape>& shapes, size_t i) const {
+    return seconds[i] > 0 ? shapes[i].Flops() / seconds[i] / 1e9 : 0.0;
+  }
+};
+
+// Times each shape (best of `reps` after a warm-up) with `threads` OpenBLAS
+// threads. force_core "" uses the loaded core when it is right for the CPU,
+// else children with OPENBLAS_CORETYPE set to each advised core in turn;
+// otherwise only a child with OPENBLAS_CORETYPE=force_core runs (its core is
+// judged the same way). When no right core can be had, `trusted` is false and
+// `seconds` holds whatever did run (for reference, never as a ceiling).
+SgemmCeiling MeasureSgemmCeiling(const std::vector<SgemmShape>& shapes, int threads, int reps,
+                                 const std::string& force_core);
+
+// Lines for a table's notes: the core, where it ran, and a loud warning when
+// it is not a ceiling.
+std::vector<std::string> SgemmNotes(const SgemmCeiling& c);
+nlohmann::json SgemmJson(const SgemmCeiling& c, const std::vector<SgemmShape>& shapes);
+
+}  // namespace fp8moe::bench
+
+#endif  // FP8MOE_CLI_SGEMM_CEILING_H_

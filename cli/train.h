@@ -1,0 +1,23 @@
+// `fp8moe train`, `fp8moe report` and `fp8moe bench train`.
+#ifndef FP8MOE_CLI_TRAIN_H_
+#define FP8MOE_CLI_TRAIN_H_
+
+#include <string>
+#include <vector>
+
+namespace fp8moe::cli {
+
+// fp8moe train [config.yml] [key=value ...]; exit 0, 1 (internal failure) or
+// 2 (bad input: flags, data, checkpoint, disk full, non-finite stop).
+int RunTrain(const std::vector<std::string>& args, bool print_base_config);
+
+// fp8moe report RUN_DIR [RUN_DIR ...] [--out PNG]: one PNG with loss
+// curves, step times, per-expert load and FP8 health (gnuplot).
+int RunReport(const std::vector<std::string>& run_dirs, const std::string& out);
+
+// fp8moe bench train [key=value ...]: one seed in every QAT mode.
+int BenchTrain(const std::vector<std::string>& keys, bool json);
+
+}  // namespace fp8moe::cli
+
+#endif  // FP8MOE_CLI_TRAIN_H_

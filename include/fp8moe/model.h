@@ -1,0 +1,132 @@
+// A tiny decoder-only MoE transformer (DESIGN 1, 4): token embedding; L
+// layers of (RMSNorm, causal multi-head attention with RoPE, residual,
+// RMSNorm, MoE FFN with SwiGLU experts, residual); final RMSNorm; LM head;
+// mean cross-entropy plus the MoE load-balancing losses. Forward and full
+// backward. Attention, norms and the dense matmuls run in f32 (the dense
+// matmuls on the library's f32 GMM with one group); the routed-expert GMMs
+// run in the MoE config's QAT mode.
+//
+// model/reference/ holds float64 twins of every piece, which the tests
+// compare with and take finite differences of.
+#ifndef FP8MOE_MODEL_H_
+#define FP8MOE_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fp8moe/context.h"
+#include "fp8moe/moe.h"
+#include "fp8moe/moe_config.h"
+#include "fp8moe/status.h"
+#include "fp8moe/tensor.h"
+
+namespace fp8moe {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;    // V
+  int64_t emb_dim = 64;        // D (base_emb_dim)
+  int64_t num_layers = 2;      // L (base_num_decoder_layers)
+  int64_t num_heads = 4;       // H (base_num_query_heads)
+  int64_t head_dim = 16;       // hd (even: RoPE rotates pairs)
+  int64_t mlp_dim = 128;       // F (base_moe_mlp_dim)
+  int64_t seq_len = 64;        // S (max_target_length)
+  int64_t batch = 16;          // B (per_device_batch_size)
+  double rope_max_timescale = 10000.0;
+  double norm_eps = 1e-6;      // normalization_layer_epsilon
+  MoeConfig moe;
+};
+
+// Checks the shape flags (positive sizes, an even head_dim, E and k within
+// the MoE rules); the message names the flag and the fix.
+Status ValidateModelConfig(const ModelConfig& config);
+
+// The f32 master weights of one decoder layer.
+struct LayerParams {
+  Tensor attn_norm;  // [D]
+  Tensor wqkv;       // [D, 3*H*hd]: q | k | v columns
+  Tensor wo_attn;    // [H*hd, D]
+  Tensor mlp_norm;   // [D]
+  Tensor router;     // [D, E]
+  Tensor wi;         // [E, D, 2F]
+  Tensor wo;         // [E, F, D]
+};
+
+// All weights of the model (or, with the same shapes, their gradients or an
+// optimizer moment).
+struct ModelParams {
+  Tensor embed;  // [V, D]
+  std::vector<LayerParams> layers;
+  Tensor final_norm;  // [D]
+  Tensor lm_head;     // [D, V]
+
+  // Every tensor with its checkpoint name ("embed", "layers.0.wqkv", ...),
+  // in a fixed order.
+  std::vector<std::pair<std::string, Tensor*>> Named();
+  std::vector<std::pair<std::string, const Tensor*>> Named() const;
+};
+
+// Tensors of the model's shapes, uninitialized.
+Result<ModelParams> AllocateParams(const ModelConfig& config);
+// Normal(0, 1/sqrt(fan_in)) matrices (embedding: Normal(0, 1)), norm gains 1,
+// drawn from Rng(seed) in Named() order.
+Status InitParams(const ModelConfig& config, uint64_t seed, ModelParams* params);
+
+// Per-step results of the model.
+struct ModelStepInfo {
+  double loss = 0;      // mean cross-entropy over the B*S targets
+  double aux_loss = 0;  // sum of the layers' load-balancing losses
+  // Per layer: tokens routed to each expert ([L][E]) and the MoE stats.
+  std::vector<std::vector<int32_t>> expert_load;
+  int64_t dropless_reruns = 0;
+};
+
+// Runs the model. Owns the activations and every intermediate buffer, reused
+// step to step (a steady-state step allocates nothing); the expert weights
+// arrive prepared (PrepareMoeWeights per layer, once per step, by the owner
+// of the weights).
+class Model {
+ public:
+  explicit Model(const ModelConfig& config);
+  ~Model();
+  const ModelConfig& config() const { return config_; }
+
+  // Prepares every layer's expert weights for this step into *prepared
+  // (resized to L).
+  Status PrepareExperts(Context& ctx, const ModelParams& params,
+                        std::vector<PreparedMoeWeights>* prepared);
+
+  // Forward on tokens: inputs and targets are I32 [B, S] (values in [0, V)).
+  // With grads non-null the backward runs too and writes the gradient of
+  // loss + aux_loss into *grads (overwritten; same shapes as params).
+  Status Step(Context& ctx, const ModelParams& params,
+              const std::vector<PreparedMoeWeights>& prepared, const int32_t* inputs,
+              const int32_t* targets, ModelParams* grads, ModelStepInfo* info);
+
+  // FP8 health of layer l's quantized activations after a Step.
+  Status ActivationHealth(Context& ctx, int64_t layer,
+                          const std::vector<PreparedMoeWeights>& prepared, Fp8Health* wi_lhs,
+                          Fp8Health* wo_lhs);
+
+  struct Buffers;
+
+ private:
+  ModelConfig config_;
+  std::unique_ptr<Buffers> b_;
+};
+
+namespace reference {
+// The model's loss in float64 with plain loops (f32 weights and the
+// unquantized MoE of dtype=float32): mean cross-entropy + the aux losses.
+// *routing (optional) receives every layer's chosen experts, so a finite
+// difference can tell when a perturbation flipped a top-k choice.
+Result<double> ModelLoss(const ModelConfig& config, const ModelParams& params,
+                         const int32_t* inputs, const int32_t* targets,
+                         std::vector<int32_t>* routing = nullptr);
+}  // namespace reference
+
+}  // namespace fp8moe
+
+#endif  // FP8MOE_MODEL_H_

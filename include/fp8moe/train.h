@@ -1,0 +1,112 @@
+// The training loop (DESIGN 1, 6, 9): `fp8moe train [config.yml] [key=value]`.
+//
+// A run lives in <base_output_directory>/<run_name>/:
+//   metrics.jsonl   one JSON object per step (loss, lr, grad_norm, tokens/s,
+//                   step time, router load, reruns; eval_loss on eval steps;
+//                   FP8 health every log_period steps)
+//   summary.json    the final figures and the config
+//   checkpoints/    step_NNNNNNNN.safetensors: weights, AdamW moments, step,
+//                   RNG state, data position and the config; written
+//                   atomically every checkpoint_period steps and at the end.
+// A run whose directory holds a checkpoint resumes from the newest one and
+// gives the same bits as an uninterrupted run.
+//
+// The trainer owns the f32 master weights and quantizes the expert weights
+// once per step (PrepareMoeWeights: the place where the FP8 weight
+// all-gather plugs in), runs the model's forward and backward, clips the
+// global gradient norm and applies AdamW.
+#ifndef FP8MOE_TRAIN_H_
+#define FP8MOE_TRAIN_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fp8moe/config.h"
+#include "fp8moe/model.h"
+#include "fp8moe/status.h"
+
+namespace fp8moe {
+
+// Every flag of `fp8moe train`: the trainer's own (MaxText's names where it
+// has them) followed by the MoE and QAT flags (AddMoeConfigFlags), whose
+// defaults here select native FP8 QAT (fp8_moe_native_fwd +
+// fp8_moe_native_bwd_dlhs) and the small model of configs/base.yml.
+ConfigSchema TrainConfigSchema();
+
+// configs/base.yml as it must read: every flag of TrainConfigSchema() at its
+// default with its comment, in sections. A test keeps the file equal to it;
+// `fp8moe train --print-base-config` prints it.
+std::string BaseConfigYaml();
+
+// The typed trainer settings (field names follow the flags).
+struct TrainConfig {
+  ModelConfig model;
+  std::string run_name, base_output_directory;
+  int64_t steps = 0;
+  double learning_rate = 0, warmup_steps_fraction = 0, cosine_learning_rate_final_fraction = 0;
+  double adam_b1 = 0, adam_b2 = 0, adam_eps = 0, adam_weight_decay = 0;
+  double gradient_clipping_threshold = 0;
+  uint64_t init_weights_seed = 0, data_shuffle_seed = 0;
+  bool enable_checkpointing = true;
+  int64_t checkpoint_period = 0, eval_interval = 0, eval_steps = 0, log_period = 0;
+  int64_t max_nonfinite_steps = 0;
+  std::string dataset_type, dataset_path;
+  int64_t synthetic_num_sources = 0, synthetic_alphabet_size = 0, synthetic_branching = 0;
+  double eval_split_fraction = 0;
+};
+
+// Converts and validates a Config of TrainConfigSchema(); every problem is
+// named with its flag and fix in one InvalidArgument.
+Result<TrainConfig> TrainConfigFrom(const Config& config);
+
+// The learning rate of 0-based step `step`: linear warmup from lr/W to lr over
+// the first W = round(warmup_steps_fraction * steps) steps, then a cosine
+// from lr down to lr * cosine_learning_rate_final_fraction at the last step.
+double LearningRate(const TrainConfig& config, int64_t step);
+
+// What a caller sees of each step (benchmarks, tests).
+struct StepReport {
+  int64_t step = 0;  // 1-based, after the update
+  double loss = 0, lr = 0, grad_norm = 0, step_time_s = 0;
+  std::optional<double> eval_loss;
+  bool skipped = false;          // non-finite loss or gradient
+  int64_t allocations = 0;       // library allocations during the step
+};
+
+struct TrainSummary {
+  std::string run_dir;
+  int64_t steps = 0;             // steps run in total (resumed ones included)
+  int64_t resumed_from = 0;      // 0: a fresh start
+  double final_loss = 0;         // mean training loss of the last log_period steps
+  std::optional<double> final_eval_loss;
+  std::optional<double> entropy_floor;
+  double mean_step_time_s = 0;   // over this process's steps after the first
+  double tokens_per_s = 0;
+  int64_t nonfinite_steps = 0;
+  std::string quantization_mode;  // MoeQatModeName
+  int64_t peak_bytes = 0;         // library memory high-water mark
+  double allocations_per_step = 0;  // after this process's first step
+};
+
+struct TrainOptions {
+  bool quiet = false;     // no progress, log lines or final summary on the terminal
+  std::function<void(const StepReport&)> on_step;
+  // Tests: stop (as if killed) right after this many steps of this process.
+  int64_t stop_after_steps = 0;
+};
+
+// Runs (or resumes) the run the config describes. Errors: InvalidArgument /
+// NotFound / FailedPrecondition for bad input (flags, data, a checkpoint of
+// another model or mode), IoError when the run directory or a checkpoint
+// cannot be written (the previous checkpoint stays intact), DataLoss for an
+// unreadable checkpoint, OutOfRange after max_nonfinite_steps non-finite
+// steps.
+Result<TrainSummary> Train(const TrainConfig& config, const Config& raw,
+                           const TrainOptions& options = {});
+
+}  // namespace fp8moe
+
+#endif  // FP8MOE_TRAIN_H_

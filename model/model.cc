@@ -1,0 +1,335 @@
+// The transformer's forward and backward (include/fp8moe/model.h).
+#include "fp8moe/model.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "model/layers.h"
+
+namespace fp8moe {
+
+using internal::Linear;
+using internal::LinearDw;
+using internal::LinearDx;
+
+Status ValidateModelConfig(const ModelConfig& c) {
+  std::vector<std::string> problems;
+  auto positive = [&](int64_t v, const char* flag) {
+    if (v < 1) {
+      problems.push_back(std::string(flag) + "=" + std::to_string(v) +
+                         " must be at least 1; set " + flag + " to a positive size");
+    }
+  };
+  positive(c.vocab_size, "vocab_size");
+  positive(c.emb_dim, "base_emb_dim");
+  positive(c.num_layers, "base_num_decoder_layers");
+  positive(c.num_heads, "base_num_query_heads");
+  positive(c.head_dim, "head_dim");
+  positive(c.mlp_dim, "base_moe_mlp_dim");
+  positive(c.seq_len, "max_target_length");
+  positive(c.batch, "per_device_batch_size");
+  if (c.head_dim >= 1 && c.head_dim % 2 != 0) {
+    problems.push_back("head_dim=" + std::to_string(c.head_dim) +
+                       " is odd, but RoPE rotates pairs of dimensions; set head_dim=" +
+                       std::to_string(c.head_dim + 1));
+  }
+  if (!(c.rope_max_timescale > 1.0)) {
+    problems.push_back("rope_max_timescale must be above 1; set rope_max_timescale=10000");
+  }
+  if (!(c.norm_eps > 0.0)) {
+    problems.push_back("normalization_layer_epsilon must be positive; set it to 1e-6");
+  }
+  // Sizes whose products would overflow the kernels' int32 group sizes.
+  if (c.batch >= 1 && c.seq_len >= 1 && c.batch * c.seq_len * c.moe.num_experts_per_tok > (1 << 30)) {
+    problems.push_back("per_device_batch_size x max_target_length x num_experts_per_tok is too "
+                       "large for one step; lower per_device_batch_size");
+  }
+  if (!problems.empty()) {
+    std::string m = "invalid model configuration: " + problems[0];
+    for (size_t i = 1; i < problems.size(); ++i) m += "; " + problems[i];
+    return InvalidArgument(m);
+  }
+  return ValidateMoeConfig(c.moe);
+}
+
+std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  out.emplace_back("embed", &embed);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    LayerParams& L = layers[l];
+    out.emplace_back(p + "attn_norm", &L.attn_norm);
+    out.emplace_back(p + "wqkv", &L.wqkv);
+    out.emplace_back(p + "wo_attn", &L.wo_attn);
+    out.emplace_back(p + "mlp_norm", &L.mlp_norm);
+    out.emplace_back(p + "router", &L.router);
+    out.emplace_back(p + "wi", &L.wi);
+    out.emplace_back(p + "wo", &L.wo);
+  }
+  out.emplace_back("final_norm", &final_norm);
+  out.emplace_back("lm_head", &lm_head);
+  return out;
+}
+
+std::vector<std::pair<std::string, const Tensor*>> ModelParams::Named() const {
+  std::vector<std::pair<std::string, const Tensor*>> out;
+  for (auto& [n, t] : const_cast<ModelParams*>(this)->Named()) out.emplace_back(n, t);
+  return out;
+}
+
+Result<ModelParams> AllocateParams(const ModelConfig& c) {
+  FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(c));
+  const int64_t D = c.emb_dim, HD = c.num_heads * c.head_dim, E = c.moe.num_experts,
+                F = c.mlp_dim, V = c.vocab_size;
+  auto make = [](Shape s) { return Tensor::Create(DType::kF32, std::move(s)); };
+  ModelParams p;
+  FP8MOE_ASSIGN_OR_RETURN(p.embed, make({V, D}));
+  p.layers.resize(static_cast<size_t>(c.num_layers));
+  for (LayerParams& L : p.layers) {
+    FP8MOE_ASSIGN_OR_RETURN(L.attn_norm, make({D}));
+    FP8MOE_ASSIGN_OR_RETURN(L.wqkv, make({D, 3 * HD}));
+    FP8MOE_ASSIGN_OR_RETURN(L.wo_attn, make({HD, D}));
+    FP8MOE_ASSIGN_OR_RETURN(L.mlp_norm, make({D}));
+    FP8MOE_ASSIGN_OR_RETURN(L.router, make({D, E}));
+    FP8MOE_ASSIGN_OR_RETURN(L.wi, make({E, D, 2 * F}));
+    FP8MOE_ASSIGN_OR_RETURN(L.wo, make({E, F, D}));
+  }
+  FP8MOE_ASSIGN_OR_RETURN(p.final_norm, make({D}));
+  FP8MOE_ASSIGN_OR_RETURN(p.lm_head, make({D, V}));
+  return p;
+}
+
+Status InitParams(const ModelConfig& c, uint64_t seed, ModelParams* params) {
+  Rng rng(seed);
+  for (auto& [name, t] : params->Named()) {
+    float* d = t->data_as<float>();
+    const size_t n = t->num_elements();
+    if (t->rank() == 1) {  // norm gains
+      std::fill(d, d + n, 1.0f);
+      continue;
+    }
+    // fan_in: the contraction dim (rows of [K, N]; K of [E, K, N]).
+    const int64_t fan_in = t->rank() == 3 ? t->dim(1) : t->dim(0);
+    const double sd = name == "embed" ? 1.0 : 1.0 / std::sqrt(static_cast<double>(fan_in));
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<float>(rng.Normal() * sd);
+  }
+  return OkStatus();
+}
+
+// ---- Buffers ----
+
+struct Model::Buffers {
+  bool ready = false;
+  Tensor group;     // I32 [1] = B*S: the dense matmuls' single group
+  Tensor cos, sin;  // [S, hd/2]
+  struct Layer {
+    Tensor x, n1, inv1, qkv, probs, attn, x1, n2, inv2;
+    MoeWorkspace moe;
+  };
+  std::vector<Layer> layers;
+  Tensor xf, nf, invf, logits, dlogits;
+  Tensor dx, dtmp, dqkv, dattn, moe_y;
+};
+
+Model::Model(const ModelConfig& config) : config_(config), b_(std::make_unique<Buffers>()) {}
+Model::~Model() = default;
+
+namespace {
+
+Status Make(Tensor* t, Shape s, DType d = DType::kF32) {
+  FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(d, std::move(s)));
+  return OkStatus();
+}
+
+Status Allocate(const ModelConfig& c, Model::Buffers* b) {
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, HD = c.num_heads * c.head_dim,
+                V = c.vocab_size, S = c.seq_len;
+  FP8MOE_RETURN_IF_ERROR(Make(&b->group, {1}, DType::kI32));
+  b->group.data_as<int32_t>()[0] = static_cast<int32_t>(N);
+  FP8MOE_RETURN_IF_ERROR(Make(&b->cos, {S, c.head_dim / 2}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->sin, {S, c.head_dim / 2}));
+  internal::RopeTables(S, c.head_dim, c.rope_max_timescale, b->cos.data_as<float>(),
+                       b->sin.data_as<float>());
+  b->layers.resize(static_cast<size_t>(c.num_layers));
+  for (auto& L : b->layers) {
+    FP8MOE_RETURN_IF_ERROR(Make(&L.x, {N, D}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.n1, {N, D}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.inv1, {N}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.qkv, {N, 3 * HD}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.probs, {c.batch, c.num_heads, S, S}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.attn, {N, HD}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.x1, {N, D}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.n2, {N, D}));
+    FP8MOE_RETURN_IF_ERROR(Make(&L.inv2, {N}));
+  }
+  FP8MOE_RETURN_IF_ERROR(Make(&b->xf, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->nf, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->invf, {N}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->logits, {N, V}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->dlogits, {N, V}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->dx, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->dtmp, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->dqkv, {N, 3 * HD}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->dattn, {N, HD}));
+  FP8MOE_RETURN_IF_ERROR(Make(&b->moe_y, {N, D}));
+  b->ready = true;
+  return OkStatus();
+}
+
+MoeWeights MasterOf(const LayerParams& L) {
+  return {L.router.view(), L.wi.view(), L.wo.view()};
+}
+
+void Add(const float* a, const float* b, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+}  // namespace
+
+Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
+                             std::vector<PreparedMoeWeights>* prepared) {
+  if (prepared->size() != params.layers.size()) prepared->resize(params.layers.size());
+  for (size_t l = 0; l < params.layers.size(); ++l) {
+    FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, config_.moe, params.layers[l].wi.view(),
+                                             params.layers[l].wo.view(), &(*prepared)[l]));
+  }
+  return OkStatus();
+}
+
+Status Model::Step(Context& ctx, const ModelParams& params,
+                   const std::vector<PreparedMoeWeights>& prepared, const int32_t* inputs,
+                   const int32_t* targets, ModelParams* grads, ModelStepInfo* info) {
+  const ModelConfig& c = config_;
+  if (!b_->ready) FP8MOE_RETURN_IF_ERROR(Allocate(c, b_.get()));
+  Buffers& b = *b_;
+  const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
+                hd = c.head_dim, HD = H * hd, V = c.vocab_size, L = c.num_layers;
+  const size_t ND = static_cast<size_t>(N * D);
+  if (static_cast<int64_t>(params.layers.size()) != L ||
+      static_cast<int64_t>(prepared.size()) != L) {
+    return InvalidArgument("the parameters or prepared experts do not have " +
+                           std::to_string(L) + " layers");
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    if (inputs[n] < 0 || inputs[n] >= V) {
+      return InvalidArgument("input token " + std::to_string(inputs[n]) + " at position " +
+                             std::to_string(n) + " is outside the vocabulary [0, " +
+                             std::to_string(V) + "); raise vocab_size");
+    }
+  }
+  const TensorView group = b.group.view();
+  info->aux_loss = 0;
+  info->dropless_reruns = 0;
+  info->expert_load.resize(static_cast<size_t>(L));
+
+  // ---- Forward ----
+  const float* embed = params.embed.data_as<float>();
+  float* x0 = b.layers[0].x.data_as<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    std::memcpy(x0 + n * D, embed + inputs[n] * D, static_cast<size_t>(D) * sizeof(float));
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerParams& P = params.layers[static_cast<size_t>(l)];
+    Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
+    const float* x = A.x.data_as<float>();
+    internal::RmsNormForward(ctx, x, P.attn_norm.data_as<float>(), N, D,
+                             static_cast<float>(c.norm_eps), A.n1.data_as<float>(),
+                             A.inv1.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.n1.data_as<float>(), P.wqkv.data_as<float>(), N,
+                                  D, 3 * HD, A.qkv.data_as<float>()));
+    internal::RopeApply(ctx, A.qkv.data_as<float>(), B, S, H, hd, b.cos.data_as<float>(),
+                        b.sin.data_as<float>(), /*inverse=*/false);
+    internal::AttentionForward(ctx, A.qkv.data_as<float>(), B, S, H, hd,
+                               A.probs.data_as<float>(), A.attn.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.attn.data_as<float>(),
+                                  P.wo_attn.data_as<float>(), N, HD, D, A.x1.data_as<float>()));
+    Add(A.x1.data_as<float>(), x, ND, A.x1.data_as<float>());
+    internal::RmsNormForward(ctx, A.x1.data_as<float>(), P.mlp_norm.data_as<float>(), N, D,
+                             static_cast<float>(c.norm_eps), A.n2.data_as<float>(),
+                             A.inv2.data_as<float>());
+    MoeStepInfo mi;
+    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(P),
+                                      prepared[static_cast<size_t>(l)], &A.moe, b.moe_y.view(),
+                                      &mi));
+    info->aux_loss += mi.aux_loss;
+    info->dropless_reruns += mi.stats.dropless_reruns;
+    const TensorView gs = A.moe.group_sizes();
+    auto& load = info->expert_load[static_cast<size_t>(l)];
+    load.assign(gs.as<int32_t>(), gs.as<int32_t>() + gs.num_elements());
+    float* next = l + 1 < L ? b.layers[static_cast<size_t>(l + 1)].x.data_as<float>()
+                            : b.xf.data_as<float>();
+    Add(A.x1.data_as<float>(), b.moe_y.data_as<float>(), ND, next);
+  }
+  internal::RmsNormForward(ctx, b.xf.data_as<float>(), params.final_norm.data_as<float>(), N, D,
+                           static_cast<float>(c.norm_eps), b.nf.data_as<float>(),
+                           b.invf.data_as<float>());
+  FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, b.nf.data_as<float>(),
+                                params.lm_head.data_as<float>(), N, D, V,
+                                b.logits.data_as<float>()));
+  FP8MOE_ASSIGN_OR_RETURN(info->loss,
+                          internal::CrossEntropy(ctx, b.logits.data_as<float>(), targets, N, V,
+                                                 grads ? b.dlogits.data_as<float>() : nullptr));
+  if (grads == nullptr) return OkStatus();
+
+  // ---- Backward ----
+  float* dx = b.dx.data_as<float>();
+  float* dtmp = b.dtmp.data_as<float>();
+  FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, b.dlogits.data_as<float>(),
+                                  params.lm_head.data_as<float>(), N, D, V, dtmp));
+  FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, b.nf.data_as<float>(), b.dlogits.data_as<float>(),
+                                  N, D, V, grads->lm_head.data_as<float>()));
+  std::fill(dx, dx + ND, 0.0f);
+  internal::RmsNormBackward(ctx, b.xf.data_as<float>(), params.final_norm.data_as<float>(),
+                            b.invf.data_as<float>(), dtmp, N, D, dx,
+                            grads->final_norm.data_as<float>());
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const LayerParams& P = params.layers[static_cast<size_t>(l)];
+    LayerParams& G = grads->layers[static_cast<size_t>(l)];
+    Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
+    // MoE FFN: dy = dx; its dx is the gradient of n2.
+    const MoeGradientViews mg{b.dtmp.view(), G.router.view(), G.wi.view(), G.wo.view()};
+    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(P),
+                                       prepared[static_cast<size_t>(l)], &A.moe, b.dx.view(),
+                                       mg));
+    internal::RmsNormBackward(ctx, A.x1.data_as<float>(), P.mlp_norm.data_as<float>(),
+                              A.inv2.data_as<float>(), dtmp, N, D, dx,
+                              G.mlp_norm.data_as<float>());
+    // Attention output projection: dx is now the gradient of x1.
+    FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, dx, P.wo_attn.data_as<float>(), N, HD, D,
+                                    b.dattn.data_as<float>()));
+    FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.attn.data_as<float>(), dx, N, HD, D,
+                                    G.wo_attn.data_as<float>()));
+    internal::AttentionBackward(ctx, A.qkv.data_as<float>(), A.probs.data_as<float>(),
+                                b.dattn.data_as<float>(), B, S, H, hd, b.dqkv.data_as<float>());
+    internal::RopeApply(ctx, b.dqkv.data_as<float>(), B, S, H, hd, b.cos.data_as<float>(),
+                        b.sin.data_as<float>(), /*inverse=*/true);
+    FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, b.dqkv.data_as<float>(), P.wqkv.data_as<float>(),
+                                    N, D, 3 * HD, dtmp));
+    FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.n1.data_as<float>(), b.dqkv.data_as<float>(),
+                                    N, D, 3 * HD, G.wqkv.data_as<float>()));
+    internal::RmsNormBackward(ctx, A.x.data_as<float>(), P.attn_norm.data_as<float>(),
+                              A.inv1.data_as<float>(), dtmp, N, D, dx,
+                              G.attn_norm.data_as<float>());
+  }
+  float* dembed = grads->embed.data_as<float>();
+  std::fill(dembed, dembed + grads->embed.num_elements(), 0.0f);
+  for (int64_t n = 0; n < N; ++n) {  // in token order: deterministic
+    float* row = dembed + inputs[n] * D;
+    const float* g = dx + n * D;
+    for (int64_t i = 0; i < D; ++i) row[i] += g[i];
+  }
+  return OkStatus();
+}
+
+Status Model::ActivationHealth(Context& ctx, int64_t layer,
+                               const std::vector<PreparedMoeWeights>& prepared, Fp8Health* wi_lhs,
+                               Fp8Health* wo_lhs) {
+  if (layer < 0 || layer >= config_.num_layers || !b_->ready) {
+    return InvalidArgument("no activations of layer " + std::to_string(layer));
+  }
+  return MoeActivationHealth(ctx, config_.moe, prepared[static_cast<size_t>(layer)],
+                             &b_->layers[static_cast<size_t>(layer)].moe, wi_lhs, wo_lhs);
+}
+
+}  // namespace fp8moe

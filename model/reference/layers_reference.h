@@ -1,0 +1,35 @@
+// Float64 twins of the model's pieces (plain loops, no threads), for tests:
+// the fast f32 pieces are compared with them and their gradients with
+// central finite differences of them.
+#ifndef FP8MOE_MODEL_REFERENCE_LAYERS_REFERENCE_H_
+#define FP8MOE_MODEL_REFERENCE_LAYERS_REFERENCE_H_
+
+#include <cstdint>
+#include <vector>
+
+namespace fp8moe::reference {
+
+// y [rows, d] = x / sqrt(mean(x^2) + eps) * g.
+void RmsNorm(const double* x, const double* g, int64_t rows, int64_t d, double eps, double* y);
+
+// Rotates the q and k columns of qkv [B*S, 3*H*hd] in place (RoPE, pairs
+// (i, i + hd/2), angle p / max_timescale^(2i/hd)).
+void Rope(double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+          double max_timescale);
+
+// Causal softmax attention: out [B*S, H*hd] from qkv [B*S, 3*H*hd].
+void Attention(const double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+               double* out);
+
+// Mean over rows of -log softmax(logits[r])[targets[r]].
+double CrossEntropy(const double* logits, const int32_t* targets, int64_t rows, int64_t v);
+
+// The MoE FFN of dtype=float32 in double: y [T, D]; returns the aux loss and
+// appends the chosen experts of every token to *routing.
+double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, const float* wi,
+              const float* wo, int64_t experts, int64_t k, int64_t f, bool norm_topk_prob,
+              double lb_weight, double* y, std::vector<int32_t>* routing);
+
+}  // namespace fp8moe::reference
+
+#endif  // FP8MOE_MODEL_REFERENCE_LAYERS_REFERENCE_H_

@@ -1,0 +1,211 @@
+// Float64 reference of the model and its pieces (plain loops).
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "fp8moe/model.h"
+#include "model/reference/layers_reference.h"
+
+namespace fp8moe::reference {
+
+void RmsNorm(const double* x, const double* g, int64_t rows, int64_t d, double eps, double* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < d; ++i) ss += x[r * d + i] * x[r * d + i];
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) y[r * d + i] = x[r * d + i] * inv * g[i];
+  }
+}
+
+void Rope(double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+          double max_timescale) {
+  const int64_t half = hd / 2, width = 3 * heads * hd;
+  for (int64_t r = 0; r < batch * seq; ++r) {
+    const double p = static_cast<double>(r % seq);
+    for (int64_t part = 0; part < 2; ++part) {
+      for (int64_t h = 0; h < heads; ++h) {
+        double* v = qkv + r * width + part * heads * hd + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          const double angle =
+              p / std::pow(max_timescale, 2.0 * static_cast<double>(i) / static_cast<double>(hd));
+          const double a = v[i], b = v[i + half];
+          v[i] = a * std::cos(angle) - b * std::sin(angle);
+          v[i + half] = b * std::cos(angle) + a * std::sin(angle);
+        }
+      }
+    }
+  }
+}
+
+void Attention(const double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+               double* out) {
+  const int64_t width = 3 * heads * hd, hw = heads * hd;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  std::vector<double> s(static_cast<size_t>(seq));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < seq; ++i) {
+        const double* q = qkv + (b * seq + i) * width + h * hd;
+        double mx = -INFINITY;
+        for (int64_t j = 0; j <= i; ++j) {
+          const double* k = qkv + (b * seq + j) * width + hw + h * hd;
+          double dot = 0;
+          for (int64_t t = 0; t < hd; ++t) dot += q[t] * k[t];
+          s[static_cast<size_t>(j)] = dot * scale;
+          mx = std::max(mx, s[static_cast<size_t>(j)]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[static_cast<size_t>(j)] - mx);
+        double* o = out + (b * seq + i) * hw + h * hd;
+        for (int64_t t = 0; t < hd; ++t) o[t] = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          const double p = std::exp(s[static_cast<size_t>(j)] - mx) / sum;
+          const double* v = qkv + (b * seq + j) * width + 2 * hw + h * hd;
+          for (int64_t t = 0; t < hd; ++t) o[t] += p * v[t];
+        }
+      }
+    }
+  }
+}
+
+double CrossEntropy(const double* logits, const int32_t* targets, int64_t rows, int64_t v) {
+  double total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* l = logits + r * v;
+    double mx = l[0];
+    for (int64_t i = 1; i < v; ++i) mx = std::max(mx, l[i]);
+    double sum = 0;
+    for (int64_t i = 0; i < v; ++i) sum += std::exp(l[i] - mx);
+    total += mx + std::log(sum) - l[targets[r]];
+  }
+  return total / static_cast<double>(rows);
+}
+
+double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, const float* wi,
+              const float* wo, int64_t experts, int64_t k, int64_t f, bool norm_topk_prob,
+              double lb_weight, double* y, std::vector<int32_t>* routing) {
+  std::vector<double> logits(static_cast<size_t>(experts)), h(static_cast<size_t>(2 * f)),
+      a(static_cast<size_t>(f)), p_mean(static_cast<size_t>(experts), 0.0);
+  std::vector<int64_t> count(static_cast<size_t>(experts), 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const double* xt = x + t * d;
+    for (int64_t e = 0; e < experts; ++e) {
+      double s = 0;
+      for (int64_t i = 0; i < d; ++i) s += xt[i] * router[i * experts + e];
+      logits[static_cast<size_t>(e)] = s;
+    }
+    // Softmax over all experts (aux loss).
+    const double mx = *std::max_element(logits.begin(), logits.end());
+    double all = 0;
+    for (double l : logits) all += std::exp(l - mx);
+    for (int64_t e = 0; e < experts; ++e) {
+      p_mean[static_cast<size_t>(e)] += std::exp(logits[static_cast<size_t>(e)] - mx) / all;
+    }
+    // Top-k, ties to the lower index.
+    std::vector<int64_t> chosen;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e) {
+        if (std::find(chosen.begin(), chosen.end(), e) != chosen.end()) continue;
+        if (best < 0 || logits[static_cast<size_t>(e)] > logits[static_cast<size_t>(best)]) best = e;
+      }
+      chosen.push_back(best);
+      routing->push_back(static_cast<int32_t>(best));
+      ++count[static_cast<size_t>(best)];
+    }
+    std::vector<double> w(static_cast<size_t>(k));
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      w[static_cast<size_t>(j)] = std::exp(logits[static_cast<size_t>(chosen[static_cast<size_t>(j)])] -
+                                           logits[static_cast<size_t>(chosen[0])]);
+      sum += w[static_cast<size_t>(j)];
+    }
+    for (double& v : w) v /= sum;
+    if (norm_topk_prob) {
+      double s2 = 0;
+      for (double v : w) s2 += v;
+      for (double& v : w) v /= s2;
+    }
+    double* yt = y + t * d;
+    for (int64_t i = 0; i < d; ++i) yt[i] = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = chosen[static_cast<size_t>(j)];
+      const float* wie = wi + e * d * 2 * f;
+      const float* woe = wo + e * f * d;
+      for (int64_t n = 0; n < 2 * f; ++n) {
+        double s = 0;
+        for (int64_t i = 0; i < d; ++i) s += xt[i] * wie[i * 2 * f + n];
+        h[static_cast<size_t>(n)] = s;
+      }
+      for (int64_t n = 0; n < f; ++n) {
+        const double g = h[static_cast<size_t>(n)];
+        a[static_cast<size_t>(n)] = g / (1.0 + std::exp(-g)) * h[static_cast<size_t>(f + n)];
+      }
+      for (int64_t i = 0; i < d; ++i) {
+        double s = 0;
+        for (int64_t n = 0; n < f; ++n) s += a[static_cast<size_t>(n)] * woe[n * d + i];
+        yt[i] += w[static_cast<size_t>(j)] * s;
+      }
+    }
+  }
+  double aux = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    aux += static_cast<double>(count[static_cast<size_t>(e)]) / static_cast<double>(tokens * k) *
+           (p_mean[static_cast<size_t>(e)] / static_cast<double>(tokens));
+  }
+  return lb_weight * static_cast<double>(experts) * aux;
+}
+
+namespace {
+std::vector<double> ToDouble(const Tensor& t) {
+  const float* d = t.data_as<float>();
+  return std::vector<double>(d, d + t.num_elements());
+}
+
+// out [m, n] = x [m, k] @ w [k, n] (w f32).
+void MatMul(const double* x, const float* w, int64_t m, int64_t k, int64_t n, double* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < n; ++c) {
+      double s = 0;
+      for (int64_t i = 0; i < k; ++i) s += x[r * k + i] * w[i * n + c];
+      out[r * n + c] = s;
+    }
+  }
+}
+}  // namespace
+
+Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const int32_t* inputs,
+                         const int32_t* targets, std::vector<int32_t>* routing) {
+  FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(c));
+  const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
+                hd = c.head_dim, HD = H * hd, V = c.vocab_size, F = c.mlp_dim;
+  std::vector<int32_t> local;
+  std::vector<int32_t>* route = routing != nullptr ? routing : &local;
+  route->clear();
+  std::vector<double> x(static_cast<size_t>(N * D)), n(static_cast<size_t>(N * D)),
+      qkv(static_cast<size_t>(N * 3 * HD)), attn(static_cast<size_t>(N * HD)),
+      proj(static_cast<size_t>(N * D)), y(static_cast<size_t>(N * D));
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t i = 0; i < D; ++i) x[static_cast<size_t>(t * D + i)] = params.embed.data_as<float>()[inputs[t] * D + i];
+  }
+  double aux = 0;
+  for (const LayerParams& P : params.layers) {
+    RmsNorm(x.data(), ToDouble(P.attn_norm).data(), N, D, c.norm_eps, n.data());
+    MatMul(n.data(), P.wqkv.data_as<float>(), N, D, 3 * HD, qkv.data());
+    Rope(qkv.data(), B, S, H, hd, c.rope_max_timescale);
+    Attention(qkv.data(), B, S, H, hd, attn.data());
+    MatMul(attn.data(), P.wo_attn.data_as<float>(), N, HD, D, proj.data());
+    for (size_t i = 0; i < x.size(); ++i) x[i] += proj[i];
+    RmsNorm(x.data(), ToDouble(P.mlp_norm).data(), N, D, c.norm_eps, n.data());
+    aux += MoeFfn(n.data(), N, D, P.router.data_as<float>(), P.wi.data_as<float>(),
+                  P.wo.data_as<float>(), c.moe.num_experts, c.moe.num_experts_per_tok, F,
+                  c.moe.norm_topk_prob, c.moe.load_balance_loss_weight, y.data(), route);
+    for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
+  }
+  RmsNorm(x.data(), ToDouble(params.final_norm).data(), N, D, c.norm_eps, n.data());
+  std::vector<double> logits(static_cast<size_t>(N * V));
+  MatMul(n.data(), params.lm_head.data_as<float>(), N, D, V, logits.data());
+  return CrossEntropy(logits.data(), targets, N, V) + aux;
+}
+
+}  // namespace fp8moe::reference

@@ -1,0 +1,197 @@
+// Preparing the expert weights once per step (codes + per-channel scales, or
+// a bf16 copy), the MoE workspace, and FP8 health counts.
+#include <cmath>
+#include <cstring>
+
+#include "fp8moe/moe.h"
+#include "fp8moe/numerics.h"
+#include "fp8moe/quant.h"
+#include "moe/moe_workspace.h"
+
+namespace fp8moe {
+
+namespace internal {
+
+Result<TensorView> Grow(Tensor* t, DType dtype, const Shape& shape) {
+  FP8MOE_ASSIGN_OR_RETURN(const size_t n, CheckedNumElements(shape, DTypeSize(dtype)));
+  if (t->data() == nullptr || t->dtype() != dtype || t->num_elements() < n) {
+    FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(dtype, {static_cast<int64_t>(n)}));
+  }
+  return TensorView{t->data(), dtype, shape};
+}
+
+}  // namespace internal
+
+MoeWorkspace::MoeWorkspace() : state_(std::make_unique<State>()) {}
+MoeWorkspace::~MoeWorkspace() = default;
+MoeWorkspace::MoeWorkspace(MoeWorkspace&&) noexcept = default;
+MoeWorkspace& MoeWorkspace::operator=(MoeWorkspace&&) noexcept = default;
+
+TensorView MoeWorkspace::group_sizes() const { return state_->group_sizes_view; }
+
+namespace {
+
+using internal::Grow;
+
+// *t with exactly this dtype and shape (kept when it already has them).
+Result<TensorView> Exact(Tensor* t, DType dtype, const Shape& shape) {
+  if (t->data() == nullptr || t->dtype() != dtype || t->shape() != shape) {
+    FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(dtype, shape));
+  }
+  return t->view();
+}
+
+// Per code: is it at the format's largest magnitude, is it zero.
+struct CodeTable {
+  bool saturated[256];
+  bool zero[256];
+};
+
+const CodeTable& TableOf(QuantDType q) {
+  static const auto* tables = [] {
+    auto* t = new CodeTable[5];
+    for (int d = 0; d < 5; ++d) {
+      const auto qd = static_cast<QuantDType>(d);
+      for (int c = 0; c < 256; ++c) {
+        const float v = DequantizeValue(static_cast<uint8_t>(c), 1.0f, qd);
+        t[d].saturated[c] = std::fabs(v) == QuantMax(qd);
+        t[d].zero[c] = v == 0.0f;
+      }
+    }
+    return t;
+  }();
+  return tables[static_cast<int>(q)];
+}
+
+// Health of codes q [n] quantized from x [n] (the values that were there).
+Fp8Health CountHealth(const uint8_t* q, const float* x, int64_t n, QuantDType dtype) {
+  const CodeTable& t = TableOf(dtype);
+  int64_t sat = 0, flushed = 0;
+  // Integer counts: the same total for any thread count.
+#pragma omp parallel for reduction(+ : sat, flushed) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    sat += t.saturated[q[i]];
+    flushed += t.zero[q[i]] && x[i] != 0.0f;
+  }
+  Fp8Health h;
+  h.values = n;
+  if (n > 0) {
+    h.saturated = static_cast<double>(sat) / static_cast<double>(n);
+    h.flushed = static_cast<double>(flushed) / static_cast<double>(n);
+  }
+  return h;
+}
+
+Status PrepareWeight(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
+                     const TensorView& master, PreparedExpertWeight* p) {
+  const int64_t E = master.shape[0], K = master.shape[1], N = master.shape[2];
+  p->health = {};
+  if (plan.mode == MoeQatMode::kNone) {
+    p->codes = false;
+    if (act == DType::kF32) {
+      p->view = master;
+    } else {
+      FP8MOE_ASSIGN_OR_RETURN(p->view, Grow(&p->owned, DType::kBF16, master.shape));
+      F32ToBf16Span(master.as<float>(), p->view.as<uint16_t>(), master.num_elements());
+    }
+    return OkStatus();
+  }
+  p->codes = true;
+  p->quant = *plan.fwd.rhs;
+  FP8MOE_ASSIGN_OR_RETURN(p->view, Grow(&p->owned, QuantStorageDType(p->quant), master.shape));
+  FP8MOE_ASSIGN_OR_RETURN(TensorView scale, Exact(&p->scale, DType::kF32, {E, N}));
+  FP8MOE_RETURN_IF_ERROR(QuantizeChannels(master.as<float>(), E, K, N, p->quant,
+                                          cfg.weight_quantization_calibration_method,
+                                          p->view.as<uint8_t>(), scale.as<float>()));
+  p->health = CountHealth(p->view.as<uint8_t>(), master.as<float>(),
+                          static_cast<int64_t>(master.num_elements()), p->quant);
+  if (p->quant == QuantDType::kInt8) {
+    // The backward dLHS of the int8 scheme reads bf16(f32(q) * s).
+    FP8MOE_ASSIGN_OR_RETURN(TensorView copy, Exact(&p->dlhs_copy, DType::kBF16, master.shape));
+    const uint8_t* q = p->view.as<uint8_t>();
+    const float* s = scale.as<float>();
+    uint16_t* out = copy.as<uint16_t>();
+#pragma omp parallel for schedule(static)
+    for (int64_t ek = 0; ek < E * K; ++ek) {
+      const float* se = s + (ek / K) * N;
+      for (int64_t n = 0; n < N; ++n) {
+        out[ek * N + n] = F32ToBf16(DequantizeValue(q[ek * N + n], se[n], QuantDType::kInt8));
+      }
+    }
+  }
+  if (plan.mode == MoeQatMode::kRecipeFp8Full) {
+    FP8MOE_ASSIGN_OR_RETURN(TensorView ones, Exact(&p->unit_scale, DType::kF32, {E, N}));
+    std::fill(ones.as<float>(), ones.as<float>() + E * N, 1.0f);
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& wi,
+                         const TensorView& wo, PreparedMoeWeights* prepared) {
+  (void)ctx;
+  FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
+  const bool ok = wi.dtype == DType::kF32 && wo.dtype == DType::kF32 && wi.rank() == 3 &&
+                  wo.rank() == 3 && wi.shape[2] % 2 == 0 && wi.shape[0] == wo.shape[0] &&
+                  wo.shape == Shape{wi.shape[0], wi.shape[2] / 2, wi.shape[1]};
+  if (!ok) {
+    return InvalidArgument("PrepareMoeWeights needs F32 wi [E, D, 2F] and wo [E, F, D]; got " +
+                           std::string(DTypeName(wi.dtype)) + " " + ShapeToString(wi.shape) +
+                           " and " + std::string(DTypeName(wo.dtype)) + " " +
+                           ShapeToString(wo.shape));
+  }
+  PreparedMoeWeights& p = *prepared;
+  p.plan = PlanMoeQuantization(cfg);
+  // Activations are bf16 in every quantized mode (their GMMs take bf16).
+  p.act = p.plan.mode == MoeQatMode::kNone ? cfg.dtype : DType::kBF16;
+  p.wi_shape = wi.shape;
+  p.wo_shape = wo.shape;
+  FP8MOE_RETURN_IF_ERROR(PrepareWeight(cfg, p.plan, p.act, wi, &p.wi));
+  return PrepareWeight(cfg, p.plan, p.act, wo, &p.wo);
+}
+
+namespace {
+
+// Quantizes the valid rows of `buffer` [rows, cols] (act dtype) the way the
+// forward GMM does and counts the health.
+Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const TensorView& buffer,
+                        QuantDType dtype, int64_t block, Fp8Health* out) {
+  const int64_t valid = s.T * s.k, cols = buffer.shape[1];
+  FP8MOE_ASSIGN_OR_RETURN(TensorView f, Grow(&s.health_f32, DType::kF32, {valid, cols}));
+  if (buffer.dtype == DType::kF32) {
+    std::memcpy(f.data, buffer.data, f.num_bytes());
+  } else {
+    Bf16ToF32Span(buffer.as<uint16_t>(), f.as<float>(), f.num_elements());
+  }
+  FP8MOE_ASSIGN_OR_RETURN(TensorView q, Grow(&s.health_q, DType::kU8, {valid, cols}));
+  FP8MOE_ASSIGN_OR_RETURN(TensorView sc,
+                          Grow(&s.health_sc, DType::kF32, {valid, NumBlocks(cols, block)}));
+  FP8MOE_RETURN_IF_ERROR(QuantizeRows(f.as<float>(), valid, cols, valid, block, dtype,
+                                      cfg.act_quantization_calibration_method, q.as<uint8_t>(),
+                                      sc.as<float>()));
+  *out = CountHealth(q.as<uint8_t>(), f.as<float>(), valid * cols, dtype);
+  return OkStatus();
+}
+
+}  // namespace
+
+Status MoeActivationHealth(Context& ctx, const MoeConfig& cfg, const PreparedMoeWeights& prepared,
+                           MoeWorkspace* workspace, Fp8Health* wi_lhs, Fp8Health* wo_lhs) {
+  (void)ctx;
+  MoeWorkspace::State& s = workspace->state();
+  *wi_lhs = {};
+  *wo_lhs = {};
+  if (!s.forward_done) {
+    return FailedPrecondition("MoeActivationHealth needs a MoeForward on the workspace first");
+  }
+  if (!prepared.plan.fwd.lhs.has_value()) return OkStatus();
+  const QuantDType dtype = *prepared.plan.fwd.lhs;
+  const bool native = prepared.plan.mode == MoeQatMode::kNativeFwd ||
+                      prepared.plan.mode == MoeQatMode::kNativeFwdDlhs;
+  const int64_t block = native ? cfg.moe_lhs_quant_block_size : 0;
+  FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, s, s.xs, dtype, block, wi_lhs));
+  return ActivationHealth(cfg, s, s.av, dtype, block, wo_lhs);
+}
+
+}  // namespace fp8moe

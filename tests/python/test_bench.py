@@ -1,0 +1,196 @@
+"""`fp8moe bench ... --json`: every bench carries the ceilings it measured in
+its own run (register-only peaks, bandwidths, OpenBLAS sgemm from a core right
+for this CPU), and its ratios are the numbers they claim to be.
+
+These tests check structure and arithmetic consistency, never speed: timings
+on a shared machine are noisy. The one comparison of two timings (sgemm cannot
+beat the measured FMA peak by more than 20%) runs on one thread, where both
+see the same share of a busy machine.
+"""
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+DECODE = dict(e=8, m=64, k=2048, n=4096)  # the `decode` shape of cli/bench_gmm.cc
+PEAK_NAMES = {"f32_fma", "bf16_dot", "int16_pairs", "int16_vnni", "int8_vnni"}
+GOOD_CORES = {"avx2": {"Haswell", "Zen"}, "avx512": {"SkylakeX", "Cooperlake", "SapphireRapids"}}
+
+
+def cpu_flags():
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def run_bench(fp8moe_bin, *args, env_extra=None, simd=None):
+    env = dict(os.environ)
+    env.pop("OPENBLAS_CORETYPE", None)
+    env.update(env_extra or {})
+    cmd = [fp8moe_bin] + (["--simd", simd] if simd else []) + ["bench", *args, "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout), p.stderr
+
+
+def decode_gmm(fp8moe_bin, *extra, **kw):
+    return run_bench(fp8moe_bin, "gmm", "--shape", "decode", "--reps", "1", "--fwd-only",
+                     *extra, **kw)
+
+
+# The fastest bench with an sgemm ceiling (one f32 MoE step of 64 tokens).
+SMALL_MOE = ("moe", "--tokens", "64", "--shape", "f32", "--reps", "1", "--threads", "1")
+
+
+def check_ceilings(c, threads):
+    assert c["threads"] == threads
+    assert set(c["peaks"]) == PEAK_NAMES
+    f32 = c["peaks"]["f32_fma"]
+    assert f32["available"] and f32["kernels_use"] and f32["gops"] > 0
+    assert f32["lanes"] >= 1 and f32["chains"] >= 8
+    assert f32["ops_per_instruction"] == 2 * f32["lanes"]
+    for name, p in c["peaks"].items():
+        assert (p["gops"] > 0) == p["available"], name
+        assert p["what"] and "registers" in p["what"], name
+    assert c["peaks"]["int16_pairs"]["available"]  # every target has vpmaddwd or its emulation
+    assert c["read_gbs"] > 0 and c["memcpy_gbs"] > 0
+    if "sse2" in cpu_flags():  # x86: the clock comes from rdtsc and an add chain
+        assert c["core_ghz"] > 0 and c["tsc_ghz"] > 0
+        assert f32["ops_per_cycle"] > 0
+        assert c["f32_fma_two_pipe_estimate_gflops"] == pytest.approx(
+            2 * f32["ops_per_instruction"] * c["core_ghz"] * threads, rel=1e-9)
+
+
+def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
+    j, _ = decode_gmm(fp8moe_bin, "--threads", "1")
+    c = j["ceilings"]
+    check_ceilings(c, 1)
+    assert j["read_gbs"] == c["read_gbs"] and j["memcpy_gbs"] == c["memcpy_gbs"]
+    assert c["simd_target"] == j["simd_target"]
+
+    s = j["sgemm"]
+    assert s["loaded_core"] and s["core"] and s["loaded_config"].startswith("OpenBLAS")
+    assert s["trusted"], s  # this CPU's own core, or a child with a right one
+    if s["cpu_isa"] in GOOD_CORES:
+        assert s["core"] in GOOD_CORES[s["cpu_isa"]]
+    [shape] = s["shapes"]
+    assert (shape["m"], shape["k"], shape["n"]) == (DECODE["m"], DECODE["k"], DECODE["n"])
+    flops = 2.0 * DECODE["m"] * DECODE["k"] * DECODE["n"]
+    assert shape["gflops"] == pytest.approx(flops / shape["seconds"] / 1e9, rel=1e-9)
+
+    peaks = c["peaks"]
+    fma = peaks["f32_fma"]["gops"]
+    # A sgemm above the measured FMA peak means one of the two is wrong.
+    assert shape["gflops"] <= 1.2 * fma, (shape["gflops"], fma)
+
+    rows = j["rows"]
+    modes = {r["mode"] for r in rows}
+    assert {"openblas", "f32", "bf16", "fake_qat", "native_fp8", "int8"} <= modes
+    for r in rows:
+        assert r["gflops"] == pytest.approx(flops / r["seconds"] / 1e9, rel=1e-9), r
+        assert r["ratio_to_sgemm"] == pytest.approx(r["gflops"] / shape["gflops"], rel=1e-9), r
+        assert r["bound_peak"] in PEAK_NAMES and peaks[r["bound_peak"]]["available"], r
+        assert r["ratio_to_peak"] == pytest.approx(
+            r["gflops"] / peaks[r["bound_peak"]]["gops"], rel=1e-9), r
+        assert r["ratio_to_fma_peak"] == pytest.approx(r["gflops"] / fma, rel=1e-9), r
+        # The bound is the instruction the kernels use for the row's arithmetic.
+        if r["mode"] in ("f32", "openblas"):
+            assert r["bound_peak"] == "f32_fma", r
+        elif r["mode"] == "int8":
+            assert r["bound_peak"] in ("int16_pairs", "int16_vnni"), r
+            assert peaks[r["bound_peak"]]["kernels_use"], r
+        else:
+            want = "bf16_dot" if peaks["bf16_dot"]["kernels_use"] else "f32_fma"
+            assert r["bound_peak"] == want, r
+
+
+def test_peaks_follow_the_simd_target(fp8moe_bin):
+    quant = ("quant", "--elements", "8192", "--reps", "1", "--threads", "1")
+    j, _ = run_bench(fp8moe_bin, *quant, simd="SSE4")
+    assert j["simd_target"] == "SSE4" and j["ceilings"]["simd_target"] == "SSE4"
+    peaks = j["ceilings"]["peaks"]
+    assert peaks["f32_fma"]["lanes"] == 4 and "no FMA" in peaks["f32_fma"]["instruction"]
+    assert peaks["int16_pairs"]["lanes"] == 4
+    for name in ("bf16_dot", "int16_vnni", "int8_vnni"):  # no such SSE4 instructions
+        assert not peaks[name]["available"], name
+    if "avx2" in cpu_flags():
+        j2, _ = run_bench(fp8moe_bin, *quant, simd="AVX2")
+        assert j2["ceilings"]["simd_target"] == "AVX2"
+        assert j2["ceilings"]["peaks"]["f32_fma"]["lanes"] == 8
+        assert "vfmadd" in j2["ceilings"]["peaks"]["f32_fma"]["instruction"]
+
+
+def test_fallback_core_is_replaced_in_a_child(fp8moe_bin):
+    """The issue's Xeon loaded OpenBLAS's generic Prescott kernels; forcing the
+    same here must make the bench measure sgemm in a child with a right core."""
+    if "avx2" not in cpu_flags():
+        pytest.skip("Prescott is the right core on a CPU without AVX2")
+    j, _ = run_bench(fp8moe_bin, *SMALL_MOE, env_extra={"OPENBLAS_CORETYPE": "Prescott"})
+    s = j["sgemm"]
+    assert s["loaded_core"] == "Prescott" and s["loaded_fallback"], s
+    assert s["trusted"] and s["coretype_env"] and s["core"] != "Prescott", s
+    assert s["core"] in GOOD_CORES[s["cpu_isa"]], s
+    assert any("right for this CPU" in a for a in s["attempts"]), s
+    assert j["sgemm_gflops"] == pytest.approx(s["shapes"][0]["gflops"], rel=1e-9)
+
+
+def test_no_right_core_is_loud_and_uses_the_fma_peak(fp8moe_bin):
+    if "avx2" not in cpu_flags():
+        pytest.skip("Prescott is the right core on a CPU without AVX2")
+    j, err = run_bench(fp8moe_bin, *SMALL_MOE, "--sgemm-core", "Prescott")
+    s = j["sgemm"]
+    assert not s["trusted"] and s["core"] == "Prescott", s
+    assert "WARNING" in err and "NOT a ceiling" in err
+    assert j["sgemm_gflops"] is None
+    for r in j["rows"]:
+        assert r["ratio_to_sgemm"] is None, r
+    # The text table says so where the ratios are.
+    p = subprocess.run([fp8moe_bin, "bench", *SMALL_MOE, "--sgemm-core", "Prescott"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "x FMA peak!" in p.stdout and "NO TRUSTED SGEMM CEILING" in p.stdout
+
+
+def test_sgemm_core_that_cannot_run_here_is_caught(fp8moe_bin):
+    flags = cpu_flags()
+    if "avx512f" in flags or "avx2" not in flags:
+        pytest.skip("needs an AVX2 CPU without AVX-512")
+    j, err = run_bench(fp8moe_bin, *SMALL_MOE, "--sgemm-core", "SkylakeX")
+    s = j["sgemm"]
+    assert not s["trusted"] and any("SIGILL" in a for a in s["attempts"]), s
+    assert "WARNING" in err
+
+
+def test_quant_and_moe_carry_ceilings(fp8moe_bin):
+    j, _ = run_bench(fp8moe_bin, "quant", "--elements", "65536", "--reps", "1", "--threads", "1")
+    check_ceilings(j["ceilings"], 1)
+    assert j["memcpy_gbs"] == j["ceilings"]["memcpy_gbs"]
+    for r in j["rows"]:
+        assert r["ratio_to_memcpy"] == pytest.approx(r["gbs"] / j["memcpy_gbs"], rel=1e-9)
+
+    j, _ = run_bench(fp8moe_bin, *SMALL_MOE)
+    check_ceilings(j["ceilings"], 1)
+    assert j["sgemm"]["trusted"]
+    [row] = j["rows"]
+    assert row["bound_peak"] == "f32_fma"
+    assert row["ratio_to_sgemm"] == pytest.approx(row["gflops"] / j["sgemm_gflops"], rel=1e-9)
+    assert row["ratio_to_peak"] == pytest.approx(
+        row["gflops"] / j["ceilings"]["peaks"]["f32_fma"]["gops"], rel=1e-9)
+
+
+def test_bench_sgemm_and_bad_sizes(fp8moe_bin):
+    j, _ = run_bench(fp8moe_bin, "sgemm", "--sizes", "64x128x256,32x32x32", "--reps", "1",
+                     "--threads", "1")
+    assert j["openblas_core"] and [(r["m"], r["k"], r["n"]) for r in j["rows"]] == [
+        (64, 128, 256), (32, 32, 32)]
+    for bad in ("5x5", "0x1x1", "1x1x1x1", "axbxc", "", "2x2x2000000"):
+        p = subprocess.run([fp8moe_bin, "bench", "sgemm", "--sizes", bad], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and "--sizes" in p.stderr, (bad, p.stderr)
+    p = subprocess.run([fp8moe_bin, "bench", "moe", "--sgemm-core", "Bogus"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "--sgemm-core" in p.stderr and "Haswell" in p.stderr, p.stderr

@@ -1,0 +1,157 @@
+"""`fp8moe train` and `fp8moe report` end to end on tiny runs: resuming after
+SIGKILL (also in the middle of a save) gives the bits of an uninterrupted run;
+a full disk while saving, bad flags, bad data, a checkpoint of another model
+and a diverging run are clear errors with exit code 2; the report PNG is
+drawn. Checkpoints are read with tests/python/st.py, not fp8moe's reader."""
+import os
+import pathlib
+import random
+import resource
+import signal
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import st
+
+TINY = ["base_emb_dim=16", "base_num_decoder_layers=2", "base_num_query_heads=2", "head_dim=8",
+        "base_moe_mlp_dim=16", "max_target_length=16", "per_device_batch_size=4", "vocab_size=40",
+        "synthetic_alphabet_size=8", "eval_steps=2", "log_period=5"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def train(fp8moe_bin, out, name, *flags, timeout=120, **kw):
+    cmd = [fp8moe_bin, "train", f"base_output_directory={out}", f"run_name={name}", *TINY, *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, **kw)
+
+
+def checkpoints(run):
+    return sorted((run / "checkpoints").glob("step_*.safetensors"))
+
+
+def assert_readable(run):
+    for c in checkpoints(run):
+        st.read(c)  # raises on a torn or malformed file
+
+
+def logged_steps(run):
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigkill_at_random_moments_loses_nothing_but_steps(fp8moe_bin, tmp_path):
+    steps = 40
+    flags = [f"steps={steps}", "checkpoint_period=2", "eval_interval=10"]
+    whole = train(fp8moe_bin, tmp_path, "whole", *flags)
+    assert whole.returncode == 0, whole.stderr
+    rng = random.Random(int(os.environ.get("FP8MOE_TEST_SEED", "7")))
+    run = tmp_path / "killed"
+    # Four kills, each once the run has logged a random step past the last
+    # kill's, then after a random delay of up to 5 ms: the kill
+    # lands while training, evaluating or in the middle of a save (one save
+    # every 2 steps), whatever the machine's speed.
+    targets = sorted(rng.sample(range(3, steps - 8), 4))
+    kills = 0
+    for target in targets:
+        p = subprocess.Popen([fp8moe_bin, "train", f"base_output_directory={tmp_path}",
+                              "run_name=killed", *TINY, *flags],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+        while p.poll() is None and logged_steps(run) < target:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.005))
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait()
+        assert_readable(run)  # never a corrupt checkpoint, whenever the kill came
+        assert not (run / "summary.json").exists()
+    assert kills == len(targets)
+    done = train(fp8moe_bin, tmp_path, "killed", *flags)
+    assert done.returncode == 0, done.stderr
+    a = st.read(checkpoints(tmp_path / "whole")[-1])
+    b = st.read(checkpoints(run)[-1])
+    assert checkpoints(run)[-1].name == f"step_{steps:08d}.safetensors"
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), k
+    # metrics.jsonl holds each step once.
+    logged = [int(l.split('"step":')[1].split(",")[0]) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))
+
+
+def test_full_disk_while_saving_is_a_clear_error_and_keeps_the_last_checkpoint(fp8moe_bin, tmp_path):
+    ok = train(fp8moe_bin, tmp_path, "disk", "steps=4", "checkpoint_period=4", "eval_interval=0")
+    assert ok.returncode == 0, ok.stderr
+    before = checkpoints(tmp_path / "disk")
+    size = before[0].stat().st_size
+    # A file-size limit below one checkpoint: the next save fails with EFBIG.
+    limit = size // 2
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    p = train(fp8moe_bin, tmp_path, "disk", "steps=8", "checkpoint_period=4", "eval_interval=0",
+              preexec_fn=cap)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "cannot save the checkpoint of step 8" in p.stderr, p.stderr
+    assert "step_00000004.safetensors' (intact)" in p.stderr, p.stderr
+    assert checkpoints(tmp_path / "disk") == before
+    assert_readable(tmp_path / "disk")
+    assert not list((tmp_path / "disk" / "checkpoints").glob("*.tmp.*"))
+
+
+def test_bad_input_is_a_clear_error_with_exit_code_2(fp8moe_bin, tmp_path):
+    cases = [
+        (["stpes=10"], "did you mean 'steps'?"),
+        (["dataset_type=text", f"dataset_path={tmp_path}/missing.txt", "vocab_size=256"],
+         "cannot read dataset_path"),
+        (["dataset_type=txt"], "did you mean 'text'?"),
+        (["quantization=int8"], "both claim the expert GMMs"),
+        (["head_dim=7"], "head_dim=7"),
+    ]
+    short = tmp_path / "short.txt"
+    short.write_text("a few bytes")
+    cases.append((["dataset_type=text", f"dataset_path={short}", "vocab_size=256"],
+                  "shorter than one sequence"))
+    for flags, needle in cases:
+        p = train(fp8moe_bin, tmp_path, "bad", "steps=2", *flags)
+        assert p.returncode == 2, (flags, p.returncode, p.stderr)
+        assert needle in p.stderr, (flags, p.stderr)
+        assert "Traceback" not in p.stderr and "Aborted" not in p.stderr
+    # A checkpoint of another model shape.
+    assert train(fp8moe_bin, tmp_path, "shape", "steps=2").returncode == 0
+    p = train(fp8moe_bin, tmp_path, "shape", "steps=4", "base_moe_mlp_dim=24")
+    assert p.returncode == 2 and "holds a model of shape" in p.stderr, p.stderr
+    # A diverging run stops after max_nonfinite_steps skipped steps.
+    p = train(fp8moe_bin, tmp_path, "nan", "steps=20", "learning_rate=1e30", "warmup_steps_fraction=0",
+              "gradient_clipping_threshold=0", "max_nonfinite_steps=2")
+    assert p.returncode == 2, p.stderr
+    assert "non-finite" in p.stderr and "max_nonfinite_steps=2" in p.stderr, p.stderr
+
+
+def test_text_data_trains_and_report_draws_a_png(fp8moe_bin, tmp_path):
+    text = pathlib.Path("/usr/share/common-licenses/GPL-3")
+    assert text.exists()
+    p = train(fp8moe_bin, tmp_path, "text", "dataset_type=text", f"dataset_path={text}",
+              "vocab_size=256", "steps=30", "eval_interval=10", "learning_rate=0.01")
+    assert p.returncode == 0, p.stderr
+    assert "final eval loss" in p.stdout
+    lines = (tmp_path / "text" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 30
+    q = train(fp8moe_bin, tmp_path, "syn", "steps=20", "eval_interval=5")
+    assert q.returncode == 0, q.stderr
+    out = tmp_path / "report.png"
+    r = subprocess.run([fp8moe_bin, "report", str(tmp_path / "syn"), str(tmp_path / "text"),
+                        "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1600, 1100)
+    assert len(data) > 30000, len(data)  # four panels of curves, not a blank image
+    r = subprocess.run([fp8moe_bin, "report", str(tmp_path / "nothing")], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "metrics.jsonl" in r.stderr

@@ -1,0 +1,267 @@
+// The trainer on tiny shapes: the schedule, configs/base.yml against the
+// schema, bit-identical resumption, refusing a checkpoint of another model
+// or mode, and stopping after max_nonfinite_steps non-finite steps.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fp8moe/safetensors.h"
+#include "fp8moe/train.h"
+#include "train/optimizer.h"
+
+namespace fp8moe {
+namespace {
+namespace fs = std::filesystem;
+
+// A tiny run in a fresh directory.
+std::vector<std::string> Tiny(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "fp8moe_train_test";
+  return {"base_output_directory=" + dir, "run_name=" + name, "base_emb_dim=16",
+          "base_num_decoder_layers=2", "base_num_query_heads=2", "head_dim=8",
+          "base_moe_mlp_dim=16", "max_target_length=16", "per_device_batch_size=4",
+          "vocab_size=40", "synthetic_alphabet_size=8", "steps=12", "checkpoint_period=4",
+          "eval_interval=6", "eval_steps=2", "log_period=3"};
+}
+
+Result<TrainSummary> RunTiny(std::vector<std::string> flags, const TrainOptions& o = {},
+                         bool fresh = false) {
+  // One thread: these shapes are far too small to gain from two, and on a
+  // busy machine OpenMP's barriers make a second thread slow. (The bits do
+  // not depend on the thread count: model_test checks that.)
+  omp_set_num_threads(1);
+  auto raw = LoadConfig(TrainConfigSchema(), "", flags);
+  if (!raw.ok()) return raw.status();
+  auto cfg = TrainConfigFrom(*raw);
+  if (!cfg.ok()) return cfg.status();
+  if (fresh) {
+    std::error_code ec;
+    fs::remove_all(fs::path(cfg->base_output_directory) / cfg->run_name, ec);
+  }
+  TrainOptions q = o;
+  q.quiet = true;
+  return Train(*cfg, *raw, q);
+}
+
+std::string Bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(Train, ScheduleWarmsUpThenDecaysToTheFinalFraction) {
+  TrainConfig c;
+  c.steps = 100;
+  c.learning_rate = 1.0;
+  c.warmup_steps_fraction = 0.1;
+  c.cosine_learning_rate_final_fraction = 0.1;
+  EXPECT_DOUBLE_EQ(LearningRate(c, 0), 0.1);
+  EXPECT_DOUBLE_EQ(LearningRate(c, 9), 1.0);
+  EXPECT_DOUBLE_EQ(LearningRate(c, 10), 1.0);
+  EXPECT_NEAR(LearningRate(c, 99), 0.1, 1e-12);
+  EXPECT_NEAR(LearningRate(c, 10 + 89 / 2.0), 0.55, 0.02);
+  for (int s = 11; s < 100; ++s) EXPECT_LT(LearningRate(c, s), LearningRate(c, s - 1));
+}
+
+// AdamW and clipping against the formulas in double, two steps.
+TEST(Train, AdamWMatchesTheFormulaInDouble) {
+  auto raw = LoadConfig(TrainConfigSchema(), "", Tiny("adam"));
+  ASSERT_TRUE(raw.ok());
+  auto cfg = TrainConfigFrom(*raw);
+  ASSERT_TRUE(cfg.ok());
+  TrainConfig c = *cfg;
+  c.adam_weight_decay = 0.1;
+  auto p = AllocateParams(c.model), g = AllocateParams(c.model), m = AllocateParams(c.model),
+       v = AllocateParams(c.model);
+  ASSERT_TRUE(p.ok() && g.ok() && m.ok() && v.ok());
+  ASSERT_TRUE(InitParams(c.model, 3, &*p).ok());
+  ASSERT_TRUE(InitParams(c.model, 4, &*g).ok());
+  std::vector<std::vector<double>> P, M, V;
+  for (ModelParams* s : {&*m, &*v}) {
+    for (auto& [n, t] : s->Named()) std::memset(t->data(), 0, t->num_bytes());
+  }
+  double norm2 = 0;
+  for (auto& [n, t] : p->Named()) P.emplace_back(t->data_as<float>(), t->data_as<float>() + t->num_elements());
+  for (auto& [n, t] : g->Named()) {
+    for (size_t i = 0; i < t->num_elements(); ++i) norm2 += double(t->data_as<float>()[i]) * t->data_as<float>()[i];
+    M.emplace_back(t->num_elements(), 0.0);
+    V.emplace_back(t->num_elements(), 0.0);
+  }
+  EXPECT_NEAR(internal::GlobalNorm(*g), std::sqrt(norm2), 1e-9 * std::sqrt(norm2));
+  Context ctx;
+  const double scale = 0.5, lr = 0.01;
+  for (int t = 1; t <= 2; ++t) {
+    internal::AdamWUpdate(ctx, c, t, lr, scale, *g, &*p, &*m, &*v);
+    auto gn = g->Named();
+    auto pn = p->Named();
+    for (size_t k = 0; k < gn.size(); ++k) {
+      const double wd = pn[k].second->rank() >= 2 ? c.adam_weight_decay : 0.0;
+      for (size_t i = 0; i < P[k].size(); ++i) {
+        const double gi = gn[k].second->data_as<float>()[i] * scale;
+        M[k][i] = c.adam_b1 * M[k][i] + (1 - c.adam_b1) * gi;
+        V[k][i] = c.adam_b2 * V[k][i] + (1 - c.adam_b2) * gi * gi;
+        const double mh = M[k][i] / (1 - std::pow(c.adam_b1, t));
+        const double vh = V[k][i] / (1 - std::pow(c.adam_b2, t));
+        P[k][i] -= lr * (mh / (std::sqrt(vh) + c.adam_eps) + wd * P[k][i]);
+        ASSERT_NEAR(pn[k].second->data_as<float>()[i], P[k][i], 1e-6 * std::max(1.0, std::fabs(P[k][i])))
+            << pn[k].first << "[" << i << "] step " << t;
+      }
+    }
+  }
+}
+
+TEST(Train, BaseYamlIsTheSchemaWrittenOut) {
+  const std::string path = std::string(FP8MOE_SOURCE_DIR) + "/configs/base.yml";
+  EXPECT_EQ(Bytes(path), BaseConfigYaml())
+      << "configs/base.yml differs from the schema; regenerate it with "
+         "build/release/cli/fp8moe train --print-base-config > configs/base.yml";
+  const ConfigSchema schema = TrainConfigSchema();
+  auto loaded = LoadConfig(schema, path, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  int keys = 0;
+  std::istringstream in(Bytes(path));
+  std::string line, previous;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line[0] != '#') {
+      ++keys;
+      EXPECT_EQ(previous.rfind("# ", 0), 0u) << line << " has no comment above it";
+      EXPECT_TRUE(loaded->IsSet(line.substr(0, line.find(':'))));
+    }
+    previous = line;
+  }
+  EXPECT_EQ(keys, static_cast<int>(schema.flags().size()));
+  auto cfg = TrainConfigFrom(*loaded);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  // `fp8moe train` trains in native FP8 QAT by default.
+  EXPECT_EQ(PlanMoeQuantization(cfg->model.moe).mode, MoeQatMode::kNativeFwdDlhs);
+}
+
+TEST(Train, LossFallsAndTheRunDirectoryIsComplete) {
+  std::vector<std::string> f = Tiny("falls");
+  f.push_back("steps=40");
+  f.push_back("learning_rate=0.01");
+  std::vector<double> losses;
+  TrainOptions o;
+  o.on_step = [&](const StepReport& r) { losses.push_back(r.loss); };
+  auto s = RunTiny(f, o, /*fresh=*/true);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(losses.size(), 40u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) first += losses[i], last += losses[35 + i];
+  EXPECT_LT(last, first - 5 * 0.3);  // at least 0.3 nats lower
+  ASSERT_TRUE(s->entropy_floor.has_value());
+  EXPECT_GT(*s->final_eval_loss, *s->entropy_floor);
+  EXPECT_EQ(s->quantization_mode, "native_fwd_dlhs");
+  EXPECT_EQ(s->allocations_per_step, 0.0);
+  const fs::path dir = fs::path(s->run_dir);
+  EXPECT_TRUE(fs::exists(dir / "summary.json"));
+  EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step_00000040.safetensors"));
+  std::ifstream m(dir / "metrics.jsonl");
+  std::string line;
+  int lines = 0, with_eval = 0, with_health = 0;
+  while (std::getline(m, line)) {
+    ++lines;
+    with_eval += line.find("\"eval_loss\"") != std::string::npos;
+    with_health += line.find("\"fp8_health\"") != std::string::npos;
+  }
+  EXPECT_EQ(lines, 40);
+  EXPECT_EQ(with_eval, 7);     // every 6 steps and the last
+  EXPECT_EQ(with_health, 14);  // every 3 steps and the last
+}
+
+TEST(Train, ResumingGivesTheBitsOfAnUninterruptedRun) {
+  for (const char* mode : {"fp8_moe_native_bwd_dlhs=true", "fp8_moe_fake_quant=false"}) {
+    SCOPED_TRACE(mode);
+    std::vector<std::string> a = Tiny("whole");
+    std::vector<std::string> b = Tiny("pieces");
+    if (std::string(mode) == "fp8_moe_fake_quant=false") {
+      for (auto* f : {&a, &b}) {
+        f->insert(f->end(), {"fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=",
+                             "fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"});
+      }
+    }
+    auto whole = RunTiny(a, {}, true);
+    ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+    TrainOptions stop;
+    stop.stop_after_steps = 6;  // checkpoint at 4; step 5 and 6 are lost
+    ASSERT_TRUE(RunTiny(b, stop, true).ok());
+    stop.stop_after_steps = 1;  // resumes at 4, runs 5
+    ASSERT_TRUE(RunTiny(b, stop).ok());
+    auto rest = RunTiny(b);
+    ASSERT_TRUE(rest.ok()) << rest.status().ToString();
+    EXPECT_EQ(rest->resumed_from, 4);
+    EXPECT_EQ(rest->steps, 12);
+    auto fa = ReadSafetensors(whole->run_dir + "/checkpoints/step_00000012.safetensors");
+    auto fb = ReadSafetensors(rest->run_dir + "/checkpoints/step_00000012.safetensors");
+    ASSERT_TRUE(fa.ok() && fb.ok());
+    ASSERT_EQ(fa->tensors.size(), fb->tensors.size());
+    for (size_t i = 0; i < fa->tensors.size(); ++i) {
+      const Tensor& x = fa->tensors[i].second;
+      const Tensor& y = fb->tensors[i].second;
+      ASSERT_EQ(x.num_bytes(), y.num_bytes());
+      EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.num_bytes())) << fa->tensors[i].first;
+    }
+    EXPECT_EQ(*whole->final_eval_loss, *rest->final_eval_loss);
+  }
+}
+
+TEST(Train, RefusesACheckpointOfAnotherModelOrMode) {
+  ASSERT_TRUE(RunTiny(Tiny("other"), {}, true).ok());
+  std::vector<std::string> f = Tiny("other");
+  f.push_back("base_moe_mlp_dim=24");
+  auto s = RunTiny(f);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("F=16"), std::string::npos) << s.status().message();
+  f = Tiny("other");
+  f.push_back("fp8_moe_native_bwd_dlhs=false");
+  s = RunTiny(f);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("QAT mode native_fwd_dlhs"), std::string::npos)
+      << s.status().message();
+}
+
+TEST(Train, StopsAfterMaxNonfiniteSteps) {
+  std::vector<std::string> f = Tiny("nonfinite");
+  // A rate this large throws the weights to ~1e30 on the first update, so
+  // every later loss overflows.
+  f.insert(f.end(), {"learning_rate=1e30", "warmup_steps_fraction=0", "max_nonfinite_steps=3",
+                     "gradient_clipping_threshold=0"});
+  int skipped = 0;
+  TrainOptions o;
+  o.on_step = [&](const StepReport& r) { skipped += r.skipped; };
+  auto s = RunTiny(f, o, true);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(s.status().message().find("max_nonfinite_steps=3"), std::string::npos)
+      << s.status().message();
+  EXPECT_EQ(skipped, 3);
+}
+
+TEST(Train, BadFlagsAreClearErrors) {
+  auto raw = LoadConfig(TrainConfigSchema(), "", {"stpes=10"});
+  ASSERT_FALSE(raw.ok());
+  EXPECT_NE(raw.status().message().find("did you mean 'steps'"), std::string::npos)
+      << raw.status().message();
+  std::vector<std::string> f = Tiny("bad");
+  f.push_back("quantization=fp8");  // with the default native QAT flags
+  auto s = RunTiny(f);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("both claim the expert GMMs"), std::string::npos);
+  f = Tiny("bad");
+  f.push_back("head_dim=7");
+  s = RunTiny(f);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("head_dim=7"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace fp8moe

@@ -1,0 +1,411 @@
+// The training loop (include/fp8moe/train.h).
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "fp8moe/data.h"
+#include "fp8moe/memory.h"
+#include "fp8moe/safetensors.h"
+#include "fp8moe/train.h"
+#include "train/checkpoint.h"
+#include "train/optimizer.h"
+
+namespace fp8moe {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string Duration(double s) {
+  char buf[32];
+  if (s < 60) {
+    std::snprintf(buf, sizeof(buf), "%.0fs", s);
+  } else if (s < 3600) {
+    std::snprintf(buf, sizeof(buf), "%dm%02ds", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%dh%02dm", static_cast<int>(s) / 3600,
+                  static_cast<int>(s) % 3600 / 60);
+  }
+  return buf;
+}
+
+std::string Rate(double tokens_per_s) {
+  char buf[32];
+  if (tokens_per_s >= 1e3) {
+    std::snprintf(buf, sizeof(buf), "%.1fk", tokens_per_s / 1e3);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.0f", tokens_per_s);
+  }
+  return buf;
+}
+
+// Writes `text` to `path` atomically (temporary file + rename).
+Status WriteTextAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) {
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      return IoError("cannot write '" + path + "' (disk full or not writable?)");
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return IoError("cannot write '" + path + "': " + ec.message());
+  return OkStatus();
+}
+
+// metrics.jsonl of a resumed run keeps only the complete lines of steps the
+// checkpoint covers.
+Status TrimMetrics(const std::string& path, int64_t last_step) {
+  std::ifstream in(path);
+  if (!in) return OkStatus();
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.contains("step") || !j["step"].is_number_integer()) continue;
+    if (j["step"].get<int64_t>() <= last_step) kept += line + "\n";
+  }
+  return WriteTextAtomically(path, kept);
+}
+
+json HealthJson(const Fp8Health& h) {
+  return {{"saturated", h.saturated}, {"flushed", h.flushed}};
+}
+
+}  // namespace
+
+Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainOptions& opt) {
+  const ModelConfig& mc = c.model;
+  TrainSummary sum;
+  sum.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc.moe).mode));
+  const fs::path run_dir = fs::path(c.base_output_directory) / c.run_name;
+  const fs::path ckpt_dir = run_dir / "checkpoints";
+  sum.run_dir = run_dir.string();
+  std::error_code ec;
+  fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
+  if (ec) {
+    return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
+                   "; set base_output_directory to a writable directory");
+  }
+
+  DataConfig dc;
+  dc.type = c.dataset_type;
+  dc.path = c.dataset_path;
+  dc.seq_len = mc.seq_len;
+  dc.batch = mc.batch;
+  dc.vocab_size = mc.vocab_size;
+  dc.seed = c.data_shuffle_seed;
+  dc.num_sources = c.synthetic_num_sources;
+  dc.alphabet_size = c.synthetic_alphabet_size;
+  dc.branching = c.synthetic_branching;
+  dc.eval_fraction = c.eval_split_fraction;
+  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> data, OpenDataset(dc));
+  sum.entropy_floor = data->EntropyFloor();
+
+  ContextOptions co;
+  co.seed = c.data_shuffle_seed;
+  Context ctx(co);
+  FP8MOE_ASSIGN_OR_RETURN(ModelParams params, AllocateParams(mc));
+  FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, &params));
+  FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));
+  FP8MOE_ASSIGN_OR_RETURN(ModelParams adam_m, AllocateParams(mc));
+  FP8MOE_ASSIGN_OR_RETURN(ModelParams adam_v, AllocateParams(mc));
+  for (ModelParams* s : {&adam_m, &adam_v}) {
+    for (auto& [n, t] : s->Named()) std::memset(t->data(), 0, t->num_bytes());
+  }
+
+  internal::TrainState state;
+  if (c.enable_checkpointing) {
+    if (auto latest = internal::LatestCheckpoint(ckpt_dir.string())) {
+      FP8MOE_RETURN_IF_ERROR(
+          internal::LoadCheckpoint(*latest, c, &params, &adam_m, &adam_v, &state));
+      FP8MOE_RETURN_IF_ERROR(data->SetPosition(state.data_position));
+      ctx.rng().set_state(state.rng);
+      sum.resumed_from = state.step;
+    }
+  }
+  // A finished run is not trained again: its summary stands.
+  if (state.step >= c.steps && fs::exists(run_dir / "summary.json")) {
+    std::ifstream in(run_dir / "summary.json");
+    json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded() && j.contains("final_eval_loss") && j["final_eval_loss"].is_number()) {
+      sum.steps = state.step;
+      sum.final_eval_loss = j["final_eval_loss"].get<double>();
+      if (j.contains("final_loss") && j["final_loss"].is_number()) sum.final_loss = j["final_loss"].get<double>();
+      if (j.contains("mean_step_time_s")) sum.mean_step_time_s = j["mean_step_time_s"].get<double>();
+      if (j.contains("tokens_per_s")) sum.tokens_per_s = j["tokens_per_s"].get<double>();
+      sum.nonfinite_steps = state.nonfinite_steps;
+      if (!opt.quiet) {
+        std::printf("fp8moe train: %s already finished at step %lld (raise steps= to train "
+                    "further, or use another run_name)\n  final eval loss  %.4f\n",
+                    run_dir.string().c_str(), static_cast<long long>(state.step),
+                    *sum.final_eval_loss);
+        if (sum.entropy_floor) {
+          std::printf("  entropy floor    %.4f  (eval loss - floor = %.4f nats)\n",
+                      *sum.entropy_floor, *sum.final_eval_loss - *sum.entropy_floor);
+        }
+      }
+      return sum;
+    }
+  }
+  const std::string metrics_path = (run_dir / "metrics.jsonl").string();
+  if (sum.resumed_from > 0) {
+    FP8MOE_RETURN_IF_ERROR(TrimMetrics(metrics_path, state.step));
+  }
+  std::FILE* metrics = std::fopen(metrics_path.c_str(), sum.resumed_from > 0 ? "a" : "w");
+  if (metrics == nullptr) return IoError("cannot open '" + metrics_path + "' for writing");
+  struct Closer {
+    std::FILE* f;
+    ~Closer() { std::fclose(f); }
+  } closer{metrics};
+
+  const bool tty = !opt.quiet && ::isatty(::fileno(stderr)) != 0;
+  if (!opt.quiet) {
+    std::printf("fp8moe train: %s\n  model %s, S=%lld, B=%lld; QAT mode %s\n  data %s\n",
+                run_dir.string().c_str(), internal::ModelSignature(mc).c_str(),
+                static_cast<long long>(mc.seq_len), static_cast<long long>(mc.batch),
+                sum.quantization_mode.c_str(), data->Describe().c_str());
+    if (sum.entropy_floor) std::printf("  entropy floor %.4f nats/token\n", *sum.entropy_floor);
+    if (sum.resumed_from > 0) {
+      std::printf("  resumed from step %lld\n", static_cast<long long>(sum.resumed_from));
+    }
+    std::fflush(stdout);
+  }
+
+  Model model(mc);
+  std::vector<PreparedMoeWeights> prepared;
+  const int64_t N = mc.batch * mc.seq_len;
+  std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  ModelStepInfo info;
+  ResetMemoryPeak();
+  const double t_start = Now();
+  double time_sum = 0, loss_window = 0;
+  int64_t timed = 0, window_n = 0, allocs_after_first = 0, ran = 0;
+  std::vector<double> recent_losses;
+  std::optional<double> last_eval;
+
+  auto evaluate = [&]() -> Result<double> {
+    FP8MOE_RETURN_IF_ERROR(model.PrepareExperts(ctx, params, &prepared));
+    double total = 0;
+    for (int64_t i = 0; i < c.eval_steps; ++i) {
+      data->EvalBatch(i, inputs.data(), targets.data());
+      ModelStepInfo ei;
+      FP8MOE_RETURN_IF_ERROR(
+          model.Step(ctx, params, prepared, inputs.data(), targets.data(), nullptr, &ei));
+      total += ei.loss;
+    }
+    return total / static_cast<double>(c.eval_steps);
+  };
+  auto save = [&](int64_t step) -> Status {
+    state.step = step;
+    state.rng = ctx.rng().state();
+    state.data_position = data->Position();
+    const std::string path = internal::CheckpointPath(ckpt_dir.string(), step);
+    Status s = internal::SaveCheckpoint(path, c, raw, params, adam_m, adam_v, state);
+    if (!s.ok()) {
+      auto latest = internal::LatestCheckpoint(ckpt_dir.string());
+      return Status(s.code(), "cannot save the checkpoint of step " + std::to_string(step) +
+                                  ": " + s.message() + "; the last complete checkpoint is " +
+                                  (latest ? "'" + *latest + "' (intact)" : "none") +
+                                  "; free disk space and run again to resume");
+    }
+    internal::PruneCheckpoints(ckpt_dir.string(), 2);
+    return OkStatus();
+  };
+
+  int64_t completed = state.step;
+  for (int64_t s = state.step; s < c.steps; ++s) {
+    completed = s + 1;
+    const int64_t allocs0 = GetMemoryStats().allocations;
+    const double t0 = Now();
+    data->NextTrainBatch(inputs.data(), targets.data());
+    FP8MOE_RETURN_IF_ERROR(model.PrepareExperts(ctx, params, &prepared));
+    FP8MOE_RETURN_IF_ERROR(
+        model.Step(ctx, params, prepared, inputs.data(), targets.data(), &grads, &info));
+    StepReport rep;
+    rep.step = s + 1;
+    rep.loss = info.loss;
+    rep.lr = LearningRate(c, s);
+    std::string bad = std::isfinite(info.loss) && std::isfinite(info.aux_loss) ? "" : "loss";
+    if (bad.empty()) bad = internal::FirstNonFinite(grads);
+    if (!bad.empty()) {
+      rep.skipped = true;
+      ++state.nonfinite_steps;
+      std::fprintf(stderr, "%sfp8moe train: step %lld: non-finite %s%s; step skipped (%lld of "
+                   "max_nonfinite_steps=%lld)\n", tty ? "\n" : "", static_cast<long long>(s + 1),
+                   bad == "loss" ? "loss" : "gradient in ", bad == "loss" ? "" : bad.c_str(),
+                   static_cast<long long>(state.nonfinite_steps),
+                   static_cast<long long>(c.max_nonfinite_steps));
+    } else {
+      rep.grad_norm = internal::GlobalNorm(grads);
+      const double clip = c.gradient_clipping_threshold > 0 && rep.grad_norm > c.gradient_clipping_threshold
+                              ? c.gradient_clipping_threshold / rep.grad_norm
+                              : 1.0;
+      internal::AdamWUpdate(ctx, c, s + 1, rep.lr, clip, grads, &params, &adam_m, &adam_v);
+    }
+    rep.step_time_s = Now() - t0;
+    rep.allocations = GetMemoryStats().allocations - allocs0;
+    if (ran > 0) {
+      time_sum += rep.step_time_s;
+      allocs_after_first += rep.allocations;
+      ++timed;
+    }
+    ++ran;
+
+    json j = {{"step", s + 1},
+              {"loss", rep.skipped ? json(nullptr) : json(info.loss)},
+              {"aux_loss", info.aux_loss},
+              {"lr", rep.lr},
+              {"grad_norm", rep.grad_norm},
+              {"step_time_s", rep.step_time_s},
+              {"tokens_per_s", static_cast<double>(N) / rep.step_time_s},
+              {"dropless_reruns", info.dropless_reruns},
+              {"dropped_tokens", 0},
+              {"nonfinite_steps", state.nonfinite_steps}};
+    json load = json::array();
+    for (const auto& layer : info.expert_load) {
+      json l = json::array();
+      const double pairs = static_cast<double>(N * mc.moe.num_experts_per_tok);
+      for (int32_t cnt : layer) l.push_back(static_cast<double>(cnt) / pairs);
+      load.push_back(l);
+    }
+    j["expert_load"] = load;
+    const bool last = s + 1 == c.steps;
+    if ((s + 1) % c.log_period == 0 || last) {
+      json health = json::object();
+      for (int64_t l = 0; l < mc.num_layers; ++l) {
+        const std::string p = "layers." + std::to_string(l) + ".";
+        const PreparedMoeWeights& pw = prepared[static_cast<size_t>(l)];
+        if (pw.wi.health.values > 0) health[p + "wi"] = HealthJson(pw.wi.health);
+        if (pw.wo.health.values > 0) health[p + "wo"] = HealthJson(pw.wo.health);
+        Fp8Health hx, ha;
+        FP8MOE_RETURN_IF_ERROR(model.ActivationHealth(ctx, l, prepared, &hx, &ha));
+        if (hx.values > 0) health[p + "wi_lhs"] = HealthJson(hx);
+        if (ha.values > 0) health[p + "wo_lhs"] = HealthJson(ha);
+      }
+      j["fp8_health"] = health;
+    }
+    if ((c.eval_interval > 0 && (s + 1) % c.eval_interval == 0) || last) {
+      FP8MOE_ASSIGN_OR_RETURN(const double e, evaluate());
+      rep.eval_loss = e;
+      last_eval = e;
+      j["eval_loss"] = e;
+    }
+    const std::string line = j.dump() + "\n";
+    if (std::fputs(line.c_str(), metrics) < 0 || std::fflush(metrics) != 0) {
+      return IoError("cannot append to '" + metrics_path + "' (disk full?)");
+    }
+    if (!rep.skipped) {
+      recent_losses.push_back(info.loss);
+      if (recent_losses.size() > static_cast<size_t>(c.log_period)) {
+        recent_losses.erase(recent_losses.begin());
+      }
+    }
+    if (opt.on_step) opt.on_step(rep);
+
+    // Progress: a live line on a terminal, a log line every log_period steps otherwise.
+    if (!opt.quiet) {
+      const double elapsed = Now() - t_start;
+      const double eta = elapsed / static_cast<double>(ran) * static_cast<double>(c.steps - s - 1);
+      char buf[256];
+      std::snprintf(buf, sizeof(buf), "step %lld/%lld  loss %.4f%s  lr %.2e  %s tok/s  ETA %s",
+                    static_cast<long long>(s + 1), static_cast<long long>(c.steps), info.loss,
+                    last_eval ? ("  eval " + std::to_string(*last_eval).substr(0, 6)).c_str() : "",
+                    rep.lr, Rate(static_cast<double>(N) / rep.step_time_s).c_str(),
+                    Duration(eta).c_str());
+      if (tty) {
+        std::fprintf(stderr, "\r%s\033[K", buf);
+      } else if ((s + 1) % c.log_period == 0 || last) {
+        std::printf("%s\n", buf);
+        std::fflush(stdout);
+      }
+    }
+    if (state.nonfinite_steps > 0 && state.nonfinite_steps >= c.max_nonfinite_steps &&
+        rep.skipped) {
+      if (tty) std::fprintf(stderr, "\n");
+      return OutOfRange("stopping: " + std::to_string(state.nonfinite_steps) +
+                        " steps had a non-finite loss or gradient (the last: " + bad +
+                        ", step " + std::to_string(s + 1) + "); max_nonfinite_steps=" +
+                        std::to_string(c.max_nonfinite_steps) +
+                        ". Lower learning_rate or set gradient_clipping_threshold");
+    }
+    if (c.enable_checkpointing &&
+        ((c.checkpoint_period > 0 && (s + 1) % c.checkpoint_period == 0) || last)) {
+      FP8MOE_RETURN_IF_ERROR(save(s + 1));
+    }
+    if (opt.stop_after_steps > 0 && ran >= opt.stop_after_steps) break;
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  if (!last_eval) {  // a finished run resumed, or stopped early
+    FP8MOE_ASSIGN_OR_RETURN(last_eval, evaluate());
+  }
+  sum.steps = completed;
+  sum.final_eval_loss = last_eval;
+  for (double l : recent_losses) sum.final_loss += l / static_cast<double>(recent_losses.size());
+  sum.mean_step_time_s = timed > 0 ? time_sum / static_cast<double>(timed) : 0.0;
+  sum.tokens_per_s = sum.mean_step_time_s > 0 ? static_cast<double>(N) / sum.mean_step_time_s : 0.0;
+  sum.nonfinite_steps = state.nonfinite_steps;
+  sum.peak_bytes = GetMemoryStats().peak;
+  sum.allocations_per_step =
+      timed > 0 ? static_cast<double>(allocs_after_first) / static_cast<double>(timed) : 0.0;
+
+  json sj = {{"steps", sum.steps},
+             {"resumed_from", sum.resumed_from},
+             {"final_loss", recent_losses.empty() ? json(nullptr) : json(sum.final_loss)},
+             {"final_eval_loss", *sum.final_eval_loss},
+             {"entropy_floor", sum.entropy_floor ? json(*sum.entropy_floor) : json(nullptr)},
+             {"mean_step_time_s", sum.mean_step_time_s},
+             {"tokens_per_s", sum.tokens_per_s},
+             {"quantization_mode", sum.quantization_mode},
+             {"nonfinite_steps", sum.nonfinite_steps},
+             {"peak_bytes", sum.peak_bytes},
+             {"allocations_per_step", sum.allocations_per_step},
+             {"wall_time_s", Now() - t_start},
+             {"config", raw.ToYaml()}};
+  FP8MOE_RETURN_IF_ERROR(WriteTextAtomically((run_dir / "summary.json").string(), sj.dump(2) + "\n"));
+
+  if (!opt.quiet) {
+    std::printf("\nfp8moe train: done, %s\n", run_dir.string().c_str());
+    std::printf("  steps            %lld%s\n", static_cast<long long>(sum.steps),
+                sum.resumed_from > 0
+                    ? (" (resumed from " + std::to_string(sum.resumed_from) + ")").c_str()
+                    : "");
+    if (!recent_losses.empty()) {
+      std::printf("  final loss       %.4f  (train, mean of the last %zu steps)\n", sum.final_loss,
+                  recent_losses.size());
+    }
+    std::printf("  final eval loss  %.4f\n", *sum.final_eval_loss);
+    if (sum.entropy_floor) {
+      std::printf("  entropy floor    %.4f  (eval loss - floor = %.4f nats)\n", *sum.entropy_floor,
+                  *sum.final_eval_loss - *sum.entropy_floor);
+    }
+    std::printf("  QAT mode         %s\n", sum.quantization_mode.c_str());
+    std::printf("  step time        %.4f s mean, %s tokens/s\n", sum.mean_step_time_s,
+                Rate(sum.tokens_per_s).c_str());
+    std::printf("  wall time        %s\n", Duration(Now() - t_start).c_str());
+    if (sum.nonfinite_steps > 0) {
+      std::printf("  skipped steps    %lld (non-finite)\n", static_cast<long long>(sum.nonfinite_steps));
+    }
+    std::fflush(stdout);
+  }
+  return sum;
+}
+
+}  // namespace fp8moe
