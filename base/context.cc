@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "base/default_context.h"
 #include "base/scratch_arena.h"
 #include "fp8moe/memory.h"
 
@@ -168,5 +169,12 @@ Context& DefaultContext() {
   static Context* ctx = new Context();  // never destroyed: outlives every caller
   return *ctx;
 }
+
+namespace internal {
+std::recursive_mutex& DefaultContextMutex() {
+  static std::recursive_mutex* mu = new std::recursive_mutex();  // never destroyed
+  return *mu;
+}
+}  // namespace internal
 
 }  // namespace fp8moe

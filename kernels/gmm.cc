@@ -1,9 +1,10 @@
 // The GMM API (include/fp8moe/gmm.h): validate once, then run on the
 // Context's backend (gmm_backend.h). The overloads without a Context use
-// DefaultContext(), one call at a time (a mutex), so existing callers that
-// call from several threads stay correct.
+// DefaultContext(), one call at a time (base/default_context.h), so existing
+// callers that call from several threads stay correct.
 #include <mutex>
 
+#include "base/default_context.h"
 #include "base/scratch_arena.h"
 #include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
@@ -24,11 +25,6 @@ GmmBackend& BackendOf(const Context& ctx) {
 // The checked problem lives in the context, so its offsets keep their
 // capacity from call to call.
 GmmProblem& ProblemOf(Context& ctx) { return ctx.scratch().Object<GmmProblem>(); }
-
-std::mutex& DefaultContextMutex() {
-  static std::mutex mu;
-  return mu;
-}
 
 }  // namespace
 
@@ -61,25 +57,25 @@ Status Tgmm(Context& ctx, const GmmOptions& options, const TgmmQuant& quant,
 Status Gmm(const GmmOptions& options, const TensorView& lhs, const TensorView& rhs,
            const TensorView* rhs_scale, const TensorView& group_sizes, const TensorView& out,
            const TensorView* h_out) {
-  std::lock_guard<std::mutex> lock(DefaultContextMutex());
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   return Gmm(DefaultContext(), options, lhs, rhs, rhs_scale, group_sizes, out, h_out);
 }
 
 Status GmmDlhs(const GmmOptions& options, const TensorView& dout, const TensorView& rhs,
                const TensorView* rhs_scale, const TensorView& group_sizes,
                const TensorView& out, const TensorView* h) {
-  std::lock_guard<std::mutex> lock(DefaultContextMutex());
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   return GmmDlhs(DefaultContext(), options, dout, rhs, rhs_scale, group_sizes, out, h);
 }
 
 Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView& lhs,
             const TensorView& dout, const TensorView& group_sizes, const TensorView& drhs) {
-  std::lock_guard<std::mutex> lock(DefaultContextMutex());
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   return Tgmm(DefaultContext(), options, quant, lhs, dout, group_sizes, drhs);
 }
 
 void ReleaseGmmScratch() {
-  std::lock_guard<std::mutex> lock(DefaultContextMutex());
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   DefaultContext().ReleaseScratch();
 }
 
