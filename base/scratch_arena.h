@@ -45,6 +45,8 @@ enum class SharedSlot : uint8_t {
   kGradCodes,   // TGMM: the quantized gradient
   kGradScales,  // and its scales
   kRowTile,     // TGMM: the scale tile of every row
+  kGradTiles,   // TGMM: the gradient's (group, tile) row ranges
+  kGradAmax,    // TGMM: per-thread channel amax of the gradient's quantizer
   kCount
 };
 

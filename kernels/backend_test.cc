@@ -3,8 +3,11 @@
 // not only in a benchmark), a repeated call allocates nothing, the thread
 // count of a Context never changes the bits, and scratch is released.
 // Correctness over every backend is gmm_test.cc's harness.
+#include <atomic>
 #include <bit>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,6 +21,21 @@
 #include "fp8moe/memory.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
+
+// Every operator new of this test binary counts here, so a test can show
+// that a call makes no heap allocation at all: the library's own accounting
+// (GetMemoryStats) sees its tensors and scratch, not a std::vector.
+namespace {
+std::atomic<int64_t> g_heap_allocations{0};
+}  // namespace
+
+void* operator new(std::size_t size) {
+  g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace fp8moe {
 namespace {
@@ -209,31 +227,46 @@ TEST(Scratch, RepeatedCallsAllocateNothing) {
   // (C tile, epilogue rows), fake QAT (the BF16 weight copy), native fp8 and
   // int8 (activation codes), dLHS from codes with dSwiGLU, TGMM with the
   // in-kernel gradient quantization (gradient codes, scales, row tiles).
+  // The views are made once: a TensorView holds its Shape (a vector), so
+  // making one allocates; the calls themselves must not.
+  const TensorView lhs_v = lhs.t.view(), lhs32_v = lhs32.t.view(), gs_v = gs.view();
+  const TensorView wb_v = wb.t.view(), wq_v = wq.t.view(), wi_v = wi.t.view();
+  const TensorView dout_v = dout.t.view(), dout32_v = dout32.t.view();
+  const TensorView out_v = out.view(), dl_v = dl.view(), dw_v = dw.view();
+  const TensorView* wq_scale = wq.scale_view();
+  const TensorView* wi_scale = wi.scale_view();
   auto all = [&]() {
     GmmOptions o;
     o.epilogue = GmmEpilogue::kSwiGlu;
     for (GmmMode mode : {GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8, GmmMode::kInt8}) {
       o.mode = mode;
-      Operand& w = mode == GmmMode::kBf16 ? wb : mode == GmmMode::kInt8 ? wi : wq;
-      ASSERT_TRUE(Gmm(ctx, o, lhs.t.view(), w.t.view(), w.scale_view(), gs.view(), out.view(), &hv).ok());
+      const TensorView& w = mode == GmmMode::kBf16 ? wb_v : mode == GmmMode::kInt8 ? wi_v : wq_v;
+      const TensorView* scale =
+          mode == GmmMode::kBf16 ? nullptr : mode == GmmMode::kInt8 ? wi_scale : wq_scale;
+      ASSERT_TRUE(Gmm(ctx, o, lhs_v, w, scale, gs_v, out_v, &hv).ok());
     }
     GmmOptions od;
     od.mode = GmmMode::kBf16;
     od.epilogue = GmmEpilogue::kDSwiGlu;
-    ASSERT_TRUE(GmmDlhs(ctx, od, dout.t.view(), wq.t.view(), wq.scale_view(), gs.view(), dl.view(), &hhv).ok());
+    ASSERT_TRUE(GmmDlhs(ctx, od, dout_v, wq_v, wq_scale, gs_v, dl_v, &hhv).ok());
     GmmOptions ot;
     ot.mode = GmmMode::kF32;
     TgmmQuant q;
     q.dout_dtype = QuantDType::kE5M2;
     q.per_group = false;
-    ASSERT_TRUE(Tgmm(ctx, ot, q, lhs32.t.view(), dout32.t.view(), gs.view(), dw.view()).ok());
+    ASSERT_TRUE(Tgmm(ctx, ot, q, lhs32_v, dout32_v, gs_v, dw_v).ok());
   };
   all();
   const MemoryStats before = GetMemoryStats();
+  const int64_t heap_before = g_heap_allocations.load();
   EXPECT_GT(ctx.scratch().bytes(), 0u);
   for (int rep = 0; rep < 3; ++rep) all();
+  const int64_t heap_after = g_heap_allocations.load();
   const MemoryStats after = GetMemoryStats();
   EXPECT_EQ(after.allocations, before.allocations) << "a repeated call allocated";
+  // Nor any hidden std::vector (the TGMM gradient quantizer's tiles and amax
+  // rows come from the arena too).
+  EXPECT_EQ(heap_after, heap_before) << "a repeated call allocated on the heap";
   EXPECT_EQ(after.in_use, before.in_use);
   // Releasing the scratch gives its memory back; the next call takes it again.
   const size_t held = ctx.scratch().bytes();

@@ -1,6 +1,8 @@
 #include "kernels/gmm_problem.h"
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -9,10 +11,12 @@ namespace {
 
 std::string Str(const Shape& s) { return ShapeToString(s); }
 
-Status NeedShape(const char* what, const TensorView& t, const Shape& want) {
-  if (t.shape != want) {
+// Compares in place: a Shape is built only for the error message, so a
+// valid call allocates nothing.
+Status NeedShape(const char* what, const TensorView& t, std::initializer_list<int64_t> want) {
+  if (!std::equal(t.shape.begin(), t.shape.end(), want.begin(), want.end())) {
     return InvalidArgument(std::string(what) + " has shape " + Str(t.shape) +
-                           "; expected " + Str(want));
+                           "; expected " + Str(Shape(want)));
   }
   return OkStatus();
 }

@@ -40,21 +40,26 @@ T* SharedArray(Context& ctx, SharedSlot slot, int64_t n) {
       ctx.scratch().Shared(slot, static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T)));
 }
 
-Source Plain(const TensorView& t, int64_t ld) {
+// A row-major operand of `dtype` with leading dimension ld. Takes the
+// pointer and dtype, not a TensorView, so that building one for scratch
+// (activation codes, weight copy) constructs no Shape: a call allocates
+// nothing.
+Source Plain(const void* data, DType dtype, int64_t ld) {
   Source s;
-  s.data = t.data;
+  s.data = data;
   s.ld = ld;
-  switch (t.dtype) {
+  switch (dtype) {
     case DType::kF32: s.kind = SrcKind::kF32; break;
     case DType::kBF16: s.kind = SrcKind::kBf16; break;
     case DType::kI8: s.kind = SrcKind::kI8; break;
     default:
       s.kind = SrcKind::kFp8;
-      s.fp8 = *Fp8FormatOf(t.dtype);
+      s.fp8 = *Fp8FormatOf(dtype);
       break;
   }
   return s;
 }
+Source Plain(const TensorView& t, int64_t ld) { return Plain(t.data, t.dtype, ld); }
 
 // rhs [e, k, n] as a per-group source with its per-channel scale, if codes.
 Source RhsSource(const TensorView& rhs, const TensorView* scale, const GmmProblem& p) {
@@ -64,6 +69,13 @@ Source RhsSource(const TensorView& rhs, const TensorView* scale, const GmmProble
     s.col_scale = scale->as<float>();
     s.col_scale_group_stride = p.n;
   }
+  return s;
+}
+
+// The fake-QAT BF16 weight copy [e, k, n] as the per-group rhs source.
+Source Bf16CopySource(const uint16_t* copy, const GmmProblem& p) {
+  Source s = Plain(copy, DType::kBF16, p.n);
+  s.group_stride = p.k * p.n;
   return s;
 }
 
@@ -93,8 +105,8 @@ void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len, int64_t t
 // The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), in the
 // context's scratch: a trainer keeps that buffer from step to step (it stays
 // allocated: that memory is what fake QAT costs over native).
-Result<TensorView> DequantizeToBf16(Context& ctx, const TensorView& codes, const float* scale,
-                                    const GmmProblem& p) {
+Result<const uint16_t*> DequantizeToBf16(Context& ctx, const TensorView& codes,
+                                         const float* scale, const GmmProblem& p) {
   const int64_t rows = p.e * p.k;
   auto* out = SharedArray<uint16_t>(ctx, SharedSlot::kWeightCopy, rows * p.n);
   if (out == nullptr) return ResourceExhausted("cannot allocate the BF16 weight copy");
@@ -105,13 +117,15 @@ Result<TensorView> DequantizeToBf16(Context& ctx, const TensorView& codes, const
     DequantizeFp8ToBf16Span(q + r * p.n, scale + (r / p.k) * p.n, out + r * p.n,
                             static_cast<size_t>(p.n), f);
   }
-  return TensorView{out, DType::kBF16, {p.e, p.k, p.n}};
+  return static_cast<const uint16_t*>(out);
 }
 
 // Quantizes the valid rows of lhs [m, k] (F32 or BF16) per row (or K-block)
 // into codes [valid, k] and scales [valid, blocks], in the context's scratch;
-// rows on the context's threads (BF16 rows widened one at a time, exactly:
-// no f32 copy of the activation is made).
+// one flat loop of rows on the context's threads, each row quantized serially
+// (QuantizeOneRow opens no nested parallel region: a region per row cost a
+// team setup per row), BF16 rows widened one at a time, exactly: no f32 copy
+// of the activation is made.
 Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int64_t block,
                    QuantDType dtype, const Calibration& calib, uint8_t** codes,
                    float** scales) {
@@ -125,7 +139,7 @@ Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int
   ScratchArena& arena = ctx.scratch();
   arena.EnsureWorkers(threads);
   const bool bf16 = lhs.dtype == DType::kBF16;
-  bool failed = false, out_of_memory = false;
+  bool out_of_memory = false;
 #pragma omp parallel num_threads(threads)
   {
     float* row = bf16 ? reinterpret_cast<float*>(arena.Worker(
@@ -133,28 +147,22 @@ Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int
                             static_cast<size_t>(std::max<int64_t>(p.k, 1)) * sizeof(float)))
                       : nullptr;
     const bool have_row = !bf16 || row != nullptr;
-    bool ok = have_row;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      if (!ok) continue;
+      if (!have_row) continue;
       const float* x = lhs.as<float>() + r * p.k;
       if (bf16) {
         Bf16ToF32Span(lhs.as<uint16_t>() + r * p.k, row, static_cast<size_t>(p.k));
         x = row;
       }
-      // One row, one status: the arguments were checked, so this cannot fail.
-      ok = QuantizeRows(x, 1, p.k, 1, block, dtype, calib, *codes + r * p.k, *scales + r * nb).ok();
+      QuantizeOneRow(x, p.k, block, dtype, calib, *codes + r * p.k, *scales + r * nb);
     }
     if (!have_row) {
 #pragma omp atomic write
       out_of_memory = true;
-    } else if (!ok) {
-#pragma omp atomic write
-      failed = true;
     }
   }
   if (out_of_memory) return ResourceExhausted("cannot allocate a row buffer to quantize a GMM's activation");
-  if (failed) return Internal("quantizing a checked GMM activation failed");
   return OkStatus();
 }
 
@@ -201,9 +209,9 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     case GmmMode::kBf16:
       break;
     case GmmMode::kFakeQat: {
-      FP8MOE_ASSIGN_OR_RETURN(const TensorView copy,
+      FP8MOE_ASSIGN_OR_RETURN(const uint16_t* const copy,
                               DequantizeToBf16(ctx, rhs, rhs_scale->as<float>(), p));
-      call.b = RhsSource(copy, nullptr, p);
+      call.b = Bf16CopySource(copy, p);
       break;
     }
     case GmmMode::kNativeFp8:
@@ -214,7 +222,7 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
       uint8_t* qa = nullptr;
       float* sa = nullptr;
       FP8MOE_RETURN_IF_ERROR(QuantizeLhs(ctx, lhs, p, block, qd, o.lhs_calibration, &qa, &sa));
-      call.a = Plain(TensorView{qa, QuantStorageDType(qd), {p.valid_rows, p.k}}, p.k);
+      call.a = Plain(qa, QuantStorageDType(qd), p.k);
       call.b.col_scale = nullptr;  // the weight scale is applied at the end
       call.integer = int8;
       if (block > 0) {
@@ -260,9 +268,9 @@ Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
   call.a = Plain(dout, p.n);
   call.b = RhsSource(rhs, rhs_scale, p);
   if (o.mode == GmmMode::kFakeQat) {
-    FP8MOE_ASSIGN_OR_RETURN(const TensorView copy,
+    FP8MOE_ASSIGN_OR_RETURN(const uint16_t* const copy,
                             DequantizeToBf16(ctx, rhs, rhs_scale->as<float>(), p));
-    call.b = RhsSource(copy, nullptr, p);
+    call.b = Bf16CopySource(copy, p);
   } else if (o.mode == GmmMode::kBf16 && p.rhs_codes) {
     call.b.round_bf16 = true;  // per-tile dequantization to the copy's values
   }
@@ -296,12 +304,18 @@ Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     auto* qg = SharedArray<uint8_t>(ctx, SharedSlot::kGradCodes, p.m * p.n);
     auto* sg = SharedArray<float>(ctx, SharedSlot::kGradScales, tiles * p.n);
     auto* row_tile = SharedArray<int32_t>(ctx, SharedSlot::kRowTile, p.valid_rows);
-    if (qg == nullptr || sg == nullptr || row_tile == nullptr) {
+    // The quantizer's own scratch too, so that a training step's TGMM
+    // allocates nothing once the arena has grown.
+    const int threads = ctx.threads();
+    auto* tile_rows = SharedArray<RowTile>(ctx, SharedSlot::kGradTiles, tiles);
+    auto* amax = SharedArray<int32_t>(ctx, SharedSlot::kGradAmax, threads * p.n);
+    if (qg == nullptr || sg == nullptr || row_tile == nullptr || tile_rows == nullptr ||
+        amax == nullptr) {
       return ResourceExhausted("cannot allocate the quantized TGMM gradient");
     }
-    FP8MOE_RETURN_IF_ERROR(QuantizeGroupTileChannels(dout.as<float>(), p.m, p.n, sizes, p.e,
-                                                     quant_tile, *quant.dout_dtype,
-                                                     quant.calibration, qg, sg));
+    QuantizeGroupTileChannelsWith(dout.as<float>(), p.m, p.n, sizes, p.e, quant_tile, tiles,
+                                  *quant.dout_dtype, quant.calibration, qg, sg, threads,
+                                  tile_rows, amax);
     // The tile of every valid row, in the quantizer's enumeration (group by
     // group, quant_tile rows at a time; one tile per group when 0).
     int32_t t = 0;
@@ -314,7 +328,7 @@ Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     // The codes go in raw (bf16-exact: the pair kernels take them) and the
     // scales are applied to each tile's partial sums, C += s[tile, n] * sum,
     // or once per group: the same product as f32(q) * s summed, regrouped.
-    call.b = Plain(TensorView{qg, QuantStorageDType(*quant.dout_dtype), {p.m, p.n}}, p.n);
+    call.b = Plain(qg, QuantStorageDType(*quant.dout_dtype), p.n);
     call.b_col_scale = sg;
     call.b_col_scale_ld = p.n;
     call.b_row_tile = row_tile;
