@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "base/default_context.h"
 #include "base/scratch_arena.h"
 #include "fp8moe/memory.h"
 
@@ -75,7 +76,7 @@ Result<BackendKind> ParseBackend(std::string_view name) {
 std::string_view KernelPathName(KernelPath path) {
   static constexpr std::string_view kNames[] = {
       "packed_f32",  "packed_bf16_pairs", "packed_i16_pairs", "packed_i16_vnni",
-      "direct_f32",  "direct_bf16_pairs", "direct_fp8_vbmi",  "direct_i8_vnni",
+      "direct_f32",  "direct_bf16_pairs", "direct_fp8_vbmi",  "direct_i8_vnni", "direct_raw_fp8",
       "reference"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(KernelPath::kCount));
   return kNames[static_cast<size_t>(path)];
@@ -119,6 +120,7 @@ void ScratchArena::Release() {
   for (auto& w : workers_) {
     for (auto& b : w) b.Release();
   }
+  objects_.clear();
 }
 
 }  // namespace internal
@@ -126,7 +128,7 @@ void ScratchArena::Release() {
 // ---- Context ----
 
 struct Context::Impl {
-  int threads = 1;
+  int threads = 0;  // 0: OpenMP's default at each call
   BackendKind backend = BackendKind::kCpu;
   Rng rng;
   MetricsSink* metrics = nullptr;
@@ -135,7 +137,7 @@ struct Context::Impl {
 };
 
 Context::Context(const ContextOptions& options) : impl_(std::make_unique<Impl>()) {
-  impl_->threads = options.threads > 0 ? options.threads : omp_get_max_threads();
+  impl_->threads = options.threads > 0 ? options.threads : 0;
   impl_->backend = options.backend;
   impl_->rng.Seed(options.seed);
   impl_->metrics = options.metrics;
@@ -143,7 +145,9 @@ Context::Context(const ContextOptions& options) : impl_(std::make_unique<Impl>()
 
 Context::~Context() = default;
 
-int Context::threads() const { return impl_->threads; }
+int Context::threads() const {
+  return impl_->threads > 0 ? impl_->threads : omp_get_max_threads();
+}
 BackendKind Context::backend() const { return impl_->backend; }
 Rng& Context::rng() { return impl_->rng; }
 MetricsSink* Context::metrics() const { return impl_->metrics; }
@@ -165,5 +169,12 @@ Context& DefaultContext() {
   static Context* ctx = new Context();  // never destroyed: outlives every caller
   return *ctx;
 }
+
+namespace internal {
+std::recursive_mutex& DefaultContextMutex() {
+  static std::recursive_mutex* mu = new std::recursive_mutex();  // never destroyed
+  return *mu;
+}
+}  // namespace internal
 
 }  // namespace fp8moe

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace fp8moe::internal {
@@ -44,6 +45,9 @@ enum class SharedSlot : uint8_t {
   kGradCodes,   // TGMM: the quantized gradient
   kGradScales,  // and its scales
   kRowTile,     // TGMM: the scale tile of every row
+  kGradTiles,   // TGMM: the gradient's (group, tile) row ranges
+  kGradAmax,    // TGMM: per-thread channel amax of the gradient's quantizer
+  kGradInv,     // TGMM: per-thread reciprocal scales (xla_reciprocal arithmetic)
   kCount
 };
 
@@ -52,7 +56,9 @@ enum class WorkerSlot : uint8_t {
   kPackA,     // packed A panels
   kPackB,     // packed B panels
   kTileC,     // the C tile finished by an epilogue
-  kRow,       // a row being converted (packing, quantization, epilogues)
+  kRow,       // a row being converted (activation quantization)
+  kPackRows,  // the rows a packer converts before it scatters them
+  kEpilogue,  // the rows an epilogue works on
   kCount
 };
 
@@ -70,13 +76,38 @@ class ScratchArena {
   uint8_t* Worker(int thread, WorkerSlot slot, size_t bytes) {
     return workers_[static_cast<size_t>(thread)][static_cast<size_t>(slot)].Get(bytes);
   }
-  // Bytes held by all buffers.
+  // Workers made room for so far.
+  int workers() const { return static_cast<int>(workers_.size()); }
+
+  // A T kept from call to call, default-constructed on first use: state with
+  // containers of its own (a planned call whose vectors keep their capacity),
+  // so that a steady-state call allocates nothing. One object per type; the
+  // calling thread only.
+  template <class T>
+  T& Object() {
+    for (const auto& o : objects_) {
+      if (o.key == &kTypeKey<T>) return *static_cast<T*>(o.ptr.get());
+    }
+    objects_.push_back({&kTypeKey<T>, ObjectPtr(new T(), [](void* p) { delete static_cast<T*>(p); })});
+    return *static_cast<T*>(objects_.back().ptr.get());
+  }
+
+  // Bytes held by all buffers (not counting Object()s).
   size_t bytes() const;
+  // Frees every buffer and object.
   void Release();
 
  private:
+  template <class T>
+  static constexpr char kTypeKey = 0;  // its address names T
+  using ObjectPtr = std::unique_ptr<void, void (*)(void*)>;
+  struct KeyedObject {
+    const char* key;
+    ObjectPtr ptr;
+  };
   std::array<GrowBuffer, static_cast<size_t>(SharedSlot::kCount)> shared_;
   std::vector<std::array<GrowBuffer, static_cast<size_t>(WorkerSlot::kCount)>> workers_;
+  std::vector<KeyedObject> objects_;
 };
 
 }  // namespace fp8moe::internal

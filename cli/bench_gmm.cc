@@ -102,6 +102,8 @@ int BenchGmm(const BenchOptions& opt) {
       {"train-fill wo", 8, 16384, 1024, 1024, false, false, false},
       {"fine-grained", 64, 16384, 1024, 512, false, true, false},
       {"decode", 8, 64, 2048, 4096, false, false, true},
+      // Truly weight-bound: one row per expert (every weight element is used once).
+      {"decode e64", 64, 64, 2048, 1024, false, false, true},
   };
   if (!opt.shape.empty()) {
     std::vector<Shape4> keep;

@@ -2,6 +2,8 @@
 
 #include <dirent.h>
 #include <gtest/gtest.h>
+
+#include "base/test_seed.h"
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -34,7 +36,7 @@ constexpr DType kAllDTypes[] = {
 // Fresh random bytes each run; the seed is reported on failure.
 class SafetensorsTest : public ::testing::Test {
  protected:
-  SafetensorsTest() : seed_(std::random_device{}()), rng_(seed_) {
+  SafetensorsTest() : seed_(test::TestSeed()), rng_(static_cast<uint32_t>(seed_)) {
     char tmpl[] = "/tmp/fp8moe_safetensors_XXXXXX";
     dir_ = mkdtemp(tmpl);
   }
@@ -65,12 +67,12 @@ class SafetensorsTest : public ::testing::Test {
     return names;
   }
 
-  uint32_t seed_;
+  uint64_t seed_;
   std::mt19937 rng_;
   std::string dir_;
 };
 
-#define SEED_TRACE() SCOPED_TRACE("random seed " + std::to_string(seed_))
+#define SEED_TRACE() SCOPED_TRACE(test::SeedNote(seed_))
 
 std::vector<uint8_t> ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -1,6 +1,9 @@
 #include "kernels/gmm_problem.h"
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <limits>
 #include <string>
 
 namespace fp8moe::internal {
@@ -8,10 +11,12 @@ namespace {
 
 std::string Str(const Shape& s) { return ShapeToString(s); }
 
-Status NeedShape(const char* what, const TensorView& t, const Shape& want) {
-  if (t.shape != want) {
+// Compares in place: a Shape is built only for the error message, so a
+// valid call allocates nothing.
+Status NeedShape(const char* what, const TensorView& t, std::initializer_list<int64_t> want) {
+  if (!std::equal(t.shape.begin(), t.shape.end(), want.begin(), want.end())) {
     return InvalidArgument(std::string(what) + " has shape " + Str(t.shape) +
-                           "; expected " + Str(want));
+                           "; expected " + Str(Shape(want)));
   }
   return OkStatus();
 }
@@ -149,11 +154,11 @@ Status CheckRhs(GmmMode mode, const GmmOptions& o, const TensorView& rhs,
 
 }  // namespace
 
-Result<GmmProblem> CheckGmm(const GmmOptions& o, const TensorView& lhs,
-                            const TensorView& rhs, const TensorView* rhs_scale,
-                            const TensorView& group_sizes, const TensorView& out,
-                            const TensorView* h_out) {
-  GmmProblem p;
+Status CheckGmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
+                const TensorView* rhs_scale, const TensorView& group_sizes,
+                const TensorView& out, const TensorView* h_out, GmmProblem* pp) {
+  GmmProblem& p = *pp;
+  p.Reset();
   FP8MOE_RETURN_IF_ERROR(CheckTiles(o.tiles));
   FP8MOE_RETURN_IF_ERROR(CheckRhs(o.mode, o, rhs, rhs_scale, false, &p));
   FP8MOE_RETURN_IF_ERROR(CheckRank("lhs", lhs, 2));
@@ -208,14 +213,14 @@ Result<GmmProblem> CheckGmm(const GmmOptions& o, const TensorView& lhs,
     FP8MOE_RETURN_IF_ERROR(NeedDType("h_out", *h_out, {DType::kF32, DType::kBF16}, "an output"));
     FP8MOE_RETURN_IF_ERROR(NeedShape("h_out", *h_out, {p.m, p.n}));
   }
-  return p;
+  return OkStatus();
 }
 
-Result<GmmProblem> CheckDlhs(const GmmOptions& o, const TensorView& dout,
-                             const TensorView& rhs, const TensorView* rhs_scale,
-                             const TensorView& group_sizes,
-                             const TensorView& out, const TensorView* h) {
-  GmmProblem p;
+Status CheckDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rhs,
+                 const TensorView* rhs_scale, const TensorView& group_sizes,
+                 const TensorView& out, const TensorView* h, GmmProblem* pp) {
+  GmmProblem& p = *pp;
+  p.Reset();
   FP8MOE_RETURN_IF_ERROR(CheckTiles(o.tiles));
   if (o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8) {
     return InvalidArgument("dlhs runs in mode f32, bf16 or fake_qat (native "
@@ -255,14 +260,14 @@ Result<GmmProblem> CheckDlhs(const GmmOptions& o, const TensorView& dout,
   } else if (h != nullptr) {
     return InvalidArgument("h is only read by epilogue dswiglu");
   }
-  return p;
+  return OkStatus();
 }
 
-Result<GmmProblem> CheckTgmm(const GmmOptions& o, const TgmmQuant& quant,
-                             const TensorView& lhs, const TensorView& dout,
-                             const TensorView& group_sizes,
-                             const TensorView& drhs) {
-  GmmProblem p;
+Status CheckTgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
+                 const TensorView& dout, const TensorView& group_sizes,
+                 const TensorView& drhs, GmmProblem* pp) {
+  GmmProblem& p = *pp;
+  p.Reset();
   FP8MOE_RETURN_IF_ERROR(CheckTiles(o.tiles));
   if (o.mode != GmmMode::kF32 && o.mode != GmmMode::kBf16) {
     return InvalidArgument("tgmm runs in mode f32 or bf16 (quantized operands "
@@ -301,13 +306,48 @@ Result<GmmProblem> CheckTgmm(const GmmOptions& o, const TgmmQuant& quant,
   p.e = drhs.shape[0];
   FP8MOE_RETURN_IF_ERROR(NeedShape("drhs", drhs, {p.e, p.k, p.n}));
   FP8MOE_RETURN_IF_ERROR(CheckGroups(group_sizes, p.e, p.m, &p));
+  return OkStatus();
+}
+
+Result<GmmProblem> CheckGmm(const GmmOptions& o, const TensorView& lhs,
+                            const TensorView& rhs, const TensorView* rhs_scale,
+                            const TensorView& group_sizes, const TensorView& out,
+                            const TensorView* h_out) {
+  GmmProblem p;
+  FP8MOE_RETURN_IF_ERROR(CheckGmm(o, lhs, rhs, rhs_scale, group_sizes, out, h_out, &p));
   return p;
 }
 
-double SiluRef(double x) { return x / (1.0 + std::exp(-x)); }
+Result<GmmProblem> CheckDlhs(const GmmOptions& o, const TensorView& dout,
+                             const TensorView& rhs, const TensorView* rhs_scale,
+                             const TensorView& group_sizes, const TensorView& out,
+                             const TensorView* h) {
+  GmmProblem p;
+  FP8MOE_RETURN_IF_ERROR(CheckDlhs(o, dout, rhs, rhs_scale, group_sizes, out, h, &p));
+  return p;
+}
+
+Result<GmmProblem> CheckTgmm(const GmmOptions& o, const TgmmQuant& quant,
+                             const TensorView& lhs, const TensorView& dout,
+                             const TensorView& group_sizes, const TensorView& drhs) {
+  GmmProblem p;
+  FP8MOE_RETURN_IF_ERROR(CheckTgmm(o, quant, lhs, dout, group_sizes, drhs, &p));
+  return p;
+}
+
+double SigmoidRef(double x) {
+  if (std::isnan(x)) return x;
+  return 1.0 / (1.0 + std::exp(-x));  // exp overflow gives 1 / inf = +0
+}
+
+double SiluRef(double x) {
+  if (x == -std::numeric_limits<double>::infinity()) return -0.0;  // the limit
+  return x * SigmoidRef(x);
+}
 
 double SiluGradRef(double x) {
-  const double s = 1.0 / (1.0 + std::exp(-x));
+  if (std::isinf(x)) return x > 0 ? 1.0 : -0.0;  // the limits
+  const double s = SigmoidRef(x);
   return s * (1.0 + x * (1.0 - s));
 }
 

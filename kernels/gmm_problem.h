@@ -21,8 +21,29 @@ struct GmmProblem {
   bool lhs_codes = false;        // TGMM: lhs holds fp8 codes
   QuantDType rhs_codes_dtype = QuantDType::kE4M3FN;
   QuantDType lhs_codes_dtype = QuantDType::kE4M3FN;
+
+  // Back to the defaults, keeping offsets' capacity (a problem object kept
+  // in a Context is refilled by every call without allocating).
+  void Reset() {
+    m = k = n = e = valid_rows = 0;
+    offsets.clear();
+    rhs_codes = lhs_codes = false;
+    rhs_codes_dtype = lhs_codes_dtype = QuantDType::kE4M3FN;
+  }
 };
 
+// Check a call and fill *p (Reset first); p is unspecified on an error.
+Status CheckGmm(const GmmOptions& options, const TensorView& lhs, const TensorView& rhs,
+                const TensorView* rhs_scale, const TensorView& group_sizes,
+                const TensorView& out, const TensorView* h_out, GmmProblem* p);
+Status CheckDlhs(const GmmOptions& options, const TensorView& dout, const TensorView& rhs,
+                 const TensorView* rhs_scale, const TensorView& group_sizes,
+                 const TensorView& out, const TensorView* h, GmmProblem* p);
+Status CheckTgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView& lhs,
+                 const TensorView& dout, const TensorView& group_sizes,
+                 const TensorView& drhs, GmmProblem* p);
+
+// The same, returning a fresh problem.
 Result<GmmProblem> CheckGmm(const GmmOptions& options, const TensorView& lhs,
                             const TensorView& rhs, const TensorView* rhs_scale,
                             const TensorView& group_sizes, const TensorView& out,
@@ -42,7 +63,10 @@ Result<GmmProblem> CheckTgmm(const GmmOptions& options, const TgmmQuant& quant,
 // fast kernel and the reference twin must both use it.
 inline constexpr int64_t kTgmmDefaultQuantTile = 512;
 
-// silu(x) = x * sigmoid(x) and its derivative, in double (reference) form.
+// sigmoid, silu(x) = x * sigmoid(x) and silu', in double (reference) form,
+// with the promises of docs/numerics.md at +-inf and NaN: sigmoid(-inf) = 0,
+// silu(-inf) = -0, silu'(+inf) = 1, silu'(-inf) = -0, NaN -> NaN.
+double SigmoidRef(double x);
 double SiluRef(double x);
 double SiluGradRef(double x);
 

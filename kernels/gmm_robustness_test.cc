@@ -20,11 +20,18 @@ constexpr int64_t kHuge = int64_t{1} << 40;
 
 Tensor Make(DType d, Shape s) { return std::move(Tensor::Zeros(d, std::move(s))).value(); }
 
+// The context-free entry points (Gmm and friends are overloaded with the
+// Context& ones, so the pointer types are spelled out).
+using GmmFn = Status (*)(const GmmOptions&, const TensorView&, const TensorView&,
+                         const TensorView*, const TensorView&, const TensorView&,
+                         const TensorView*);
+using TgmmFn = Status (*)(const GmmOptions&, const TgmmQuant&, const TensorView&,
+                          const TensorView&, const TensorView&, const TensorView&);
 struct Api {
   const char* name;
-  decltype(&Gmm) gmm;
-  decltype(&GmmDlhs) dlhs;
-  decltype(&Tgmm) tgmm;
+  GmmFn gmm;
+  GmmFn dlhs;
+  TgmmFn tgmm;
 };
 const Api kApis[] = {{"fast", Gmm, GmmDlhs, Tgmm},
                      {"reference", reference::Gmm, reference::GmmDlhs, reference::Tgmm}};

@@ -21,156 +21,19 @@
 
 #include <gtest/gtest.h>
 
+#include "base/test_seed.h"
+#include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
 #include "kernels/cpu/line_walk.h"
+#include "kernels/gmm_test_util.h"
 
 namespace fp8moe {
 namespace {
 
-const float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-Tensor Make(DType d, Shape s) { return std::move(Tensor::Create(d, std::move(s))).value(); }
-
-struct Rng {
-  std::mt19937 gen;
-  explicit Rng(unsigned seed) : gen(seed) {}
-  float Normal() { return std::normal_distribution<float>(0.0f, 1.0f)(gen); }
-  int Int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); }
-};
-
-unsigned Seed() {
-  const unsigned s = std::random_device{}();
-  std::printf("random seed %u\n", s);
-  return s;
-}
-
-// Random group sizes summing to at most m, with empty groups.
-std::vector<int32_t> Groups(Rng& r, int64_t e, int64_t m) {
-  std::vector<int32_t> s(static_cast<size_t>(e), 0);
-  int64_t left = m - r.Int(0, static_cast<int>(std::min<int64_t>(m, 5)));  // tail rows
-  for (int64_t g = 0; g < e && left > 0; ++g) {
-    if (r.Int(0, 3) == 0) continue;  // empty
-    const int64_t take = g + 1 == e ? left : r.Int(0, static_cast<int>(left));
-    s[static_cast<size_t>(g)] = static_cast<int32_t>(take);
-    left -= take;
-  }
-  return s;
-}
-
-int64_t Sum(const std::vector<int32_t>& s) {
-  int64_t t = 0;
-  for (int32_t v : s) t += v;
-  return t;
-}
-
-// f32 [rows, cols] of normal values; rows >= valid are NaN/Inf (tail).
-Tensor RandomF32(Rng& r, Shape shape, int64_t valid_rows = -1) {
-  Tensor t = Make(DType::kF32, shape);
-  const int64_t cols = shape.back();
-  float* p = t.data_as<float>();
-  for (size_t i = 0; i < t.num_elements(); ++i) {
-    const bool tail = valid_rows >= 0 && static_cast<int64_t>(i) / cols >= valid_rows;
-    p[i] = tail ? ((i % 3) ? kNaN : std::numeric_limits<float>::infinity()) : r.Normal();
-  }
-  return t;
-}
-
-Tensor ToBf16(const Tensor& f) {
-  Tensor t = Make(DType::kBF16, f.shape());
-  F32ToBf16Span(f.data_as<float>(), t.data_as<uint16_t>(), f.num_elements());
-  return t;
-}
-
-// |x| of a tensor of values or codes (fp8 sign bit cleared, int8 negated).
-Tensor Abs(const Tensor& t) {
-  Tensor a = Make(t.dtype(), t.shape());
-  std::memcpy(a.data(), t.data(), t.num_bytes());
-  const size_t n = t.num_elements();
-  switch (t.dtype()) {
-    case DType::kF32:
-      for (size_t i = 0; i < n; ++i) a.data_as<float>()[i] = std::fabs(a.data_as<float>()[i]);
-      break;
-    case DType::kBF16:
-      for (size_t i = 0; i < n; ++i) a.data_as<uint16_t>()[i] &= 0x7FFF;
-      break;
-    case DType::kI8:
-      for (size_t i = 0; i < n; ++i) {
-        int8_t& v = a.data_as<int8_t>()[i];
-        v = static_cast<int8_t>(v < 0 ? -v : v);
-      }
-      break;
-    case DType::kI32:
-      break;
-    default:  // fp8 codes (no NaN codes occur in quantized weights)
-      for (size_t i = 0; i < n; ++i) a.data_as<uint8_t>()[i] &= 0x7F;
-      break;
-  }
-  return a;
-}
-
-Tensor Poisoned(DType d, Shape s) {
-  Tensor t = Make(d, std::move(s));
-  if (d == DType::kF32) {
-    for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = kNaN;
-  } else {
-    for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<uint16_t>()[i] = 0x7FC1;
-  }
-  return t;
-}
-
-float ValueAt(const Tensor& t, size_t i) {
-  return t.dtype() == DType::kF32 ? t.data_as<float>()[i] : Bf16ToF32(t.data_as<uint16_t>()[i]);
-}
-
-// A weight [E, K, N] in the mode's representation (+ scale for codes).
-struct Weight {
-  Tensor w, scale;
-  bool codes = false;
-};
-
-Weight MakeWeight(Rng& r, DType dtype, int64_t e, int64_t k, int64_t n) {
-  Tensor f = RandomF32(r, {e, k, n});
-  Weight out;
-  if (dtype == DType::kF32) {
-    out.w = std::move(f);
-  } else if (dtype == DType::kBF16) {
-    out.w = ToBf16(f);
-  } else {
-    const QuantDType q = *QuantDTypeOf(dtype);
-    out.w = Make(dtype, {e, k, n});
-    out.scale = Make(DType::kF32, {e, n});
-    EXPECT_TRUE(QuantizeChannels(f.data_as<float>(), e, k, n, q, Calibration::AbsMax(),
-                                 out.w.data_as<uint8_t>(), out.scale.data_as<float>()).ok());
-    out.codes = true;
-  }
-  return out;
-}
-
-// Expects |got - want| <= bound element-wise over valid rows; tail rows 0.
-void ExpectWithin(const Tensor& got, const Tensor& want, const std::vector<double>& bound,
-                  int64_t valid_rows, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape());
-  const int64_t cols = got.shape().back();
-  const size_t valid = static_cast<size_t>(valid_rows * cols);
-  for (size_t i = 0; i < got.num_elements(); ++i) {
-    const float g = ValueAt(got, i), w = ValueAt(want, i);
-    if (i >= valid && got.rank() == 2) {
-      ASSERT_EQ(std::bit_cast<uint32_t>(g), 0u) << what << ": tail element " << i;
-      continue;
-    }
-    ASSERT_FALSE(std::isnan(g)) << what << ": NaN at " << i;
-    ASSERT_LE(std::fabs(static_cast<double>(g) - w), bound[i])
-        << what << ": element " << i << " got " << g << " want " << w;
-  }
-}
-
-double Gamma(int64_t r) {
-  const double u = std::ldexp(1.0, -24);
-  return (r * u) / (1 - r * u) + 4 * u;
-}
+using namespace gmm_test;  // NOLINT
 
 struct FwdCase {
   GmmMode mode;
@@ -212,7 +75,7 @@ std::vector<FwdCase> AllFwdCases() {
 }
 
 // Runs one forward case on a fresh random problem and checks it.
-void CheckFwd(Rng& r, const FwdCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
+void CheckFwd(Context& ctx, TestRng& r, const FwdCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
               const GmmTiles& tiles = {}) {
   SCOPED_TRACE(Name(c) + " M " + std::to_string(m) + " K " + std::to_string(k) + " N " +
                std::to_string(n) + " E " + std::to_string(e));
@@ -237,7 +100,7 @@ void CheckFwd(Rng& r, const FwdCase& c, int64_t m, int64_t k, int64_t n, int64_t
   TensorView sv = w.codes ? w.scale.view() : TensorView{};
   const TensorView* scale = w.codes ? &sv : nullptr;
   TensorView hv = h.view(), hrv = href.view();
-  ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), scale, gs.view(), out.view(), c.swiglu ? &hv : nullptr).ok());
+  ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.w.view(), scale, gs.view(), out.view(), c.swiglu ? &hv : nullptr).ok());
   ASSERT_TRUE(reference::Gmm(o, lhs.view(), w.w.view(), scale, gs.view(), ref.view(),
                              c.swiglu ? &hrv : nullptr).ok());
   // sum |a b| per element of h, from the reference on absolute operands.
@@ -277,27 +140,39 @@ void CheckFwd(Rng& r, const FwdCase& c, int64_t m, int64_t k, int64_t n, int64_t
   ExpectWithin(out, ref, b, valid, "out");
 }
 
-TEST(Gmm, EveryModeMatchesReference) {
-  Rng r(Seed());
-  for (const FwdCase& c : AllFwdCases()) {
-    CheckFwd(r, c, 200, 560, 72, 5);  // several row and reduction blocks
-    CheckFwd(r, c, 37, 130, 70, 4);
+TEST(Gmm, EveryModeMatchesReferenceOnEveryBackend) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  for (BackendKind b : AllBackends()) {
+    SCOPED_TRACE(BackendName(b));
+    Context ctx(OnBackend(b));
+    for (const FwdCase& c : AllFwdCases()) {
+      CheckFwd(ctx, r, c, 200, 560, 72, 5);  // several row and reduction blocks
+      CheckFwd(ctx, r, c, 37, 130, 70, 4);
+    }
+    ExpectRanOn(ctx, b);
   }
 }
 
 
-TEST(Gmm, SmallShapeSweep) {
-  Rng r(Seed());
+TEST(Gmm, SmallShapeSweepOnEveryBackend) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
   const std::vector<FwdCase> cases = AllFwdCases();
-  // Every M, K and N in 1..67 and every E in 1..5 appears at least once.
-  for (int v = 1; v <= 67; ++v) {
-    const FwdCase& c = cases[static_cast<size_t>(v) % cases.size()];
-    CheckFwd(r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
-    CheckFwd(r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
-    CheckFwd(r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
-  }
-  for (int e = 1; e <= 5; ++e) {
-    for (const FwdCase& c : cases) CheckFwd(r, c, r.Int(1, 67), r.Int(1, 67), r.Int(1, 67), e);
+  for (BackendKind b : AllBackends()) {
+    SCOPED_TRACE(BackendName(b));
+    Context ctx(OnBackend(b));
+    // Every M, K and N in 1..67 and every E in 1..5 appears at least once.
+    for (int v = 1; v <= 67; ++v) {
+      const FwdCase& c = cases[static_cast<size_t>(v) % cases.size()];
+      CheckFwd(ctx, r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
+      CheckFwd(ctx, r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
+      CheckFwd(ctx, r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+    }
+    for (int e = 1; e <= 5; ++e) {
+      for (const FwdCase& c : cases) CheckFwd(ctx, r, c, r.Int(1, 67), r.Int(1, 67), r.Int(1, 67), e);
+    }
+    ExpectRanOn(ctx, b);
   }
 }
 
@@ -310,7 +185,7 @@ struct DlhsCase {
   bool dswiglu = false;
 };
 
-void CheckDlhs(Rng& r, const DlhsCase& c, int64_t m, int64_t k, int64_t n, int64_t e) {
+void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k, int64_t n, int64_t e) {
   SCOPED_TRACE(std::string(GmmModeName(c.mode)) + " rhs " + std::string(DTypeName(c.rhs_dtype)) +
                (c.dswiglu ? " dswiglu" : "") + " M " + std::to_string(m) + " K " +
                std::to_string(k) + " N " + std::to_string(n));
@@ -330,7 +205,7 @@ void CheckDlhs(Rng& r, const DlhsCase& c, int64_t m, int64_t k, int64_t n, int64
   Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
   TensorView sv = w.codes ? w.scale.view() : TensorView{};
   const TensorView* scale = w.codes ? &sv : nullptr;
-  ASSERT_TRUE(GmmDlhs(o, dout.view(), w.w.view(), scale, gs.view(), out.view(),
+  ASSERT_TRUE(GmmDlhs(ctx, o, dout.view(), w.w.view(), scale, gs.view(), out.view(),
                       c.dswiglu ? &hv : nullptr).ok());
   ASSERT_TRUE(reference::GmmDlhs(o, dout.view(), w.w.view(), scale, gs.view(), ref.view(),
                                  c.dswiglu ? &hv : nullptr).ok());
@@ -383,23 +258,30 @@ std::vector<DlhsCase> AllDlhsCases() {
   return v;
 }
 
-TEST(GmmDlhs, EveryModeMatchesReference) {
-  Rng r(Seed());
-  for (const DlhsCase& c : AllDlhsCases()) {
-    CheckDlhs(r, c, 300, 96, 640, 5);
-    CheckDlhs(r, c, 41, 70, 130, 3);
-  }
-  for (int v = 1; v <= 67; ++v) {
-    const auto cases = AllDlhsCases();
-    const DlhsCase& c = cases[static_cast<size_t>(v) % cases.size()];
-    CheckDlhs(r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
-    CheckDlhs(r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
-    CheckDlhs(r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+TEST(GmmDlhs, EveryModeMatchesReferenceOnEveryBackend) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  for (BackendKind b : AllBackends()) {
+    SCOPED_TRACE(BackendName(b));
+    Context ctx(OnBackend(b));
+    for (const DlhsCase& c : AllDlhsCases()) {
+      CheckDlhs(ctx, r, c, 300, 96, 640, 5);
+      CheckDlhs(ctx, r, c, 41, 70, 130, 3);
+    }
+    for (int v = 1; v <= 67; ++v) {
+      const auto cases = AllDlhsCases();
+      const DlhsCase& c = cases[static_cast<size_t>(v) % cases.size()];
+      CheckDlhs(ctx, r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
+      CheckDlhs(ctx, r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
+      CheckDlhs(ctx, r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+    }
+    ExpectRanOn(ctx, b);
   }
 }
 
 TEST(GmmDlhs, NativeFromCodesIsBitIdenticalToFakeQat) {
-  Rng r(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
   for (DType codes : {DType::kE4M3FN, DType::kE5M2}) {
     for (DType out_dtype : {DType::kF32, DType::kBF16}) {
       const int64_t m = 333, k = 200, n = 520, e = 6;
@@ -431,7 +313,7 @@ struct TgmmCase {
   bool per_group = true;
 };
 
-void CheckTgmm(Rng& r, const TgmmCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
+void CheckTgmm(Context& ctx, TestRng& r, const TgmmCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
                const GmmTiles& tiles = {}) {
   SCOPED_TRACE(std::string(GmmModeName(c.mode)) + " lhs " + std::string(DTypeName(c.lhs_dtype)) +
                (c.quant ? " quant " + std::string(QuantDTypeName(*c.quant)) : "") +
@@ -463,7 +345,7 @@ void CheckTgmm(Rng& r, const TgmmCase& c, int64_t m, int64_t k, int64_t n, int64
   q.dout_dtype = c.quant;
   q.per_group = c.per_group;
   Tensor got = Poisoned(DType::kF32, {e, k, n}), want = Poisoned(DType::kF32, {e, k, n});
-  ASSERT_TRUE(Tgmm(o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());
+  ASSERT_TRUE(Tgmm(ctx, o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());
   ASSERT_TRUE(reference::Tgmm(o, q, lhs.view(), dout.view(), gs.view(), want.view()).ok());
   Tensor al = Abs(lhs), ad = Abs(dout);
   Tensor babs = Poisoned(DType::kF32, {e, k, n});
@@ -493,18 +375,24 @@ std::vector<TgmmCase> AllTgmmCases() {
   };
 }
 
-TEST(Tgmm, EveryModeMatchesReference) {
-  Rng r(Seed());
-  for (const TgmmCase& c : AllTgmmCases()) {
-    CheckTgmm(r, c, 700, 96, 80, 5);
-    CheckTgmm(r, c, 300, 37, 130, 4, GmmTiles{33, 16, 40});
-  }
-  const auto cases = AllTgmmCases();
-  for (int v = 1; v <= 67; ++v) {
-    const TgmmCase& c = cases[static_cast<size_t>(v) % cases.size()];
-    CheckTgmm(r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
-    CheckTgmm(r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
-    CheckTgmm(r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+TEST(Tgmm, EveryModeMatchesReferenceOnEveryBackend) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  for (BackendKind b : AllBackends()) {
+    SCOPED_TRACE(BackendName(b));
+    Context ctx(OnBackend(b));
+    for (const TgmmCase& c : AllTgmmCases()) {
+      CheckTgmm(ctx, r, c, 700, 96, 80, 5);
+      CheckTgmm(ctx, r, c, 300, 37, 130, 4, GmmTiles{33, 16, 40});
+    }
+    const auto cases = AllTgmmCases();
+    for (int v = 1; v <= 67; ++v) {
+      const TgmmCase& c = cases[static_cast<size_t>(v) % cases.size()];
+      CheckTgmm(ctx, r, c, v, r.Int(1, 67), r.Int(1, 67), r.Int(1, 5));
+      CheckTgmm(ctx, r, c, r.Int(1, 67), v, r.Int(1, 67), r.Int(1, 5));
+      CheckTgmm(ctx, r, c, r.Int(1, 67), r.Int(1, 67), v, r.Int(1, 5));
+    }
+    ExpectRanOn(ctx, b);
   }
 }
 
@@ -512,20 +400,25 @@ TEST(Tgmm, EveryModeMatchesReference) {
 // read the weight without packing it (bf16-pair CPUs); odd K, several
 // reduction blocks, K-blocks and SwiGLU's two column runs included.
 TEST(Gmm, SmallGroupsMatchReference) {
-  Rng r(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  Context ctx;
   for (int64_t k : {3, 257, 600}) {
     for (const FwdCase& c : AllFwdCases()) {
-      CheckFwd(r, c, 40, k, 96, 8);
-      CheckFwd(r, c, 12, k, 64, 1);
+      CheckFwd(ctx, r, c, 40, k, 96, 8);
+      CheckFwd(ctx, r, c, 12, k, 64, 1);
     }
   }
 }
 
-// Items of up to 8 rows, up to 12 rows and more rows take three different
-// kernels on bf16-pair CPUs (byte-table fp8 decode, u16 decode, packed
-// panels); the reduction order is the same, so the bits must be too.
+// Items of up to 8 rows, up to 12 rows and more rows take different kernels
+// (on AVX2: MicroF32Direct in tiles of 1x8, 2x4, 4x2 and 8x1 vectors, with
+// native fp8 weights decoded raw, and the packed kernel; on bf16-pair CPUs
+// byte-table fp8 decode, u16 decode, packed panels); the reduction order is
+// the same, so the bits must be too.
 TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
-  Rng r(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
   const int64_t m = 120, k = 300, n = 128, e = 3;
   std::vector<int32_t> sizes = {50, 0, 61};
   Tensor gs = Make(DType::kI32, {e});
@@ -559,7 +452,8 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
       TensorView sv = w.codes ? w.scale.view() : TensorView{};
       const int64_t oc = swiglu ? n / 2 : n;
       std::vector<Tensor> outs;
-      for (int64_t tile_m : {8, 12, 16}) {
+      // 16 rows: packed; 1 to 12: the direct kernels' tile shapes.
+      for (int64_t tile_m : {16, 1, 2, 3, 4, 8, 12}) {
         for (int64_t tile_k : {int64_t{0}, int64_t{64}}) {
           GmmOptions o;
           o.mode = mode;
@@ -582,19 +476,77 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
+// A NaN weight code makes its output column NaN for every row of the group,
+// whichever kernel runs (the direct kernels decode native fp8 raw, where NaN
+// codes are finite numbers, and set those columns afterwards); every other
+// column has the same bits on every path.
+TEST(Gmm, NaNWeightCodesGiveNaNColumnsOnEveryPath) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  const int64_t m = 40, k = 300, n = 64, e = 2;
+  std::vector<int32_t> sizes = {17, 23};
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (DType wd : {DType::kE4M3FN, DType::kE4M3FNUZ}) {
+      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + std::string(DTypeName(wd)));
+      const bool fnuz = wd == DType::kE4M3FNUZ;
+      Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
+      Weight w = MakeWeight(r, wd, e, k, n);
+      // NaN codes: group 0 column 5 at k = 3, group 1 column 40 at k = 299
+      // (the last chunk), and for e4m3fn also the negative NaN 0xFF.
+      uint8_t* q = w.w.data_as<uint8_t>();
+      q[(0 * k + 3) * n + 5] = fnuz ? 0x80 : 0x7F;
+      q[(1 * k + 299) * n + 40] = fnuz ? 0x80 : 0xFF;
+      TensorView sv = w.scale.view();
+      std::vector<Tensor> outs;
+      for (int64_t tile_m : {16, 1, 2, 4, 8}) {
+        for (int64_t tile_k : {int64_t{0}, int64_t{64}}) {
+          GmmOptions o;
+          o.mode = GmmMode::kNativeFp8;
+          o.fp8_dtype = fnuz ? QuantDType::kE4M3FNUZ : QuantDType::kE4M3FN;
+          o.tiles.m = tile_m;
+          if (tile_k > 0) o.tiles.k = tile_k;
+          outs.push_back(Make(DType::kF32, {m, n}));
+          ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), &sv, gs.view(), outs.back().view()).ok());
+        }
+      }
+      for (size_t t = 0; t < outs.size(); ++t) {
+        const float* out = outs[t].data_as<float>();
+        const float* first = outs[0].data_as<float>();
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            const bool want_nan = (i < 17 && j == 5) || (i >= 17 && j == 40);
+            const float v = out[i * n + j];
+            ASSERT_EQ(std::isnan(v), want_nan) << "path " << t << " row " << i << " col " << j;
+            if (!want_nan) {
+              ASSERT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(first[i * n + j]))
+                  << "path " << t << " row " << i << " col " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 // The kernels of every SIMD target this CPU runs (AVX-512 with or without
 // bf16 dot products, AVX2, SSE4, scalar) against the reference.
 TEST(Gmm, EveryTargetMatchesReference) {
-  Rng r(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  Context ctx;
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     SCOPED_TRACE(hwy::TargetName(target));
-    for (const FwdCase& c : AllFwdCases()) CheckFwd(r, c, 45, 70, 40, 3);
-    CheckDlhs(r, {GmmMode::kBf16, DType::kE4M3FN, DType::kF32, true}, 50, 40, 70, 3);
-    CheckDlhs(r, {GmmMode::kF32, DType::kF32}, 50, 40, 70, 3);
-    CheckDlhs(r, {GmmMode::kF32, DType::kE4M3FN}, 50, 40, 70, 3);
-    CheckTgmm(r, {GmmMode::kBf16, DType::kBF16, std::nullopt}, 90, 40, 50, 3);
-    CheckTgmm(r, {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, false}, 90, 40, 50, 3,
+    for (const FwdCase& c : AllFwdCases()) CheckFwd(ctx, r, c, 45, 70, 40, 3);
+    CheckDlhs(ctx, r, {GmmMode::kBf16, DType::kE4M3FN, DType::kF32, true}, 50, 40, 70, 3);
+    CheckDlhs(ctx, r, {GmmMode::kF32, DType::kF32}, 50, 40, 70, 3);
+    CheckDlhs(ctx, r, {GmmMode::kF32, DType::kE4M3FN}, 50, 40, 70, 3);
+    CheckTgmm(ctx, r, {GmmMode::kBf16, DType::kBF16, std::nullopt}, 90, 40, 50, 3);
+    CheckTgmm(ctx, r, {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, false}, 90, 40, 50, 3,
               GmmTiles{16, {}, {}});
   }
   hwy::SetSupportedTargetsForTest(0);
@@ -625,7 +577,8 @@ void ExpectSameBitsEverywhere(const std::function<void(const GmmTiles&, Tensor*)
 }
 
 TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
-  Rng r(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
   const int64_t m = 900, k = 300, n = 200, e = 7;
   std::vector<int32_t> sizes = Groups(r, e, m);
   Tensor gs = Make(DType::kI32, {e});

@@ -1,9 +1,9 @@
-// The grouped matmuls called with a Context, for the MoE layer and the model.
-//
-// The kernels branch adds Gmm(Context&, ...), GmmDlhs(Context&, ...) and
-// Tgmm(Context&, ...) (kernel scratch in ctx.scratch(), ctx.threads()
-// workers). Until it lands, these forward to the overloads without a context
-// (which use DefaultContext()); switching is one line in each function below.
+// The grouped matmuls called with a Context, for the MoE layer and the model:
+// Gmm(Context&, ...), GmmDlhs(Context&, ...) and Tgmm(Context&, ...)
+// (fp8moe/gmm.h) run on the context's backend with ctx.threads() workers and
+// take their scratch from ctx.scratch(), so a trainer step after the first
+// allocates nothing in the kernels. Kept as named wrappers so the MoE layer
+// and the model read the same at every call site.
 #ifndef FP8MOE_MOE_GMM_CTX_H_
 #define FP8MOE_MOE_GMM_CTX_H_
 
@@ -17,8 +17,7 @@ inline Status CtxGmm(Context& ctx, const GmmOptions& o, const TensorView& lhs,
                      const TensorView& rhs, const TensorView* rhs_scale,
                      const TensorView& group_sizes, const TensorView& out,
                      const TensorView* h_out = nullptr) {
-  (void)ctx;  // CONTEXT-SWITCH: return Gmm(ctx, o, lhs, ...);
-  return Gmm(o, lhs, rhs, rhs_scale, group_sizes, out, h_out);
+  return Gmm(ctx, o, lhs, rhs, rhs_scale, group_sizes, out, h_out);
 }
 
 // dlhs [M, K] = dout [M, N] x rhs[g]^T per group.
@@ -26,16 +25,14 @@ inline Status CtxGmmDlhs(Context& ctx, const GmmOptions& o, const TensorView& do
                          const TensorView& rhs, const TensorView* rhs_scale,
                          const TensorView& group_sizes, const TensorView& out,
                          const TensorView* h = nullptr) {
-  (void)ctx;  // CONTEXT-SWITCH: return GmmDlhs(ctx, o, dout, ...);
-  return GmmDlhs(o, dout, rhs, rhs_scale, group_sizes, out, h);
+  return GmmDlhs(ctx, o, dout, rhs, rhs_scale, group_sizes, out, h);
 }
 
 // drhs [E, K, N] = lhs[rows of g]^T x dout[rows of g].
 inline Status CtxTgmm(Context& ctx, const GmmOptions& o, const TgmmQuant& q,
                       const TensorView& lhs, const TensorView& dout,
                       const TensorView& group_sizes, const TensorView& drhs) {
-  (void)ctx;  // CONTEXT-SWITCH: return Tgmm(ctx, o, q, lhs, ...);
-  return Tgmm(o, q, lhs, dout, group_sizes, drhs);
+  return Tgmm(ctx, o, q, lhs, dout, group_sizes, drhs);
 }
 
 }  // namespace fp8moe::internal

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <vector>
 
+#include "base/default_context.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/moe.h"
 #include "fp8moe/numerics.h"
@@ -460,6 +462,7 @@ Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const TensorView& x,
                                     const MoeWeights& w, const MoeOptions& options) {
   FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
   FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w));
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   Context& ctx = DefaultContext();
   auto saved = std::make_shared<MoeSaved>();
   FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, w.wi, w.wo, &saved->prepared));
@@ -488,6 +491,7 @@ Result<MoeGradients> MoeBackward(const MoeConfig& cfg, const TensorView& x,
   FP8MOE_ASSIGN_OR_RETURN(g.dwi, Tensor::Create(DType::kF32, w.wi.shape));
   FP8MOE_ASSIGN_OR_RETURN(g.dwo, Tensor::Create(DType::kF32, w.wo.shape));
   MoeGradientViews views{g.dx.view(), g.drouter.view(), g.dwi.view(), g.dwo.view()};
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   FP8MOE_RETURN_IF_ERROR(MoeBackward(DefaultContext(), cfg, x, w, fwd.saved->prepared,
                                      &fwd.saved->workspace, dy, views, options));
   return g;

@@ -17,6 +17,8 @@
 
 #include <gtest/gtest.h>
 
+#include "base/test_seed.h"
+
 #include "fp8moe/numerics.h"
 #include "hwy/targets.h"
 
@@ -141,12 +143,6 @@ void ForEachTarget(const Fn& fn) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
-uint64_t Seed() {
-  const uint64_t seed = std::random_device{}();
-  ::testing::Test::RecordProperty("seed", std::to_string(seed));
-  std::printf("random seed %llu\n", static_cast<unsigned long long>(seed));
-  return seed;
-}
 
 // ---- Decode ------------------------------------------------------------
 
@@ -216,7 +212,8 @@ TEST(Fp8Decode, SpansMatchScalarOnEveryTarget) {
 }
 
 TEST(Fp8Decode, DequantizeToBf16MatchesScalarOnEveryTarget) {
-  std::mt19937 rng(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
   std::uniform_real_distribution<float> us(1e-6f, 4.0f);
   std::vector<uint8_t> codes(256 * 5 + 3);
   std::vector<float> scales(codes.size());
@@ -257,7 +254,7 @@ TEST(Fp8Encode, KnownEdges) {
 }
 
 TEST(Fp8Encode, ScalarMatchesOracleExhaustively) {
-  const uint64_t seed = Seed();
+  FP8MOE_RANDOM_SEED(seed);
   for (Fp8Format f : kFormats) {
     SCOPED_TRACE(Fp8FormatName(f));
     const Oracle o(f);
@@ -280,7 +277,7 @@ TEST(Fp8Encode, ScalarMatchesOracleExhaustively) {
 }
 
 TEST(Fp8Encode, SpansMatchScalarOnEveryTarget) {
-  const uint64_t seed = Seed();
+  FP8MOE_RANDOM_SEED(seed);
   ForEachTarget([&] {
     for (Fp8Format f : kFormats) {
       SCOPED_TRACE(Fp8FormatName(f));
@@ -307,7 +304,8 @@ TEST(Fp8Encode, SpansMatchScalarOnEveryTarget) {
 TEST(Fp8Encode, ThreadCountDoesNotChangeBits) {
   const size_t n = (size_t{1} << 20) + 77;  // above the parallel threshold
   std::vector<float> x(n);
-  std::mt19937 rng(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
   std::normal_distribution<float> nd(0.0f, 100.0f);
   for (float& v : x) v = nd(rng);
   const int saved = omp_get_max_threads();
@@ -350,7 +348,8 @@ TEST(Bf16, ScalarMatchesOracle) {
     if (std::isnan(v)) continue;
     ASSERT_EQ(F32ToBf16(v), h);
   }
-  std::mt19937 rng(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
   for (int i = 0; i < 1000000; ++i) {
     const float x = FromBits(rng());
     ASSERT_EQ(F32ToBf16(x), Bf16Oracle(x)) << std::hex << Bits(x);
@@ -366,7 +365,8 @@ TEST(Bf16, ScalarMatchesOracle) {
 }
 
 TEST(Bf16, SpansMatchScalarOnEveryTarget) {
-  std::mt19937 rng(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
   std::vector<float> x(100003);
   for (float& v : x) v = FromBits(rng());
   for (uint32_t b : {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u,
@@ -404,7 +404,8 @@ TEST(Int8, RoundHalfEvenAndClamp) {
   EXPECT_EQ(EncodeInt8(1e9f), 127);
   EXPECT_EQ(EncodeInt8(-INFINITY), -127);
   EXPECT_EQ(EncodeInt8(NAN), 0);
-  std::mt19937 rng(Seed());
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
   std::uniform_real_distribution<double> u(-130, 130);
   for (int i = 0; i < 100000; ++i) {
     const float x = static_cast<float>(u(rng));

@@ -49,32 +49,64 @@ inline Status CheckRowArgs(int64_t rows, int64_t cols, int64_t valid_rows,
   return OkStatus();
 }
 
+// One row x [cols] of QuantizeRows (fp8moe/quant.h): codes q [cols] and a
+// scale per block of block_size columns (0: one for the row) in scales.
+// Serial: it opens no parallel region, so a caller's threads can each
+// quantize rows of their own (the GMM's activation) without nesting one.
+void QuantizeOneRow(const float* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                    const Calibration& calib, uint8_t* q, float* scales);
+
 // Rows [first, first + rows) of one (group, tile) pair.
 struct RowTile {
   int64_t first;
   int64_t rows;
 };
 
-// The tiles of NumGroupTiles in group order (group_sizes already checked).
-inline std::vector<RowTile> GroupTiles(const int32_t* group_sizes,
-                                       int64_t groups, int64_t tile_m) {
-  std::vector<RowTile> tiles;
-  int64_t row = 0;
+// Writes the tiles of NumGroupTiles in group order to tiles [NumGroupTiles]
+// (group_sizes already checked); returns how many it wrote.
+inline int64_t FillGroupTiles(const int32_t* group_sizes, int64_t groups, int64_t tile_m,
+                              RowTile* tiles) {
+  int64_t n = 0, row = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t size = group_sizes[g];
     if (tile_m == 0) {
-      tiles.push_back({row, size});
+      tiles[n++] = {row, size};
     } else {
       for (int64_t t0 = 0; t0 < size;) {  // steps never pass size: no overflow
         const int64_t rows = std::min(tile_m, size - t0);
-        tiles.push_back({row + t0, rows});
+        tiles[n++] = {row + t0, rows};
         t0 += rows;
       }
     }
     row += size;
   }
+  return n;
+}
+
+// The same tiles in a vector (the reference twins and the callers that may
+// allocate).
+inline std::vector<RowTile> GroupTiles(const int32_t* group_sizes,
+                                       int64_t groups, int64_t tile_m) {
+  int64_t count = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    count += tile_m == 0 ? 1 : (group_sizes[g] + tile_m - 1) / tile_m;
+  }
+  std::vector<RowTile> tiles(static_cast<size_t>(count));
+  FillGroupTiles(group_sizes, groups, tile_m, tiles.data());
   return tiles;
 }
+
+// QuantizeGroupTileChannels (fp8moe/quant.h) on the caller's scratch, for
+// callers that must not allocate (a training step): arguments already
+// checked (num_tiles from NumGroupTiles); tiles [num_tiles], acc
+// [threads, c] and inv [threads, c] (read only with kXlaReciprocal, may be
+// null otherwise) are scratch; runs on `threads` threads (the bits do not
+// depend on it: each tile is one thread's).
+void QuantizeGroupTileChannelsWith(const float* x, int64_t m, int64_t c,
+                                   const int32_t* group_sizes, int64_t groups, int64_t tile_m,
+                                   int64_t num_tiles, QuantDType dtype, const Calibration& calib,
+                                   uint8_t* q, float* scales, int threads, RowTile* tiles,
+                                   int32_t* acc, float* inv);
 
 }  // namespace fp8moe::internal
 

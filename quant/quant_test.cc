@@ -7,11 +7,14 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "base/test_seed.h"
+#include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
 
@@ -41,9 +44,9 @@ uint32_t Bits(float f) { return std::bit_cast<uint32_t>(f); }
 class QuantTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    seed_ = std::random_device{}();
-    std::printf("random seed %u\n", seed_);
-    rng_.seed(seed_);
+    seed_ = test::TestSeed();
+    trace_.emplace(__FILE__, __LINE__, test::SeedNote(seed_));
+    rng_.seed(static_cast<uint32_t>(seed_ ^ (seed_ >> 32)));
   }
   // Values whose magnitude varies by row/channel over many binades, so some
   // groups reach the subnormal range of every format.
@@ -58,7 +61,8 @@ class QuantTest : public ::testing::Test {
     }
     return v;
   }
-  unsigned seed_;
+  uint64_t seed_ = 0;
+  std::optional<::testing::ScopedTrace> trace_;  // names the seed on failure
   std::mt19937 rng_;
 };
 
@@ -438,6 +442,143 @@ TEST_F(QuantTest, ThreadCountDoesNotChangeBits) {
   EXPECT_EQ(a, b);
   EXPECT_EQ(sa, sb);
   EXPECT_EQ(ta, tb);
+}
+
+// ---- The whole f32 range, every SIMD target (issue 12, part 1) -------------
+//
+// Scaling groups made of the edge values (+-0, subnormals, +-1e-30, +-1e30,
+// +-FLT_MAX, +-inf, NaN), alone and mixed with ordinary values, through every
+// granularity on every target this CPU runs: codes and scales must be the
+// plain-loop twins' bits. Then the promises of docs/numerics.md: a group with
+// a NaN has a NaN scale, a group with an inf has scale inf and codes 0 for its
+// finite values, a group of zeros or subnormals has scale 1e-12 / fmax.
+
+float FromBits(uint32_t b) { return std::bit_cast<float>(b); }
+
+std::vector<float> EdgeValues() {
+  std::vector<float> v;
+  for (float x : {0.0f, std::numeric_limits<float>::denorm_min(), FromBits(0x007FFFFFu),
+                  std::numeric_limits<float>::min(), 1e-30f, 1e-12f, 1.0f, 448.0f, 57344.0f,
+                  1e30f, std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::infinity()}) {
+    v.push_back(x);
+    v.push_back(-x);
+  }
+  v.push_back(kNaN);
+  v.push_back(-kNaN);
+  return v;
+}
+
+TEST_F(QuantTest, EdgeValuesMatchReferenceOnEveryTarget) {
+  const std::vector<float> edge = EdgeValues();
+  const int64_t cols = 37;  // not a multiple of any vector width
+  // Row r: edge value r alone (the rest zero), then the same value among
+  // normal ones, then each value filling a whole row.
+  std::vector<float> x;
+  const auto normal = Random(edge.size() * cols, cols);
+  for (size_t r = 0; r < edge.size(); ++r) {
+    for (int64_t j = 0; j < cols; ++j) x.push_back(j == 5 ? edge[r] : 0.0f);
+  }
+  for (size_t r = 0; r < edge.size(); ++r) {
+    for (int64_t j = 0; j < cols; ++j) x.push_back(j == 11 ? edge[r] : normal[r * cols + j]);
+  }
+  for (size_t r = 0; r < edge.size(); ++r) {
+    for (int64_t j = 0; j < cols; ++j) x.push_back(edge[r]);
+  }
+  const int64_t rows = static_cast<int64_t>(x.size()) / cols;
+  ForEachTarget([&] {
+    for (QuantDType d : kDTypes) {
+      SCOPED_TRACE(QuantDTypeName(d));
+      for (int64_t block : {0, 16}) {
+        const int64_t nb = NumBlocks(cols, block);
+        std::vector<uint8_t> q1(rows * cols, 0xA5), q2(rows * cols, 0x5A);
+        std::vector<float> s1(rows * nb, 1.0f), s2(rows * nb, 2.0f);
+        ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, block, d, Calibration::AbsMax(),
+                                 q1.data(), s1.data()).ok());
+        ASSERT_TRUE(reference::QuantizeRows(x.data(), rows, cols, rows, block, d,
+                                            Calibration::AbsMax(), q2.data(), s2.data()).ok());
+        ASSERT_EQ(q1, q2) << "rows, block " << block;
+        ExpectSameBits(s1, s2);
+      }
+      // Channels: the matrix as [1, rows, cols] (a channel is a column).
+      std::vector<uint8_t> q1(rows * cols), q2(rows * cols);
+      std::vector<float> s1(cols), s2(cols);
+      ASSERT_TRUE(QuantizeChannels(x.data(), 1, rows, cols, d, Calibration::AbsMax(), q1.data(),
+                                   s1.data()).ok());
+      ASSERT_TRUE(reference::QuantizeChannels(x.data(), 1, rows, cols, d, Calibration::AbsMax(),
+                                              q2.data(), s2.data()).ok());
+      ASSERT_EQ(q1, q2) << "channels";
+      ExpectSameBits(s1, s2);
+      // Group tiles of 5 rows over groups of 17, 0 and the rest.
+      const int32_t sizes[3] = {17, 0, static_cast<int32_t>(rows - 17)};
+      const int64_t tiles = *NumGroupTiles(sizes, 3, rows, 5);
+      std::vector<float> t1(tiles * cols), t2(tiles * cols);
+      ASSERT_TRUE(QuantizeGroupTileChannels(x.data(), rows, cols, sizes, 3, 5, d,
+                                            Calibration::AbsMax(), q1.data(), t1.data()).ok());
+      ASSERT_TRUE(reference::QuantizeGroupTileChannels(x.data(), rows, cols, sizes, 3, 5, d,
+                                                       Calibration::AbsMax(), q2.data(),
+                                                       t2.data()).ok());
+      ASSERT_EQ(q1, q2) << "group tiles";
+      ExpectSameBits(t1, t2);
+      // Per tensor, each edge value alone with ordinary values.
+      for (size_t r = 0; r < edge.size(); ++r) {
+        const float* row = x.data() + (edge.size() + r) * cols;
+        float a = 0, b = 0;
+        ASSERT_TRUE(QuantizeTensor(row, cols, d, Calibration::AbsMax(), q1.data(), &a).ok());
+        ASSERT_TRUE(reference::QuantizeTensor(row, cols, d, Calibration::AbsMax(), q2.data(), &b).ok());
+        ASSERT_EQ(0, std::memcmp(q1.data(), q2.data(), cols)) << "tensor, value " << edge[r];
+        ASSERT_EQ(Bits(a), Bits(b));
+      }
+    }
+  });
+}
+
+TEST_F(QuantTest, EdgeValuePromises) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (QuantDType d : kDTypes) {
+    SCOPED_TRACE(QuantDTypeName(d));
+    const float tiny_scale = 1e-12f / QuantMax(d);
+    // Rows: [NaN, 1, ...], [inf, 1, -2, ...], [0 ...], [subnormals ...],
+    // [FLT_MAX, -FLT_MAX, 1].
+    const int64_t cols = 9;
+    std::vector<float> x(5 * cols, 1.0f);
+    x[0] = kNaN;
+    x[cols] = inf;
+    x[cols + 2] = -2.0f;
+    for (int64_t j = 0; j < cols; ++j) x[2 * cols + j] = j % 2 ? 0.0f : -0.0f;
+    for (int64_t j = 0; j < cols; ++j) {
+      x[3 * cols + j] = (j % 2 ? -1.0f : 1.0f) * std::numeric_limits<float>::denorm_min() * (j + 1);
+    }
+    x[4 * cols] = std::numeric_limits<float>::max();
+    x[4 * cols + 1] = -std::numeric_limits<float>::max();
+    std::vector<uint8_t> q(5 * cols);
+    std::vector<float> s(5);
+    ASSERT_TRUE(QuantizeRows(x.data(), 5, cols, 5, 0, d, Calibration::AbsMax(), q.data(),
+                             s.data()).ok());
+    EXPECT_TRUE(std::isnan(s[0])) << "NaN in: NaN scale";
+    EXPECT_EQ(s[1], inf) << "inf in: scale inf";
+    // Finite values over an infinite scale are +-0.
+    for (int64_t j = 1; j < cols; ++j) {
+      EXPECT_EQ(DequantizeValue(q[cols + j], 1.0f, d), 0.0f) << j;
+    }
+    if (d != QuantDType::kInt8) {  // inf / inf is NaN: the NaN code
+      EXPECT_TRUE(std::isnan(DequantizeValue(q[cols], 1.0f, d)));
+    } else {
+      EXPECT_EQ(q[cols], 0) << "int8 NaN codes are 0";
+    }
+    EXPECT_EQ(s[2], tiny_scale) << "zeros";
+    EXPECT_EQ(s[3], tiny_scale) << "subnormals";
+    for (int64_t j = 0; j < 2 * cols; ++j) {
+      EXPECT_EQ(DequantizeValue(q[2 * cols + j], 1.0f, d), 0.0f) << "zeros and subnormals: code 0";
+    }
+    EXPECT_EQ(s[4], std::numeric_limits<float>::max() / QuantMax(d));
+    EXPECT_EQ(DequantizeValue(q[4 * cols], 1.0f, d), QuantMax(d)) << "FLT_MAX -> +fmax";
+    EXPECT_EQ(DequantizeValue(q[4 * cols + 1], 1.0f, d), -QuantMax(d));
+    // Back: fmax * rounded(FLT_MAX / fmax) may round past FLT_MAX to inf
+    // (it does for int8: 127 * scale).
+    const float back = DequantizeValue(q[4 * cols], s[4], d);
+    EXPECT_TRUE(back == std::numeric_limits<float>::max() || back == INFINITY) << back;
+  }
 }
 
 TEST(Quant, BadArgumentsAreClearErrors) {

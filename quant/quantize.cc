@@ -1,6 +1,8 @@
 // Fast quantizers: SIMD spans from quantize-inl.h, threads over rows, tiles
 // or chunks. Each has a plain-loop twin in quantize_reference.cc and gives the
 // same bits for any thread count (amax is a max, which is exact).
+#include <omp.h>
+
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -147,12 +149,30 @@ Status QuantizeTensor(const float* x, int64_t n, QuantDType dtype,
   return OkStatus();
 }
 
+namespace internal {
+
+void QuantizeOneRow(const float* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                    const Calibration& calib, uint8_t* q, float* scales) {
+  const int64_t nb = NumBlocks(cols, block_size);
+  const int64_t bs = block_size > 0 ? block_size : cols;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
+    const float* xb = x + c0;
+    const float s = CalibratedScale(
+        calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xb, len) : 0.0f,
+        dtype, calib);
+    scales[b] = s;
+    QuantizeOneScale(xb, len, s, dtype, calib, q + c0);
+  }
+}
+
+}  // namespace internal
+
 Status QuantizeRows(const float* x, int64_t rows, int64_t cols,
                     int64_t valid_rows, int64_t block_size, QuantDType dtype,
                     const Calibration& calib, uint8_t* q, float* scales) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckRowArgs(rows, cols, valid_rows, block_size));
   const int64_t nb = NumBlocks(cols, block_size);
-  const int64_t bs = block_size > 0 ? block_size : cols;
   // No codes and no scales to write: a zero-width x of any height costs
   // nothing (the work is bounded by the elements, not the dimensions).
   if (cols == 0 && nb == 0) return OkStatus();
@@ -163,15 +183,8 @@ Status QuantizeRows(const float* x, int64_t rows, int64_t cols,
       std::fill(scales + r * nb, scales + (r + 1) * nb, 0.0f);
       continue;
     }
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
-      const float* xr = x + r * cols + c0;
-      const float s = CalibratedScale(
-          calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xr, len) : 0.0f,
-          dtype, calib);
-      scales[r * nb + b] = s;
-      QuantizeOneScale(xr, len, s, dtype, calib, q + r * cols + c0);
-    }
+    internal::QuantizeOneRow(x + r * cols, cols, block_size, dtype, calib, q + r * cols,
+                             scales + r * nb);
   }
   return OkStatus();
 }
@@ -198,6 +211,39 @@ Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
   return OkStatus();
 }
 
+namespace internal {
+
+void QuantizeGroupTileChannelsWith(const float* x, int64_t m, int64_t c,
+                                   const int32_t* group_sizes, int64_t groups, int64_t tile_m,
+                                   int64_t num_tiles, QuantDType dtype, const Calibration& calib,
+                                   uint8_t* q, float* scales, int threads, RowTile* tiles,
+                                   int32_t* acc, float* inv) {
+  if (c == 0) return;  // no channels: no scales, no codes
+  FillGroupTiles(group_sizes, groups, tile_m, tiles);
+  const int64_t row = num_tiles == 0 ? 0 : tiles[num_tiles - 1].first + tiles[num_tiles - 1].rows;
+  if (m > row && c > 0) {  // tail rows
+    std::memset(q + row * c, 0, static_cast<size_t>((m - row) * c));
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t me = omp_get_thread_num();
+    int32_t* my_acc = acc + me * c;
+    float* my_inv = Reciprocal(calib) ? inv + me * c : nullptr;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const auto [r0, rows] = tiles[t];
+      float* st = scales + t * c;
+      ChannelScales(x + r0 * c, rows, c, dtype, calib, my_acc, st);
+      Reciprocals(st, c, calib, my_inv);
+      for (int64_t i = 0; i < rows; ++i) {
+        QuantizeChannelRow(x + (r0 + i) * c, c, st, my_inv, dtype, calib, q + (r0 + i) * c);
+      }
+    }
+  }
+}
+
+}  // namespace internal
+
 Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
                                  const int32_t* group_sizes, int64_t groups,
                                  int64_t tile_m, QuantDType dtype,
@@ -208,27 +254,14 @@ Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
   FP8MOE_ASSIGN_OR_RETURN(const int64_t num_tiles,
                           NumGroupTiles(group_sizes, groups, m, tile_m));
   if (c == 0) return OkStatus();  // no channels: no scales, no codes
-  const auto tiles = internal::GroupTiles(group_sizes, groups, tile_m);
-  const int64_t row = tiles.empty() ? 0 : tiles.back().first + tiles.back().rows;
-  if (m > row && c > 0) {  // tail rows
-    std::memset(q + row * c, 0, static_cast<size_t>((m - row) * c));
-  }
-#pragma omp parallel
-  {
-    std::vector<int32_t> acc(static_cast<size_t>(c));
-    std::vector<float> inv(Reciprocal(calib) ? static_cast<size_t>(c) : 0);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_tiles; ++t) {
-      const auto [r0, rows] = tiles[static_cast<size_t>(t)];
-      float* st = scales + t * c;
-      ChannelScales(x + r0 * c, rows, c, dtype, calib, acc.data(), st);
-      Reciprocals(st, c, calib, inv.data());
-      for (int64_t i = 0; i < rows; ++i) {
-        QuantizeChannelRow(x + (r0 + i) * c, c, st, inv.data(), dtype, calib,
-                           q + (r0 + i) * c);
-      }
-    }
-  }
+  const int threads = omp_get_max_threads();
+  std::vector<internal::RowTile> tiles(static_cast<size_t>(num_tiles));
+  std::vector<int32_t> acc(static_cast<size_t>(threads) * static_cast<size_t>(c));
+  std::vector<float> inv(Reciprocal(calib) ? static_cast<size_t>(threads) * static_cast<size_t>(c)
+                                           : 0);
+  internal::QuantizeGroupTileChannelsWith(x, m, c, group_sizes, groups, tile_m, num_tiles,
+                                          dtype, calib, q, scales, threads, tiles.data(),
+                                          acc.data(), inv.data());
   return OkStatus();
 }
 

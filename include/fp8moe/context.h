@@ -74,13 +74,16 @@ enum class KernelPath : uint8_t {
   kDirectBf16Pairs,   // weight rows read in place, vdpbf16ps
   kDirectFp8Vbmi,     // fp8 weight rows, byte-table decode (VBMI) + vdpbf16ps
   kDirectI8Vnni,      // int8 weight rows, VNNI
+  kDirectRawFp8,      // fp8 weight rows decoded raw (native fp8), f32 FMA
   kReference,         // a reference twin ran the whole call
   kCount
 };
 std::string_view KernelPathName(KernelPath path);
 
 struct ContextOptions {
-  int threads = 0;  // worker threads; 0: OpenMP's default (OMP_NUM_THREADS or the cores)
+  // Worker threads; 0: OpenMP's default at the time of each call
+  // (omp_set_num_threads, OMP_NUM_THREADS or the cores).
+  int threads = 0;
   BackendKind backend = BackendKind::kCpu;
   uint64_t seed = 0;                // seeds rng()
   MetricsSink* metrics = nullptr;   // not owned; may be null

@@ -10,6 +10,11 @@
 //
 // Every function has a twin in namespace fp8moe::reference (plain loops,
 // double accumulation) with the same signature and the same validation.
+//
+// Each runs on a Context (context.h): its backend (the fast CPU kernels, or
+// the reference twins as a backend), its threads and its scratch memory,
+// kept from call to call so that a repeated call allocates nothing. The
+// overloads without a Context run on DefaultContext(), one call at a time.
 #ifndef FP8MOE_GMM_H_
 #define FP8MOE_GMM_H_
 
@@ -17,6 +22,7 @@
 #include <optional>
 #include <string_view>
 
+#include "fp8moe/context.h"
 #include "fp8moe/quant.h"
 #include "fp8moe/status.h"
 #include "fp8moe/tensor.h"
@@ -89,6 +95,10 @@ struct GmmOptions {
 //  rhs_scale: F32 [E, N], required exactly when rhs holds codes.
 //  group_sizes: I32 [E].  out: F32 or BF16.
 //  h_out (kSwiGlu only, optional): F32 or BF16 [M, N], the pre-activation.
+Status Gmm(Context& ctx, const GmmOptions& options, const TensorView& lhs,
+           const TensorView& rhs, const TensorView* rhs_scale,
+           const TensorView& group_sizes, const TensorView& out,
+           const TensorView* h_out = nullptr);
 Status Gmm(const GmmOptions& options, const TensorView& lhs,
            const TensorView& rhs, const TensorView* rhs_scale,
            const TensorView& group_sizes, const TensorView& out,
@@ -102,6 +112,10 @@ Status Gmm(const GmmOptions& options, const TensorView& lhs,
 //  kFakeQat: dout BF16; rhs codes + scale, dequantized to a BF16 copy first.
 //  kDSwiGlu: h [M, 2K] (F32 or BF16) is required and out is dh [M, 2K].
 //  out: F32 or BF16.
+Status GmmDlhs(Context& ctx, const GmmOptions& options, const TensorView& dout,
+               const TensorView& rhs, const TensorView* rhs_scale,
+               const TensorView& group_sizes, const TensorView& out,
+               const TensorView* h = nullptr);
 Status GmmDlhs(const GmmOptions& options, const TensorView& dout,
                const TensorView& rhs, const TensorView* rhs_scale,
                const TensorView& group_sizes, const TensorView& out,
@@ -128,12 +142,16 @@ struct TgmmQuant {
 //  With quant.dout_dtype, dout (F32) is quantized inside the call over valid
 //  rows only and used dequantized: f32(q) * scale.
 //  drhs: F32.
+Status Tgmm(Context& ctx, const GmmOptions& options, const TgmmQuant& quant,
+            const TensorView& lhs, const TensorView& dout,
+            const TensorView& group_sizes, const TensorView& drhs);
 Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
             const TensorView& lhs, const TensorView& dout,
             const TensorView& group_sizes, const TensorView& drhs);
 
 // The kernels keep their scratch (packing buffers, activation codes, the
-// fake-QAT weight copy) from call to call; this frees it on every thread.
+// fake-QAT weight copy) in the Context from call to call; this frees
+// DefaultContext()'s (Context::ReleaseScratch frees another's).
 void ReleaseGmmScratch();
 
 namespace reference {

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "fp8moe/context.h"
 #include "fp8moe/dtype.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/status.h"
@@ -89,8 +90,6 @@ struct GemmCall {
   Pass pass = Pass::kFwd;
   bool integer = false;  // int8 x int8 with int32 accumulation
   Source a, b;
-  // kFwd / kDlhs: the reduction length (K or N). kTgmm: per item.
-  int64_t red_len = 0;
   // Native fp8 with K-blocks: partial sums per block of `block` reduction
   // steps are scaled by a_block_scale[i * a_block_scale_ld + block index].
   const float* a_block_scale = nullptr;
@@ -110,17 +109,15 @@ struct GemmCall {
   int64_t out_group_stride = 0;
   int64_t kc = 256;  // reduction block (even)
   std::vector<WorkItem> items;
+
+  // The reduction block the executor steps by: the K-block of block-scaled
+  // activations, the gradient's quantization tile, or kc.
+  int64_t ReductionStep() const { return a_block_scale ? block : b_block > 0 ? b_block : kc; }
 };
 
-// Runs a planned call on the best SIMD target of this CPU.
-Status ExecuteGemm(const GemmCall& call);
-
-// The register tile of the kernel ExecuteGemm would use, for planning tiles.
-struct KernelShape {
-  int64_t mr, nr;
-  bool bf16_pairs;  // AVX512-BF16 dot products for bf16-exact operands
-};
-KernelShape GemmKernelShape(bool integer);
+// Runs a planned call on the best SIMD target of this CPU with ctx's
+// threads and worker scratch, counting each work item on its KernelPath.
+Status ExecuteGemm(Context& ctx, const GemmCall& call);
 
 }  // namespace fp8moe::internal
 

@@ -1,52 +1,73 @@
-// Runs a planned GemmCall: threads over work items, BLIS-style blocking
-// inside an item, the microkernels of microkernels-inl.h, and the fused
-// epilogues (scales, SwiGLU, dSwiGLU, bf16 output).
+// Runs a planned GemmCall (gemm_call.h) on one SIMD target: threads over
+// work items, BLIS-style blocking inside an item, the direct path for items
+// of few rows (direct-inl.h), the packed path otherwise (pack-inl.h,
+// packed-inl.h), and the epilogues (epilogue-inl.h).
 //
-// Inside an item (rows x cols of output, reduction R):
+// Inside a packed item (rows x cols of output, reduction R):
 //   for each reduction block of kc:         pack B [kc x cols]   (L2 / L3)
-//     for each block of mc rows:            pack A [mc x kc]     (L2)
+//     for each block of kMC rows:           pack A [kMC x kc]    (L2)
 //       for each NR panel of B:             B micro-panel        (L1)
 //         for each MR panel of A:           microkernel -> C tile
 // A is packed once per (row block, reduction block) and reused over all the
 // item's columns; B once per reduction block and reused over all its rows.
+// A direct item skips packing B: its kernels read the weight rows in place.
+//
+// Work items never share an output element and each sums its reduction in
+// one fixed order, so the bits do not depend on the thread count.
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <vector>
 
-#include "fp8moe/numerics.h"
+#include "base/check.h"
+#include "base/scratch_arena.h"
+#include "fp8moe/context.h"
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/pack.h"
-#include "kernels/cpu/scratch.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/gemm_exec.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "kernels/cpu/direct-inl.h"
+#include "kernels/cpu/epilogue-inl.h"
 #include "kernels/cpu/microkernels-inl.h"
+#include "kernels/cpu/pack-inl.h"
+#include "kernels/cpu/packed-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
 namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
-using internal::ColumnRuns;
+
 using internal::Epilogue;
 using internal::GemmCall;
 using internal::Operand;
+using internal::PackScratch;
+using internal::PanelBytes;
 using internal::PanelKind;
 using internal::Pass;
+using internal::ScratchArena;
+using internal::WorkerSlot;
 using internal::WorkItem;
 
-constexpr int64_t kMC = 96;  // rows per packed A block (a multiple of MR)
-// Weight bytes per reduction chunk of a direct item (see RunItem): 256 KiB
-// measured best for f32, bf16 and fp8 weights on the decode shape (512 KiB
-// made f32 40% and bf16 7% slower; 64 KiB costs in C-tile reloads).
-constexpr int64_t kDirectChunkBytes = 256 << 10;
+constexpr int64_t kMC = 96;  // rows per packed A block
+// The tallest A panel: the packed kernels' MR or the direct f32 kernel's 8.
+constexpr int64_t kMaxMR = static_cast<int64_t>(kMR) > kDirectF32Rows
+                               ? static_cast<int64_t>(kMR)
+                               : kDirectF32Rows;
+// A tile at the edge of an f32 output runs on a local copy this large.
+constexpr int64_t kEdgeRows = 16, kEdgeCols = 128;
 
-using internal::GrowBuffer;
+static_assert(kMC % static_cast<int64_t>(kMR) == 0 && kMC % kDirectF32Rows == 0,
+              "row blocks hold whole A panels, so a block never writes C rows past "
+              "RoundUp(rows, MR)");
+static_assert(kMaxMR <= kEdgeRows, "an MR-tall tile fits the edge copy");
+static_assert(hn::MaxLanes(hn::ScalableTag<float>()) * kNV <= static_cast<size_t>(kEdgeCols),
+              "an NR-wide tile fits the edge copy and the per-panel scale arrays");
+static_assert(hn::MaxLanes(hn::ScalableTag<float>()) * kMaxDirectNV <= static_cast<size_t>(kEdgeCols),
+              "the widest direct strip fits the edge copy");
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 PanelKind ChooseKind(const GemmCall& call) {
   if (call.integer) return PanelKind::kI16Pairs;
@@ -64,521 +85,307 @@ PanelKind ChooseKind(const GemmCall& call) {
   return PanelKind::kF32;
 }
 
-// C tile [MR x NR] at c (ldc) += A panel x B panel over kc.
-void RunKernel(PanelKind kind, int64_t kc, const void* ap, const void* bp,
-               void* c, int64_t ldc, bool load_c, const float* row_scale,
-               const float* col_scale) {
-  const size_t ukc = static_cast<size_t>(kc), uldc = static_cast<size_t>(ldc);
-  switch (kind) {
-    case PanelKind::kF32:
-      MicroF32<kMR, kNV>(ukc, static_cast<const float*>(ap),
-                         static_cast<const float*>(bp), static_cast<float*>(c),
-                         uldc, load_c, row_scale, col_scale);
-      return;
-    case PanelKind::kI16Pairs:
-#if HWY_TARGET == HWY_AVX3
-      if (CpuHasAvx512Vnni()) {
-        MicroI16Vnni<kMR>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
-                          static_cast<const uint32_t*>(bp), static_cast<int32_t*>(c),
-                          uldc, load_c);
-        return;
-      }
-#endif
-      MicroI16<kMR, kNV>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
-                         static_cast<const uint32_t*>(bp),
-                         static_cast<int32_t*>(c), uldc, load_c);
-      return;
-    case PanelKind::kBf16Pairs:
-#if HWY_TARGET == HWY_AVX3
-      MicroBf16Pairs<kMR>((ukc + 1) / 2, static_cast<const uint32_t*>(ap),
-                          static_cast<const uint32_t*>(bp),
-                          static_cast<float*>(c), uldc, load_c, row_scale, col_scale);
-#endif
-      return;
-  }
-}
+// ---- Buffers ---------------------------------------------------------------
 
-// ---- Epilogue --------------------------------------------------------------
-
-// Stores n f32 values to an F32 or BF16 row.
-void StoreRow(const float* v, int64_t n, void* out, DType dtype) {
-  if (dtype == DType::kF32) {
-    std::memcpy(out, v, static_cast<size_t>(n) * sizeof(float));
-  } else {
-    F32ToBf16Span(v, static_cast<uint16_t*>(out), static_cast<size_t>(n));
-  }
-}
-
-void LoadRow(const void* in, DType dtype, int64_t n, float* v) {
-  if (dtype == DType::kF32) {
-    std::memcpy(v, in, static_cast<size_t>(n) * sizeof(float));
-  } else {
-    Bf16ToF32Span(static_cast<const uint16_t*>(in), v, static_cast<size_t>(n));
-  }
-}
-
-void* RowPtr(void* base, DType dtype, int64_t row, int64_t ld, int64_t col) {
-  return static_cast<uint8_t*>(base) + (row * ld + col) * DTypeSize(dtype);
-}
-
-// silu and its derivative over rows, vectorised. The tail runs the same
-// vector code on a padded copy, so an element's bits never depend on where
-// a tile boundary puts it.
-template <class D, class V = hn::Vec<D>>
-HWY_INLINE V Sigmoid(D d, V g) {
-  const auto one = hn::Set(d, 1.0f);
-  return hn::Div(one, hn::Add(one, hn::Exp(d, hn::Neg(g))));
-}
-
-// out = silu(gate) * up
-void SiluMulRow(const float* gate, const float* up, int64_t n, float* out) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  auto one = [&](const float* g_in, const float* u_in, float* o) {
-    const auto g = hn::LoadU(d, g_in);
-    hn::StoreU(hn::Mul(hn::Mul(g, Sigmoid(d, g)), hn::LoadU(d, u_in)), d, o);
-  };
-  int64_t j = 0;
-  for (; j + N <= n; j += N) one(gate + j, up + j, out + j);
-  if (j < n) {
-    HWY_ALIGN float g[hn::MaxLanes(d)] = {}, u[hn::MaxLanes(d)] = {}, o[hn::MaxLanes(d)];
-    const size_t bytes = static_cast<size_t>(n - j) * sizeof(float);
-    std::memcpy(g, gate + j, bytes);
-    std::memcpy(u, up + j, bytes);
-    one(g, u, o);
-    std::memcpy(out + j, o, bytes);
-  }
-}
-
-// dgate = da * up * silu'(gate), dup = da * silu(gate); dgate may alias da.
-void DSiluRow(const float* da, const float* gate, const float* up, int64_t n,
-              float* dgate, float* dup) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  auto one = [&](const float* a_in, const float* g_in, const float* u_in, float* dg,
-                 float* du) {
-    const auto g = hn::LoadU(d, g_in);
-    const auto a = hn::LoadU(d, a_in);
-    const auto sig = Sigmoid(d, g);
-    const auto dsilu = hn::Mul(sig, hn::MulAdd(g, hn::Sub(hn::Set(d, 1.0f), sig), hn::Set(d, 1.0f)));
-    hn::StoreU(hn::Mul(hn::Mul(a, hn::LoadU(d, u_in)), dsilu), d, dg);
-    hn::StoreU(hn::Mul(a, hn::Mul(g, sig)), d, du);
-  };
-  int64_t j = 0;
-  for (; j + N <= n; j += N) one(da + j, gate + j, up + j, dgate + j, dup + j);
-  if (j < n) {
-    HWY_ALIGN float a[hn::MaxLanes(d)] = {}, g[hn::MaxLanes(d)] = {}, u[hn::MaxLanes(d)] = {};
-    HWY_ALIGN float dg[hn::MaxLanes(d)], du[hn::MaxLanes(d)];
-    const size_t bytes = static_cast<size_t>(n - j) * sizeof(float);
-    std::memcpy(a, da + j, bytes);
-    std::memcpy(g, gate + j, bytes);
-    std::memcpy(u, up + j, bytes);
-    one(a, g, u, dg, du);
-    std::memcpy(dgate + j, dg, bytes);
-    std::memcpy(dup + j, du, bytes);
-  }
-}
-
-// Writes an item's finished tile C [rows x width] (f32 or int32).
-void RunEpilogue(const GemmCall& call, const WorkItem& it, const void* cbuf,
-                 int64_t ldc, int64_t run_stride, bool c_is_int,
-                 std::vector<float>* scratch) {
-  const Epilogue& e = call.epi;
-  const int64_t w = it.cols;
-  scratch->resize(static_cast<size_t>(4 * w));
-  float* v0 = scratch->data();   // run 0 (or the only run)
-  float* v1 = v0 + w;            // run 1 (SwiGLU up)
-  float* t0 = v1 + w;
-  float* t1 = t0 + w;
-  const float* col_scale =
-      e.col_scale ? e.col_scale + it.group * e.col_scale_group_stride : nullptr;
-  const int runs = e.kind == Epilogue::Kind::kSwiGlu ? 2 : 1;
-  for (int64_t i = 0; i < it.rows; ++i) {
-    const int64_t row = it.row0 + i;
-    for (int run = 0; run < runs; ++run) {
-      float* v = run == 0 ? v0 : v1;
-      const int64_t off = i * ldc + run * run_stride;
-      if (c_is_int) {
-        const int32_t* c = static_cast<const int32_t*>(cbuf) + off;
-        for (int64_t j = 0; j < w; ++j) v[j] = static_cast<float>(c[j]);
-      } else {
-        std::memcpy(v, static_cast<const float*>(cbuf) + off,
-                    static_cast<size_t>(w) * sizeof(float));
-      }
-      if (e.row_scale != nullptr || col_scale != nullptr) {
-        const float rs = e.row_scale != nullptr ? e.row_scale[row] : 1.0f;
-        const float* cs = col_scale + (run == 0 ? it.col0 : e.half + it.col0);
-        for (int64_t j = 0; j < w; ++j) v[j] = v[j] * rs * cs[j];
-      }
-    }
-    switch (e.kind) {
-      case Epilogue::Kind::kStore:
-      case Epilogue::Kind::kAccumulateF32:
-        StoreRow(v0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);
-        break;
-      case Epilogue::Kind::kSwiGlu:
-        if (e.h != nullptr) {
-          StoreRow(v0, w, RowPtr(e.h, e.h_dtype, row, e.h_ld, it.col0), e.h_dtype);
-          StoreRow(v1, w, RowPtr(e.h, e.h_dtype, row, e.h_ld, e.half + it.col0), e.h_dtype);
-        }
-        SiluMulRow(v0, v1, w, t0);
-        StoreRow(t0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);
-        break;
-      case Epilogue::Kind::kDSwiGlu:
-        LoadRow(RowPtr(e.h, e.h_dtype, row, e.h_ld, it.col0), e.h_dtype, w, t0);
-        LoadRow(RowPtr(e.h, e.h_dtype, row, e.h_ld, e.half + it.col0), e.h_dtype, w, t1);
-        DSiluRow(v0, t0, t1, w, v0, v1);  // in place: v0 is read before written
-        StoreRow(v0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);
-        StoreRow(v1, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, e.half + it.col0), e.out_dtype);
-        break;
-    }
-  }
-}
-
-// ---- Items -----------------------------------------------------------------
-
-struct ThreadBuffers {
-  uint8_t* ap_ptr = nullptr;
-  uint8_t* bp_ptr = nullptr;
-  uint8_t* c_ptr = nullptr;
-  std::vector<float> epi;
+// What one call's workers need, from the one rule (PanelBytes) for packed
+// panels; RunItem checks every pack and tile against these sizes.
+struct WorkerSizes {
+  int64_t kc = 0;         // the longest reduction block a pack covers
+  size_t ap = 0, bp = 0;  // packed A block, packed B panels
+  size_t c = 0;           // C scratch tile (0: C lives in the f32 output)
+  size_t epilogue = 0;    // epilogue rows
+  int64_t pack_width = 0;  // longest row a packer converts
+  size_t pack = 0;
 };
 
-// Items of few rows use each weight row once, so they read B straight from
-// the weight instead of packing it: the bf16-pair kernels on AVX512-BF16
-// CPUs (MicroBf16PairsDirect, MicroFp8PairsVbmi; up to MR rows), int8
-// weights on AVX512-VNNI (MicroI8PairsDirectVnni; up to MR rows), the f32
-// kernel everywhere else (MicroF32Direct; up to 8 rows).
-enum class Direct { kNone, kPairs, kF32, kInt8 };
-
-// Sources the direct kernels convert in registers (besides f32).
-bool ConvertibleInRegisters(const internal::Source& b) {
-  return b.kind == internal::SrcKind::kBf16 ||
-         (b.kind == internal::SrcKind::kFp8 && b.col_scale == nullptr && !b.round_bf16 &&
-          (b.fp8 == Fp8Format::kE4M3FN || b.fp8 == Fp8Format::kE4M3FNUZ));
-}
-
-Direct ChooseDirect(const GemmCall& call, PanelKind kind, const WorkItem& it, int64_t nr) {
-  if (call.pass != Pass::kFwd || it.cols % nr != 0) return Direct::kNone;
-#if HWY_TARGET == HWY_AVX3
-  if (kind == PanelKind::kBf16Pairs && it.rows <= static_cast<int64_t>(kMR) &&
-      ConvertibleInRegisters(call.b)) {
-    return Direct::kPairs;
-  }
-  if (kind == PanelKind::kI16Pairs && it.rows <= static_cast<int64_t>(kMR) &&
-      call.b.kind == internal::SrcKind::kI8 && nr == 32 && CpuHasAvx512Vnni()) {
-    return Direct::kInt8;
-  }
-#endif
-  if (kind == PanelKind::kF32 && it.rows <= 8 &&
-      (call.b.kind == internal::SrcKind::kF32 || ConvertibleInRegisters(call.b))) {
-    return Direct::kF32;
-  }
-  return Direct::kNone;
-}
-
-// MicroF32Direct on the source's element type.
-void RunDirectF32(const internal::Source& b, size_t kc, const float* ap, const uint8_t* src,
-                  size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
-                  const DirectPrefetch& pf) {
-  switch (b.kind) {
-    case internal::SrcKind::kF32:
-      return MicroF32Direct<8, RowSrc::kF32>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
-    case internal::SrcKind::kBf16:
-      return MicroF32Direct<8, RowSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
-    default:
-      break;
-  }
-  if (b.fp8 == Fp8Format::kE4M3FN) {
-    return MicroF32Direct<8, RowSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
-  }
-  return MicroF32Direct<8, RowSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, pf);
-}
-
-#if HWY_TARGET == HWY_AVX3
-template <size_t MR>
-void RunDirect(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
-               size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
-               bool last, const DirectPrefetch& pf) {
-  if (b.kind == internal::SrcKind::kBf16) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-  }
-  if (MR == 8 && CpuHasAvx512Vbmi()) {  // byte-table decode; 8 rows leave room for the tables
-    if (b.fp8 == Fp8Format::kE4M3FN) {
-      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-    }
-    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-  }
-  if (b.fp8 == Fp8Format::kE4M3FN) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-  }
-  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-}
-#endif
-
-void RunItem(const GemmCall& call, PanelKind kind, const WorkItem& it,
-             ThreadBuffers* tb) {
+WorkerSizes SizeWorkers(const GemmCall& call, PanelKind kind) {
+  WorkerSizes s;
   const int64_t nr = static_cast<int64_t>(KernelNR());
-  const Direct direct_kind = ChooseDirect(call, kind, it, nr);
-  const bool direct_b = direct_kind != Direct::kNone;
-  // A panel as tall as the item: 8 rows when that is enough.
-  const int64_t mr = direct_b && it.rows <= 8 ? 8 : static_cast<int64_t>(kMR);
-  const bool is_int = kind == PanelKind::kI16Pairs;
-  const bool swiglu = call.epi.kind == Epilogue::Kind::kSwiGlu;
-  ColumnRuns runs;
-  runs.count = it.cols;
-  runs.start[0] = it.col0;
-  if (swiglu) {
-    runs.runs = 2;
-    runs.start[1] = call.epi.half + it.col0;
-  }
-  const int64_t per_run = (it.cols + nr - 1) / nr;
-  const int64_t run_stride = per_run * nr;
-  const int64_t width = run_stride * runs.runs;  // packed C columns
-
-  // Where C lives: straight in an f32 output when nothing else must happen
-  // to it, else a per-thread scratch tile finished by the epilogue.
-  const bool direct = call.epi.kind == Epilogue::Kind::kAccumulateF32;
-  void* c;
-  int64_t ldc;
-  if (direct) {
-    float* out = static_cast<float*>(call.epi.out) + it.group * call.out_group_stride;
-    c = out + it.row0 * call.epi.out_ld + it.col0;
-    ldc = call.epi.out_ld;
-  } else {
-    c = tb->c_ptr;
-    ldc = width;
-  }
-  const int64_t elem = 4;  // f32 or int32
-
-  const Operand opa{&call.a, it.group, call.pass == Pass::kTgmm};
-  const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
-  const int64_t red0 = it.red0, red1 = it.red0 + it.red_len;
-  if (red1 == red0) {  // nothing to reduce: the tile is zero
-    for (int64_t i = 0; i < it.rows; ++i) {
-      std::memset(static_cast<uint8_t*>(c) + i * ldc * elem, 0,
-                  static_cast<size_t>((direct ? it.cols : width) * elem));
-    }
-  }
-  int64_t kc_step = call.a_block_scale ? call.block
-                    : call.b_block > 0  ? call.b_block
-                                        : call.kc;
-  if (direct_b && call.a_block_scale == nullptr && call.b_block == 0) {
-    // Direct items stream their weight through L2: this chunk and the next
-    // (prefetched) must both fit, so a chunk holds at most kDirectChunkBytes
-    // of weight. (Without block scales the reduction order, hence the bits,
-    // does not depend on the chunk.)
-    const int64_t row_bytes = it.cols * runs.runs * static_cast<int64_t>(call.b.ElementBytes());
-    const int64_t rows = std::max<int64_t>(16, kDirectChunkBytes / std::max<int64_t>(row_bytes, 1));
-    kc_step = std::min(kc_step, rows & ~int64_t{1});
-  }
-  const bool block_col_scale = call.b_col_scale != nullptr && call.b_block > 0;
-  alignas(64) float cs[64];
-  alignas(64) uint8_t edge[64 * 64 * 4];
-  alignas(64) float rs[64];
-  const size_t esize = call.b.ElementBytes();
-  DirectPrefetch pf;
-  for (int64_t r0 = red0; r0 < red1; r0 += kc_step) {
-    const int64_t kc = std::min(kc_step, red1 - r0);
-    const bool load_c = r0 != red0;
-    [[maybe_unused]] const bool last_chunk = r0 + kc >= red1;  // pair kernels: C to natural order
-    // The next chunk's weight lines, shared out over this chunk's panels.
-    const uint8_t* next_seg0 = nullptr;
-    int64_t ahead_per_panel = 0;
-    if (direct_b) {
-      pf.cold_rows = r0 == red0 ? 32 : 0;
-      pf.per_step = 0;
-    }
-    if (direct_b && r0 + kc < red1) {
-      const int64_t rows_next = std::min(kc_step, red1 - r0 - kc);
-      const uint8_t* row0 = static_cast<const uint8_t*>(call.b.data) +
-                            (it.group * call.b.group_stride + (r0 + kc) * call.b.ld) * esize;
-      auto line_of = [](const uint8_t* p) {
-        return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
-      };
-      const uint8_t* first = row0 + runs.start[0] * esize;
-      const uint8_t* last = first + it.cols * esize - 1;
-      next_seg0 = line_of(first);
-      pf.walk.seg_lines = static_cast<uint32_t>((line_of(last) - line_of(first)) / 64 + 1);
-      pf.walk.nseg = static_cast<uint32_t>(runs.runs);
-      pf.walk.seg_delta = runs.runs > 1 ? line_of(row0 + runs.start[1] * esize) - next_seg0 : 0;
-      pf.walk.ld = static_cast<size_t>(call.b.ld) * esize;
-      const int64_t total = rows_next * runs.runs * pf.walk.seg_lines;
-      const int64_t panels = runs.runs * per_run;
-      ahead_per_panel = (total + panels - 1) / panels;
-      const int64_t steps = direct_kind == Direct::kF32 ? kc : (kc + 1) / 2;
-      pf.per_step = static_cast<uint32_t>((ahead_per_panel + steps - 1) / steps);
-    }
-    const int64_t panels_b =
-        direct_b ? runs.runs * per_run : internal::PackB(opb, kind, r0, kc, runs, nr, tb->bp_ptr);
-    const int64_t bstride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * nr * 4;
-    const int64_t astride = (kind == PanelKind::kF32 ? kc : (kc + 1) / 2) * mr * 4;
-    for (int64_t m0 = 0; m0 < it.rows; m0 += kMC) {
-      const int64_t mc = std::min<int64_t>(kMC, it.rows - m0);
-      internal::PackA(opa, kind, it.row0 + m0, mc, r0, kc, mr, tb->ap_ptr);
-      const int64_t panels_a = (mc + mr - 1) / mr;
-      for (int64_t q = 0; q < panels_b; ++q) {
-        const int64_t jq = (q % per_run) * nr;
-        const int64_t col = (q / per_run) * run_stride + jq;  // column in C
-        const int64_t valid_c = std::min(nr, it.cols - jq);
-        const uint8_t* bpan = tb->bp_ptr + q * bstride;
-        for (int64_t p = 0; p < panels_a; ++p) {
-          const int64_t row = m0 + p * mr;
-          const int64_t valid_r = std::min(mr, it.rows - row);
-          const uint8_t* apan = tb->ap_ptr + p * astride;
-          const float* row_scale = nullptr;
-          if (call.a_block_scale != nullptr) {
-            const int64_t b = r0 / call.block;
-            for (int64_t ii = 0; ii < mr; ++ii) {
-              rs[ii] = ii < valid_r
-                           ? call.a_block_scale[(it.row0 + row + ii) * call.a_block_scale_ld + b]
-                           : 0.0f;
-            }
-            row_scale = rs;
-          }
-          const float* col_scale = nullptr;
-          if (block_col_scale) {  // this tile's scales of the panel's columns
-            const float* src = call.b_col_scale +
-                               call.b_row_tile[r0] * call.b_col_scale_ld + it.col0 + jq;
-            for (int64_t jj = 0; jj < nr; ++jj) cs[jj] = jj < valid_c ? src[jj] : 0.0f;
-            col_scale = cs;
-          }
-          uint8_t* ct = static_cast<uint8_t*>(c) + (row * ldc + col) * elem;
-          // The scratch tile has room for whole panels; an f32 output does not.
-          const bool full = !direct || (valid_r == mr && valid_c == nr);
-          if (direct_b) {
-            // Source columns of this panel: run start + offset in the run.
-            const int64_t src_col = runs.start[q / per_run] + jq;
-            const uint8_t* src = static_cast<const uint8_t*>(call.b.data) +
-                                 (it.group * call.b.group_stride + r0 * call.b.ld + src_col) * esize;
-            const size_t ldb = static_cast<size_t>(call.b.ld) * esize;
-            float* cdst = reinterpret_cast<float*>(full ? ct : edge);
-            const size_t ld = static_cast<size_t>(full ? ldc : nr);
-            if (!full) {
-              for (int64_t ii = 0; ii < valid_r; ++ii) {
-                std::memcpy(edge + ii * nr * elem, ct + ii * ldc * elem,
-                            static_cast<size_t>(valid_c * elem));
-              }
-            }
-            // Only the first A panel pulls the next chunk (the rest re-read this one).
-            DirectPrefetch this_pf = pf;
-            if (p == 0 && pf.per_step != 0) {
-              this_pf.walk.Start(next_seg0, q * ahead_per_panel, ahead_per_panel);
-            } else {
-              this_pf.per_step = 0;
-            }
-            if (p != 0) this_pf.cold_rows = 0;
-            if (direct_kind == Direct::kF32) {
-              // kNV vectors of columns, one kernel call each (8 accumulators).
-              const size_t lanes = static_cast<size_t>(nr) / kNV;
-              for (size_t h = 0; h < kNV; ++h) {
-                DirectPrefetch half_pf = this_pf;
-                if (h != 0) half_pf.per_step = 0;
-                RunDirectF32(call.b, static_cast<size_t>(kc), reinterpret_cast<const float*>(apan),
-                             src + h * lanes * esize, ldb, cdst + h * lanes, ld, load_c, row_scale,
-                             half_pf);
-              }
-            }
-#if HWY_TARGET == HWY_AVX3
-            if (direct_kind == Direct::kPairs && mr == 8) {
-              RunDirect<8>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                           src, ldb, cdst, ld, load_c, row_scale, last_chunk, this_pf);
-            } else if (direct_kind == Direct::kPairs) {
-              RunDirect<kMR>(call.b, static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                             src, ldb, cdst, ld, load_c, row_scale, last_chunk, this_pf);
-            } else if (direct_kind == Direct::kInt8 && mr == 8) {
-              MicroI8PairsDirectVnni<8>(static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                                        src, ldb, reinterpret_cast<int32_t*>(cdst), ld, load_c,
-                                        last_chunk, this_pf);
-            } else if (direct_kind == Direct::kInt8) {
-              MicroI8PairsDirectVnni<kMR>(static_cast<size_t>(kc), reinterpret_cast<const uint32_t*>(apan),
-                                          src, ldb, reinterpret_cast<int32_t*>(cdst), ld, load_c,
-                                          last_chunk, this_pf);
-            }
-#endif
-            if (!full) {
-              for (int64_t ii = 0; ii < valid_r; ++ii) {
-                std::memcpy(ct + ii * ldc * elem, edge + ii * nr * elem,
-                            static_cast<size_t>(valid_c * elem));
-              }
-            }
-            continue;
-          }
-          if (full) {
-            RunKernel(kind, kc, apan, bpan, ct, ldc, load_c, row_scale, col_scale);
-            continue;
-          }
-          // Edge tile: run the full tile on a local copy, keep the valid part.
-          for (int64_t ii = 0; ii < valid_r; ++ii) {
-            std::memcpy(edge + ii * nr * elem, ct + ii * ldc * elem,
-                        static_cast<size_t>(valid_c * elem));
-          }
-          RunKernel(kind, kc, apan, bpan, edge, nr, load_c, row_scale, col_scale);
-          for (int64_t ii = 0; ii < valid_r; ++ii) {
-            std::memcpy(ct + ii * ldc * elem, edge + ii * nr * elem,
-                        static_cast<size_t>(valid_c * elem));
-          }
-        }
-      }
-    }
-  }
-  if (call.b_col_scale != nullptr && call.b_block == 0 && red1 > red0) {
-    // One scale per (group, column): applied once to the finished sums.
-    const float* s = call.b_col_scale + call.b_row_tile[red0] * call.b_col_scale_ld + it.col0;
-    for (int64_t i = 0; i < it.rows; ++i) {
-      float* ci = static_cast<float*>(c) + i * ldc;
-      for (int64_t j = 0; j < it.cols; ++j) ci[j] *= s[j];
-    }
-  }
-  if (!direct) RunEpilogue(call, it, c, ldc, run_stride, is_int, &tb->epi);
-}
-
-void ExecuteGemm(const GemmCall& call, bool* out_of_memory) {
-  *out_of_memory = false;
-  if (call.items.empty()) return;
-  const PanelKind kind = ChooseKind(call);
-  const int64_t mr = static_cast<int64_t>(kMR);
-  const int64_t nr = static_cast<int64_t>(KernelNR());
-  const int64_t kc = call.a_block_scale ? call.block
-                     : call.b_block > 0  ? call.b_block
-                                         : call.kc;
+  s.kc = call.ReductionStep();
   int64_t max_rows = 0, max_cols = 0;
   for (const WorkItem& it : call.items) {
     max_rows = std::max(max_rows, it.rows);
     max_cols = std::max(max_cols, it.cols);
   }
-  const int runs = call.epi.kind == Epilogue::Kind::kSwiGlu ? 2 : 1;
-  const int64_t width = runs * ((max_cols + nr - 1) / nr) * nr;
-  const size_t ap_bytes = static_cast<size_t>((kMC + mr) * (kc + 2) * 4);
-  const size_t bp_bytes = static_cast<size_t>(width * (kc + 2) * 4);
-  const size_t c_bytes = static_cast<size_t>((max_rows + mr) * width * 4);
+  const int64_t runs = call.epi.kind == Epilogue::Kind::kSwiGlu ? 2 : 1;
+  const int64_t width = runs * RoundUp(max_cols, nr);  // C columns
+  s.ap = std::max(PanelBytes(kind, kMC, static_cast<int64_t>(kMR), s.kc),
+                  PanelBytes(kind, kDirectF32Rows, kDirectF32Rows, s.kc));
+  s.bp = static_cast<size_t>(runs) * PanelBytes(kind, max_cols, nr, s.kc);
+  if (call.epi.kind != Epilogue::Kind::kAccumulateF32) {
+    const int64_t rows = std::max(RoundUp(max_rows, static_cast<int64_t>(kMR)),
+                                  RoundUp(max_rows, kDirectF32Rows));
+    s.c = static_cast<size_t>(rows * width) * 4;
+    s.epilogue = static_cast<size_t>(EpilogueFloats(max_cols)) * sizeof(float);
+  }
+  s.pack_width = std::max({s.kc + 1, kMC, RoundUp(max_cols, nr)});
+  s.pack = PackScratch::Bytes(s.pack_width, s.kc);
+  return s;
+}
+
+// One worker thread's buffers for a call.
+struct Worker {
+  const WorkerSizes* sizes = nullptr;
+  uint8_t* ap = nullptr;
+  uint8_t* bp = nullptr;
+  uint8_t* c = nullptr;
+  float* epilogue = nullptr;
+  PackScratch pack;
+
+  // From the context's worker slots; false if the memory is not there.
+  bool Get(ScratchArena& arena, int thread, const WorkerSizes& s) {
+    sizes = &s;
+    ap = arena.Worker(thread, WorkerSlot::kPackA, s.ap);
+    bp = arena.Worker(thread, WorkerSlot::kPackB, s.bp);
+    uint8_t* rows = arena.Worker(thread, WorkerSlot::kPackRows, s.pack);
+    if (s.c > 0) {
+      c = arena.Worker(thread, WorkerSlot::kTileC, s.c);
+      epilogue = reinterpret_cast<float*>(arena.Worker(thread, WorkerSlot::kEpilogue, s.epilogue));
+    }
+    if (ap == nullptr || bp == nullptr || rows == nullptr ||
+        (s.c > 0 && (c == nullptr || epilogue == nullptr))) {
+      return false;
+    }
+    pack.Carve(rows, s.pack_width, s.kc);
+    return true;
+  }
+};
+
+// ---- One item --------------------------------------------------------------
+
+// How one item runs: its kernels, panel shapes, and where its C tile lives.
+struct ItemPlan {
+  PanelKind kind;
+  Direct direct;
+  int64_t nr, mr;
+  internal::ColumnRuns runs;  // SwiGLU: the gate and up column runs
+  int64_t per_run;            // B panels per run
+  DirectF32Shape f32_shape;   // the f32 direct kernel's tile (Direct::kF32)
+  bool raw_fp8;               // the f32 direct kernel decodes fp8 raw
+  int64_t run_stride;         // C columns per run (whole panels)
+  bool c_in_output;           // C is the f32 output itself (else scratch)
+  uint8_t* c;
+  int64_t ldc;
+  int64_t kc_step;  // reduction rows per chunk
+};
+
+ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, const Worker& w) {
+  ItemPlan ip;
+  ip.kind = kind;
+  ip.nr = static_cast<int64_t>(KernelNR());
+  ip.direct = ChooseDirect(call, kind, it, ip.nr);
+  // A panel as tall as the item: the f32 direct tile's rows, or 8 rows for
+  // the pair kernels when that is enough.
+  ip.f32_shape = DirectF32ShapeFor(it.rows);
+  ip.raw_fp8 = ip.direct == Direct::kF32 && RawFp8(call);
+  ip.mr = ip.direct == Direct::kF32                                   ? ip.f32_shape.mr
+          : ip.direct != Direct::kNone && it.rows <= kDirectF32Rows ? kDirectF32Rows
+                                                                      : static_cast<int64_t>(kMR);
+  ip.runs.count = it.cols;
+  ip.runs.start[0] = it.col0;
+  if (call.epi.kind == Epilogue::Kind::kSwiGlu) {
+    ip.runs.runs = 2;
+    ip.runs.start[1] = call.epi.half + it.col0;
+  }
+  ip.per_run = (it.cols + ip.nr - 1) / ip.nr;
+  ip.run_stride = ip.per_run * ip.nr;
+  // C straight in an f32 output when nothing else must happen to it, else
+  // the worker's scratch tile, finished by the epilogue.
+  ip.c_in_output = call.epi.kind == Epilogue::Kind::kAccumulateF32;
+  if (ip.c_in_output) {
+    float* out = static_cast<float*>(call.epi.out) + it.group * call.out_group_stride;
+    ip.c = reinterpret_cast<uint8_t*>(out + it.row0 * call.epi.out_ld + it.col0);
+    ip.ldc = call.epi.out_ld;
+  } else {
+    ip.c = w.c;
+    ip.ldc = ip.run_stride * ip.runs.runs;
+  }
+  ip.kc_step = call.ReductionStep();
+  if (ip.direct != Direct::kNone) {
+    ip.kc_step = DirectChunkRows(call, it, ip.runs.runs, ip.kc_step);
+  }
+  FP8MOE_DCHECK(ip.kc_step <= w.sizes->kc && ip.mr <= kMaxMR && ip.nr <= kEdgeCols);
+  return ip;
+}
+
+// An item that reduces nothing has a zero tile.
+void ZeroTile(const ItemPlan& ip, const WorkItem& it) {
+  const int64_t cols = ip.c_in_output ? it.cols : ip.ldc;
+  for (int64_t i = 0; i < it.rows; ++i) {
+    std::memset(ip.c + i * ip.ldc * 4, 0, static_cast<size_t>(cols) * 4);
+  }
+}
+
+// Native fp8 with K-blocks: the activation scales of a tile's rows for the
+// block at r0 (rows past the item get 0); else nullptr.
+const float* TileRowScale(const GemmCall& call, const WorkItem& it, int64_t r0, int64_t row,
+                          int64_t mr, int64_t valid_r, float* rs) {
+  if (call.a_block_scale == nullptr) return nullptr;
+  const int64_t b = r0 / call.block;
+  for (int64_t ii = 0; ii < mr; ++ii) {
+    rs[ii] = ii < valid_r ? call.a_block_scale[(it.row0 + row + ii) * call.a_block_scale_ld + b]
+                          : 0.0f;
+  }
+  return rs;
+}
+
+// TGMM with per-tile gradient scales: the scales of a tile's columns for the
+// quantization tile at r0 (columns past the item get 0); else nullptr.
+const float* TileColScale(const GemmCall& call, const WorkItem& it, int64_t r0, int64_t jq,
+                          int64_t nr, int64_t valid_c, float* cs) {
+  if (call.b_col_scale == nullptr || call.b_block == 0) return nullptr;
+  const float* src = call.b_col_scale + call.b_row_tile[r0] * call.b_col_scale_ld + it.col0 + jq;
+  for (int64_t jj = 0; jj < nr; ++jj) cs[jj] = jj < valid_c ? src[jj] : 0.0f;
+  return cs;
+}
+
+// Runs kernel(c, ldc) on the C tile [mr x nr] at c: in place where the
+// whole tile is writable (the scratch tile has room for whole panels, and
+// inside an f32 output), on a copy of its valid part at an output's edge.
+template <class Kernel>
+HWY_INLINE void OnTile(uint8_t* c, int64_t ldc, int64_t valid_r, int64_t valid_c, bool writable,
+                       int64_t mr, int64_t nr, const Kernel& kernel) {
+  if (writable || (valid_r == mr && valid_c == nr)) return kernel(c, ldc);
+  FP8MOE_DCHECK(mr <= kEdgeRows && nr <= kEdgeCols);
+  alignas(64) uint8_t edge[kEdgeRows * kEdgeCols * 4];
+  const size_t bytes = static_cast<size_t>(valid_c) * 4;
+  for (int64_t i = 0; i < valid_r; ++i) std::memcpy(edge + i * nr * 4, c + i * ldc * 4, bytes);
+  kernel(edge, nr);
+  for (int64_t i = 0; i < valid_r; ++i) std::memcpy(c + i * ldc * 4, edge + i * nr * 4, bytes);
+}
+
+// The direct path's reduction chunk [r0, r0 + kc): pack the item's one A
+// panel (direct items have at most MR rows) and run the kernels strip by
+// strip over every run's columns, straight from the weight.
+void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip, int64_t r0,
+                    int64_t kc, Worker& w) {
+  FP8MOE_DCHECK(it.rows <= ip.mr && PanelBytes(ip.kind, it.rows, ip.mr, kc) <= w.sizes->ap);
+  const bool load_c = r0 != it.red0;
+  const bool last = r0 + kc >= it.red0 + it.red_len;
+  const Operand opa{&call.a, it.group, call.pass == Pass::kTgmm};
+  PackAT(opa, ip.kind, it.row0, it.rows, r0, kc, ip.mr, w.ap, w.pack);
+  float post = 1.0f;
+  if (ip.raw_fp8) {  // the raw decode's domain: A * 2^113, products * 2^-7
+    const float scale = RawFp8PanelScale(call.b.fp8 == Fp8Format::kE4M3FNUZ);
+    float* a = reinterpret_cast<float*>(w.ap);
+    for (int64_t i = 0; i < ip.mr * kc; ++i) a[i] *= scale;
+    post = call.a_block_scale != nullptr || last ? kRawFp8Post : 1.0f;
+  }
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  const int64_t vectors_per_run = ip.per_run * static_cast<int64_t>(kNV);
+  const ChunkPrefetch prefetch =
+      PlanChunkPrefetch(call, ip.direct, it, ip.runs, vectors_per_run, r0, kc, ip.kc_step);
+  alignas(64) float rs[kEdgeRows];
+  const float* row_scale = TileRowScale(call, it, r0, 0, ip.mr, it.rows, rs);
+  for (int run = 0; run < ip.runs.runs; ++run) {
+    int64_t width = 0;
+    for (int64_t v = 0; v < vectors_per_run; v += width) {
+      width = ip.direct == Direct::kF32 ? DirectF32StripWidth(ip.f32_shape, vectors_per_run - v)
+                                        : static_cast<int64_t>(kNV);
+      const int64_t col = run * ip.run_stride + v * lanes;  // column in C
+      const int64_t valid_c = std::min(width * lanes, it.cols - v * lanes);
+      FP8MOE_DCHECK(ip.c_in_output ||
+                    static_cast<size_t>(((ip.mr - 1) * ip.ldc + col + width * lanes) * 4) <=
+                        w.sizes->c);
+      OnTile(ip.c + col * 4, ip.ldc, it.rows, valid_c, !ip.c_in_output, ip.mr, width * lanes,
+             [&](void* c, int64_t ldc) {
+               RunDirectTile(call, ip.direct, it, ip.mr, width, r0, kc, ip.runs.start[run] + v * lanes,
+                             w.ap, c, ldc, load_c, row_scale, post, last, it.rows,
+                             prefetch.ForStrip(run * vectors_per_run + v, width));
+             });
+    }
+  }
+}
+
+// The packed path's reduction chunk [r0, r0 + kc): pack B, then per block
+// of rows pack A and run every (B panel, A panel) register tile.
+void RunPackedChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip, int64_t r0,
+                    int64_t kc, Worker& w) {
+  const bool load_c = r0 != it.red0;
+  const Operand opa{&call.a, it.group, call.pass == Pass::kTgmm};
+  const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
+  FP8MOE_DCHECK(ip.runs.runs * PanelBytes(ip.kind, it.cols, ip.nr, kc) <= w.sizes->bp);
+  const int64_t panels_b = PackBT(opb, ip.kind, r0, kc, ip.runs, ip.nr, w.bp, w.pack);
+  const size_t bstride = PanelBytes(ip.kind, 1, ip.nr, kc);
+  const size_t astride = PanelBytes(ip.kind, 1, ip.mr, kc);
+  alignas(64) float rs[kEdgeRows];
+  alignas(64) float cs[kEdgeCols];
+  for (int64_t m0 = 0; m0 < it.rows; m0 += kMC) {
+    const int64_t mc = std::min<int64_t>(kMC, it.rows - m0);
+    FP8MOE_DCHECK(PanelBytes(ip.kind, mc, ip.mr, kc) <= w.sizes->ap);
+    PackAT(opa, ip.kind, it.row0 + m0, mc, r0, kc, ip.mr, w.ap, w.pack);
+    const int64_t panels_a = (mc + ip.mr - 1) / ip.mr;
+    for (int64_t q = 0; q < panels_b; ++q) {
+      const int64_t jq = (q % ip.per_run) * ip.nr;                 // column in the run
+      const int64_t col = (q / ip.per_run) * ip.run_stride + jq;  // column in C
+      const int64_t valid_c = std::min(ip.nr, it.cols - jq);
+      const uint8_t* bpan = w.bp + q * bstride;
+      for (int64_t p = 0; p < panels_a; ++p) {
+        const int64_t row = m0 + p * ip.mr;
+        const int64_t valid_r = std::min(ip.mr, it.rows - row);
+        const uint8_t* apan = w.ap + p * astride;
+        const float* row_scale = TileRowScale(call, it, r0, row, ip.mr, valid_r, rs);
+        const float* col_scale = TileColScale(call, it, r0, jq, ip.nr, valid_c, cs);
+        FP8MOE_DCHECK(ip.c_in_output ||
+                      static_cast<size_t>(((row + ip.mr - 1) * ip.ldc + col + ip.nr) * 4) <=
+                          w.sizes->c);
+        OnTile(ip.c + (row * ip.ldc + col) * 4, ip.ldc, valid_r, valid_c, !ip.c_in_output, ip.mr,
+               ip.nr, [&](void* c, int64_t ldc) {
+                 RunPackedTile(ip.kind, kc, apan, bpan, c, ldc, load_c, row_scale, col_scale);
+               });
+      }
+    }
+  }
+}
+
+void RunItem(Context& ctx, const GemmCall& call, PanelKind kind, const WorkItem& it, Worker& w) {
+  const ItemPlan ip = PlanItem(call, kind, it, w);
+  const bool direct = ip.direct != Direct::kNone;
+  ctx.CountKernel(direct ? DirectPath(ip.direct, call, ip.mr) : PackedPath(kind));
+  if (it.red_len == 0) ZeroTile(ip, it);
+  const int64_t red1 = it.red0 + it.red_len;
+  for (int64_t r0 = it.red0; r0 < red1; r0 += ip.kc_step) {
+    const int64_t kc = std::min(ip.kc_step, red1 - r0);
+    if (direct) {
+      RunDirectChunk(call, it, ip, r0, kc, w);
+    } else {
+      RunPackedChunk(call, it, ip, r0, kc, w);
+    }
+  }
+  if (call.b_col_scale != nullptr && call.b_block == 0 && it.red_len > 0) {
+    ApplyGroupColScale(call, it, reinterpret_cast<float*>(ip.c), ip.ldc);
+  }
+  if (!ip.c_in_output) {
+    RunEpilogue(call, it, ip.c, ip.ldc, ip.run_stride, kind == PanelKind::kI16Pairs, w.epilogue);
+  }
+}
+
+// ---- The call ----------------------------------------------------------------
+
+void ExecuteGemmT(Context* ctx, const GemmCall& call, bool* out_of_memory) {
+  *out_of_memory = false;
+  if (call.items.empty()) return;
+  const PanelKind kind = ChooseKind(call);
+  const WorkerSizes sizes = SizeWorkers(call, kind);
+  const int threads = ctx->threads();
+  ScratchArena& arena = ctx->scratch();
+  arena.EnsureWorkers(threads);
   const int64_t n_items = static_cast<int64_t>(call.items.size());
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
   {
-    internal::ThreadScratch& scratch = internal::WorkerScratch();
-    ThreadBuffers tb;
-    tb.ap_ptr = scratch.ap.Get(ap_bytes);
-    tb.bp_ptr = scratch.bp.Get(bp_bytes);
-    if (call.epi.kind != Epilogue::Kind::kAccumulateF32) tb.c_ptr = scratch.c.Get(c_bytes);
-    // A thread without its packing buffers (a few MB) skips its items; the
-    // call then reports the failure instead of returning partial results.
-    const bool have = tb.ap_ptr != nullptr && tb.bp_ptr != nullptr &&
-                      (call.epi.kind == Epilogue::Kind::kAccumulateF32 || tb.c_ptr != nullptr);
+    Worker w;
+    // A thread without its buffers (a few MB) skips its items; the call then
+    // reports the failure instead of returning partial results.
+    const bool have = w.Get(arena, omp_get_thread_num(), sizes);
     if (!have) {
 #pragma omp atomic write
       *out_of_memory = true;
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
-      if (have) RunItem(call, kind, call.items[static_cast<size_t>(i)], &tb);
+      if (have) RunItem(*ctx, call, kind, call.items[static_cast<size_t>(i)], w);
     }
   }
-}
-
-void KernelShapeOf(bool integer, internal::KernelShape* out) {
-  out->mr = static_cast<int64_t>(kMR);
-  out->nr = static_cast<int64_t>(KernelNR());
-  out->bf16_pairs = !integer && CpuHasAvx512Bf16();
 }
 
 }  // namespace HWY_NAMESPACE
@@ -588,22 +395,15 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace fp8moe::internal {
 
-HWY_EXPORT(ExecuteGemm);
-HWY_EXPORT(KernelShapeOf);
+HWY_EXPORT(ExecuteGemmT);
 
-Status ExecuteGemm(const GemmCall& call) {
+Status ExecuteGemm(Context& ctx, const GemmCall& call) {
   bool out_of_memory = false;
-  HWY_DYNAMIC_DISPATCH(ExecuteGemm)(call, &out_of_memory);
+  HWY_DYNAMIC_DISPATCH(ExecuteGemmT)(&ctx, call, &out_of_memory);
   if (out_of_memory) {
     return ResourceExhausted("cannot allocate the GMM packing buffers (a few MB per thread)");
   }
   return OkStatus();
-}
-
-KernelShape GemmKernelShape(bool integer) {
-  KernelShape s;
-  HWY_DYNAMIC_DISPATCH(KernelShapeOf)(integer, &s);
-  return s;
 }
 
 }  // namespace fp8moe::internal

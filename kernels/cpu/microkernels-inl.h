@@ -2,7 +2,8 @@
 // packed panels (pack-inl.h). Three kinds:
 //   F32   f32 panels, one FMA per product (every target).
 //   Pairs bf16 pairs along the reduction, vdpbf16ps (AVX512-BF16 CPUs only,
-//         raw intrinsics: Highway 1.0.3 has no such op).
+//         raw intrinsics: Highway 1.0.3 has no such op; in
+//         microkernels_avx3-inl.h with the other AVX-512 kernels).
 //   I16   int16 pairs along the reduction, int32 accumulation
 //         (ReorderWidenMulAccumulate: vpmaddwd on x86).
 //
@@ -34,17 +35,8 @@
 
 #include "hwy/highway.h"
 #include "kernels/cpu/line_walk.h"
+#include "kernels/cpu/microkernels_avx3-inl.h"
 #include "numerics/convert-inl.h"
-
-#if HWY_TARGET == HWY_AVX3
-#include <immintrin.h>
-
-#include "fp8moe/numerics.h"
-#include "numerics/fp8_spec.h"
-#ifndef FP8MOE_AVX512BF16
-#define FP8MOE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#endif
-#endif
 
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
@@ -122,18 +114,52 @@ HWY_NOINLINE void MicroF32(size_t kc, const float* HWY_RESTRICT ap,
 // Items of at most 8 rows use each weight row once, so packing it (convert,
 // write a panel, read it back) costs more than the arithmetic: on targets
 // without bf16 dot products a decode-shape GMM spent most of its time
-// packing. This kernel reads N = one vector of columns of each weight row
-// straight from the source, converts it to f32 in registers (bf16: a shift;
-// fp8: DecodeFp8Vec, exact), and does MR FMAs with it. MR = 8 accumulators
-// cover the FMA latency; 8 broadcasts + 1 row load per 8 FMAs fit the load
-// ports. The products and their order are those of MicroF32, so the bits are
-// the packed path's.
+// packing. This kernel reads NV vectors of columns of each weight row
+// straight from the source, converts them to f32 in registers, and does MR
+// FMAs with each. MR x NV = 8 accumulators cover the FMA latency whatever the
+// rows (1 row: 8 vectors of columns; 8 rows: 1 vector), so one row per
+// expert costs one FMA per weight vector, not eight. The products and their
+// order are those of MicroF32 (one FMA per product, strictly in reduction
+// order from C or zero), so the bits are the packed path's.
+//
+// Sources: f32; bf16 (a shift); e4m3fn / e4m3fnuz by DecodeFp8Vec (exact,
+// ~14 ops per vector); and the same codes decoded "raw" (3 ops: sign-extend,
+// shift, mask), see LoadRowAsF32.
 
-enum class RowSrc { kF32, kBf16, kE4M3FN, kE4M3FNUZ };
+enum class RowSrc {
+  kF32,
+  kBf16,
+  // fp8 codes of a native fp8 GMM (A holds the activation's codes, |a| <=
+  // 448), decoded raw: the code's 7 magnitude bits land at f32 bits 26..20
+  // and its sign at bit 31 with the exponent not re-biased, which is the fp8
+  // value times 2^-120 (e4m3fn; 2^-119 e4m3fnuz), exactly (codes of exponent
+  // 0 become f32 subnormals, which FMA takes exactly). The caller scales the
+  // A panel by 2^113 (2^112), so every product is the exact product times
+  // 2^-7 and every partial sum the packed path's times 2^-7 (power-of-two
+  // scaling commutes with rounding while nothing under- or overflows:
+  // products of e4m3 values are multiples of 2^-18), and C is multiplied by
+  // 2^7 where it is finished. NaN codes come out finite: the kernel watches
+  // the code bytes and says so, and the caller sets the columns they hit to
+  // NaN (direct-inl.h), as the exact decode would have made them.
+  kRawE4M3FN,
+  kRawE4M3FNUZ,
+};
+
+constexpr bool IsRawFp8(RowSrc s) { return s == RowSrc::kRawE4M3FN || s == RowSrc::kRawE4M3FNUZ; }
+constexpr size_t ElementBytesOf(RowSrc s) {
+  return s == RowSrc::kF32 ? 4 : s == RowSrc::kBf16 ? 2 : 1;
+}
+// The power of two that scales the A panel of a raw fp8 kernel (the exact
+// product times 2^-7 is what the kernel sums), and the one C is multiplied
+// by where it is finished.
+inline float RawFp8PanelScale(bool fnuz) { return fnuz ? 0x1p112f : 0x1p113f; }
+constexpr float kRawFp8Post = 0x1p7f;
 
 template <RowSrc kSrc, class DF>
 HWY_INLINE hn::Vec<DF> LoadRowAsF32(DF df, const uint8_t* HWY_RESTRICT p) {
   const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  (void)du, (void)di;
   if constexpr (kSrc == RowSrc::kF32) {
     return hn::LoadU(df, reinterpret_cast<const float*>(p));
   } else if constexpr (kSrc == RowSrc::kBf16) {
@@ -141,42 +167,100 @@ HWY_INLINE hn::Vec<DF> LoadRowAsF32(DF df, const uint8_t* HWY_RESTRICT p) {
     return hn::BitCast(
         df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p)))));
   } else {
-    constexpr Fp8Format f = kSrc == RowSrc::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE4M3FNUZ;
-    const hn::Rebind<uint8_t, DF> d8;
-    return DecodeFp8Vec<f>(df, hn::PromoteTo(du, hn::LoadU(d8, p)));
+    static_assert(IsRawFp8(kSrc));
+    const hn::Rebind<int8_t, DF> d8;
+    // Sign-extended, the sign fills bits 31..27 after the shift; the mask
+    // keeps bit 31 and the magnitude at bits 26..20.
+    const auto codes = hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p)));
+    return hn::BitCast(df, hn::And(hn::ShiftLeft<20>(codes),
+                                   hn::Set(di, static_cast<int32_t>(0x87F00000u))));
   }
 }
 
-// C[MR x N] (+)= A panel (kc x MR f32) x source rows [0, kc) at b (ldb bytes
-// apart), columns [0, N). Scales as MicroF32's row_scale.
-template <size_t MR, RowSrc kSrc>
-HWY_NOINLINE void MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
+// Whether any of the n fp8 codes at p is a NaN code of kSrc's format (the
+// raw decode turns those into finite numbers). n is NV vectors' worth of
+// codes; whole u8 vectors where they fit, one f32 vector's worth otherwise.
+template <RowSrc kSrc, size_t kCodes>
+HWY_INLINE auto NaNCodeMask(const uint8_t* HWY_RESTRICT p) {
+  const hn::CappedTag<uint8_t, kCodes> d8;
+  const auto v = hn::LoadU(d8, p);
+  if constexpr (kSrc == RowSrc::kRawE4M3FNUZ) {
+    return hn::VecFromMask(d8, hn::Eq(v, hn::Set(d8, 0x80)));
+  } else {  // low 7 bits all set: 0x7F, 0xFF
+    return hn::VecFromMask(d8, hn::Eq(hn::Or(v, hn::Set(d8, 0x80)), hn::Set(d8, 0xFF)));
+  }
+}
+
+// C[MR x NV*N] (+)= A panel (kc x MR f32) x source rows [0, kc) at b (ldb
+// bytes apart), columns [0, NV*N). With row_scale (native fp8 K-blocks):
+// C = s * sum (+ C). post: a power of two C is multiplied by as it is stored
+// (the raw fp8 kernels' 2^7 on an item's last chunk, and with row_scale on
+// every chunk; 1 otherwise). Returns whether a raw fp8 kernel met a NaN
+// code (the caller then sets the columns it hit to NaN).
+template <size_t MR, size_t NV, RowSrc kSrc>
+HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
                                  const uint8_t* HWY_RESTRICT b, size_t ldb,
                                  float* HWY_RESTRICT c, size_t ldc, bool load_c,
-                                 const float* HWY_RESTRICT row_scale, DirectPrefetch pf) {
+                                 const float* HWY_RESTRICT row_scale, float post,
+                                 DirectPrefetch pf) {
   const hn::ScalableTag<float> d;
   using V = hn::Vec<decltype(d)>;
-  V acc[MR];
+  const size_t N = hn::Lanes(d);
+  constexpr size_t kEsize = ElementBytesOf(kSrc);
+  constexpr bool kWatchNaN = IsRawFp8(kSrc);
+  // The NaN watch covers a row's NV * N codes in u8 vectors of up to 32.
+  constexpr size_t kRowCodes = NV * hn::MaxLanes(hn::ScalableTag<float>());
+  constexpr size_t kWatch = kRowCodes < 32 ? kRowCodes : 32;
+  const hn::CappedTag<uint8_t, kWatch> d8;
+  [[maybe_unused]] auto seen = hn::Zero(d8);
+  V acc[MR][NV];
   const bool start_from_c = load_c && row_scale == nullptr;
   HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) acc[i] = start_from_c ? hn::LoadU(d, c + i * ldc) : hn::Zero(d);
+  for (size_t i = 0; i < MR; ++i) {
+    HWY_UNROLL(8)
+    for (size_t j = 0; j < NV; ++j) {
+      acc[i][j] = start_from_c ? hn::LoadU(d, c + i * ldc + j * N) : hn::Zero(d);
+    }
+  }
   for (size_t k = 0; k < kc; ++k) {
     const uint8_t* row = b + k * ldb;
     pf.Step(row, ldb, 1);
-    const V bv = LoadRowAsF32<kSrc>(d, row);
+    if constexpr (kWatchNaN) {
+      // Step by the u8 vector's real width: a CappedTag holds at most kWatch
+      // lanes but fewer on narrow targets (1 on SCALAR, 16 on SSE4/EMU128),
+      // and stepping by kWatch there skipped columns.
+      for (size_t w = 0; w < NV * N; w += hn::Lanes(d8)) {
+        seen = hn::Or(seen, NaNCodeMask<kSrc, kWatch>(row + w));
+      }
+    }
+    V bv[NV];
+    HWY_UNROLL(8)
+    for (size_t j = 0; j < NV; ++j) bv[j] = LoadRowAsF32<kSrc>(d, row + j * N * kEsize);
     HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) acc[i] = hn::MulAdd(hn::Set(d, ap[k * MR + i]), bv, acc[i]);
-  }
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    float* p = c + i * ldc;
-    if (row_scale != nullptr) {
-      const V s = hn::Set(d, row_scale[i]);
-      hn::StoreU(load_c ? hn::MulAdd(s, acc[i], hn::LoadU(d, p)) : hn::Mul(s, acc[i]), d, p);
-    } else {
-      hn::StoreU(acc[i], d, p);
+    for (size_t i = 0; i < MR; ++i) {
+      const V a = hn::Set(d, ap[k * MR + i]);
+      HWY_UNROLL(8)
+      for (size_t j = 0; j < NV; ++j) acc[i][j] = hn::MulAdd(a, bv[j], acc[i][j]);
     }
   }
+  const V vpost = hn::Set(d, post);
+  HWY_UNROLL(16)
+  for (size_t i = 0; i < MR; ++i) {
+    HWY_UNROLL(8)
+    for (size_t j = 0; j < NV; ++j) {
+      float* p = c + i * ldc + j * N;
+      if (row_scale != nullptr) {
+        const V s = hn::Mul(hn::Set(d, row_scale[i]), vpost);
+        hn::StoreU(load_c ? hn::MulAdd(s, acc[i][j], hn::LoadU(d, p)) : hn::Mul(s, acc[i][j]), d, p);
+      } else if (post != 1.0f) {
+        hn::StoreU(hn::Mul(acc[i][j], vpost), d, p);
+      } else {
+        hn::StoreU(acc[i][j], d, p);
+      }
+    }
+  }
+  if constexpr (kWatchNaN) return !hn::AllFalse(d8, hn::Ne(seen, hn::Zero(d8)));
+  return false;
 }
 
 // ---- I16 pairs -> int32 --------------------------------------------------
@@ -242,385 +326,6 @@ HWY_NOINLINE void MicroI16(size_t kc2, const uint32_t* HWY_RESTRICT ap,
   }
 #endif
 }
-
-// ---- bf16 pairs (AVX512-BF16) --------------------------------------------
-
-#if HWY_TARGET == HWY_AVX3
-// Whether this CPU has vdpbf16ps (checked once).
-inline bool CpuHasAvx512Bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
-// ap: kc/2 x MR u32 (bf16 pairs); bp: kc/2 x 32 u32 pairs (NR = 32).
-// vdpbf16ps adds both products of a pair into the f32 lane; for operands
-// whose products are exact in f32 (fp8 values) this is the same as two FMAs.
-// Denormal inputs and results are flushed (DAZ/FTZ) by the instruction.
-template <size_t MR>
-FP8MOE_AVX512BF16 HWY_NOINLINE void
-MicroBf16Pairs(size_t kc2, const uint32_t* HWY_RESTRICT ap,
-               const uint32_t* HWY_RESTRICT bp, float* HWY_RESTRICT c,
-               size_t ldc, bool load_c, const float* HWY_RESTRICT row_scale,
-               const float* HWY_RESTRICT col_scale) {
-  __m512 acc0[MR], acc1[MR];
-  const bool scaled = row_scale != nullptr || col_scale != nullptr;
-  const bool start_from_c = load_c && !scaled;
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    acc0[i] = start_from_c ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-    acc1[i] = start_from_c ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
-  }
-  HWY_UNROLL(2)
-  for (size_t k = 0; k < kc2; ++k) {
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(bp + k * 32);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(bp + k * 32 + 16);
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[k * MR + i]));
-      acc0[i] = _mm512_dpbf16_ps(acc0[i], a, b0);
-      acc1[i] = _mm512_dpbf16_ps(acc1[i], a, b1);
-    }
-  }
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    float* p = c + i * ldc;
-    if (scaled) {
-      const __m512 s0 = row_scale != nullptr ? _mm512_set1_ps(row_scale[i]) : _mm512_loadu_ps(col_scale);
-      const __m512 s1 = row_scale != nullptr ? s0 : _mm512_loadu_ps(col_scale + 16);
-      if (load_c) {
-        _mm512_storeu_ps(p, _mm512_fmadd_ps(s0, acc0[i], _mm512_loadu_ps(p)));
-        _mm512_storeu_ps(p + 16, _mm512_fmadd_ps(s1, acc1[i], _mm512_loadu_ps(p + 16)));
-      } else {
-        _mm512_storeu_ps(p, _mm512_mul_ps(s0, acc0[i]));
-        _mm512_storeu_ps(p + 16, _mm512_mul_ps(s1, acc1[i]));
-      }
-    } else {
-      _mm512_storeu_ps(p, acc0[i]);
-      _mm512_storeu_ps(p + 16, acc1[i]);
-    }
-  }
-}
-// ---- bf16 pairs straight from the weight (no packed B panel) -----------------
-//
-// For items with at most MR rows every B element is used by one A panel only,
-// so packing B (write a panel, read it back) costs more than it saves: these
-// kernels read 32 columns of two reduction rows straight from the source, turn
-// them into bf16 in registers (fp8 codes are decoded; bf16 is used as is),
-// interleave the rows into (k, k+1) pairs and multiply. unpacklo/hi_epi16 work
-// within 128-bit lanes, so the accumulators hold the columns in the order
-// {0-3, 8-11, 16-19, 24-27} | {4-7, 12-15, 20-23, 28-31}; two permutes per row
-// restore it when C is loaded or stored.
-
-// 32 fp8 codes (ymm) -> 32 bf16 (zmm of u16), exact, no f32 subnormals.
-template <Fp8Format kFormat>
-FP8MOE_AVX512BF16 HWY_INLINE __m512i
-DecodeFp8ToBf16x32(__m256i codes8) {
-  constexpr Fp8Spec s = SpecOf(kFormat);
-  const __m512i c = _mm512_cvtepu8_epi16(codes8);
-  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
-  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
-  // Normal: exponent and mantissa into place, exponent re-biased by an add.
-  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 7 - s.mantissa_bits),
-                               _mm512_set1_epi16(static_cast<short>((127 - s.bias) << 7)));
-  // Subnormal mantissas m (m < 2^mantissa_bits): bf16 of m * 2^(1-bias-man)
-  // from a small table.
-  alignas(64) static const uint16_t kSub[32] = {
-      0,
-      F32ToBf16Const(1.0f * kPow2(1 - s.bias - s.mantissa_bits)),
-      F32ToBf16Const(2.0f * kPow2(1 - s.bias - s.mantissa_bits)),
-      F32ToBf16Const(3.0f * kPow2(1 - s.bias - s.mantissa_bits)),
-      F32ToBf16Const(4.0f * kPow2(1 - s.bias - s.mantissa_bits)),
-      F32ToBf16Const(5.0f * kPow2(1 - s.bias - s.mantissa_bits)),
-      F32ToBf16Const(6.0f * kPow2(1 - s.bias - s.mantissa_bits)),
-      F32ToBf16Const(7.0f * kPow2(1 - s.bias - s.mantissa_bits))};
-  const __mmask32 is_sub =
-      _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(1 << s.mantissa_bits));
-  v = _mm512_mask_permutexvar_epi16(v, is_sub, mag, _mm512_load_si512(kSub));
-  v = _mm512_or_si512(v, sign);
-  if constexpr (s.fnuz) {
-    const __mmask32 nan = _mm512_cmpeq_epi16_mask(c, _mm512_set1_epi16(0x80));
-    v = _mm512_mask_mov_epi16(v, nan, _mm512_set1_epi16(static_cast<short>(0xFFC0)));
-  } else if constexpr (s.has_inf) {
-    const __mmask32 special = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7C));
-    const __mmask32 inf = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7C));
-    v = _mm512_mask_mov_epi16(v, special, _mm512_or_si512(sign, _mm512_set1_epi16(0x7FC0)));
-    v = _mm512_mask_mov_epi16(v, inf, _mm512_or_si512(sign, _mm512_set1_epi16(0x7F80)));
-  } else {
-    const __mmask32 nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F));
-    v = _mm512_mask_mov_epi16(v, nan, _mm512_or_si512(sign, _mm512_set1_epi16(0x7FC0)));
-  }
-  return v;
-}
-
-// Source kinds of the direct kernel.
-// (The fp8 weights of native GMMs are e4m3fn or e4m3fnuz.)
-enum class DirectSrc { kBf16, kE4M3FN, kE4M3FNUZ };
-
-template <DirectSrc kSrc>
-FP8MOE_AVX512BF16 HWY_INLINE __m512i
-LoadBf16x32(const uint8_t* p) {
-  if constexpr (kSrc == DirectSrc::kBf16) {
-    return _mm512_loadu_si512(p);
-  } else {
-    constexpr Fp8Format f = static_cast<Fp8Format>(static_cast<int>(kSrc) - 1);
-    return DecodeFp8ToBf16x32<f>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-}
-
-// The 32 columns of a direct kernel's accumulator pair (v0, v1), in the order
-// the in-lane unpacks produce, put back in natural column order.
-__attribute__((target("avx512f"))) HWY_INLINE void PermuteToNatural(__m512i& v0, __m512i& v1) {
-  const __m512i to_natural0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i to_natural1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i n0 = _mm512_permutex2var_epi32(v0, to_natural0, v1);
-  v1 = _mm512_permutex2var_epi32(v0, to_natural1, v1);
-  v0 = n0;
-}
-
-// The C tile [MR x 32] of the direct kernels, held in the accumulator column
-// order the in-lane unpacks produce. Between the reduction chunks of a work
-// item C stays in that order in memory (nobody reads it until the item is
-// done), so only the item's last chunk permutes it to the natural order:
-// permutes share the shuffle pipes with the fp8 decode. Everything is inlined
-// and unrolled, so the arrays live in registers.
-template <size_t MR>
-struct PermutedTile {
-  __m512 acc0[MR], acc1[MR];
-
-  // acc = C as a previous chunk left it (accumulator order), or zero.
-  FP8MOE_AVX512BF16 HWY_INLINE void Load(const float* c, size_t ldc, bool from_c) {
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      acc0[i] = from_c ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-      acc1[i] = from_c ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
-    }
-  }
-
-  // acc[i] += pairs of A row i (a[i]) . the two B pair vectors.
-  FP8MOE_AVX512BF16 HWY_INLINE void Dot(const uint32_t* a, __m512bh b0, __m512bh b1) {
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i]));
-      acc0[i] = _mm512_dpbf16_ps(acc0[i], av, b0);
-      acc1[i] = _mm512_dpbf16_ps(acc1[i], av, b1);
-    }
-  }
-
-  // C = acc, or with row_scale C = s * acc (+ C when load_c, which is in
-  // accumulator order); in the natural column order when `last`.
-  FP8MOE_AVX512BF16 HWY_INLINE void Store(float* c, size_t ldc, bool load_c,
-                                          const float* row_scale, bool last) {
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      float* p = c + i * ldc;
-      __m512 v0 = acc0[i], v1 = acc1[i];
-      if (row_scale != nullptr) {
-        const __m512 s = _mm512_set1_ps(row_scale[i]);
-        v0 = load_c ? _mm512_fmadd_ps(s, v0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, v0);
-        v1 = load_c ? _mm512_fmadd_ps(s, v1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, v1);
-      }
-      __m512i b0 = _mm512_castps_si512(v0), b1 = _mm512_castps_si512(v1);
-      if (last) PermuteToNatural(b0, b1);
-      _mm512_storeu_si512(p, b0);
-      _mm512_storeu_si512(p + 16, b1);
-    }
-  }
-};
-
-// C[MR x 32] (+)= A panel (kc2 x MR pairs) x B rows [r, r + 2*kc2) of the
-// source at b (ldb bytes per row), columns [0, 32). kc odd: the last pair's
-// second row is not read (zero).
-template <size_t MR, DirectSrc kSrc>
-FP8MOE_AVX512BF16 HWY_NOINLINE void
-MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
-                     const uint8_t* HWY_RESTRICT b, size_t ldb,
-                     float* HWY_RESTRICT c, size_t ldc, bool load_c,
-                     const float* HWY_RESTRICT row_scale, bool last, DirectPrefetch pf) {
-  PermutedTile<MR> tile;
-  tile.Load(c, ldc, load_c && row_scale == nullptr);
-  auto step = [&](const uint32_t* a, __m512i lo, __m512i hi) FP8MOE_AVX512BF16 {
-    tile.Dot(a, (__m512bh)_mm512_unpacklo_epi16(lo, hi), (__m512bh)_mm512_unpackhi_epi16(lo, hi));
-  };
-  const size_t kc2 = kc / 2;
-  HWY_UNROLL(2)
-  for (size_t k = 0; k < kc2; ++k) {
-    const uint8_t* row = b + 2 * k * ldb;
-    pf.Step(row, ldb, 2);
-    step(ap + k * MR, LoadBf16x32<kSrc>(row), LoadBf16x32<kSrc>(row + ldb));
-  }
-  if (kc % 2 != 0) {
-    step(ap + kc2 * MR, LoadBf16x32<kSrc>(b + 2 * kc2 * ldb), _mm512_setzero_si512());
-  }
-  tile.Store(c, ldc, load_c, row_scale, last);
-}
-
-// ---- fp8 weight pairs by byte tables (AVX512-VBMI) --------------------------
-//
-// Decoding row by row costs ~12 vector ops per 32 codes and dominated the
-// decode shape. With byte permutes: put 32 codes of row k and 32 of row k+1
-// side by side, interleave them (a0 b0 a1 b1 ..., one vpermb), look up the low
-// and the high byte of every code's bf16 in two 128-entry tables (vpermi2b
-// on the 7 magnitude bits; the sign is OR-ed into the high byte), and
-// interleave low and high bytes: the u16 lanes are then bf16(a0), bf16(b0),
-// bf16(a1), ..., i.e. exactly the (k, k+1) pairs, in the same lane order as
-// the u16 path. About 8 ops per 64 codes.
-
-#ifndef FP8MOE_AVX512VBMI
-#define FP8MOE_AVX512VBMI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
-#endif
-
-inline bool CpuHasAvx512Vbmi() {
-  static const bool has = __builtin_cpu_supports("avx512vbmi");
-  return has;
-}
-
-// Low and high bytes of bf16(decode(m)) for the 128 magnitudes m.
-struct Fp8ByteTables {
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi[128];
-  explicit Fp8ByteTables(Fp8Format f) {
-    for (int m = 0; m < 128; ++m) {
-      const uint16_t b = F32ToBf16(DecodeFp8(static_cast<uint8_t>(m), f));
-      lo[m] = static_cast<uint8_t>(b & 0xFF);
-      hi[m] = static_cast<uint8_t>(b >> 8);
-    }
-  }
-};
-
-template <size_t MR, Fp8Format kFormat>
-FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
-    size_t kc, const uint32_t* HWY_RESTRICT ap, const uint8_t* HWY_RESTRICT b,
-    size_t ldb, float* HWY_RESTRICT c, size_t ldc, bool load_c,
-    const float* HWY_RESTRICT row_scale, bool last, DirectPrefetch pf) {
-  static const Fp8ByteTables tables(kFormat);
-  const __m512i tlo0 = _mm512_load_si512(tables.lo), tlo1 = _mm512_load_si512(tables.lo + 64);
-  const __m512i thi0 = _mm512_load_si512(tables.hi), thi1 = _mm512_load_si512(tables.hi + 64);
-  alignas(64) static const uint8_t kInterleave[64] = {
-      0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-      8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
-      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
-  const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
-  PermutedTile<MR> tile;
-  tile.Load(c, ldc, load_c && row_scale == nullptr);
-  auto step = [&](const uint32_t* a, __m256i row0, __m256i row1) FP8MOE_AVX512VBMI {
-    __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(row0), row1, 1);
-    x = _mm512_permutexvar_epi8(interleave, x);
-    __m512i lo = _mm512_permutex2var_epi8(tlo0, x, tlo1);
-    __m512i hi = _mm512_permutex2var_epi8(thi0, x, thi1);
-    hi = _mm512_or_si512(hi, _mm512_and_si512(x, sign_bit));
-    if constexpr (SpecOf(kFormat).fnuz) {  // 0x80 is the NaN, not -0
-      const __mmask64 nan = _mm512_cmpeq_epi8_mask(x, sign_bit);
-      lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(0xC0)));
-      hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(static_cast<char>(0xFF)));
-    }
-    tile.Dot(a, (__m512bh)_mm512_unpacklo_epi8(lo, hi), (__m512bh)_mm512_unpackhi_epi8(lo, hi));
-  };
-  const size_t kc2 = kc / 2;
-  HWY_UNROLL(2)
-  for (size_t k = 0; k < kc2; ++k) {
-    const uint8_t* row = b + 2 * k * ldb;
-    pf.Step(row, ldb, 2);
-    step(ap + k * MR, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)),
-         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + ldb)));
-  }
-  if (kc % 2 != 0) {  // the last pair's second row is zero (code 0)
-    step(ap + kc2 * MR,
-         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * kc2 * ldb)),
-         _mm256_setzero_si256());
-  }
-  tile.Store(c, ldc, load_c, row_scale, last);
-}
-
-// Whether this CPU has vpdpwssd (AVX512-VNNI).
-inline bool CpuHasAvx512Vnni() {
-  static const bool has = __builtin_cpu_supports("avx512vnni");
-  return has;
-}
-
-// The I16 kernel with vpdpwssd: the pair multiply-add and the accumulate in
-// one instruction (vpmaddwd + vpaddd otherwise). Exact int32 arithmetic, so
-// the bits equal MicroI16's.
-template <size_t MR>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) HWY_NOINLINE void
-MicroI16Vnni(size_t kc2, const uint32_t* HWY_RESTRICT ap,
-             const uint32_t* HWY_RESTRICT bp, int32_t* HWY_RESTRICT c,
-             size_t ldc, bool load_c) {
-  __m512i acc0[MR], acc1[MR];
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    acc0[i] = load_c ? _mm512_loadu_si512(c + i * ldc) : _mm512_setzero_si512();
-    acc1[i] = load_c ? _mm512_loadu_si512(c + i * ldc + 16) : _mm512_setzero_si512();
-  }
-  HWY_UNROLL(2)
-  for (size_t k = 0; k < kc2; ++k) {
-    const __m512i b0 = _mm512_load_si512(bp + k * 32);
-    const __m512i b1 = _mm512_load_si512(bp + k * 32 + 16);
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(ap[k * MR + i]));
-      acc0[i] = _mm512_dpwssd_epi32(acc0[i], a, b0);
-      acc1[i] = _mm512_dpwssd_epi32(acc1[i], a, b1);
-    }
-  }
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    _mm512_storeu_si512(c + i * ldc, acc0[i]);
-    _mm512_storeu_si512(c + i * ldc + 16, acc1[i]);
-  }
-}
-// int8 weights of items of at most MR rows, read straight from the weight
-// (int8 decode): 32 columns of rows k and k+1 sign-extended to int16 and
-// interleaved into pairs in registers, vpdpwssd against the packed int16 A
-// pairs. The same exact int32 sums as MicroI16Vnni on packed panels. C is an
-// int32 tile, kept in the unpacks' column order between reduction chunks like
-// PermutedTile's and put in natural order by the last chunk.
-template <size_t MR>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) HWY_NOINLINE void
-MicroI8PairsDirectVnni(size_t kc, const uint32_t* HWY_RESTRICT ap,
-                       const uint8_t* HWY_RESTRICT b, size_t ldb, int32_t* HWY_RESTRICT c,
-                       size_t ldc, bool load_c, bool last, DirectPrefetch pf) {
-  __m512i acc0[MR], acc1[MR];
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    acc0[i] = load_c ? _mm512_loadu_si512(c + i * ldc) : _mm512_setzero_si512();
-    acc1[i] = load_c ? _mm512_loadu_si512(c + i * ldc + 16) : _mm512_setzero_si512();
-  }
-  auto step = [&](const uint32_t* a, __m512i lo, __m512i hi)
-                  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) {
-    const __m512i b0 = _mm512_unpacklo_epi16(lo, hi), b1 = _mm512_unpackhi_epi16(lo, hi);
-    HWY_UNROLL(16)
-    for (size_t i = 0; i < MR; ++i) {
-      const __m512i av = _mm512_set1_epi32(static_cast<int>(a[i]));
-      acc0[i] = _mm512_dpwssd_epi32(acc0[i], av, b0);
-      acc1[i] = _mm512_dpwssd_epi32(acc1[i], av, b1);
-    }
-  };
-  auto row16 = [](const uint8_t* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  };
-  const size_t kc2 = kc / 2;
-  HWY_UNROLL(2)
-  for (size_t k = 0; k < kc2; ++k) {
-    const uint8_t* row = b + 2 * k * ldb;
-    pf.Step(row, ldb, 2);
-    step(ap + k * MR, row16(row), row16(row + ldb));
-  }
-  if (kc % 2 != 0) step(ap + kc2 * MR, row16(b + 2 * kc2 * ldb), _mm512_setzero_si512());
-  HWY_UNROLL(16)
-  for (size_t i = 0; i < MR; ++i) {
-    __m512i v0 = acc0[i], v1 = acc1[i];
-    if (last) PermuteToNatural(v0, v1);
-    _mm512_storeu_si512(c + i * ldc, v0);
-    _mm512_storeu_si512(c + i * ldc + 16, v1);
-  }
-}
-#else
-inline bool CpuHasAvx512Bf16() { return false; }
-inline bool CpuHasAvx512Vnni() { return false; }
-#endif
 
 }  // namespace HWY_NAMESPACE
 }  // namespace fp8moe

@@ -1,6 +1,9 @@
 // Packing of GEMM operands into the panels the microkernels read, with the
-// operand conversion fused in (bf16 -> f32, fp8 decode, per-channel or
-// per-row-tile scale, rounding to bf16, int8 -> int16).
+// operand conversion fused in (bf16 -> f32, fp8 decode, per-channel scale,
+// rounding to bf16, int8 -> int16). The packers are per-target code
+// (pack-inl.h, compiled for every SIMD target with the kernels that read
+// their panels); this header holds their plain-data types and the
+// dispatched entry points the tests call.
 //
 // Panels (MR, NR: the kernel's register tile):
 //   A, f32:    [ceil(rows/MR)][kc][MR]        element (i, r)
@@ -8,12 +11,11 @@
 //   B, f32:    [ceil(cols/NR)][kc][NR]        element (r, j)
 //   B, pairs:  [ceil(cols/NR)][kc/2][NR] u32
 // Rows, columns and reduction steps past the end are zero, so the kernels
-// always run full tiles. A packer is amortised over the other operand's
-// extent (A over the item's columns, B over its rows), so these are plain
-// loops; the ones on hot paths are written so the compiler vectorises them.
+// always run full tiles.
 #ifndef FP8MOE_KERNELS_CPU_PACK_H_
 #define FP8MOE_KERNELS_CPU_PACK_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/cpu/gemm_call.h"
@@ -38,14 +40,46 @@ struct Operand {
   bool transposed;  // the GEMM's (i, r) or (r, j) is the source's (col, row)
 };
 
-// A rows [i0, i0 + rows) x reduction [r0, r0 + kc) into MR panels.
-void PackA(const Operand& a, PanelKind kind, int64_t i0, int64_t rows,
-           int64_t r0, int64_t kc, int64_t mr, void* ap);
+// Bytes of panels covering `extent` rows (A) or columns (B) in tiles of
+// `tile` (MR or NR) over a reduction block of kc: the one rule that sizes
+// the packing buffers (gemm_exec.cc allocates with it, and checks every
+// pack against it).
+inline size_t PanelBytes(PanelKind kind, int64_t extent, int64_t tile, int64_t kc) {
+  const int64_t panels = (extent + tile - 1) / tile;
+  const int64_t depth = kind == PanelKind::kF32 ? kc : (kc + 1) / 2;
+  return static_cast<size_t>(panels * depth * tile) * 4;
+}
 
+// The rows a packer converts before it scatters them into panels, carved
+// out of one worker buffer. `width` bounds every row length a pack of this
+// call converts (padded columns, padded rows of a transposed A, kc + 1).
+struct PackScratch {
+  static constexpr int64_t kTransposeRows = 16;  // rows transposed together
+  float* f32 = nullptr;   // [width]
+  float* tmp = nullptr;   // [width]
+  float* zero = nullptr;  // [width], all zero
+  float* rows = nullptr;  // [kTransposeRows * (kc + 1)]
+  uint16_t* lo = nullptr;  // [width]
+  uint16_t* hi = nullptr;  // [width]
+  int64_t width = 0, kc = 0;
+
+  static size_t Bytes(int64_t width, int64_t kc) {
+    return static_cast<size_t>(3 * width + kTransposeRows * (kc + 1)) * sizeof(float) +
+           static_cast<size_t>(2 * width) * sizeof(uint16_t);
+  }
+  // Lays the scratch out over `bytes` >= Bytes(width, kc) at p.
+  void Carve(uint8_t* p, int64_t w, int64_t k);
+};
+
+// Dispatched to the best SIMD target (tests; the executor calls the
+// per-target packers directly). ap / bp must hold PanelBytes(...).
+// A rows [i0, i0 + rows) x reduction [r0, r0 + kc) into MR panels.
+void PackA(const Operand& a, PanelKind kind, int64_t i0, int64_t rows, int64_t r0,
+           int64_t kc, int64_t mr, void* ap, PackScratch& s);
 // B reduction [r0, r0 + kc) x the columns of `cols` into NR panels; returns
 // the number of panels written.
-int64_t PackB(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
-              const ColumnRuns& cols, int64_t nr, void* bp);
+int64_t PackB(const Operand& b, PanelKind kind, int64_t r0, int64_t kc, const ColumnRuns& cols,
+              int64_t nr, void* bp, PackScratch& s);
 
 }  // namespace fp8moe::internal
 

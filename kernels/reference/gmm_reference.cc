@@ -5,7 +5,9 @@
 //
 // Every function validates with the same internal::Check* as the fast kernel,
 // reads only the valid rows of lhs / dout / h (tail rows may hold NaN) and
-// writes every element of its outputs, tail rows as 0.
+// writes every element of its outputs, tail rows as 0. The same code is the
+// "reference" GMM backend (gmm_backend.h): a Context with BackendKind::
+// kReference runs every call here, counting KernelPath::kReference.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
+#include "kernels/gmm_backend.h"
 #include "kernels/gmm_problem.h"
 
 namespace fp8moe::reference {
@@ -147,20 +150,11 @@ Status QuantizedProduct(const GmmOptions& o, const GmmProblem& p,
   return OkStatus();
 }
 
-}  // namespace
-
 // out [M, N] (kSwiGlu: [M, N/2]) = lhs [M, K] x rhs [E, K, N] per group;
-// rhs_scale [E, N] with codes; group_sizes [E]; h_out [M, N] (kSwiGlu only).
-Status Gmm(const GmmOptions& options, const TensorView& lhs,
-           const TensorView& rhs, const TensorView* rhs_scale,
-           const TensorView& group_sizes, const TensorView& out,
-           const TensorView* h_out) {
-  FP8MOE_ASSIGN_OR_RETURN(
-      const GmmProblem p,
-      internal::CheckGmm(options, lhs, rhs, rhs_scale, group_sizes, out, h_out));
-  // No output elements (h_out is empty too): nothing to compute, however
-  // large the other dimensions are.
-  if (out.num_elements() == 0) return OkStatus();
+// rhs_scale [E, N] with codes; h_out [M, N] (kSwiGlu only). p checked.
+Status GmmChecked(const GmmProblem& p, const GmmOptions& options, const TensorView& lhs,
+                  const TensorView& rhs, const TensorView* rhs_scale, const TensorView& out,
+                  const TensorView* h_out) {
   // h [M, N]: the product rounded to f32; tail rows stay 0.
   std::vector<float> h(Idx(p.m * p.n), 0.0f);
   switch (options.mode) {
@@ -200,15 +194,10 @@ Status Gmm(const GmmOptions& options, const TensorView& lhs,
 }
 
 // out [M, K] (kDSwiGlu: [M, 2K]) = dout [M, N] x rhs[g]^T (rhs [E, K, N]);
-// rhs_scale [E, N] with codes; h [M, 2K] (kDSwiGlu only).
-Status GmmDlhs(const GmmOptions& options, const TensorView& dout,
-               const TensorView& rhs, const TensorView* rhs_scale,
-               const TensorView& group_sizes, const TensorView& out,
-               const TensorView* h) {
-  FP8MOE_ASSIGN_OR_RETURN(
-      const GmmProblem p,
-      internal::CheckDlhs(options, dout, rhs, rhs_scale, group_sizes, out, h));
-  if (out.num_elements() == 0) return OkStatus();  // nothing to compute
+// rhs_scale [E, N] with codes; h [M, 2K] (kDSwiGlu only). p checked.
+Status DlhsChecked(const GmmProblem& p, const GmmOptions& options, const TensorView& dout,
+                   const TensorView& rhs, const TensorView* rhs_scale, const TensorView& out,
+                   const TensorView* h) {
   // kBf16 and kFakeQat see the same bf16 weight values, so their results are
   // identical by construction, as gmm.h promises for the fast kernels.
   const std::vector<float> w =
@@ -252,14 +241,10 @@ Status GmmDlhs(const GmmOptions& options, const TensorView& dout,
 }
 
 // drhs [E, K, N] = lhs[rows of g]^T [K, rows] x dout[rows of g] [rows, N];
-// lhs [M, K] (F32, BF16 or fp8 codes), dout [M, N], group_sizes [E].
-Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
-            const TensorView& lhs, const TensorView& dout,
-            const TensorView& group_sizes, const TensorView& drhs) {
-  FP8MOE_ASSIGN_OR_RETURN(
-      const GmmProblem p,
-      internal::CheckTgmm(options, quant, lhs, dout, group_sizes, drhs));
-  if (drhs.num_elements() == 0) return OkStatus();  // nothing to compute
+// lhs [M, K] (F32, BF16 or fp8 codes), dout [M, N], group_sizes [E]. p checked.
+Status TgmmChecked(const GmmProblem& p, const GmmOptions& options, const TgmmQuant& quant,
+                   const TensorView& lhs, const TensorView& dout,
+                   const TensorView& group_sizes, const TensorView& drhs) {
   // a [M, K]: lhs values (codes as their exact values, no scale).
   // b [M, N]: dout values, or dout quantized and dequantized.
   // Tail rows of both stay 0 and are never used.
@@ -317,4 +302,66 @@ Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
   return OkStatus();
 }
 
+// The reference twins as a backend: every call counts once on kReference.
+class ReferenceBackend final : public internal::GmmBackend {
+ public:
+  BackendKind kind() const override { return BackendKind::kReference; }
+  Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
+             const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
+             const TensorView& out, const TensorView* h_out) override {
+    ctx.CountKernel(KernelPath::kReference);
+    return GmmChecked(p, o, lhs, rhs, rhs_scale, out, h_out);
+  }
+  Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& dout,
+              const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
+              const TensorView& out, const TensorView* h) override {
+    ctx.CountKernel(KernelPath::kReference);
+    return DlhsChecked(p, o, dout, rhs, rhs_scale, out, h);
+  }
+  Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TgmmQuant& quant,
+              const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
+              const TensorView& drhs) override {
+    ctx.CountKernel(KernelPath::kReference);
+    return TgmmChecked(p, o, quant, lhs, dout, group_sizes, drhs);
+  }
+};
+
+}  // namespace
+
+Status Gmm(const GmmOptions& options, const TensorView& lhs, const TensorView& rhs,
+           const TensorView* rhs_scale, const TensorView& group_sizes, const TensorView& out,
+           const TensorView* h_out) {
+  FP8MOE_ASSIGN_OR_RETURN(
+      const GmmProblem p,
+      internal::CheckGmm(options, lhs, rhs, rhs_scale, group_sizes, out, h_out));
+  // No output elements (h_out is empty too): nothing to compute, however
+  // large the other dimensions are.
+  if (out.num_elements() == 0) return OkStatus();
+  return GmmChecked(p, options, lhs, rhs, rhs_scale, out, h_out);
+}
+
+Status GmmDlhs(const GmmOptions& options, const TensorView& dout, const TensorView& rhs,
+               const TensorView* rhs_scale, const TensorView& group_sizes,
+               const TensorView& out, const TensorView* h) {
+  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p, internal::CheckDlhs(options, dout, rhs, rhs_scale,
+                                                                   group_sizes, out, h));
+  if (out.num_elements() == 0) return OkStatus();  // nothing to compute
+  return DlhsChecked(p, options, dout, rhs, rhs_scale, out, h);
+}
+
+Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView& lhs,
+            const TensorView& dout, const TensorView& group_sizes, const TensorView& drhs) {
+  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p, internal::CheckTgmm(options, quant, lhs, dout,
+                                                                   group_sizes, drhs));
+  if (drhs.num_elements() == 0) return OkStatus();  // nothing to compute
+  return TgmmChecked(p, options, quant, lhs, dout, group_sizes, drhs);
+}
+
 }  // namespace fp8moe::reference
+
+namespace fp8moe::internal {
+GmmBackend& ReferenceGmmBackend() {
+  static reference::ReferenceBackend backend;
+  return backend;
+}
+}  // namespace fp8moe::internal

@@ -1,30 +1,24 @@
-// The fast GMM, dLHS and TGMM: validate, run the pre-passes a mode needs
+// The "cpu" GMM backend (gmm_backend.h): the pre-passes a mode needs
 // (activation quantization over valid rows, the fake-QAT BF16 weight copy,
-// TGMM gradient quantization), plan work items, and hand the call to the
-// per-target executor (gemm_exec.cc). Reference twins: reference/.
+// TGMM gradient quantization), the plan of work items, and the hand-off to
+// the per-target executor (gemm_exec.cc). Every buffer it needs lives in the
+// Context's scratch, so a repeated call allocates nothing.
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "base/scratch_arena.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "kernels/cpu/gemm_call.h"
-#include "kernels/cpu/scratch.h"
+#include "kernels/gmm_backend.h"
 #include "kernels/gmm_problem.h"
 #include "quant/quant_internal.h"
 
-namespace fp8moe {
+namespace fp8moe::internal {
 namespace {
-
-using internal::Epilogue;
-using internal::GemmCall;
-using internal::GmmProblem;
-using internal::Pass;
-using internal::Source;
-using internal::SrcKind;
-using internal::WorkItem;
 
 // Per-shape defaults (see docs/kernels.md for the cache model behind them).
 constexpr int64_t kDefaultTileM = 512;   // rows of a GMM / dLHS work item
@@ -48,31 +42,48 @@ int64_t ReductionBlock(int64_t tile, int64_t len) {
   return EvenUp(std::min(tile, std::max<int64_t>(len, 1)));
 }
 
-Source Plain(const TensorView& t, int64_t ld) {
+template <class T>
+T* SharedArray(Context& ctx, SharedSlot slot, int64_t n) {
+  return reinterpret_cast<T*>(
+      ctx.scratch().Shared(slot, static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T)));
+}
+
+// A row-major operand of `dtype` with leading dimension ld. Takes the
+// pointer and dtype, not a TensorView, so that building one for scratch
+// (activation codes, weight copy) constructs no Shape: a call allocates
+// nothing.
+Source Plain(const void* data, DType dtype, int64_t ld) {
   Source s;
-  s.data = t.data;
+  s.data = data;
   s.ld = ld;
-  switch (t.dtype) {
+  switch (dtype) {
     case DType::kF32: s.kind = SrcKind::kF32; break;
     case DType::kBF16: s.kind = SrcKind::kBf16; break;
     case DType::kI8: s.kind = SrcKind::kI8; break;
     default:
       s.kind = SrcKind::kFp8;
-      s.fp8 = *Fp8FormatOf(t.dtype);
+      s.fp8 = *Fp8FormatOf(dtype);
       break;
   }
   return s;
 }
+Source Plain(const TensorView& t, int64_t ld) { return Plain(t.data, t.dtype, ld); }
 
 // rhs [e, k, n] as a per-group source with its per-channel scale, if codes.
-Source RhsSource(const TensorView& rhs, const TensorView* scale,
-                 const GmmProblem& p) {
+Source RhsSource(const TensorView& rhs, const TensorView* scale, const GmmProblem& p) {
   Source s = Plain(rhs, p.n);
   s.group_stride = p.k * p.n;
   if (scale != nullptr && s.kind == SrcKind::kFp8) {
     s.col_scale = scale->as<float>();
     s.col_scale_group_stride = p.n;
   }
+  return s;
+}
+
+// The fake-QAT BF16 weight copy [e, k, n] as the per-group rhs source.
+Source Bf16CopySource(const uint16_t* copy, const GmmProblem& p) {
+  Source s = Plain(copy, DType::kBF16, p.n);
+  s.group_stride = p.k * p.n;
   return s;
 }
 
@@ -87,8 +98,8 @@ void ZeroRows(const TensorView& t, int64_t from) {
 
 // Work items over the rows of each group x the output columns. Steps never
 // pass the end (m + rows <= r1), so no tile size can overflow the loop.
-void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len,
-                   int64_t tile_m, int64_t tile_n, std::vector<WorkItem>* items) {
+void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len, int64_t tile_m,
+                   int64_t tile_n, std::vector<WorkItem>* items) {
   if (cols <= 0) return;
   for (int64_t g = 0; g < p.e; ++g) {
     const int64_t r0 = p.offsets[g], r1 = p.offsets[g + 1];
@@ -104,70 +115,68 @@ void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len,
   }
 }
 
-// The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), written into a
-// buffer the calling thread keeps across calls, as a trainer keeps the copy's
-// buffer from step to step (it stays allocated: that memory is what fake QAT
-// costs over native).
-thread_local internal::GrowBuffer tls_weight_copy;
-
-Result<TensorView> DequantizeToBf16(const TensorView& codes, const float* scale,
-                                    const GmmProblem& p) {
+// The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), in the
+// context's scratch: a trainer keeps that buffer from step to step (it stays
+// allocated: that memory is what fake QAT costs over native).
+Result<const uint16_t*> DequantizeToBf16(Context& ctx, const TensorView& codes,
+                                         const float* scale, const GmmProblem& p) {
   const int64_t rows = p.e * p.k;
-  auto* out = reinterpret_cast<uint16_t*>(
-      tls_weight_copy.Get(static_cast<size_t>(std::max<int64_t>(rows * p.n, 1)) * 2));
+  auto* out = SharedArray<uint16_t>(ctx, SharedSlot::kWeightCopy, rows * p.n);
   if (out == nullptr) return ResourceExhausted("cannot allocate the BF16 weight copy");
   FP8MOE_ASSIGN_OR_RETURN(const Fp8Format f, Fp8FormatOf(codes.dtype));
   const uint8_t* q = codes.as<uint8_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ctx.threads())
   for (int64_t r = 0; r < rows; ++r) {
     DequantizeFp8ToBf16Span(q + r * p.n, scale + (r / p.k) * p.n, out + r * p.n,
                             static_cast<size_t>(p.n), f);
   }
-  return TensorView{out, DType::kBF16, {p.e, p.k, p.n}};
+  return static_cast<const uint16_t*>(out);
 }
 
-// Codes and scales of the activation, kept by the calling thread across
-// calls (see scratch.h).
-struct LhsQuant {
-  internal::GrowBuffer codes, scales;
-};
-thread_local LhsQuant tls_lhs;
-
 // Quantizes the valid rows of lhs [m, k] (F32 or BF16) per row (or K-block)
-// into codes [valid, k] and scales [valid, blocks] (thread-local scratch).
-Status QuantizeLhs(const TensorView& lhs, const GmmProblem& p, int64_t block,
+// into codes [valid, k] and scales [valid, blocks], in the context's scratch;
+// one flat loop of rows on the context's threads, each row quantized serially
+// (QuantizeOneRow opens no nested parallel region: a region per row cost a
+// team setup per row), BF16 rows widened one at a time, exactly: no f32 copy
+// of the activation is made.
+Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int64_t block,
                    QuantDType dtype, const Calibration& calib, uint8_t** codes,
                    float** scales) {
   const int64_t rows = p.valid_rows, nb = NumBlocks(p.k, block);
-  *codes = tls_lhs.codes.Get(static_cast<size_t>(std::max<int64_t>(rows * p.k, 1)));
-  *scales = reinterpret_cast<float*>(
-      tls_lhs.scales.Get(static_cast<size_t>(std::max<int64_t>(rows * nb, 1)) * 4));
+  *codes = SharedArray<uint8_t>(ctx, SharedSlot::kLhsCodes, rows * p.k);
+  *scales = SharedArray<float>(ctx, SharedSlot::kLhsScales, rows * nb);
   if (*codes == nullptr || *scales == nullptr) {
     return ResourceExhausted("cannot allocate the activation codes of a GMM");
   }
-  if (lhs.dtype == DType::kF32) {
-    return QuantizeRows(lhs.as<float>(), rows, p.k, rows, block, dtype, calib, *codes,
-                        *scales);
-  }
-  // BF16 rows: widen one row at a time (exact) and quantize it, rows in
-  // parallel; no f32 copy of the whole activation is made.
-  const uint16_t* src = lhs.as<uint16_t>();
-  Status status;
-#pragma omp parallel
+  const int threads = ctx.threads();
+  ScratchArena& arena = ctx.scratch();
+  arena.EnsureWorkers(threads);
+  const bool bf16 = lhs.dtype == DType::kBF16;
+  bool out_of_memory = false;
+#pragma omp parallel num_threads(threads)
   {
-    std::vector<float> row(static_cast<size_t>(p.k));
+    float* row = bf16 ? reinterpret_cast<float*>(arena.Worker(
+                            omp_get_thread_num(), WorkerSlot::kRow,
+                            static_cast<size_t>(std::max<int64_t>(p.k, 1)) * sizeof(float)))
+                      : nullptr;
+    const bool have_row = !bf16 || row != nullptr;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      Bf16ToF32Span(src + r * p.k, row.data(), static_cast<size_t>(p.k));
-      const Status s = QuantizeRows(row.data(), 1, p.k, 1, block, dtype, calib,
-                                    *codes + r * p.k, *scales + r * nb);
-      if (!s.ok()) {
-#pragma omp critical
-        status = s;
+      if (!have_row) continue;
+      const float* x = lhs.as<float>() + r * p.k;
+      if (bf16) {
+        Bf16ToF32Span(lhs.as<uint16_t>() + r * p.k, row, static_cast<size_t>(p.k));
+        x = row;
       }
+      QuantizeOneRow(x, p.k, block, dtype, calib, *codes + r * p.k, *scales + r * nb);
+    }
+    if (!have_row) {
+#pragma omp atomic write
+      out_of_memory = true;
     }
   }
-  return status;
+  if (out_of_memory) return ResourceExhausted("cannot allocate a row buffer to quantize a GMM's activation");
+  return OkStatus();
 }
 
 void SetOutput(const TensorView& out, Epilogue* e) {
@@ -176,56 +185,46 @@ void SetOutput(const TensorView& out, Epilogue* e) {
   e->out_ld = out.shape[1];
 }
 
-}  // namespace
-
-namespace internal {
-
-ThreadScratch& WorkerScratch() {
-  thread_local ThreadScratch scratch;
-  return scratch;
+// The planned call, kept in the context so its item list keeps its capacity.
+GemmCall& FreshCall(Context& ctx) {
+  GemmCall& call = ctx.scratch().Object<GemmCall>();
+  std::vector<WorkItem> items = std::move(call.items);
+  items.clear();
+  call = GemmCall{};
+  call.items = std::move(items);
+  return call;
 }
 
-void ReleaseAllScratch() {
-  tls_lhs.codes.Release();
-  tls_lhs.scales.Release();
-  tls_weight_copy.Release();
-#pragma omp parallel
-  {
-    ThreadScratch& s = WorkerScratch();
-    s.ap.Release();
-    s.bp.Release();
-    s.c.Release();
-  }
-}
+class CpuBackend final : public GmmBackend {
+ public:
+  BackendKind kind() const override { return BackendKind::kCpu; }
+  Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
+             const TensorView& rhs, const TensorView* rhs_scale, const TensorView& group_sizes,
+             const TensorView& out, const TensorView* h_out) override;
+  Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& dout,
+              const TensorView& rhs, const TensorView* rhs_scale, const TensorView& group_sizes,
+              const TensorView& out, const TensorView* h) override;
+  Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TgmmQuant& quant,
+              const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
+              const TensorView& drhs) override;
+};
 
-}  // namespace internal
-
-void ReleaseGmmScratch() { internal::ReleaseAllScratch(); }
-
-Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
-           const TensorView* rhs_scale, const TensorView& group_sizes,
-           const TensorView& out, const TensorView* h_out) {
-  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
-                          internal::CheckGmm(o, lhs, rhs, rhs_scale, group_sizes, out, h_out));
-  // Nothing to write (h_out is empty too): return before any pre-pass, so a
-  // zero-element call costs nothing whatever its other dimensions.
-  if (out.num_elements() == 0) return OkStatus();
-  GemmCall call;
+Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
+                       const TensorView& lhs, const TensorView& rhs, const TensorView* rhs_scale,
+                       const TensorView&, const TensorView& out, const TensorView* h_out) {
+  GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kFwd;
-  call.red_len = p.k;
   call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.k);
   call.a = Plain(lhs, p.k);
   call.b = RhsSource(rhs, rhs_scale, p);
-  uint8_t* qa = nullptr;
-  float* sa = nullptr;
   switch (o.mode) {
     case GmmMode::kF32:
     case GmmMode::kBf16:
       break;
     case GmmMode::kFakeQat: {
-      FP8MOE_ASSIGN_OR_RETURN(const TensorView copy,
-                              DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
-      call.b = RhsSource(copy, nullptr, p);
+      FP8MOE_ASSIGN_OR_RETURN(const uint16_t* const copy,
+                              DequantizeToBf16(ctx, rhs, rhs_scale->as<float>(), p));
+      call.b = Bf16CopySource(copy, p);
       break;
     }
     case GmmMode::kNativeFp8:
@@ -233,8 +232,10 @@ Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
       const bool int8 = o.mode == GmmMode::kInt8;
       const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
       const QuantDType qd = int8 ? QuantDType::kInt8 : o.fp8_dtype;
-      FP8MOE_RETURN_IF_ERROR(QuantizeLhs(lhs, p, block, qd, o.lhs_calibration, &qa, &sa));
-      call.a = Plain(TensorView{qa, QuantStorageDType(qd), {p.valid_rows, p.k}}, p.k);
+      uint8_t* qa = nullptr;
+      float* sa = nullptr;
+      FP8MOE_RETURN_IF_ERROR(QuantizeLhs(ctx, lhs, p, block, qd, o.lhs_calibration, &qa, &sa));
+      call.a = Plain(qa, QuantStorageDType(qd), p.k);
       call.b.col_scale = nullptr;  // the weight scale is applied at the end
       call.integer = int8;
       if (block > 0) {
@@ -267,25 +268,22 @@ Status Gmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
   ZeroRows(out, p.valid_rows);
   RowGroupItems(p, cols, p.k, o.tiles.m.value_or(kDefaultTileM),
                 o.tiles.n.value_or(kDefaultTileN), &call.items);
-  return internal::ExecuteGemm(call);
+  return ExecuteGemm(ctx, call);
 }
 
-Status GmmDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rhs,
-               const TensorView* rhs_scale, const TensorView& group_sizes,
-               const TensorView& out, const TensorView* h) {
-  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
-                          internal::CheckDlhs(o, dout, rhs, rhs_scale, group_sizes, out, h));
-  if (out.num_elements() == 0) return OkStatus();  // nothing to write
-  GemmCall call;
+Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
+                        const TensorView& dout, const TensorView& rhs,
+                        const TensorView* rhs_scale, const TensorView&, const TensorView& out,
+                        const TensorView* h) {
+  GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kDlhs;
-  call.red_len = p.n;
   call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.n);
   call.a = Plain(dout, p.n);
   call.b = RhsSource(rhs, rhs_scale, p);
   if (o.mode == GmmMode::kFakeQat) {
-    FP8MOE_ASSIGN_OR_RETURN(const TensorView copy,
-                            DequantizeToBf16(rhs, rhs_scale->as<float>(), p));
-    call.b = RhsSource(copy, nullptr, p);
+    FP8MOE_ASSIGN_OR_RETURN(const uint16_t* const copy,
+                            DequantizeToBf16(ctx, rhs, rhs_scale->as<float>(), p));
+    call.b = Bf16CopySource(copy, p);
   } else if (o.mode == GmmMode::kBf16 && p.rhs_codes) {
     call.b.round_bf16 = true;  // per-tile dequantization to the copy's values
   }
@@ -302,23 +300,17 @@ Status GmmDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rh
   ZeroRows(out, p.valid_rows);
   RowGroupItems(p, p.k, p.n, o.tiles.m.value_or(kDefaultTileM),
                 o.tiles.n.value_or(kDefaultTileN), &call.items);
-  return internal::ExecuteGemm(call);
+  return ExecuteGemm(ctx, call);
 }
 
-Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
-            const TensorView& dout, const TensorView& group_sizes,
-            const TensorView& drhs) {
-  FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p,
-                          internal::CheckTgmm(o, quant, lhs, dout, group_sizes, drhs));
-  if (drhs.num_elements() == 0) return OkStatus();  // nothing to write
-  GemmCall call;
+Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
+                        const TgmmQuant& quant, const TensorView& lhs, const TensorView& dout,
+                        const TensorView& group_sizes, const TensorView& drhs) {
+  GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kTgmm;
   call.a = Plain(lhs, p.k);
   call.b = Plain(dout, p.n);
-  Tensor qg, sg;
-  std::vector<int32_t> row_tile;
-  int64_t quant_tile =
-      quant.per_group ? 0 : o.tiles.m.value_or(internal::kTgmmDefaultQuantTile);
+  int64_t quant_tile = quant.per_group ? 0 : o.tiles.m.value_or(kTgmmDefaultQuantTile);
   if (quant_tile > 0) {
     // A tile at least as tall as the largest group cuts every group into one
     // tile, exactly as that largest size does; clamping keeps the reduction
@@ -330,26 +322,38 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
   if (quant.dout_dtype) {
     const int32_t* sizes = group_sizes.as<int32_t>();
     FP8MOE_ASSIGN_OR_RETURN(const int64_t tiles, NumGroupTiles(sizes, p.e, p.m, quant_tile));
-    FP8MOE_ASSIGN_OR_RETURN(qg, Tensor::Create(QuantStorageDType(*quant.dout_dtype), {p.m, p.n}));
-    FP8MOE_ASSIGN_OR_RETURN(sg, Tensor::Create(DType::kF32, {std::max<int64_t>(tiles, 1), p.n}));
-    FP8MOE_RETURN_IF_ERROR(QuantizeGroupTileChannels(
-        dout.as<float>(), p.m, p.n, sizes, p.e, quant_tile, *quant.dout_dtype,
-        quant.calibration, qg.data_as<uint8_t>(), sg.data_as<float>()));
-    // The tile of every valid row, from the same enumeration the quantizer uses.
-    row_tile.assign(static_cast<size_t>(std::max<int64_t>(p.valid_rows, 1)), 0);
-    const auto group_tiles = internal::GroupTiles(sizes, p.e, quant_tile);
-    for (size_t t = 0; t < group_tiles.size(); ++t) {
-      const internal::RowTile& rt = group_tiles[t];
-      std::fill(row_tile.begin() + rt.first, row_tile.begin() + rt.first + rt.rows,
-                static_cast<int32_t>(t));
+    auto* qg = SharedArray<uint8_t>(ctx, SharedSlot::kGradCodes, p.m * p.n);
+    auto* sg = SharedArray<float>(ctx, SharedSlot::kGradScales, tiles * p.n);
+    auto* row_tile = SharedArray<int32_t>(ctx, SharedSlot::kRowTile, p.valid_rows);
+    // The quantizer's own scratch too, so that a training step's TGMM
+    // allocates nothing once the arena has grown.
+    const int threads = ctx.threads();
+    auto* tile_rows = SharedArray<RowTile>(ctx, SharedSlot::kGradTiles, tiles);
+    auto* amax = SharedArray<int32_t>(ctx, SharedSlot::kGradAmax, threads * p.n);
+    auto* inv = SharedArray<float>(ctx, SharedSlot::kGradInv, threads * p.n);
+    if (qg == nullptr || sg == nullptr || row_tile == nullptr || tile_rows == nullptr ||
+        amax == nullptr || inv == nullptr) {
+      return ResourceExhausted("cannot allocate the quantized TGMM gradient");
+    }
+    QuantizeGroupTileChannelsWith(dout.as<float>(), p.m, p.n, sizes, p.e, quant_tile, tiles,
+                                  *quant.dout_dtype, quant.calibration, qg, sg, threads,
+                                  tile_rows, amax, inv);
+    // The tile of every valid row, in the quantizer's enumeration (group by
+    // group, quant_tile rows at a time; one tile per group when 0).
+    int32_t t = 0;
+    for (int64_t g = 0; g < p.e; ++g) {
+      const int64_t size = p.offsets[g + 1] - p.offsets[g];
+      const int64_t tile = quant_tile == 0 ? std::max<int64_t>(size, 1) : quant_tile;
+      for (int64_t i = 0; i < size; ++i) row_tile[p.offsets[g] + i] = t + static_cast<int32_t>(i / tile);
+      t += static_cast<int32_t>(quant_tile == 0 ? 1 : (size + tile - 1) / tile);
     }
     // The codes go in raw (bf16-exact: the pair kernels take them) and the
     // scales are applied to each tile's partial sums, C += s[tile, n] * sum,
     // or once per group: the same product as f32(q) * s summed, regrouped.
-    call.b = Plain(qg.view(), p.n);
-    call.b_col_scale = sg.data_as<float>();
+    call.b = Plain(qg, QuantStorageDType(*quant.dout_dtype), p.n);
+    call.b_col_scale = sg;
     call.b_col_scale_ld = p.n;
-    call.b_row_tile = row_tile.data();
+    call.b_row_tile = row_tile;
     call.b_block = quant_tile;
   }
   call.kc = ReductionBlock(o.tiles.m.value_or(kDefaultKc), p.valid_rows);
@@ -362,8 +366,10 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
   if (!o.tiles.k && !o.tiles.n) {
     int64_t busy = 0;  // groups with rows
     for (int64_t g = 0; g < p.e; ++g) busy += p.offsets[g + 1] > p.offsets[g] ? 1 : 0;
-    auto items = [&] { return busy * ((p.k + tile_k - 1) / tile_k) * ((p.n + tile_n - 1) / tile_n); };
-    const int64_t want = 4 * static_cast<int64_t>(omp_get_max_threads());
+    auto items = [&] {
+      return busy * ((p.k + tile_k - 1) / tile_k) * ((p.n + tile_n - 1) / tile_n);
+    };
+    const int64_t want = 4 * static_cast<int64_t>(ctx.threads());
     while (items() < want && (tile_k > kMinTgmmTile || tile_n > kMinTgmmTile)) {
       if (tile_n >= tile_k && tile_n > kMinTgmmTile) {
         tile_n /= 2;
@@ -384,7 +390,14 @@ Status Tgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
       k += rows;
     }
   }
-  return internal::ExecuteGemm(call);
+  return ExecuteGemm(ctx, call);
 }
 
-}  // namespace fp8moe
+}  // namespace
+
+GmmBackend& CpuGmmBackend() {
+  static CpuBackend backend;
+  return backend;
+}
+
+}  // namespace fp8moe::internal

@@ -1,0 +1,333 @@
+// The backend seam (gmm_backend.h, DESIGN 9) seen from a Context: which
+// kernel path ran (so a path that silently stops being taken fails here,
+// not only in a benchmark), a repeated call allocates nothing, the thread
+// count of a Context never changes the bits, and scratch is released.
+// Correctness over every backend is gmm_test.cc's harness.
+#include <atomic>
+#include <bit>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "base/scratch_arena.h"
+#include "base/test_seed.h"
+#include "fp8moe/context.h"
+#include "fp8moe/gmm.h"
+#include "fp8moe/memory.h"
+#include "fp8moe/quant.h"
+#include "hwy/targets.h"
+
+// Every operator new of this test binary counts here, so a test can show
+// that a call makes no heap allocation at all: the library's own accounting
+// (GetMemoryStats) sees its tensors and scratch, not a std::vector.
+namespace {
+std::atomic<int64_t> g_heap_allocations{0};
+}  // namespace
+
+void* operator new(std::size_t size) {
+  g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+// GCC sees free() after inlining this replacement next to a new-expression
+// and warns of a mismatch; both sides are replaced here (malloc / free).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
+
+namespace fp8moe {
+namespace {
+
+Tensor Make(DType d, Shape s) { return std::move(Tensor::Create(d, std::move(s))).value(); }
+
+// Random normal f32 [shape], converted to dtype (bf16, or codes + a
+// per-channel scale for fp8 / int8 weights [E, K, N]).
+struct Operand {
+  Tensor t, scale;
+  const TensorView* scale_view() {
+    if (scale.num_elements() == 0) return nullptr;
+    sv = scale.view();
+    return &sv;
+  }
+  TensorView sv;
+};
+
+Operand Random(std::mt19937& rng, DType dtype, Shape shape) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Tensor f = Make(DType::kF32, shape);
+  for (size_t i = 0; i < f.num_elements(); ++i) f.data_as<float>()[i] = nd(rng);
+  Operand o;
+  if (dtype == DType::kF32) {
+    o.t = std::move(f);
+  } else if (dtype == DType::kBF16) {
+    o.t = Make(DType::kBF16, shape);
+    F32ToBf16Span(f.data_as<float>(), o.t.data_as<uint16_t>(), f.num_elements());
+  } else {
+    o.t = Make(dtype, shape);
+    o.scale = Make(DType::kF32, {shape[0], shape[2]});
+    EXPECT_TRUE(QuantizeChannels(f.data_as<float>(), shape[0], shape[1], shape[2],
+                                 *QuantDTypeOf(dtype), Calibration::AbsMax(),
+                                 o.t.data_as<uint8_t>(), o.scale.data_as<float>())
+                    .ok());
+  }
+  return o;
+}
+
+Tensor Groups(int64_t e, int64_t rows_each) {
+  Tensor gs = Make(DType::kI32, {e});
+  for (int64_t g = 0; g < e; ++g) gs.data_as<int32_t>()[g] = static_cast<int32_t>(rows_each);
+  return gs;
+}
+
+// ---- Which kernel ran ------------------------------------------------------------
+
+enum class Op { kFwd, kDlhs, kTgmm };
+
+struct PathCase {
+  std::string name;
+  Op op;
+  GmmMode mode;
+  DType act, weight;  // lhs / dout, rhs (fwd, dlhs); lhs, dout (tgmm)
+  int64_t e, rows_each, k, n;
+};
+
+// The CPU features the dispatched target may use.
+struct Features {
+  bool avx3 = false, bf16 = false, vnni = false, vbmi = false;
+};
+
+Features FeaturesOf(int64_t target) {
+  Features f;
+  f.avx3 = target == HWY_AVX3;
+  f.bf16 = f.avx3 && __builtin_cpu_supports("avx512bf16");
+  f.vnni = f.avx3 && __builtin_cpu_supports("avx512vnni");
+  f.vbmi = f.avx3 && __builtin_cpu_supports("avx512vbmi");
+  return f;
+}
+
+// What docs/kernels.md promises for each case on a target with features f.
+KernelPath ExpectedPath(const PathCase& c, const Features& f) {
+  const bool decode = c.rows_each <= 8;
+  const bool pairs = f.bf16 && c.mode != GmmMode::kF32 && c.mode != GmmMode::kInt8;
+  if (c.mode == GmmMode::kInt8) {
+    if (decode && f.vnni) return KernelPath::kDirectI8Vnni;
+    return f.vnni ? KernelPath::kPackedI16Vnni : KernelPath::kPackedI16Pairs;
+  }
+  if (c.op != Op::kFwd || !decode) {
+    return pairs ? KernelPath::kPackedBf16Pairs : KernelPath::kPackedF32;
+  }
+  if (!pairs) {
+    return c.mode == GmmMode::kNativeFp8 ? KernelPath::kDirectRawFp8 : KernelPath::kDirectF32;
+  }
+  if (c.mode == GmmMode::kNativeFp8 && f.vbmi) return KernelPath::kDirectFp8Vbmi;
+  return KernelPath::kDirectBf16Pairs;
+}
+
+std::vector<PathCase> PathCases() {
+  std::vector<PathCase> v;
+  for (int64_t rows : {1, 8, 200}) {  // decode (1 or 8 rows per expert), train-like
+    const std::string shape = rows <= 8 ? "decode" + std::to_string(rows) : "big";
+    v.push_back({shape + " fwd f32", Op::kFwd, GmmMode::kF32, DType::kF32, DType::kF32, 8, rows, 256, 256});
+    v.push_back({shape + " fwd bf16", Op::kFwd, GmmMode::kBf16, DType::kBF16, DType::kBF16, 8, rows, 256, 256});
+    v.push_back({shape + " fwd fake_qat", Op::kFwd, GmmMode::kFakeQat, DType::kBF16, DType::kE4M3FN, 8, rows, 256, 256});
+    v.push_back({shape + " fwd native_fp8", Op::kFwd, GmmMode::kNativeFp8, DType::kBF16, DType::kE4M3FN, 8, rows, 256, 256});
+    v.push_back({shape + " fwd int8", Op::kFwd, GmmMode::kInt8, DType::kBF16, DType::kI8, 8, rows, 256, 256});
+    v.push_back({shape + " dlhs bf16 from codes", Op::kDlhs, GmmMode::kBf16, DType::kBF16, DType::kE4M3FN, 8, rows, 256, 256});
+    v.push_back({shape + " dlhs f32", Op::kDlhs, GmmMode::kF32, DType::kF32, DType::kF32, 8, rows, 256, 256});
+    v.push_back({shape + " tgmm bf16", Op::kTgmm, GmmMode::kBf16, DType::kBF16, DType::kBF16, 8, rows, 256, 256});
+    v.push_back({shape + " tgmm f32", Op::kTgmm, GmmMode::kF32, DType::kF32, DType::kF32, 8, rows, 256, 256});
+  }
+  return v;
+}
+
+Status RunCase(Context& ctx, const PathCase& c, std::mt19937& rng) {
+  const int64_t m = c.e * c.rows_each;
+  Tensor gs = Groups(c.e, c.rows_each);
+  GmmOptions o;
+  o.mode = c.mode;
+  if (c.op == Op::kTgmm) {
+    Operand lhs = Random(rng, c.act, {m, c.k}), dout = Random(rng, c.weight, {m, c.n});
+    Tensor drhs = Make(DType::kF32, {c.e, c.k, c.n});
+    return Tgmm(ctx, o, {}, lhs.t.view(), dout.t.view(), gs.view(), drhs.view());
+  }
+  Operand w = Random(rng, c.weight, {c.e, c.k, c.n});
+  if (c.op == Op::kFwd) {
+    Operand lhs = Random(rng, c.act, {m, c.k});
+    Tensor out = Make(DType::kF32, {m, c.n});
+    return Gmm(ctx, o, lhs.t.view(), w.t.view(), w.scale_view(), gs.view(), out.view());
+  }
+  Operand dout = Random(rng, c.act, {m, c.n});
+  Tensor out = Make(DType::kF32, {m, c.k});
+  return GmmDlhs(ctx, o, dout.t.view(), w.t.view(), w.scale_view(), gs.view(), out.view());
+}
+
+// On every target this CPU runs, each representative case takes exactly the
+// kernel path docs/kernels.md names for it (AVX2 here: the decode shape on
+// MicroF32Direct, with native fp8 weights decoded raw; big shapes on the
+// packed f32 kernel, int8 on the packed int16-pair kernel; AVX3 and
+// AVX512-BF16 paths on CPUs that have them).
+TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    const Features f = FeaturesOf(target);
+    for (const PathCase& c : PathCases()) {
+      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + c.name);
+      Context ctx;
+      ASSERT_TRUE(RunCase(ctx, c, rng).ok());
+      const KernelPath want = ExpectedPath(c, f);
+      EXPECT_GT(ctx.KernelCount(want), 0) << "expected " << KernelPathName(want);
+      for (size_t i = 0; i < static_cast<size_t>(KernelPath::kCount); ++i) {
+        const auto path = static_cast<KernelPath>(i);
+        if (path != want) {
+          EXPECT_EQ(ctx.KernelCount(path), 0) << KernelPathName(path) << " ran instead of "
+                                              << KernelPathName(want);
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// A context on the reference backend runs the plain loops (and counts them).
+TEST(KernelPath, ReferenceBackendRunsTheReference) {
+  std::mt19937 rng(1);
+  ContextOptions opts;
+  opts.backend = BackendKind::kReference;
+  Context ctx(opts);
+  const PathCase c{"small", Op::kFwd, GmmMode::kBf16, DType::kBF16, DType::kBF16, 2, 5, 16, 16};
+  ASSERT_TRUE(RunCase(ctx, c, rng).ok());
+  EXPECT_EQ(ctx.KernelCount(KernelPath::kReference), 1);
+  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32) + ctx.KernelCount(KernelPath::kDirectF32), 0);
+  ctx.ResetKernelCounts();
+  EXPECT_EQ(ctx.KernelCount(KernelPath::kReference), 0);
+}
+
+// ---- Scratch: a repeated call allocates nothing ----------------------------------
+
+TEST(Scratch, RepeatedCallsAllocateNothing) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const int64_t e = 4, rows = 40, k = 96, n = 80, m = e * rows;
+  Tensor gs = Groups(e, rows);
+  Operand lhs = Random(rng, DType::kBF16, {m, k}), lhs32 = Random(rng, DType::kF32, {m, k});
+  Operand wb = Random(rng, DType::kBF16, {e, k, n}), wq = Random(rng, DType::kE4M3FN, {e, k, n});
+  Operand wi = Random(rng, DType::kI8, {e, k, n}), dout = Random(rng, DType::kBF16, {m, n});
+  Operand dout32 = Random(rng, DType::kF32, {m, n});
+  Tensor out = Make(DType::kBF16, {m, n / 2}), h = Make(DType::kF32, {m, n});
+  Tensor dl = Make(DType::kF32, {m, 2 * k}), hh = Make(DType::kF32, {m, 2 * k});
+  std::memset(hh.data(), 0, hh.num_bytes());
+  Tensor dw = Make(DType::kF32, {e, k, n});
+  TensorView hv = h.view(), hhv = hh.view();
+  Context ctx;
+  // Every pre-pass and scratch buffer the CPU backend has: SwiGLU with h
+  // (C tile, epilogue rows), fake QAT (the BF16 weight copy), native fp8 and
+  // int8 (activation codes), dLHS from codes with dSwiGLU, TGMM with the
+  // in-kernel gradient quantization (gradient codes, scales, row tiles).
+  // The views are made once: a TensorView holds its Shape (a vector), so
+  // making one allocates; the calls themselves must not.
+  const TensorView lhs_v = lhs.t.view(), lhs32_v = lhs32.t.view(), gs_v = gs.view();
+  const TensorView wb_v = wb.t.view(), wq_v = wq.t.view(), wi_v = wi.t.view();
+  const TensorView dout_v = dout.t.view(), dout32_v = dout32.t.view();
+  const TensorView out_v = out.view(), dl_v = dl.view(), dw_v = dw.view();
+  const TensorView* wq_scale = wq.scale_view();
+  const TensorView* wi_scale = wi.scale_view();
+  auto all = [&]() {
+    GmmOptions o;
+    o.epilogue = GmmEpilogue::kSwiGlu;
+    for (GmmMode mode : {GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8, GmmMode::kInt8}) {
+      o.mode = mode;
+      const TensorView& w = mode == GmmMode::kBf16 ? wb_v : mode == GmmMode::kInt8 ? wi_v : wq_v;
+      const TensorView* scale =
+          mode == GmmMode::kBf16 ? nullptr : mode == GmmMode::kInt8 ? wi_scale : wq_scale;
+      ASSERT_TRUE(Gmm(ctx, o, lhs_v, w, scale, gs_v, out_v, &hv).ok());
+    }
+    GmmOptions od;
+    od.mode = GmmMode::kBf16;
+    od.epilogue = GmmEpilogue::kDSwiGlu;
+    ASSERT_TRUE(GmmDlhs(ctx, od, dout_v, wq_v, wq_scale, gs_v, dl_v, &hhv).ok());
+    GmmOptions ot;
+    ot.mode = GmmMode::kF32;
+    TgmmQuant q;
+    q.dout_dtype = QuantDType::kE5M2;
+    q.per_group = false;
+    ASSERT_TRUE(Tgmm(ctx, ot, q, lhs32_v, dout32_v, gs_v, dw_v).ok());
+  };
+  all();
+  const MemoryStats before = GetMemoryStats();
+  const int64_t heap_before = g_heap_allocations.load();
+  EXPECT_GT(ctx.scratch().bytes(), 0u);
+  for (int rep = 0; rep < 3; ++rep) all();
+  const int64_t heap_after = g_heap_allocations.load();
+  const MemoryStats after = GetMemoryStats();
+  EXPECT_EQ(after.allocations, before.allocations) << "a repeated call allocated";
+  // Nor any hidden std::vector (the TGMM gradient quantizer's tiles and amax
+  // rows come from the arena too).
+  EXPECT_EQ(heap_after, heap_before) << "a repeated call allocated on the heap";
+  EXPECT_EQ(after.in_use, before.in_use);
+  // Releasing the scratch gives its memory back; the next call takes it again.
+  const size_t held = ctx.scratch().bytes();
+  ctx.ReleaseScratch();
+  EXPECT_EQ(ctx.scratch().bytes(), 0u);
+  EXPECT_EQ(GetMemoryStats().in_use, after.in_use - static_cast<int64_t>(held));
+  all();
+  EXPECT_EQ(ctx.scratch().bytes(), held);
+}
+
+// The calls without a Context run on DefaultContext(): the same promise.
+TEST(Scratch, DefaultContextCallsAllocateNothingWhenRepeated) {
+  std::mt19937 rng(3);
+  Tensor gs = Groups(3, 20);
+  Operand lhs = Random(rng, DType::kBF16, {60, 64}), w = Random(rng, DType::kE4M3FN, {3, 64, 48});
+  Tensor out = Make(DType::kF32, {60, 48});
+  GmmOptions o;
+  o.mode = GmmMode::kNativeFp8;
+  ASSERT_TRUE(Gmm(o, lhs.t.view(), w.t.view(), w.scale_view(), gs.view(), out.view()).ok());
+  const int64_t before = GetMemoryStats().allocations;
+  ASSERT_TRUE(Gmm(o, lhs.t.view(), w.t.view(), w.scale_view(), gs.view(), out.view()).ok());
+  EXPECT_EQ(GetMemoryStats().allocations, before);
+  ReleaseGmmScratch();
+  EXPECT_EQ(DefaultContext().scratch().bytes(), 0u);
+}
+
+// ---- Threads of a Context ----------------------------------------------------------
+
+TEST(ContextThreads, BitsDoNotDependOnTheContextsThreadCount) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const int64_t e = 5, rows = 70, k = 300, n = 96, m = e * rows;
+  Tensor gs = Groups(e, rows);
+  Operand lhs = Random(rng, DType::kBF16, {m, k}), w = Random(rng, DType::kE4M3FN, {e, k, n});
+  Operand lhs32 = Random(rng, DType::kF32, {m, k}), dout = Random(rng, DType::kF32, {m, n});
+  std::vector<Tensor> fwd, tg;
+  for (int threads : {1, 2, 3}) {
+    ContextOptions opts;
+    opts.threads = threads;
+    Context ctx(opts);
+    EXPECT_EQ(ctx.threads(), threads);
+    GmmOptions o;
+    o.mode = GmmMode::kNativeFp8;
+    o.epilogue = GmmEpilogue::kSwiGlu;
+    fwd.push_back(Make(DType::kF32, {m, n / 2}));
+    ASSERT_TRUE(Gmm(ctx, o, lhs.t.view(), w.t.view(), w.scale_view(), gs.view(), fwd.back().view()).ok());
+    GmmOptions ot;
+    ot.mode = GmmMode::kF32;
+    tg.push_back(Make(DType::kF32, {e, k, n}));
+    ASSERT_TRUE(Tgmm(ctx, ot, {}, lhs32.t.view(), dout.t.view(), gs.view(), tg.back().view()).ok());
+  }
+  for (size_t i = 1; i < fwd.size(); ++i) {
+    EXPECT_EQ(0, std::memcmp(fwd[0].data(), fwd[i].data(), fwd[0].num_bytes())) << i;
+    EXPECT_EQ(0, std::memcmp(tg[0].data(), tg[i].data(), tg[0].num_bytes())) << i;
+  }
+}
+
+}  // namespace
+}  // namespace fp8moe

@@ -1,0 +1,349 @@
+// The direct path of gemm_exec.cc, per target: items of few rows use each
+// weight element once, so instead of packing B (convert, write a panel, read
+// it back) their kernels read the weight rows in place and convert them in
+// registers (microkernels-inl.h):
+//   kPairs  AVX512-BF16 CPUs, up to MR rows: MicroBf16PairsDirect, or
+//           MicroFp8PairsVbmi (byte tables) for fp8 with 8 rows on VBMI CPUs
+//   kInt8   int8 weights on AVX512-VNNI CPUs, up to MR rows
+//   kF32    every other target (and f32 weights everywhere), up to 8 rows:
+//           MicroF32Direct in a tile of MR rows x NV vectors of columns with
+//           MR x NV = 8 (1 row x 8 vectors ... 8 rows x 1 vector); native
+//           fp8 weights decoded raw (3 ops per vector, RowSrc::kRawE4M3FN)
+// Each kernel call walks a strip of columns down a reduction chunk and
+// prefetches its share of the next chunk in memory order (line_walk.h).
+
+#if defined(FP8MOE_KERNELS_CPU_DIRECT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FP8MOE_KERNELS_CPU_DIRECT_INL_H_
+#undef FP8MOE_KERNELS_CPU_DIRECT_INL_H_
+#else
+#define FP8MOE_KERNELS_CPU_DIRECT_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "base/check.h"
+#include "fp8moe/context.h"
+#include "hwy/highway.h"
+#include "kernels/cpu/gemm_call.h"
+#include "kernels/cpu/line_walk.h"
+#include "kernels/cpu/microkernels-inl.h"
+#include "kernels/cpu/pack.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fp8moe {
+namespace HWY_NAMESPACE {
+
+using internal::ColumnRuns;
+using internal::DirectPrefetch;
+using internal::GemmCall;
+using internal::PanelKind;
+using internal::WorkItem;
+
+// Items of at most this many rows take the f32 direct kernel.
+constexpr int64_t kDirectF32Rows = 8;
+// The widest strip a direct kernel call covers, in vectors of columns.
+constexpr int64_t kMaxDirectNV = 8;
+
+// The f32 direct kernel's tile for an item of `rows` rows: MR rows (the A
+// panel's height) x NV vectors of columns, 8 accumulators, so that an item
+// of one row (decode, one row per expert) does one FMA per weight vector.
+struct DirectF32Shape {
+  int64_t mr, nv;
+};
+inline DirectF32Shape DirectF32ShapeFor(int64_t rows) {
+  if (rows <= 1) return {1, 8};
+  if (rows <= 2) return {2, 4};
+  if (rows <= 4) return {4, 2};
+  return {8, 1};
+}
+
+// Native fp8 (A holds the activation's e4m3 codes, B e4m3 codes without a
+// scale): the direct kernel decodes B raw (microkernels-inl.h, RowSrc).
+inline bool RawFp8(const GemmCall& call) {
+  return call.a.kind == internal::SrcKind::kFp8 && call.a.col_scale == nullptr &&
+         call.b.kind == internal::SrcKind::kFp8 && call.b.col_scale == nullptr &&
+         !call.b.round_bf16 && call.a.fp8 == call.b.fp8 &&
+         (call.b.fp8 == Fp8Format::kE4M3FN || call.b.fp8 == Fp8Format::kE4M3FNUZ);
+}
+// Weight bytes per reduction chunk of a direct item: 256 KiB measured best
+// for f32, bf16 and fp8 weights on the decode shape (512 KiB made f32 40%
+// and bf16 7% slower; 64 KiB costs in C-tile reloads). The chunk being read
+// and the next one (prefetched) must both fit in L2.
+constexpr int64_t kDirectChunkBytes = 256 << 10;
+
+enum class Direct { kNone, kPairs, kF32, kInt8 };
+
+// Sources the direct kernels convert in registers (besides f32).
+inline bool ConvertibleInRegisters(const internal::Source& b) {
+  return b.kind == internal::SrcKind::kBf16 ||
+         (b.kind == internal::SrcKind::kFp8 && b.col_scale == nullptr && !b.round_bf16 &&
+          (b.fp8 == Fp8Format::kE4M3FN || b.fp8 == Fp8Format::kE4M3FNUZ));
+}
+
+inline Direct ChooseDirect(const GemmCall& call, PanelKind kind, const WorkItem& it, int64_t nr) {
+  if (call.pass != internal::Pass::kFwd || it.cols % nr != 0) return Direct::kNone;
+#if HWY_TARGET == HWY_AVX3
+  if (kind == PanelKind::kBf16Pairs && it.rows <= static_cast<int64_t>(kMR) &&
+      ConvertibleInRegisters(call.b)) {
+    return Direct::kPairs;
+  }
+  if (kind == PanelKind::kI16Pairs && it.rows <= static_cast<int64_t>(kMR) &&
+      call.b.kind == internal::SrcKind::kI8 && nr == 32 && CpuHasAvx512Vnni()) {
+    return Direct::kInt8;
+  }
+#endif
+  if (kind == PanelKind::kF32 && it.rows <= kDirectF32Rows &&
+      (call.b.kind == internal::SrcKind::kF32 || call.b.kind == internal::SrcKind::kBf16 ||
+       RawFp8(call))) {
+    return Direct::kF32;
+  }
+  return Direct::kNone;
+}
+
+// The kernel path a direct item takes (the KernelPath counters).
+inline KernelPath DirectPath(Direct d, const GemmCall& call, int64_t mr) {
+  [[maybe_unused]] const internal::Source& b = call.b;
+  switch (d) {
+    case Direct::kF32: return RawFp8(call) ? KernelPath::kDirectRawFp8 : KernelPath::kDirectF32;
+    case Direct::kInt8: return KernelPath::kDirectI8Vnni;
+    default: break;
+  }
+#if HWY_TARGET == HWY_AVX3
+  if (b.kind == internal::SrcKind::kFp8 && mr == 8 && CpuHasAvx512Vbmi()) {
+    return KernelPath::kDirectFp8Vbmi;
+  }
+#endif
+  return KernelPath::kDirectBf16Pairs;
+}
+
+// Reduction rows per chunk: at most kDirectChunkBytes of weight, even.
+// (Without block scales the reduction order, hence the bits, does not
+// depend on the chunk.)
+inline int64_t DirectChunkRows(const GemmCall& call, const WorkItem& it, int runs,
+                               int64_t kc_step) {
+  if (call.a_block_scale != nullptr || call.b_block != 0) return kc_step;
+  const int64_t row_bytes = it.cols * runs * static_cast<int64_t>(call.b.ElementBytes());
+  const int64_t rows = std::max<int64_t>(16, kDirectChunkBytes / std::max<int64_t>(row_bytes, 1));
+  return std::min(kc_step, rows & ~int64_t{1});
+}
+
+// The look-ahead prefetch of one reduction chunk [r0, r0 + kc): the next
+// chunk's weight lines (its first `rows_next` rows, every run's columns), in
+// memory order, shared out over the chunk's strips by width.
+struct ChunkPrefetch {
+  DirectPrefetch pf;  // per_step = 0: nothing to pull
+  const uint8_t* next_seg0 = nullptr;
+  int64_t ahead_per_vector = 0;  // lines per vector of columns
+  int64_t steps = 1;             // kernel steps of this chunk
+
+  // The prefetch of the strip of `width` vectors starting at vector `first`
+  // (counted over all runs).
+  DirectPrefetch ForStrip(int64_t first, int64_t width) const {
+    DirectPrefetch out = pf;
+    if (pf.per_step != 0) {
+      const int64_t lines = width * ahead_per_vector;
+      out.walk.Start(next_seg0, first * ahead_per_vector, lines);
+      out.per_step = static_cast<uint32_t>((lines + steps - 1) / steps);
+    }
+    return out;
+  }
+};
+
+inline ChunkPrefetch PlanChunkPrefetch(const GemmCall& call, Direct kind, const WorkItem& it,
+                                       const ColumnRuns& runs, int64_t vectors_per_run,
+                                       int64_t r0, int64_t kc, int64_t kc_step) {
+  ChunkPrefetch c;
+  const int64_t red0 = it.red0, red1 = it.red0 + it.red_len;
+  // Only an item's first chunk has nothing in flight: its calls pull their
+  // own rows ahead into L1.
+  c.pf.cold_rows = r0 == red0 ? 32 : 0;
+  c.pf.per_step = 0;
+  if (r0 + kc >= red1) return c;  // the last chunk: nothing follows
+  const size_t esize = call.b.ElementBytes();
+  const int64_t rows_next = std::min(kc_step, red1 - r0 - kc);
+  const uint8_t* row0 = static_cast<const uint8_t*>(call.b.data) +
+                        (it.group * call.b.group_stride + (r0 + kc) * call.b.ld) *
+                            static_cast<int64_t>(esize);
+  auto line_of = [](const uint8_t* p) {
+    return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+  };
+  const uint8_t* first = row0 + runs.start[0] * static_cast<int64_t>(esize);
+  const uint8_t* last = first + it.cols * static_cast<int64_t>(esize) - 1;
+  c.next_seg0 = line_of(first);
+  c.pf.walk.seg_lines = static_cast<uint32_t>((line_of(last) - line_of(first)) / 64 + 1);
+  c.pf.walk.nseg = static_cast<uint32_t>(runs.runs);
+  c.pf.walk.seg_delta =
+      runs.runs > 1 ? line_of(row0 + runs.start[1] * static_cast<int64_t>(esize)) - c.next_seg0 : 0;
+  c.pf.walk.ld = static_cast<size_t>(call.b.ld) * esize;
+  const int64_t total = rows_next * runs.runs * c.pf.walk.seg_lines;
+  const int64_t vectors = runs.runs * vectors_per_run;
+  c.ahead_per_vector = (total + vectors - 1) / vectors;
+  c.steps = kind == Direct::kF32 ? kc : (kc + 1) / 2;
+  c.pf.per_step = 1;  // nonzero: ForStrip sizes it per strip
+  return c;
+}
+
+// MicroF32Direct in the tile shape (mr, nv) on one source kind. Returns
+// whether a raw fp8 kernel met a NaN code.
+template <RowSrc kSrc>
+bool RunDirectF32(int64_t mr, int64_t nv, size_t kc, const float* ap, const uint8_t* src,
+                  size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
+                  float post, const DirectPrefetch& pf) {
+  switch (mr * 16 + nv) {
+    case 1 * 16 + 8:
+      return MicroF32Direct<1, 8, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    case 1 * 16 + 2:
+      return MicroF32Direct<1, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    case 2 * 16 + 4:
+      return MicroF32Direct<2, 4, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    case 2 * 16 + 2:
+      return MicroF32Direct<2, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    case 4 * 16 + 2:
+      return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    default:
+      FP8MOE_DCHECK(mr == 8 && nv == 1);
+      return MicroF32Direct<8, 1, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+  }
+}
+
+// The strip widths (in vectors) an f32 direct item of tile shape s uses: s.nv
+// while it fits in what is left of a run, then kNV (runs hold whole NR
+// panels, so what is left is a multiple of kNV).
+inline int64_t DirectF32StripWidth(const DirectF32Shape& s, int64_t vectors_left) {
+  return vectors_left >= s.nv ? s.nv : static_cast<int64_t>(kNV);
+}
+
+#if HWY_TARGET == HWY_AVX3
+template <size_t MR>
+void RunDirectPairs(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
+                    size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
+                    bool last, const DirectPrefetch& pf) {
+  if (b.kind == internal::SrcKind::kBf16) {
+    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale,
+                                                      last, pf);
+  }
+  if (MR == 8 && CpuHasAvx512Vbmi()) {  // byte-table decode; 8 rows leave room for the tables
+    if (b.fp8 == Fp8Format::kE4M3FN) {
+      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c,
+                                                      row_scale, last, pf);
+    }
+    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c,
+                                                      row_scale, last, pf);
+  }
+  if (b.fp8 == Fp8Format::kE4M3FN) {
+    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c,
+                                                        row_scale, last, pf);
+  }
+  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c,
+                                                        row_scale, last, pf);
+}
+#endif
+
+// Sets to NaN the columns [0, width) of a C tile [rows x width] at c (ldc)
+// whose fp8 codes in rows [0, kc) at src (ldb bytes apart) hold a NaN code:
+// what the exact decode gives (NaN times anything is NaN, and stays NaN
+// through every later chunk and the epilogue) where the raw decode saw a
+// finite number. Rare: runs only when the kernel reported a NaN code.
+inline void SetNaNColumns(bool fnuz, const uint8_t* src, size_t ldb, int64_t kc, int64_t width,
+                          float* c, size_t ldc, int64_t rows) {
+  for (int64_t j = 0; j < width; ++j) {
+    bool nan = false;
+    for (int64_t k = 0; k < kc && !nan; ++k) {
+      const uint8_t q = src[static_cast<size_t>(k) * ldb + static_cast<size_t>(j)];
+      nan = fnuz ? q == 0x80 : (q & 0x7F) == 0x7F;
+    }
+    if (!nan) continue;
+    for (int64_t i = 0; i < rows; ++i) c[static_cast<size_t>(i) * ldc + static_cast<size_t>(j)] = NAN;
+  }
+}
+
+// One direct kernel call: the C tile [mr x width vectors] at c (ldc) (+)=
+// the A panel (kc reduction steps) x the weight rows [r0, r0 + kc) of
+// columns [src_col, src_col + width * N) of group it.group. post: see
+// MicroF32Direct. last: the item's last chunk (the pair kernels put C back in
+// natural column order). rows: the tile's valid rows (NaN columns).
+inline void RunDirectTile(const GemmCall& call, Direct kind, const WorkItem& it, int64_t mr,
+                          int64_t width, int64_t r0, int64_t kc, int64_t src_col,
+                          const uint8_t* apan, void* c, int64_t ldc, bool load_c,
+                          const float* row_scale, float post, bool last, int64_t rows,
+                          const DirectPrefetch& pf) {
+  const int64_t esize = static_cast<int64_t>(call.b.ElementBytes());
+  const uint8_t* src = static_cast<const uint8_t*>(call.b.data) +
+                       (it.group * call.b.group_stride + r0 * call.b.ld + src_col) * esize;
+  const size_t ldb = static_cast<size_t>(call.b.ld * esize);
+  const size_t ukc = static_cast<size_t>(kc), uldc = static_cast<size_t>(ldc);
+  float* cf = static_cast<float*>(c);
+  if (kind == Direct::kF32) {
+    const float* ap = reinterpret_cast<const float*>(apan);
+    if (mr == 8) {
+      // One vector per call (8 accumulators); the first pulls the prefetch.
+      const size_t lanes = hn::Lanes(hn::ScalableTag<float>());
+      for (int64_t h = 0; h < width; ++h) {
+        DirectPrefetch one = pf;
+        if (h != 0) one.per_step = 0;
+        const size_t off = static_cast<size_t>(h) * lanes;
+        bool nan = false;
+        switch (call.b.kind) {
+          case internal::SrcKind::kF32:
+            RunDirectF32<RowSrc::kF32>(8, 1, ukc, ap, src + off * 4, ldb, cf + off, uldc, load_c, row_scale, post, one);
+            break;
+          case internal::SrcKind::kBf16:
+            RunDirectF32<RowSrc::kBf16>(8, 1, ukc, ap, src + off * 2, ldb, cf + off, uldc, load_c, row_scale, post, one);
+            break;
+          default:
+            nan = call.b.fp8 == Fp8Format::kE4M3FN
+                      ? RunDirectF32<RowSrc::kRawE4M3FN>(8, 1, ukc, ap, src + off, ldb, cf + off, uldc, load_c, row_scale, post, one)
+                      : RunDirectF32<RowSrc::kRawE4M3FNUZ>(8, 1, ukc, ap, src + off, ldb, cf + off, uldc, load_c, row_scale, post, one);
+            if (nan) {
+              SetNaNColumns(call.b.fp8 == Fp8Format::kE4M3FNUZ, src + off, ldb, kc,
+                            static_cast<int64_t>(lanes), cf + off, uldc, rows);
+            }
+            break;
+        }
+      }
+      return;
+    }
+    const int64_t nv = width;
+    switch (call.b.kind) {
+      case internal::SrcKind::kF32:
+        RunDirectF32<RowSrc::kF32>(mr, nv, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, post, pf);
+        return;
+      case internal::SrcKind::kBf16:
+        RunDirectF32<RowSrc::kBf16>(mr, nv, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, post, pf);
+        return;
+      default:
+        break;
+    }
+    const bool fnuz = call.b.fp8 == Fp8Format::kE4M3FNUZ;
+    const bool nan =
+        fnuz ? RunDirectF32<RowSrc::kRawE4M3FNUZ>(mr, nv, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, post, pf)
+             : RunDirectF32<RowSrc::kRawE4M3FN>(mr, nv, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, post, pf);
+    if (nan) {
+      SetNaNColumns(fnuz, src, ldb, kc, nv * static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>())),
+                    cf, uldc, rows);
+    }
+    return;
+  }
+#if HWY_TARGET == HWY_AVX3
+  const uint32_t* ap = reinterpret_cast<const uint32_t*>(apan);
+  if (kind == Direct::kPairs && mr == 8) {
+    return RunDirectPairs<8>(call.b, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, last, pf);
+  }
+  if (kind == Direct::kPairs) {
+    return RunDirectPairs<kMR>(call.b, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, last, pf);
+  }
+  int32_t* ci = static_cast<int32_t*>(c);
+  if (mr == 8) return MicroI8PairsDirectVnni<8>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+  return MicroI8PairsDirectVnni<kMR>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+#else
+  (void)last, (void)post;  // kPairs and kInt8 exist on AVX3 only (ChooseDirect)
+#endif
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fp8moe
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard toggle

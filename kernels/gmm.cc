@@ -1,0 +1,87 @@
+// The GMM API (include/fp8moe/gmm.h): validate once, then run on the
+// Context's backend (gmm_backend.h). The overloads without a Context use
+// DefaultContext(), one call at a time (base/default_context.h), so existing
+// callers that call from several threads stay correct.
+#include <mutex>
+
+#include "base/default_context.h"
+#include "base/scratch_arena.h"
+#include "fp8moe/context.h"
+#include "fp8moe/gmm.h"
+#include "kernels/gmm_backend.h"
+#include "kernels/gmm_problem.h"
+
+namespace fp8moe {
+namespace {
+
+using internal::GmmBackend;
+using internal::GmmProblem;
+
+GmmBackend& BackendOf(const Context& ctx) {
+  return ctx.backend() == BackendKind::kReference ? internal::ReferenceGmmBackend()
+                                                  : internal::CpuGmmBackend();
+}
+
+// The checked problem lives in the context, so its offsets keep their
+// capacity from call to call.
+GmmProblem& ProblemOf(Context& ctx) { return ctx.scratch().Object<GmmProblem>(); }
+
+}  // namespace
+
+Status Gmm(Context& ctx, const GmmOptions& options, const TensorView& lhs,
+           const TensorView& rhs, const TensorView* rhs_scale, const TensorView& group_sizes,
+           const TensorView& out, const TensorView* h_out) {
+  GmmProblem& p = ProblemOf(ctx);
+  FP8MOE_RETURN_IF_ERROR(
+      internal::CheckGmm(options, lhs, rhs, rhs_scale, group_sizes, out, h_out, &p));
+  // Nothing to write (h_out is empty too): return before any pre-pass, so a
+  // zero-element call costs nothing whatever its other dimensions.
+  if (out.num_elements() == 0) return OkStatus();
+  return BackendOf(ctx).Gmm(ctx, p, options, lhs, rhs, rhs_scale, group_sizes, out, h_out);
+}
+
+Status GmmDlhs(Context& ctx, const GmmOptions& options, const TensorView& dout,
+               const TensorView& rhs, const TensorView* rhs_scale,
+               const TensorView& group_sizes, const TensorView& out, const TensorView* h) {
+  GmmProblem& p = ProblemOf(ctx);
+  FP8MOE_RETURN_IF_ERROR(
+      internal::CheckDlhs(options, dout, rhs, rhs_scale, group_sizes, out, h, &p));
+  if (out.num_elements() == 0) return OkStatus();  // nothing to write
+  return BackendOf(ctx).Dlhs(ctx, p, options, dout, rhs, rhs_scale, group_sizes, out, h);
+}
+
+Status Tgmm(Context& ctx, const GmmOptions& options, const TgmmQuant& quant,
+            const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
+            const TensorView& drhs) {
+  GmmProblem& p = ProblemOf(ctx);
+  FP8MOE_RETURN_IF_ERROR(internal::CheckTgmm(options, quant, lhs, dout, group_sizes, drhs, &p));
+  if (drhs.num_elements() == 0) return OkStatus();  // nothing to write
+  return BackendOf(ctx).Tgmm(ctx, p, options, quant, lhs, dout, group_sizes, drhs);
+}
+
+Status Gmm(const GmmOptions& options, const TensorView& lhs, const TensorView& rhs,
+           const TensorView* rhs_scale, const TensorView& group_sizes, const TensorView& out,
+           const TensorView* h_out) {
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
+  return Gmm(DefaultContext(), options, lhs, rhs, rhs_scale, group_sizes, out, h_out);
+}
+
+Status GmmDlhs(const GmmOptions& options, const TensorView& dout, const TensorView& rhs,
+               const TensorView* rhs_scale, const TensorView& group_sizes,
+               const TensorView& out, const TensorView* h) {
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
+  return GmmDlhs(DefaultContext(), options, dout, rhs, rhs_scale, group_sizes, out, h);
+}
+
+Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView& lhs,
+            const TensorView& dout, const TensorView& group_sizes, const TensorView& drhs) {
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
+  return Tgmm(DefaultContext(), options, quant, lhs, dout, group_sizes, drhs);
+}
+
+void ReleaseGmmScratch() {
+  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
+  DefaultContext().ReleaseScratch();
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,234 @@
+// The grouped matmuls at the edges of f32 (issue 12, part 1): SwiGLU and
+// dSwiGLU of gates far outside the range where sigmoid is representable, in
+// every mode and on every SIMD target, through the public API. The
+// elementwise functions themselves are swept in cpu/activation_test.cc.
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "base/test_seed.h"
+#include "fp8moe/gmm.h"
+#include "hwy/targets.h"
+#include "kernels/gmm_test_util.h"
+
+namespace fp8moe {
+namespace {
+
+using namespace gmm_test;  // NOLINT
+
+// A weight [1, K, N] from values: f32, bf16, or codes + per-channel scale
+// (each channel's amax is its own value, so every value survives quantizing).
+Weight WeightFromValues(DType dtype, const std::vector<float>& v, int64_t k, int64_t n) {
+  Tensor f = Make(DType::kF32, {1, k, n});
+  std::memcpy(f.data(), v.data(), v.size() * sizeof(float));
+  Weight out;
+  if (dtype == DType::kF32) {
+    out.w = std::move(f);
+  } else if (dtype == DType::kBF16) {
+    out.w = ToBf16(f);
+  } else {
+    out.w = Make(dtype, {1, k, n});
+    out.scale = Make(DType::kF32, {1, n});
+    EXPECT_TRUE(QuantizeChannels(f.data_as<float>(), 1, k, n, *QuantDTypeOf(dtype),
+                                 Calibration::AbsMax(), out.w.data_as<uint8_t>(),
+                                 out.scale.data_as<float>()).ok());
+    out.codes = true;
+  }
+  return out;
+}
+
+struct EdgeMode {
+  GmmMode mode;
+  DType lhs, rhs;
+  QuantDType fp8 = QuantDType::kE4M3FN;
+};
+
+const std::vector<EdgeMode>& EdgeModes() {
+  static const std::vector<EdgeMode> modes = {
+      {GmmMode::kF32, DType::kF32, DType::kF32},
+      {GmmMode::kBf16, DType::kBF16, DType::kBF16},
+      {GmmMode::kFakeQat, DType::kBF16, DType::kE4M3FN},
+      {GmmMode::kNativeFp8, DType::kBF16, DType::kE4M3FN},
+      {GmmMode::kNativeFp8, DType::kF32, DType::kE4M3FNUZ, QuantDType::kE4M3FNUZ},
+      {GmmMode::kInt8, DType::kF32, DType::kI8},
+  };
+  return modes;
+}
+
+// The issue's reproducer: lhs [[1]], rhs [[[-60, -200, -533, 2, 2, 2]]],
+// SwiGLU. silu(-60) * 2 = -1.05e-24; below about -104 sigmoid is 0 in f32, so
+// the other two outputs are -0 (they were -400 and NaN). Every mode, every
+// SIMD target, 1 and 9 rows (the direct and the packed kernels).
+TEST(Gmm, SwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
+  const std::vector<float> w = {-60, -200, -533, 2, 2, 2};
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (const EdgeMode& em : EdgeModes()) {
+      for (int64_t m : {1, 9}) {
+        for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+          SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " +
+                       std::string(GmmModeName(em.mode)) + " rows " + std::to_string(m) +
+                       " out " + std::string(DTypeName(out_dtype)));
+          Tensor lf = Make(DType::kF32, {m, 1});
+          for (int64_t i = 0; i < m; ++i) lf.data_as<float>()[i] = 1.0f;
+          Tensor lhs = em.lhs == DType::kF32 ? std::move(lf) : ToBf16(lf);
+          Weight wt = WeightFromValues(em.rhs, w, 1, 6);
+          Tensor gs = Make(DType::kI32, {1});
+          gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+          GmmOptions o;
+          o.mode = em.mode;
+          o.fp8_dtype = em.fp8;
+          o.epilogue = GmmEpilogue::kSwiGlu;
+          Tensor out = Poisoned(out_dtype, {m, 3}), ref = Poisoned(out_dtype, {m, 3});
+          TensorView sv = wt.codes ? wt.scale.view() : TensorView{};
+          const TensorView* scale = wt.codes ? &sv : nullptr;
+          ASSERT_TRUE(Gmm(o, lhs.view(), wt.w.view(), scale, gs.view(), out.view()).ok());
+          ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), scale, gs.view(), ref.view()).ok());
+          for (int64_t i = 0; i < m; ++i) {
+            const float g0 = ValueAt(out, static_cast<size_t>(i * 3));
+            const float r0 = ValueAt(ref, static_cast<size_t>(i * 3));
+            EXPECT_NEAR(g0, r0, 1e-2 * std::fabs(r0)) << "silu(-60) * 2";
+            EXPECT_LT(g0, -1e-25f);
+            EXPECT_GT(g0, -1e-23f);
+            for (int64_t j : {1, 2}) {
+              const float v = ValueAt(out, static_cast<size_t>(i * 3 + j));
+              EXPECT_EQ(std::bit_cast<uint32_t>(v) & 0x7FFFFFFFu, 0u)
+                  << "gate " << w[static_cast<size_t>(j)] << " gave " << v;
+              EXPECT_EQ(ValueAt(ref, static_cast<size_t>(i * 3 + j)), 0.0f);
+            }
+          }
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// dSwiGLU at the same gates: h = [[-60, -200, -533 | 2, 2, 2]], da = 1.
+// dgate = 2 silu'(g) and dup = silu(g) are ~-1e-24 and then -0, never NaN.
+TEST(GmmDlhs, DSwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
+  struct Case {
+    GmmMode mode;
+    DType dout, rhs;
+  };
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (const Case& c : {Case{GmmMode::kF32, DType::kF32, DType::kF32},
+                          Case{GmmMode::kBf16, DType::kBF16, DType::kBF16},
+                          Case{GmmMode::kBf16, DType::kBF16, DType::kE4M3FN},
+                          Case{GmmMode::kFakeQat, DType::kBF16, DType::kE4M3FN}}) {
+      for (int64_t m : {1, 9}) {
+        SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + std::string(GmmModeName(c.mode)) +
+                     " rhs " + std::string(DTypeName(c.rhs)) + " rows " + std::to_string(m));
+        // dout [m, 1] = 1, rhs [1, 3, 1] = 1: da [m, 3] = 1 exactly.
+        Tensor df = Make(DType::kF32, {m, 1});
+        for (int64_t i = 0; i < m; ++i) df.data_as<float>()[i] = 1.0f;
+        Tensor dout = c.dout == DType::kF32 ? std::move(df) : ToBf16(df);
+        Weight wt = WeightFromValues(c.rhs, {1, 1, 1}, 3, 1);
+        Tensor h = Make(DType::kF32, {m, 6});
+        for (int64_t i = 0; i < m; ++i) {
+          const float row[6] = {-60, -200, -533, 2, 2, 2};
+          std::memcpy(h.data_as<float>() + i * 6, row, sizeof row);
+        }
+        Tensor gs = Make(DType::kI32, {1});
+        gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+        GmmOptions o;
+        o.mode = c.mode;
+        o.epilogue = GmmEpilogue::kDSwiGlu;
+        TensorView sv = wt.codes ? wt.scale.view() : TensorView{};
+        const TensorView* scale = wt.codes ? &sv : nullptr;
+        TensorView hv = h.view();
+        Tensor out = Poisoned(DType::kF32, {m, 6}), ref = Poisoned(DType::kF32, {m, 6});
+        ASSERT_TRUE(GmmDlhs(o, dout.view(), wt.w.view(), scale, gs.view(), out.view(), &hv).ok());
+        ASSERT_TRUE(
+            reference::GmmDlhs(o, dout.view(), wt.w.view(), scale, gs.view(), ref.view(), &hv).ok());
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < 6; ++j) {
+            const size_t at = static_cast<size_t>(i * 6 + j);
+            const float v = out.data_as<float>()[at], r = ref.data_as<float>()[at];
+            ASSERT_FALSE(std::isnan(v)) << "column " << j;
+            if (j % 3 == 0) {
+              EXPECT_NEAR(v, r, 1e-5 * std::fabs(r)) << "column " << j;
+              EXPECT_LT(v, -1e-25f) << "column " << j;
+            } else {
+              EXPECT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(-0.0f)) << "column " << j;
+              EXPECT_EQ(std::bit_cast<uint32_t>(r), std::bit_cast<uint32_t>(-0.0f)) << "column " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// Through the public API, gates over the whole f32 range (+-0, subnormals,
+// +-1e-30, the exp limits, +-1e30, +-FLT_MAX, +-inf, NaN) with random ups:
+// f32 mode with K = 1 and lhs = 1, so h is the weight exactly and the fast
+// kernel must give the reference's silu(g) * up (NaN exactly where it is NaN).
+TEST(Gmm, SwiGluOverTheWholeF32RangeMatchesReference) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  std::vector<float> gates;
+  for (float x : {0.0f, 1e-30f, 1e-7f, 1.0f, 20.0f, 87.5f, 88.8f, 103.0f, 104.5f, 150.0f, 178.5f,
+                  300.0f, 1e30f, std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::infinity(), std::numeric_limits<float>::denorm_min(),
+                  std::numeric_limits<float>::min()}) {
+    gates.push_back(x);
+    gates.push_back(-x);
+  }
+  gates.push_back(kNaN);
+  while (gates.size() % 64 != 0) gates.push_back(r.Normal() * 50);
+  const int64_t f = static_cast<int64_t>(gates.size());
+  std::vector<float> w(static_cast<size_t>(2 * f));
+  for (int64_t j = 0; j < f; ++j) {
+    w[static_cast<size_t>(j)] = gates[static_cast<size_t>(j)];
+    w[static_cast<size_t>(f + j)] = r.Normal();
+  }
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (int64_t m : {2, 20}) {
+      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " rows " + std::to_string(m));
+      Tensor lhs = Make(DType::kF32, {m, 1});
+      for (int64_t i = 0; i < m; ++i) lhs.data_as<float>()[i] = 1.0f;
+      Weight wt = WeightFromValues(DType::kF32, w, 1, 2 * f);
+      Tensor gs = Make(DType::kI32, {1});
+      gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+      GmmOptions o;
+      o.mode = GmmMode::kF32;
+      o.epilogue = GmmEpilogue::kSwiGlu;
+      Tensor out = Poisoned(DType::kF32, {m, f}), ref = Poisoned(DType::kF32, {m, f});
+      ASSERT_TRUE(Gmm(o, lhs.view(), wt.w.view(), nullptr, gs.view(), out.view()).ok());
+      ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), nullptr, gs.view(), ref.view()).ok());
+      for (int64_t i = 0; i < m * f; ++i) {
+        const float g = out.data_as<float>()[i], want = ref.data_as<float>()[i];
+        const float gate = gates[static_cast<size_t>(i % f)];
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(g)) << "gate " << gate;
+          continue;
+        }
+        ASSERT_FALSE(std::isnan(g)) << "gate " << gate;
+        if (std::isinf(want)) {
+          ASSERT_EQ(g, want) << "gate " << gate;
+          continue;
+        }
+        ASSERT_LE(std::fabs(static_cast<double>(g) - want),
+                  8 * std::ldexp(std::fabs(static_cast<double>(want)), -24) +
+                      // sigmoid on the subnormal grid (below -87.3): see activation_test
+                      (std::fabs(gate) + 1) * std::fabs(w[static_cast<size_t>(f + i % f)]) *
+                          std::ldexp(1.0, -148) +
+                      1e-44)
+            << "gate " << gate << " got " << g << " want " << want;
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+}  // namespace
+}  // namespace fp8moe
