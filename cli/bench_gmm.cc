@@ -106,9 +106,15 @@ int BenchGmm(const BenchOptions& opt) {
       {"decode e64", 64, 64, 2048, 1024, false, false, true},
   };
   if (!opt.shape.empty()) {
+    // The shape of exactly that name, else every shape whose name contains it
+    // ("decode" is one shape although "decode e64" contains it too).
+    bool exact = false;
+    for (const auto& s : shapes) exact = exact || s.name == opt.shape;
     std::vector<Shape4> keep;
     for (const auto& s : shapes) {
-      if (s.name.find(opt.shape) != std::string::npos) keep.push_back(s);
+      if (exact ? s.name == opt.shape : s.name.find(opt.shape) != std::string::npos) {
+        keep.push_back(s);
+      }
     }
     shapes = keep;
   }
