@@ -274,10 +274,21 @@ std::string FileLine(const std::string& path, const YAML::Mark& mark) {
   return path + " line " + std::to_string(mark.line + 1);
 }
 
+// Whether code point cp may appear in a YAML stream (YAML 1.2 c-printable:
+// tab, LF, CR, printable ASCII, NEL, and the rest of Unicode but C1
+// controls, surrogates and U+FFFE/U+FFFF).
+bool YamlPrintable(uint32_t cp) {
+  if (cp < 0x80) return cp == 0x09 || cp == 0x0A || cp == 0x0D || (cp >= 0x20 && cp < 0x7F);
+  if (cp < 0xA0) return cp == 0x85;
+  return cp != 0xFFFE && cp != 0xFFFF;
+}
+
 // The byte offset of the first malformed UTF-8 sequence in text (overlong
-// forms, surrogates and code points past U+10FFFF included), or -1. yaml-cpp
-// 0.7 loops forever on some invalid bytes (0xFF after a plain scalar's start
-// was found by config_fuzz), so text is checked before it reaches the parser.
+// forms, surrogates and code points past U+10FFFF included) or of the first
+// character YAML does not allow (NUL and other control characters), or -1.
+// yaml-cpp 0.7 loops forever on some of these (config_fuzz found a 0xFF byte
+// after a plain scalar's start, and NUL bytes between an anchor and its
+// alias), so text is checked before it reaches the parser.
 int64_t FirstInvalidUtf8(const std::string& text) {
   const auto* b = reinterpret_cast<const unsigned char*>(text.data());
   const size_t n = text.size();
@@ -285,6 +296,7 @@ int64_t FirstInvalidUtf8(const std::string& text) {
   while (i < n) {
     const unsigned c = b[i];
     if (c < 0x80) {
+      if (!YamlPrintable(c)) return static_cast<int64_t>(i);
       ++i;
       continue;
     }
@@ -305,10 +317,51 @@ int64_t FirstInvalidUtf8(const std::string& text) {
       cp = (cp << 6) | (b[i + k] & 0x3F);
     }
     const bool overlong = (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000);
-    if (overlong || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) {
+    if (overlong || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF || !YamlPrintable(cp)) {
       return static_cast<int64_t>(i);
     }
     i += len;
+  }
+  return -1;
+}
+
+// The byte offset of the first anchor or alias (&name, *name at the start of
+// a token, outside quotes and comments), or -1. Config files are flat
+// key: value maps that never need them, and yaml-cpp 0.7 loops forever on
+// some malformed ones (config_fuzz: "&m_exp,"), so they are refused before
+// the parser; quote a value that starts with & or *.
+int64_t FirstAnchorOrAlias(const std::string& text) {
+  char quote = 0;
+  bool comment = false;
+  int64_t depth = 0;  // of flow collections [ ] { }
+  char prev = '\n';
+  for (size_t i = 0; i < text.size(); prev = text[i], ++i) {
+    const char ch = text[i];
+    if (ch == '\n') {
+      quote = 0;
+      comment = false;
+      continue;
+    }
+    if (comment) continue;
+    if (quote != 0) {
+      if (ch == quote) quote = 0;
+      continue;
+    }
+    const bool token_start = prev == '\n' || prev == ' ' || prev == '\t' || prev == '[' ||
+                             prev == '{' || prev == ',';
+    if (ch == '#' && (prev == ' ' || prev == '\t' || prev == '\n')) {
+      comment = true;
+    } else if ((ch == '"' || ch == '\'') && token_start) {
+      quote = ch;
+    } else if ((ch == '&' || ch == '*') && token_start) {
+      return static_cast<int64_t>(i);
+    } else if (ch == '[' || ch == '{') {
+      ++depth;
+    } else if ((ch == ']' || ch == '}') && depth > 0) {
+      --depth;
+    } else if (ch == ',' && depth == 0 && (prev == '\n' || prev == ' ' || prev == '\t')) {
+      return static_cast<int64_t>(i);  // yaml-cpp 0.7 loops on a token-leading ',' here
+    }
   }
   return -1;
 }
@@ -319,9 +372,17 @@ Status ApplyYaml(const ConfigSchema& schema, const std::string& path,
     const int64_t line = 1 + std::count(text.begin(), text.begin() + at, '\n');
     char byte[8];
     std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[at]));
-    return InvalidArgument("config file '" + path + "' is not valid UTF-8: byte " + byte +
+    return InvalidArgument("config file '" + path + "' is not valid UTF-8 or holds a character YAML does not allow: byte " + byte +
                            " at offset " + std::to_string(at) + " (line " +
-                           std::to_string(line) + "); save it as UTF-8");
+                           std::to_string(line) + "); save it as UTF-8 text without control characters");
+  }
+  if (const int64_t at = FirstAnchorOrAlias(text); at >= 0) {
+    const int64_t line = 1 + std::count(text.begin(), text.begin() + at, '\n');
+    return InvalidArgument("config file '" + path + "' line " + std::to_string(line) +
+                           ": anchors and aliases (&name, *name) and a ',' that starts a token "
+                           "outside [ ] or { } are not supported; write the value itself, or "
+                           "quote a value that starts with " +
+                           std::string(1, text[at]));
   }
   std::vector<YAML::Node> docs;
   try {

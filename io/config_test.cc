@@ -571,19 +571,35 @@ TEST_F(ConfigFileTest, InvalidUtf8IsRefusedBeforeTheParser) {
   const std::string hang = std::string(",ed_buffer_factor: \xff.inf\n");
   auto r = LoadConfigText(schema_, hang, "fuzz.yml", {});
   ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("not valid UTF-8: byte 0xFF at offset 19 (line 1)"),
+  EXPECT_NE(r.status().message().find("YAML does not allow: byte 0xFF at offset 19 (line 1)"),
             std::string::npos)
       << r.status().message();
-  for (const std::string bad : {"run_name: \xc0\xaf\n",           // overlong '/'
+  for (const std::string& bad : std::vector<std::string>{"run_name: \xc0\xaf\n",           // overlong '/'
                                 "run_name: \xed\xa0\x80\n",       // surrogate
                                 "run_name: \xf4\x90\x80\x80\n",  // past U+10FFFF
                                 "run_name: \xe2\x82\n",            // truncated
-                                "a: 1\nrun_name: \x80\n"}) {        // lone continuation
+                                "a: 1\nrun_name: \x80\n",           // lone continuation
+                                "run_name: a\x01" "b\n",                // C0 control
+                                "run_name: a\xc2\x80" "b\n",            // C1 control
+                                std::string("&m_exp,\0\0experts: *x\n", 21)}) {  // NUL: hung
     auto b = LoadConfigText(schema_, bad, "bad.yml", {});
     ASSERT_FALSE(b.ok()) << bad;
-    EXPECT_NE(b.status().message().find("not valid UTF-8"), std::string::npos)
+    EXPECT_NE(b.status().message().find("not valid UTF-8 or holds a character YAML does not allow"),
+              std::string::npos)
         << b.status().message();
   }
+  // Anchors and aliases are refused before the parser (yaml-cpp hung on
+  // "&m_exp,"); quoted values and a & inside a word are fine.
+  for (const std::string bad : {"&m_exp,", "a: &x 4\nnum_experts: *x\n", "run_name: *x\n", ",teps: 0\n"}) {
+    auto b = LoadConfigText(schema_, bad, "anchor.yml", {});
+    ASSERT_FALSE(b.ok()) << bad;
+    EXPECT_NE(b.status().message().find("anchors and aliases"), std::string::npos)
+        << b.status().message();
+  }
+  auto quoted = LoadConfigText(schema_, "run_name: \"*x\"  # a *comment\n", "ok.yml", {});
+  EXPECT_TRUE(quoted.ok()) << quoted.status().message();
+  auto word = LoadConfigText(schema_, "run_name: a&b*c\n", "ok.yml", {});
+  EXPECT_TRUE(word.ok()) << word.status().message();
   auto multi = LoadConfigText(schema_, "run_name: r\xc3\xa9sum\xc3\xa9\n", "ok.yml", {});
   EXPECT_TRUE(multi.ok()) << multi.status().message();
 }
