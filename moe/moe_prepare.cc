@@ -190,7 +190,7 @@ namespace {
 // forward GMM does and counts the health.
 Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const TensorView& buffer,
                         QuantDType dtype, int64_t block, Fp8Health* out) {
-  const int64_t valid = s.T * s.k, cols = buffer.shape[1];
+  const int64_t valid = s.valid, cols = buffer.shape[1];
   FP8MOE_ASSIGN_OR_RETURN(TensorView f, Grow(&s.health_f32, DType::kF32, {valid, cols}));
   if (buffer.dtype == DType::kF32) {
     std::memcpy(f.data, buffer.data, f.num_bytes());
