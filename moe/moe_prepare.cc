@@ -27,7 +27,13 @@ MoeWorkspace::~MoeWorkspace() = default;
 MoeWorkspace::MoeWorkspace(MoeWorkspace&&) noexcept = default;
 MoeWorkspace& MoeWorkspace::operator=(MoeWorkspace&&) noexcept = default;
 
-TensorView MoeWorkspace::group_sizes() const { return state_->group_sizes_view; }
+TensorView MoeWorkspace::group_sizes() const {
+  // The routing's counts of the layer's own tokens (on one rank the GMMs'
+  // group sizes; on an expert ring those are of the local experts only).
+  const std::vector<int32_t>& g = state_->routing.group_sizes;
+  return TensorView{const_cast<int32_t*>(g.data()), DType::kI32,
+                    {static_cast<int64_t>(g.size())}};
+}
 
 namespace {
 

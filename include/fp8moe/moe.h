@@ -198,7 +198,8 @@ class MoeWorkspace {
   MoeWorkspace(MoeWorkspace&&) noexcept;
   MoeWorkspace& operator=(MoeWorkspace&&) noexcept;
 
-  // After a forward: tokens per expert, I32 [E] (a view into the workspace).
+  // After a forward: this rank's (token, slot) pairs per expert, I32 [E] (a
+  // view into the workspace; all E experts, also on an expert ring).
   TensorView group_sizes() const;
 
   struct State;  // moe_layer.cc
