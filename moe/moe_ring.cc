@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "fp8moe/communicator.h"
+#include "fp8moe/dist.h"
+#include "fp8moe/quant.h"
 #include "fp8moe/numerics.h"
 #include "moe/moe_workspace.h"
 
@@ -47,7 +49,8 @@ size_t U(int64_t i) { return static_cast<size_t>(i); }
 
 }  // namespace
 
-Status RingDispatch(const TensorView& x, const MoeOptions& options, State& s) {
+Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
+                    State& s) {
   (void)options;
   Communicator& ring = *s.ring;
   const int64_t T = s.T, D = s.D, k = s.k, P = s.P, TT = P * T;
@@ -57,14 +60,32 @@ Status RingDispatch(const TensorView& x, const MoeOptions& options, State& s) {
   // single-rank permute stores), then gathered in place.
   FP8MOE_ASSIGN_OR_RETURN(TensorView xr, Grow(&s.x_ring, s.act, {TT, D}));
   const int64_t own = s.ring_index * T * D;
-  if (s.act == DType::kF32) {
+  if (s.quantized_tokens) {
+    // e4m3fn codes + f32 scale per token (D + 4 bytes against 2 D in bf16),
+    // dequantized once into the activation dtype.
+    FP8MOE_ASSIGN_OR_RETURN(TensorView q, Grow(&s.x_codes, DType::kU8, {TT, D}));
+    FP8MOE_ASSIGN_OR_RETURN(TensorView sc, Grow(&s.x_scales, DType::kF32, {TT}));
+    FP8MOE_ASSIGN_OR_RETURN(TensorView deq, Grow(&s.x_deq, DType::kF32, {TT, D}));
+    FP8MOE_RETURN_IF_ERROR(GatherQuantizedTokens(ring, x.as<float>(), T, D, QuantDType::kE4M3FN,
+                                                 cfg.act_quantization_calibration_method,
+                                                 q.as<uint8_t>(), sc.as<float>()));
+    DequantizeRows(q.as<uint8_t>(), TT, D, 0, sc.as<float>(), QuantDType::kE4M3FN,
+                   deq.as<float>());
+    if (s.act == DType::kF32) {
+      if (TT * D > 0) std::memcpy(xr.data, deq.data, U(TT * D) * sizeof(float));
+    } else {
+      F32ToBf16Span(deq.as<float>(), xr.as<uint16_t>(), U(TT * D));
+    }
+  } else if (s.act == DType::kF32) {
     if (T * D > 0) std::memcpy(xr.as<float>() + own, x.data, U(T * D) * sizeof(float));
   } else {
     F32ToBf16Span(x.as<float>(), xr.as<uint16_t>() + own, U(T * D));
   }
-  FP8MOE_RETURN_IF_ERROR(ring.AllGather(static_cast<const char*>(xr.data) +
-                                            own * DTypeSize(s.act),
-                                        xr.data, T * D, s.act));
+  if (!s.quantized_tokens) {
+    FP8MOE_RETURN_IF_ERROR(ring.AllGather(static_cast<const char*>(xr.data) +
+                                              own * DTypeSize(s.act),
+                                          xr.data, T * D, s.act));
+  }
   // Routing: expert ids and weights of every ring token.
   s.ring_expert.resize(U(TT * k));
   s.ring_weight.resize(U(TT * k));

@@ -17,7 +17,9 @@ namespace fp8moe::internal {
 // is local, sorted stably by expert (ring pair p = t*k + j over the P*T
 // ring tokens, rank r's tokens at [r T, (r+1) T)); sets valid, E_local,
 // local_sizes.
-Status RingDispatch(const TensorView& x, const MoeOptions& options,
+// With moe_quantize_token_all_gather the codes + per-token scales are
+// gathered (GatherQuantizedTokens) and dequantized into x_ring instead.
+Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
                     MoeWorkspace::State& s);
 
 // The largest valid row count of the ring (an all-reduce max).

@@ -14,7 +14,9 @@
 #include <gtest/gtest.h>
 
 #include "fp8moe/communicator.h"
+#include "fp8moe/dist.h"
 #include "fp8moe/moe.h"
+#include "fp8moe/quant.h"
 #include "moe/moe_test_util.h"
 
 namespace fp8moe {
@@ -247,6 +249,124 @@ TEST(MoeRing, ExpertsThatDoNotDivideOverTheRingAreAnError) {
   for (const std::string& e : errors) {
     EXPECT_NE(e.find("num_experts=6 does not divide over an expert ring of 4"), std::string::npos)
         << e;
+  }
+}
+
+}  // namespace
+}  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+
+// moe_quantize_token_all_gather: the ring gathers e4m3fn codes + per-token
+// scales. (1) Against the single-rank layer with the same flag (which runs
+// the same quantization round trip): the same bounds as without it. (2)
+// Against the single-rank layer *without* the flag fed x = deq(q(x0)),
+// tokens the quantizer maps to themselves: the forward is bit for bit and so
+// are dwi, dwo (k = 2), i.e. the flag changes the numerics by exactly one
+// quantization of x. (3) The bytes the dispatch saves are the traffic
+// functions' difference, on every rank.
+TEST(MoeRing, QuantizedTokenAllGather) {
+  for (int P : {2, 4}) {
+    const int64_t T = 24, D = 32;
+    LayerInputs in(91 + P, T * P, D, 16, 8);
+    // (1) on tokens the quantization changes: the ring against one rank,
+    // both with the flag; and the flag really changes the output.
+    for (const std::vector<std::string>& mode : Modes()) {
+      std::vector<std::string> flags = mode;
+      flags.push_back("num_experts=8");
+      const std::string what = "P=" + std::to_string(P) + " " + (mode.empty() ? "bf16" : mode.back());
+      SCOPED_TRACE(what);
+      const MoeConfig plain = MakeConfig(flags);
+      flags.push_back("moe_quantize_token_all_gather=true");
+      const MoeConfig quant_whole = MakeConfig(flags);
+      flags.push_back("load_balance_loss_weight=" + std::to_string(0.01 / P));
+      const MoeConfig quant_ring = MakeConfig(flags);
+      Out whole_plain(in), whole_quant(in), ring(in);
+      ASSERT_TRUE(RunWhole(plain, in, &whole_plain).ok());
+      ASSERT_TRUE(RunWhole(quant_whole, in, &whole_quant).ok());
+      ASSERT_TRUE(RunRing(P, quant_ring, in, &ring, /*poison=*/true).ok());
+      ExpectClose(ring, whole_quant, 2, what + " raw x, quantized tokens vs 1 rank quantized");
+      EXPECT_GT(Compare(whole_quant.y, whole_plain.y).rel, 1e-3);
+    }
+    // (2) x = deq(q(x0)), and check that q(x) gives x back.
+    {
+      Tensor codes = std::move(Tensor::Create(DType::kU8, {T * P, D})).value();
+      Tensor scales = F32({T * P});
+      Tensor back = F32({T * P, D});
+      for (int pass = 0; pass < 2; ++pass) {
+        ASSERT_TRUE(QuantizeRows(in.x.data_as<float>(), T * P, D, T * P, 0, QuantDType::kE4M3FN,
+                                 Calibration{}, codes.data_as<uint8_t>(),
+                                 scales.data_as<float>()).ok());
+        DequantizeRows(codes.data_as<uint8_t>(), T * P, D, 0, scales.data_as<float>(),
+                       QuantDType::kE4M3FN, back.data_as<float>());
+        if (pass == 1) {
+          ASSERT_EQ(0, std::memcmp(back.data(), in.x.data(), in.x.num_bytes()))
+              << "deq(q(x)) is not a fixed point of the quantizer for this data";
+        }
+        std::memcpy(in.x.data(), back.data(), in.x.num_bytes());
+      }
+    }
+    for (const std::vector<std::string>& mode : Modes()) {
+      std::vector<std::string> flags = mode;
+      flags.push_back("num_experts=8");
+      const std::string what = "P=" + std::to_string(P) + " " + (mode.empty() ? "bf16" : mode.back());
+      SCOPED_TRACE(what);
+      const MoeConfig plain = MakeConfig(flags);
+      flags.push_back("moe_quantize_token_all_gather=true");
+      const MoeConfig quant_whole = MakeConfig(flags);
+      flags.push_back("load_balance_loss_weight=" + std::to_string(0.01 / P));
+      const MoeConfig quant_ring = MakeConfig(flags);
+      Out whole_plain(in), whole_quant(in), ring(in);
+      ASSERT_TRUE(RunWhole(plain, in, &whole_plain).ok());
+      ASSERT_TRUE(RunWhole(quant_whole, in, &whole_quant).ok());
+      const Status st = RunRing(P, quant_ring, in, &ring, /*poison=*/true);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      ExpectClose(ring, whole_quant, 2, what + " quantized tokens vs 1 rank quantized");
+      ExpectClose(ring, whole_plain, 2, what + " quantized tokens vs 1 rank fed deq(q(x))");
+    }
+  }
+}
+
+// Forward only: the dispatch's token bytes with and without the flag, per
+// rank, as the traffic functions count them.
+TEST(MoeRing, QuantizedTokenAllGatherSendsTheCountedBytes) {
+  const int P = 4;
+  const int64_t T = 24, D = 32;
+  LayerInputs in(7, T * P, D, 16, 8);
+  std::vector<int64_t> sent[2];
+  for (int quant = 0; quant < 2; ++quant) {
+    std::vector<std::string> flags = {"num_experts=8"};
+    if (quant) flags.push_back("moe_quantize_token_all_gather=true");
+    const MoeConfig cfg = MakeConfig(flags);
+    sent[quant].assign(P, 0);
+    ASSERT_TRUE(RunThreadRanks(P, [&](Communicator& comm) -> Status {
+      Context ctx;
+      MoeOptions o;
+      o.expert_ring = &comm;
+      const int64_t El = 8 / P, r = comm.rank();
+      const TensorView wi = Rows(in.wi, r * El, El), wo = Rows(in.wo, r * El, El);
+      PreparedMoeWeights p;
+      MoeWorkspace ws;
+      Tensor y = F32({T, D});
+      FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, wi, wo, &p));
+      const int64_t before = comm.bytes_sent();
+      FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, cfg, Rows(in.x, r * T, T),
+                                        {in.router.view(), wi, wo}, p, &ws, y.view(), nullptr, o));
+      sent[quant][static_cast<size_t>(r)] = comm.bytes_sent() - before;
+      return OkStatus();
+    }).ok());
+  }
+  for (int r = 0; r < P; ++r) {
+    const int64_t saved = Bf16TokenGatherTraffic(P, r, T, D).total() -
+                          QuantizedTokenGatherTraffic(P, r, T, D).total();
+    EXPECT_EQ(sent[0][static_cast<size_t>(r)] - sent[1][static_cast<size_t>(r)], saved) << r;
+    std::printf("rank %d: forward sent %lld bytes with bf16 tokens, %lld with e4m3fn codes + "
+                "scales (tokens: %lld vs %lld)\n", r,
+                static_cast<long long>(sent[0][static_cast<size_t>(r)]),
+                static_cast<long long>(sent[1][static_cast<size_t>(r)]),
+                static_cast<long long>(Bf16TokenGatherTraffic(P, r, T, D).total()),
+                static_cast<long long>(QuantizedTokenGatherTraffic(P, r, T, D).total()));
   }
 }
 

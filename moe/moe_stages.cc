@@ -90,13 +90,29 @@ Result<int64_t> BufferRows(const MoeConfig& cfg, MoeState& s, int64_t all, MoeSt
   return rows;
 }
 
-// x_sorted's valid rows from the tokens (one rank: x; ring: the gathered x).
+// x_sorted's valid rows from the tokens (one rank: x, or its quantization
+// round trip; ring: the gathered x).
 void GatherSorted(const MoeState& s, const TensorView& x) {
   if (s.P > 1) {
     RingGatherRows(s, s.xs.data, s.act);
   } else {
-    GatherRows(s.routing, x.as<float>(), s.D, s.xs.data, s.act);
+    const float* src = s.quantized_tokens ? s.x_deq.data_as<float>() : x.as<float>();
+    GatherRows(s.routing, src, s.D, s.xs.data, s.act);
   }
+}
+
+// moe_quantize_token_all_gather on one rank: x_deq [T, D] = deq(q(x)), the
+// values the ring's gathered codes carry.
+Status QuantizeTokensRoundTrip(const MoeConfig& cfg, const TensorView& x, MoeState& s) {
+  FP8MOE_ASSIGN_OR_RETURN(TensorView q, Grow(&s.x_codes, DType::kU8, {s.T, s.D}));
+  FP8MOE_ASSIGN_OR_RETURN(TensorView sc, Grow(&s.x_scales, DType::kF32, {s.T}));
+  FP8MOE_ASSIGN_OR_RETURN(TensorView deq, Grow(&s.x_deq, DType::kF32, {s.T, s.D}));
+  FP8MOE_RETURN_IF_ERROR(QuantizeRows(x.as<float>(), s.T, s.D, s.T, 0, QuantDType::kE4M3FN,
+                                      cfg.act_quantization_calibration_method,
+                                      q.as<uint8_t>(), sc.as<float>()));
+  DequantizeRows(q.as<uint8_t>(), s.T, s.D, 0, sc.as<float>(), QuantDType::kE4M3FN,
+                 deq.as<float>());
+  return OkStatus();
 }
 
 // The backward of one expert GMM (wi or wo).
@@ -282,9 +298,11 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
 
 Status DispatchForward(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
                        MoeState& s, MoeStats* stats) {
+  s.quantized_tokens = cfg.moe_quantize_token_all_gather;
   if (s.P > 1) {
-    FP8MOE_RETURN_IF_ERROR(RingDispatch(x, options, s));
+    FP8MOE_RETURN_IF_ERROR(RingDispatch(cfg, x, options, s));
   } else {
+    if (s.quantized_tokens) FP8MOE_RETURN_IF_ERROR(QuantizeTokensRoundTrip(cfg, x, s));
     s.valid = s.T * s.k;
     s.E_local = s.E;
     s.local_sizes = s.routing.group_sizes.data();

@@ -40,6 +40,10 @@ struct MoeWorkspace::State {
   std::vector<int64_t> ring_row_of_pair; // [P*T*k] buffer row, -1: not local
   std::vector<int64_t> ring_pair_of_row; // [valid] ring pair of valid row i
   Tensor x_ring, y_ring, dy_ring, dw_ring, dx_ring, ring_tmp;
+  // moe_quantize_token_all_gather: codes [P*T, D], scales [P*T], and the
+  // dequantized tokens x_deq [P*T, D] f32 (one rank: [T, D]).
+  Tensor x_codes, x_scales, x_deq;
+  bool quantized_tokens = false;
 
   // Forward: the buffers and views of this step's shapes.
   Tensor one, logits, group_sizes, x_sorted, h, a, y_sorted;

@@ -254,6 +254,8 @@ TEST(TrainDist, ExpertParallelLossesMatchOneRank) {
                      "fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, 2e-4},
       {"fake_qat", {"fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, 2e-4},
       {"native_fwd_dlhs", {}, 2e-4},
+      // The quantized token all-gather: one rank runs the same round trip.
+      {"native quant tokens", {"moe_quantize_token_all_gather=true"}, 2e-4},
   };
   for (const Mode& m : modes) {
     const auto flags = With(Tiny("ep", 20), m.flags);
