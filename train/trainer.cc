@@ -407,11 +407,20 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     return OkStatus();
   };
 
+  // Bytes this rank sent on the job's communicator and, with expert
+  // parallelism, on the expert ring and the expert FSDP group.
+  auto bytes_sent = [&]() {
+    int64_t b = comm->bytes_sent();
+    for (const auto* sub : {&ring, &expert_group}) {
+      if (*sub) b += (*sub)->bytes_sent();
+    }
+    return b;
+  };
   int64_t completed = state.step;
   for (int64_t s = state.step; s < c.steps; ++s) {
     completed = s + 1;
     const int64_t allocs0 = GetMemoryStats().allocations;
-    const int64_t sent0 = comm->bytes_sent(), expert0 = fsdp->expert_gather_bytes();
+    const int64_t sent0 = bytes_sent(), expert0 = fsdp->expert_gather_bytes();
     const double t0 = Now();
     data->NextTrainBatch(inputs.data(), targets.data());
     const bool last = s + 1 == c.steps;
@@ -478,7 +487,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       }
     }
     rep.step_time_s = Now() - t0;
-    rep.comm_bytes = comm->bytes_sent() - sent0;
+    rep.comm_bytes = bytes_sent() - sent0;
     rep.expert_gather_bytes = fsdp->expert_gather_bytes() - expert0;
     rep.allocations = GetMemoryStats().allocations - allocs0;
     if (ran > 0) {
