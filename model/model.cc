@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "fp8moe/communicator.h"
 #include "fp8moe/memory.h"
 #include "model/layers.h"
 
@@ -236,8 +237,20 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   return OkStatus();
 }
 
-MoeWeights MasterOf(const LayerParams& L) {
-  return {L.router.view(), L.wi.view(), L.wo.view()};
+// The rows [r E/P, (r+1) E/P) of an expert tensor [E, ...] for ring rank r
+// of P (the whole tensor without a ring).
+TensorView ExpertRows(const Tensor& t, const Communicator* ring) {
+  TensorView v = t.view();
+  if (ring == nullptr || ring->size() <= 1) return v;
+  const int64_t P = ring->size(), El = v.shape[0] / P;
+  const int64_t row = static_cast<int64_t>(t.num_elements()) / std::max<int64_t>(v.shape[0], 1);
+  v.data = const_cast<float*>(t.data_as<float>()) + ring->rank() * El * row;
+  v.shape[0] = El;
+  return v;
+}
+
+MoeWeights MasterOf(const LayerParams& L, const Communicator* ring) {
+  return {L.router.view(), ExpertRows(L.wi, ring), ExpertRows(L.wo, ring)};
 }
 
 void Add(const float* a, const float* b, size_t n, float* out) {
@@ -251,8 +264,10 @@ Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
                              ExpertWeightSource* source) {
   if (prepared->size() != params.layers.size()) prepared->resize(params.layers.size());
   for (size_t l = 0; l < params.layers.size(); ++l) {
-    FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, config_.moe, params.layers[l].wi.view(),
-                                             params.layers[l].wo.view(), &(*prepared)[l],
+    FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, config_.moe,
+                                             ExpertRows(params.layers[l].wi, expert_ring_),
+                                             ExpertRows(params.layers[l].wo, expert_ring_),
+                                             &(*prepared)[l],
                                              source, static_cast<int64_t>(l)));
   }
   return OkStatus();
@@ -312,7 +327,8 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     MoeStepInfo mi;
     MoeOptions mo;
     mo.sum_batch_counts = sum_batch_counts_;
-    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(P),
+    mo.expert_ring = expert_ring_;
+    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(P, expert_ring_),
                                       prepared[static_cast<size_t>(l)], &A.moe, b.moe_y.view(),
                                       &mi, mo));
     info->aux_loss += mi.aux_loss;
@@ -351,10 +367,13 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     LayerParams& G = grads->layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
     // MoE FFN: dy = dx; its dx is the gradient of n2.
-    const MoeGradientViews mg{b.dtmp.view(), G.router.view(), G.wi.view(), G.wo.view()};
-    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(P),
+    const MoeGradientViews mg{b.dtmp.view(), G.router.view(), ExpertRows(G.wi, expert_ring_),
+                              ExpertRows(G.wo, expert_ring_)};
+    MoeOptions mo;
+    mo.expert_ring = expert_ring_;
+    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(P, expert_ring_),
                                        prepared[static_cast<size_t>(l)], &A.moe, b.dx.view(),
-                                       mg));
+                                       mg, mo));
     internal::RmsNormBackward(ctx, A.x1.data_as<float>(), P.mlp_norm.data_as<float>(),
                               A.inv2.data_as<float>(), dtmp, N, D, dx,
                               G.mlp_norm.data_as<float>());

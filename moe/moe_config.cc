@@ -170,6 +170,11 @@ const std::vector<FlagSpec>& PlainFlags() {
        "full: recompute x_sorted in the backward; moe_x_sorted: save it from "
        "the forward.",
        {"full", "moe_x_sorted"}},
+      {"moe_quantize_token_all_gather", FlagType::kBool, "false",
+       "The experts' tokens go through one e4m3fn quantization per token (f32 "
+       "scale): the ring of experts all-gathers the codes + scales, about half "
+       "the bytes of bf16; on one rank the same round trip. The router reads "
+       "the unquantized tokens."},
   };
   return *flags;
 }
@@ -595,6 +600,7 @@ Result<MoeConfig> MoeConfigFrom(const Config& c) {
                        "or bwd_quantization_dtype=e4m3");
   }
   m.moe_bwd_inkernel_quant = c.GetBool("moe_bwd_inkernel_quant");
+  m.moe_quantize_token_all_gather = c.GetBool("moe_quantize_token_all_gather");
 
   m.fp8_moe_fake_quant = c.GetBool("fp8_moe_fake_quant");
   const std::string& hoist = c.GetString("fp8_fake_quant_hoist");

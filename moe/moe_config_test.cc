@@ -117,6 +117,7 @@ TEST(MoeConfigSchemaTest, HasEveryFlagWithDocAndChoices) {
       "load_balance_loss_weight",
       "ici_tensor_parallelism",
       "moe_lhs_quant_block_size",
+      "moe_quantize_token_all_gather",
   };
   expected.insert(expected.end(), kTileNames.begin(), kTileNames.end());
   EXPECT_EQ(schema.flags().size(), expected.size());

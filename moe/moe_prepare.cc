@@ -27,7 +27,13 @@ MoeWorkspace::~MoeWorkspace() = default;
 MoeWorkspace::MoeWorkspace(MoeWorkspace&&) noexcept = default;
 MoeWorkspace& MoeWorkspace::operator=(MoeWorkspace&&) noexcept = default;
 
-TensorView MoeWorkspace::group_sizes() const { return state_->group_sizes_view; }
+TensorView MoeWorkspace::group_sizes() const {
+  // The routing's counts of the layer's own tokens (on one rank the GMMs'
+  // group sizes; on an expert ring those are of the local experts only).
+  const std::vector<int32_t>& g = state_->routing.group_sizes;
+  return TensorView{const_cast<int32_t*>(g.data()), DType::kI32,
+                    {static_cast<int64_t>(g.size())}};
+}
 
 namespace {
 
@@ -190,7 +196,7 @@ namespace {
 // forward GMM does and counts the health.
 Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const TensorView& buffer,
                         QuantDType dtype, int64_t block, Fp8Health* out) {
-  const int64_t valid = s.T * s.k, cols = buffer.shape[1];
+  const int64_t valid = s.valid, cols = buffer.shape[1];
   FP8MOE_ASSIGN_OR_RETURN(TensorView f, Grow(&s.health_f32, DType::kF32, {valid, cols}));
   if (buffer.dtype == DType::kF32) {
     std::memcpy(f.data, buffer.data, f.num_bytes());

@@ -25,13 +25,32 @@ struct MoeWorkspace::State {
   MoeQuantPlan plan;
   DType act = DType::kBF16;
   int64_t T = 0, D = 0, F = 0, E = 0, k = 0, rows = 0;
+  // The pairs this rank's experts run: valid rows of the ragged buffer (T*k
+  // on one rank), and their count per local expert [E_local].
+  int64_t valid = 0, E_local = 0;
+  const int32_t* local_sizes = nullptr;
   bool forward_done = false;
+
+  // The expert ring (moe/moe_ring.cc); P = 1: the single-rank layer.
+  Communicator* ring = nullptr;
+  int64_t P = 1, ring_index = 0, e0 = 0;
+  std::vector<int32_t> ring_expert;      // [P*T*k] gathered expert ids
+  std::vector<float> ring_weight;        // [P*T*k] gathered routing weights
+  std::vector<int32_t> ring_sizes;       // [E_local] pairs per local expert
+  std::vector<int64_t> ring_row_of_pair; // [P*T*k] buffer row, -1: not local
+  std::vector<int64_t> ring_pair_of_row; // [valid] ring pair of valid row i
+  Tensor x_ring, y_ring, dy_ring, dw_ring, dx_ring, ring_tmp;
+  // moe_quantize_token_all_gather: codes [P*T, D], scales [P*T], and the
+  // dequantized tokens x_deq [P*T, D] f32 (one rank: [T, D]).
+  Tensor x_codes, x_scales, x_deq;
+  bool quantized_tokens = false;
 
   // Forward: the buffers and views of this step's shapes.
   Tensor one, logits, group_sizes, x_sorted, h, a, y_sorted;
   TensorView group_sizes_view, xs, hv, av, ysv;
   // Backward.
   Tensor dy_sorted, dweight, dh, dx_sorted, dlogits;
+  TensorView dys, dhv, dxs, dwv;
   // fp8_full backward operands.
   Tensor recipe_g, recipe_q, recipe_sc, recipe_a32, recipe_qa, recipe_sa;
   // Activation health.

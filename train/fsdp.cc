@@ -22,8 +22,16 @@ Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<d
 }
 
 Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
-                                                     const ModelParams& like) {
-  std::unique_ptr<FsdpState> s(new FsdpState(comm));
+                                                     const ModelParams& like,
+                                                     Communicator* expert_group,
+                                                     Communicator* ring) {
+  if (ring != nullptr && ring->size() <= 1) ring = nullptr;
+  if (expert_group == nullptr) expert_group = &comm;
+  if (ring == nullptr && expert_group != &comm) {
+    return Internal("FsdpState: an expert group other than the job needs an expert ring");
+  }
+  const int64_t P = ring != nullptr ? ring->size() : 1, ring_rank = ring != nullptr ? ring->rank() : 0;
+  std::unique_ptr<FsdpState> s(new FsdpState(comm, *expert_group, ring));
   const auto named = like.Named();
   s->units_.emplace_back();  // unit 0: the dense tensors
   s->parts_.resize(named.size());
@@ -39,10 +47,21 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
     u.members.push_back(k);
     u.offsets.push_back(u.total);
     s->parts_[k].unit = expert ? s->units_.size() - 1 : 0;
-    u.total += static_cast<int64_t>(t->num_elements());
+    if (expert && P > 1) {
+      if (t->shape()[0] % P != 0) {
+        return InvalidArgument(name + " has " + std::to_string(t->shape()[0]) +
+                               " experts, which do not divide over " + std::to_string(P) +
+                               " expert-parallel ranks");
+      }
+      u.total = static_cast<int64_t>(t->num_elements()) / P;
+      u.first = ring_rank * u.total;
+    } else {
+      u.total += static_cast<int64_t>(t->num_elements());
+    }
   }
   for (Unit& u : s->units_) {
-    u.range = GetShardRange(u.total, comm.size(), comm.rank());
+    Communicator& g = s->Group(u);
+    u.range = GetShardRange(u.total, g.size(), g.rank());
     for (Tensor* t : {&u.master, &u.m, &u.v, &u.g}) {
       FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(DType::kF32, {u.range.size()}));
     }
@@ -64,7 +83,7 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
 
 const float* FsdpState::Whole(
     Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors) {
-  if (u.members.size() == 1) return tensors[u.members[0]].second->data_as<float>();
+  if (u.members.size() == 1) return tensors[u.members[0]].second->data_as<float>() + u.first;
   float* flat = u.staging.data_as<float>();
   for (size_t i = 0; i < u.members.size(); ++i) {
     const Tensor& t = *tensors[u.members[i]].second;
@@ -76,8 +95,9 @@ const float* FsdpState::Whole(
 Status FsdpState::GatherUnit(Unit& u, const Tensor& shard,
                              const std::vector<std::pair<std::string, Tensor*>>& tensors) {
   if (u.members.size() == 1) {
-    return comm_.AllGatherShards(shard.data(), tensors[u.members[0]].second->data(), u.total,
-                                 DType::kF32);
+    return Group(u).AllGatherShards(shard.data(),
+                                    tensors[u.members[0]].second->data_as<float>() + u.first,
+                                    u.total, DType::kF32);
   }
   FP8MOE_RETURN_IF_ERROR(
       comm_.AllGatherShards(shard.data(), u.staging.data(), u.total, DType::kF32));
@@ -110,10 +130,18 @@ Status FsdpState::GatherParams(ModelParams* params, bool skip_experts) {
 
 Status FsdpState::GatherAll(ModelParams* params, ModelParams* m, ModelParams* v) {
   FP8MOE_RETURN_IF_ERROR(GatherParams(params, /*skip_experts=*/false));
-  const auto ms = m->Named(), vs = v->Named();
+  const auto ps = params->Named(), ms = m->Named(), vs = v->Named();
   for (Unit& u : units_) {
     FP8MOE_RETURN_IF_ERROR(GatherUnit(u, u.m, ms));
     FP8MOE_RETURN_IF_ERROR(GatherUnit(u, u.v, vs));
+    // Expert parallelism: each ring rank now holds its rows whole; gather
+    // the other ring ranks' rows (in place) so the tensors are whole.
+    if (u.expert && ring_ != nullptr) {
+      for (const auto* named : {&ps, &ms, &vs}) {
+        float* t = (*named)[u.members[0]].second->data_as<float>();
+        FP8MOE_RETURN_IF_ERROR(ring_->AllGather(t + u.first, t, u.total, DType::kF32));
+      }
+    }
   }
   return OkStatus();
 }
@@ -122,8 +150,8 @@ Status FsdpState::ReduceGradients(const ModelParams& grads) {
   const auto g = grads.Named();
   const float inv = 1.0f / static_cast<float>(comm_.size());
   for (Unit& u : units_) {
-    FP8MOE_RETURN_IF_ERROR(comm_.ReduceScatterShards(Whole(u, g), u.g.data(), u.total,
-                                                     DType::kF32, ReduceOp::kSum));
+    FP8MOE_RETURN_IF_ERROR(Group(u).ReduceScatterShards(Whole(u, g), u.g.data(), u.total,
+                                                        DType::kF32, ReduceOp::kSum));
     if (comm_.size() > 1) {
       float* d = u.g.data_as<float>();
       for (int64_t i = 0; i < u.range.size(); ++i) d[i] *= inv;
@@ -212,17 +240,17 @@ Status FsdpState::Quantize(int64_t layer, bool wo, const Shape& shape, QuantDTyp
   const size_t k = ExpertUnit(layer, wo, shape, &error);
   if (k == units_.size()) return error;
   Unit& u = units_[k];
-  const int64_t sent = comm_.bytes_sent();
-  FP8MOE_RETURN_IF_ERROR(GatherFp8Weight(comm_, u.master.data_as<float>(), shape[0], shape[1],
+  const int64_t sent = ecomm_.bytes_sent();
+  FP8MOE_RETURN_IF_ERROR(GatherFp8Weight(ecomm_, u.master.data_as<float>(), shape[0], shape[1],
                                          shape[2], dtype, calib, codes, scale, scratch_));
-  expert_gather_bytes_ += comm_.bytes_sent() - sent;
+  expert_gather_bytes_ += ecomm_.bytes_sent() - sent;
   *health = {};
   if (count_health_) {
     // Integer counts of this rank's range, summed over the ranks.
     const Fp8HealthCounts mine =
         CountFp8Health(codes + u.range.begin, u.master.data_as<float>(), u.range.size(), dtype);
     int64_t counts[2] = {mine.saturated, mine.flushed};
-    FP8MOE_RETURN_IF_ERROR(comm_.AllReduce(counts, counts, 2, DType::kI64, ReduceOp::kSum));
+    FP8MOE_RETURN_IF_ERROR(ecomm_.AllReduce(counts, counts, 2, DType::kI64, ReduceOp::kSum));
     *health = Fp8HealthCounts{counts[0], counts[1], u.total}.Fractions();
   }
   return OkStatus();
@@ -233,9 +261,9 @@ Status FsdpState::RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16
   const size_t k = ExpertUnit(layer, wo, shape, &error);
   if (k == units_.size()) return error;
   Unit& u = units_[k];
-  const int64_t sent = comm_.bytes_sent();
-  FP8MOE_RETURN_IF_ERROR(GatherBf16Weight(comm_, u.master.data_as<float>(), u.total, out));
-  expert_gather_bytes_ += comm_.bytes_sent() - sent;
+  const int64_t sent = ecomm_.bytes_sent();
+  FP8MOE_RETURN_IF_ERROR(GatherBf16Weight(ecomm_, u.master.data_as<float>(), u.total, out));
+  expert_gather_bytes_ += ecomm_.bytes_sent() - sent;
   return OkStatus();
 }
 

@@ -34,8 +34,15 @@ Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<d
 // weight is sharded on its own, the flat layout GatherFp8Weight expects.
 class FsdpState : public ExpertWeightSource {
  public:
-  // Shards of tensors shaped like `like` over `comm` (the FSDP group).
-  static Result<std::unique_ptr<FsdpState>> Create(Communicator& comm, const ModelParams& like);
+  // Shards of tensors shaped like `like` over `comm` (every rank of the job).
+  // With expert parallelism (P > 1 ranks in `ring`, the expert ring of this
+  // rank) each expert tensor's unit is only this ring rank's rows
+  // [r E/P, (r+1) E/P), sharded over `expert_group` (the F ranks that hold
+  // the same experts); the dense unit stays sharded over all of `comm`.
+  // Without a ring expert_group must be null or `comm`.
+  static Result<std::unique_ptr<FsdpState>> Create(Communicator& comm, const ModelParams& like,
+                                                   Communicator* expert_group = nullptr,
+                                                   Communicator* ring = nullptr);
 
   // Keeps this rank's range of every tensor (initial weights, or a
   // checkpoint's whole tensors: resharding is slicing).
@@ -45,12 +52,14 @@ class FsdpState : public ExpertWeightSource {
   // expert weights wi / wo are left out (their codes or bf16 copies come
   // through this ExpertWeightSource instead).
   Status GatherParams(ModelParams* params, bool skip_experts);
-  // Masters and moments gathered whole (for a checkpoint).
+  // Masters and moments gathered whole (for a checkpoint; the expert rows of
+  // the other ring ranks too).
   Status GatherAll(ModelParams* params, ModelParams* m, ModelParams* v);
 
-  // grads: this rank's whole gradient of its local mean loss. Reduce-scatters
-  // (f32 sum, the ring's fixed order) and scales by 1 / size: the gradient of
-  // the global mean loss, this rank's range.
+  // grads: this rank's whole gradient of its local mean loss (the expert rows
+  // of its ring rank: of the ring's tokens). Reduce-scatters (f32 sum, the
+  // ring's fixed order) over the unit's group and scales by 1 / (ranks of
+  // the job): the gradient of the global mean loss, this rank's range.
   Status ReduceGradients(const ModelParams& grads);
   struct GradientCheck {
     std::string first_nonfinite;  // the first tensor (Named() order) with a
@@ -84,6 +93,7 @@ class FsdpState : public ExpertWeightSource {
     std::vector<size_t> members;   // tensor indices (Named() order)
     std::vector<int64_t> offsets;  // each member's place in the unit
     int64_t total = 0;
+    int64_t first = 0;  // the unit's first element in its tensor (expert rows)
     ShardRange range;
     bool expert = false;
     Tensor master, m, v, g;  // F32 [range.size()]
@@ -96,7 +106,9 @@ class FsdpState : public ExpertWeightSource {
     int64_t begin = 0, size = 0, at = 0;
   };
 
-  explicit FsdpState(Communicator& comm) : comm_(comm) {}
+  explicit FsdpState(Communicator& comm, Communicator& expert_group, Communicator* ring)
+      : comm_(comm), ecomm_(expert_group), ring_(ring) {}
+  Communicator& Group(const Unit& u) { return u.expert ? ecomm_ : comm_; }
   size_t ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status* error) const;
   // The unit's whole data from `tensors` (staged when it has several).
   const float* Whole(Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors);
@@ -105,6 +117,8 @@ class FsdpState : public ExpertWeightSource {
                     const std::vector<std::pair<std::string, Tensor*>>& tensors);
 
   Communicator& comm_;
+  Communicator& ecomm_;
+  Communicator* ring_;
   std::vector<std::string> names_;
   std::vector<bool> decay_;  // matrices: weight decay applies
   std::vector<Part> parts_;  // per tensor

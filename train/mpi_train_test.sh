@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The trainer under mpirun (FSDP) against one rank without mpirun:
+# The trainer under mpirun (FSDP, and the ring of experts) against one rank
+# without mpirun:
 #   mpi_train_test.sh RANKS FP8MOE MPIEXEC [MPIEXEC FLAGS...]
 # 1. f32 mode, 20 steps, the same global batch: every step's loss within 1e-5
 #    relative of the 1-rank run;
@@ -8,8 +9,14 @@
 #    the bounds of every mode);
 # 3. a checkpoint written by RANKS ranks resumes on one rank and on RANKS
 #    ranks and ends within 1e-5 of the uninterrupted run;
-# 4. a layout that does not fit the job, ici_expert_parallelism > 1, and
-#    flags that differ across ranks are errors on every rank, exit 2.
+# 4. expert parallelism: ici_expert_parallelism=RANKS (and 2 x 2 on 4 ranks)
+#    in f32 within 1e-5 and native FP8 within 5e-4 of one rank; with a
+#    static buffer (ragged_buffer_factor=1) that overflows on some steps (the
+#    ranks rerun dropless together) still within 1e-5; a checkpoint of the
+#    expert-parallel run resumes on one rank within 1e-5;
+# 5. a layout that does not fit the job, experts that do not divide over
+#    ici_expert_parallelism, and flags that differ across ranks are errors on
+#    every rank, exit 2.
 set -euo pipefail
 ranks=$1 fp8moe=$2 mpiexec=$3
 shift 3
@@ -64,6 +71,33 @@ compare resume_a f32_one 1e-5 9
 compare resume_b f32_one 1e-5 9
 test "$(ls "$dir/resume_b/checkpoints")" = "$(printf 'step_00000016.safetensors\nstep_00000020.safetensors')"
 
+echo "== expert parallelism: ici_expert_parallelism=$ranks vs 1 rank"
+ep=(ici_fsdp_parallelism=1 ici_expert_parallelism=$ranks)
+"${mpi[@]}" "$fp8moe" train "${tiny[@]}" "${f32[@]}" "${ep[@]}" run_name=ep_f32 > /dev/null
+compare ep_f32 f32_one 1e-5
+if [ "$ranks" -eq 4 ]; then
+  "${mpi[@]}" "$fp8moe" train "${tiny[@]}" "${f32[@]}" ici_fsdp_parallelism=2 \
+    ici_expert_parallelism=2 run_name=ep_f2p2 > /dev/null
+  compare ep_f2p2 f32_one 1e-5
+fi
+"${mpi[@]}" "$fp8moe" train "${tiny[@]}" "${ep[@]}" run_name=ep_qat > /dev/null
+compare ep_qat qat_one 5e-4
+# A static buffer of 1 x the balanced share: on some steps some rank's
+# experts get more pairs, and every rank reruns dropless; the losses do not
+# change.
+"${mpi[@]}" "$fp8moe" train "${tiny[@]}" "${f32[@]}" "${ep[@]}" ragged_buffer_factor=1 \
+  run_name=ep_overflow > /dev/null
+compare ep_overflow f32_one 1e-5
+python3 - "$dir/ep_overflow/metrics.jsonl" "$ranks" <<'EOF'
+import json, sys
+r = [j.get("dropless_reruns", 0) for j in map(json.loads, open(sys.argv[1])) if "loss" in j]
+print(f"  ragged_buffer_factor=1: dropless reruns per logged step {r}")
+assert sum(r) > 0 and all(x % int(sys.argv[2]) == 0 for x in r), r
+EOF
+"${mpi[@]}" "$fp8moe" train "${tiny[@]}" "${f32[@]}" "${ep[@]}" run_name=ep_resume steps=8 > /dev/null
+"$fp8moe" train "${tiny[@]}" "${f32[@]}" run_name=ep_resume > /dev/null
+compare ep_resume f32_one 1e-5 9
+
 # expect_error WHAT GREP COMMAND...: a non-zero exit and the message from every rank
 expect_error() {
   local what=$1 pattern=$2
@@ -83,8 +117,9 @@ expect_error() {
 echo "== errors on every rank"
 expect_error "ici_fsdp_parallelism=$((ranks + 1))" "ici_fsdp_parallelism" \
   "$fp8moe" train "${tiny[@]}" run_name=bad ici_fsdp_parallelism=$((ranks + 1))
-expect_error "ici_expert_parallelism=$ranks" "not implemented yet" \
-  "$fp8moe" train "${tiny[@]}" run_name=bad ici_expert_parallelism=$ranks
+expect_error "num_experts=3, ici_expert_parallelism=$ranks" \
+  "num_experts=3 does not divide over ici_expert_parallelism=$ranks" \
+  "$fp8moe" train "${tiny[@]}" run_name=bad ici_expert_parallelism=$ranks num_experts=3
 # Each rank its own learning rate (Open MPI names the rank in the environment).
 expect_error "flags that differ across ranks" "config fingerprint" \
   bash -c 'exec "$0" train "$@" learning_rate=$((OMPI_COMM_WORLD_RANK + 1))e-3' \

@@ -51,8 +51,8 @@ const std::vector<Section>& TrainerSections() {
             "Hidden width F of each SwiGLU expert (wi is [E, D, 2F], wo [E, F, D])."},
            {"max_target_length", FlagType::kInt, "64", "Sequence length S of a training example."},
            {"per_device_batch_size", FlagType::kInt, "16",
-            "Sequences B per step: the global batch; with FSDP each of the F ranks takes B/F of "
-            "them (B must divide by F)."},
+            "Sequences B per step: the global batch; on N ranks (mpirun) each takes B/N of "
+            "them (B must divide by N)."},
            {"rope_max_timescale", FlagType::kFloat, "10000.0",
             "RoPE: the rotation of dimension pair i at position p is p / "
             "rope_max_timescale^(2i / head_dim)."},
@@ -104,14 +104,15 @@ const std::vector<Section>& TrainerSections() {
       {"Distributed: mpirun -np N fp8moe train ... (docs/distributed.md)",
        {
            {"ici_fsdp_parallelism", FlagType::kInt, "-1",
-            "Ranks that shard the weights and optimizer state (FSDP) and split the batch; -1: "
-            "the ranks ici_expert_parallelism leaves. ici_fsdp_parallelism * "
-            "ici_expert_parallelism must equal the ranks of the job (1 without mpirun). The "
-            "batch per_device_batch_size is the global batch, split over these ranks, so a run "
-            "gives the same model on any rank count."},
+            "Ranks that shard the weights and optimizer state (FSDP); -1: the ranks "
+            "ici_expert_parallelism leaves. ici_fsdp_parallelism * ici_expert_parallelism must "
+            "equal the ranks of the job (1 without mpirun). The batch per_device_batch_size is "
+            "the global batch, split over all the ranks, so a run gives the same model on any "
+            "rank count."},
            {"ici_expert_parallelism", FlagType::kInt, "1",
-            "Ranks that split the experts (the ring of experts; not implemented yet: must be "
-            "1)."},
+            "Ranks that split the experts (the ring of experts): each holds num_experts / P "
+            "of them (num_experts must divide), and the tokens of the ring's ranks are "
+            "all-gathered to the experts."},
        }},
   };
   return *s;

@@ -128,17 +128,23 @@ json HealthJson(const Fp8Health& h) {
 }  // namespace
 
 Status CheckTrainLayout(const TrainConfig& c, const ParallelLayout& layout, int ranks) {
-  if (layout.expert > 1) {
-    return InvalidArgument("ici_expert_parallelism=" + std::to_string(layout.expert) +
-                           ": the ring of experts (expert parallelism) is not implemented yet; "
-                           "set ici_expert_parallelism=1 (FSDP over all " +
-                           std::to_string(ranks) + " ranks)");
+  if (layout.expert > 1 && c.model.moe.num_experts % layout.expert != 0) {
+    return InvalidArgument("num_experts=" + std::to_string(c.model.moe.num_experts) +
+                           " does not divide over ici_expert_parallelism=" +
+                           std::to_string(layout.expert) +
+                           " ranks (the ring of experts holds E / P experts per rank); make "
+                           "num_experts a multiple of " + std::to_string(layout.expert) +
+                           " or change ici_expert_parallelism");
   }
-  if (c.model.batch % layout.fsdp != 0) {
+  // Every rank of the job takes its own slice of the global batch (with
+  // expert parallelism too: the ring all-gathers its ranks' tokens).
+  if (c.model.batch % ranks != 0) {
     return InvalidArgument("per_device_batch_size=" + std::to_string(c.model.batch) +
-                           " (the global batch) does not divide over ici_fsdp_parallelism=" +
-                           std::to_string(layout.fsdp) + " ranks; make it a multiple of " +
-                           std::to_string(layout.fsdp));
+                           " (the global batch) does not divide over the " +
+                           std::to_string(ranks) + " ranks (ici_fsdp_parallelism=" +
+                           std::to_string(layout.fsdp) + " x ici_expert_parallelism=" +
+                           std::to_string(layout.expert) + "); make it a multiple of " +
+                           std::to_string(ranks));
   }
   return OkStatus();
 }
@@ -155,11 +161,18 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
                           CheckDistributedConfig(*comm, raw.ToYaml(), c.ici_fsdp_parallelism,
                                                  c.ici_expert_parallelism));
   FP8MOE_RETURN_IF_ERROR(CheckTrainLayout(c, layout, comm->size()));
-  const int F = layout.fsdp;
+  const int F = comm->size();  // ranks that split the batch: all of them
   const bool lead = comm->rank() == 0;  // writes files and prints
   TrainOptions opt = opt_in;
   if (!lead) opt.quiet = true;
-  // This rank's model runs B/F sequences; the data reader the global B.
+  // Expert parallelism: the expert ring (the P consecutive ranks of one
+  // fsdp_index) and the group of the F ranks that hold the same experts.
+  std::unique_ptr<Communicator> ring, expert_group;
+  if (layout.expert > 1) {
+    FP8MOE_ASSIGN_OR_RETURN(ring, comm->Split(layout.fsdp_index, layout.expert_index));
+    FP8MOE_ASSIGN_OR_RETURN(expert_group, comm->Split(layout.expert_index, layout.fsdp_index));
+  }
+  // This rank's model runs B/N sequences; the data reader the global B.
   ModelConfig local_mc = c.model;
   local_mc.batch = c.model.batch / F;
   const ModelConfig& mc = c.model;
@@ -232,7 +245,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   }
   // Resharding is slicing: whatever rank count wrote the checkpoint.
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
-                          internal::FsdpState::Create(*comm, params));
+                          internal::FsdpState::Create(*comm, params, expert_group.get(),
+                                                      ring.get()));
   fsdp->Slice(params, adam_m, adam_v);
   // The whole moments are needed again only while saving a checkpoint.
   adam_m = ModelParams{};
@@ -311,6 +325,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   }
 
   Model model(local_mc);
+  model.SetExpertRing(ring.get());
   if (F > 1) {
     // The load-balancing loss over the global batch, as one rank computes it.
     model.SetBatchCountSum([comm](int64_t* counts, int64_t n) {
@@ -320,8 +335,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   std::vector<PreparedMoeWeights> prepared;
   const int64_t N = mc.batch * mc.seq_len;  // tokens of the global batch
   std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
-  // This rank's slice of the global batch: sequences [i B/F, (i + 1) B/F).
-  const size_t slice = static_cast<size_t>(layout.fsdp_index * local_mc.batch * mc.seq_len);
+  // This rank's slice of the global batch: sequences [i B/N, (i + 1) B/N) for
+  // rank i of the job (i = fsdp_index * P + expert_index).
+  const size_t slice = static_cast<size_t>(comm->rank() * local_mc.batch * mc.seq_len);
   const int32_t* my_inputs = inputs.data() + slice;
   const int32_t* my_targets = targets.data() + slice;
   ExpertWeightSource* expert_source = f32_experts ? nullptr : fsdp.get();
@@ -391,11 +407,20 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     return OkStatus();
   };
 
+  // Bytes this rank sent on the job's communicator and, with expert
+  // parallelism, on the expert ring and the expert FSDP group.
+  auto bytes_sent = [&]() {
+    int64_t b = comm->bytes_sent();
+    for (const auto* sub : {&ring, &expert_group}) {
+      if (*sub) b += (*sub)->bytes_sent();
+    }
+    return b;
+  };
   int64_t completed = state.step;
   for (int64_t s = state.step; s < c.steps; ++s) {
     completed = s + 1;
     const int64_t allocs0 = GetMemoryStats().allocations;
-    const int64_t sent0 = comm->bytes_sent(), expert0 = fsdp->expert_gather_bytes();
+    const int64_t sent0 = bytes_sent(), expert0 = fsdp->expert_gather_bytes();
     const double t0 = Now();
     data->NextTrainBatch(inputs.data(), targets.data());
     const bool last = s + 1 == c.steps;
@@ -462,7 +487,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       }
     }
     rep.step_time_s = Now() - t0;
-    rep.comm_bytes = comm->bytes_sent() - sent0;
+    rep.comm_bytes = bytes_sent() - sent0;
     rep.expert_gather_bytes = fsdp->expert_gather_bytes() - expert0;
     rep.allocations = GetMemoryStats().allocations - allocs0;
     if (ran > 0) {

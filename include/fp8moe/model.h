@@ -124,11 +124,18 @@ class Model {
   void SetBatchCountSum(std::function<Status(int64_t* counts, int64_t n)> sum) {
     sum_batch_counts_ = std::move(sum);
   }
+  // Expert parallelism (MoeOptions::expert_ring): the MoE layers run on this
+  // ring of P ranks and read, prepare and write the gradients of only the
+  // experts [r E/P, (r+1) E/P) of ring rank r: rows of the whole-shaped wi,
+  // wo tensors of the parameters and gradients (the other rows are neither
+  // read nor written). Null: every expert.
+  void SetExpertRing(Communicator* ring) { expert_ring_ = ring; }
 
   struct Buffers;
 
  private:
   std::function<Status(int64_t*, int64_t)> sum_batch_counts_;
+  Communicator* expert_ring_ = nullptr;
   ModelConfig config_;
   std::unique_ptr<Buffers> b_;
 };

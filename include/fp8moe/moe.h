@@ -63,6 +63,8 @@
 
 namespace fp8moe {
 
+class Communicator;  // fp8moe/communicator.h
+
 // The f32 master weights of one layer.
 struct MoeWeights {
   TensorView router;  // [D, E]
@@ -89,12 +91,25 @@ struct MoeOptions {
   // the whole batch would (forward; the backward reuses them). Empty: this
   // batch is the whole batch.
   std::function<Status(int64_t* counts, int64_t n)> sum_batch_counts;
+  // Expert parallelism (the ring of experts; docs/distributed.md): the P
+  // ranks of the expert ring, each with its own tokens x [T, D] (the same T
+  // on every rank) and the E / P experts [r E/P, (r+1) E/P) of ring rank r
+  // (wi [E/P, D, 2F], wo [E/P, F, D]; the router is whole). Dispatch
+  // all-gathers the tokens (activation dtype) and their routing over the
+  // ring, combine reduce-scatters the f32 partial outputs; the backward
+  // mirrors it. The ragged buffer is ragged_buffer_factor x the balanced
+  // share T*k per rank, its overflow decided by the whole ring. drouter is
+  // this rank's share (sum it over the ring). Every rank of the ring calls
+  // the layer together. Null or one rank: the single-rank layer. The
+  // backward must be given the same ring.
+  Communicator* expert_ring = nullptr;
 };
 
 struct MoeStats {
   int64_t buffer_rows = 0;      // rows of the ragged buffer used
   int64_t valid_rows = 0;       // T * k
-  int64_t dropless_reruns = 0;  // 1 when the static buffer overflowed
+  int64_t dropless_reruns = 0;  // 1 when the static buffer overflowed (on a
+                                // ring: any rank's; all of them rerun)
 };
 
 // FP8 health of one quantized tensor: the fraction of its values whose code
@@ -183,7 +198,8 @@ class MoeWorkspace {
   MoeWorkspace(MoeWorkspace&&) noexcept;
   MoeWorkspace& operator=(MoeWorkspace&&) noexcept;
 
-  // After a forward: tokens per expert, I32 [E] (a view into the workspace).
+  // After a forward: this rank's (token, slot) pairs per expert, I32 [E] (a
+  // view into the workspace; all E experts, also on an expert ring).
   TensorView group_sizes() const;
 
   struct State;  // moe_layer.cc

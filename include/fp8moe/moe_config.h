@@ -106,6 +106,13 @@ struct MoeConfig {
 
   int64_t ici_tensor_parallelism = 1;
   MoeRematPolicy remat_policy = MoeRematPolicy::kFull;
+  // The experts see each token quantized once over its D to e4m3fn with an
+  // f32 scale (act calibration) and dequantized: on an expert ring the
+  // dispatch all-gathers these codes + scales instead of the activations
+  // (GatherQuantizedTokens); on one rank the same round trip, so a run gives
+  // the same model on any rank count. The router reads x unquantized; the
+  // backward passes straight through the quantizer.
+  bool moe_quantize_token_all_gather = false;
 
   MoeGmmTiles wi_tiles;  // wi_tile_{fwd,dlhs,drhs}_*
   MoeGmmTiles wo_tiles;  // wo_tile_{fwd,dlhs,drhs}_*

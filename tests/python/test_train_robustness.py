@@ -279,7 +279,7 @@ def test_mpirun_ranks_write_one_run_once(fp8moe_bin, tmp_path, ranks):
     cmd[cmd.index("run_name=mpi")] = "run_name=uneven"
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    assert p.stderr.count("does not divide over ici_fsdp_parallelism") == ranks, p.stderr
+    assert p.stderr.count(f"does not divide over the {ranks} ranks") == ranks, p.stderr
     assert not (tmp_path / "uneven").exists()
 
 

@@ -1,0 +1,374 @@
+// The MoE layer on an expert ring (MoeOptions::expert_ring) against the
+// single-rank layer on the whole batch: P thread ranks, each with its own
+// T tokens and E / P experts, must give each token the output and gradients
+// the single-rank layer gives it, and their weight gradients must be the
+// single-rank ones' slices. Also the collective overflow decision of the
+// ragged buffer and the errors.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "fp8moe/communicator.h"
+#include "fp8moe/dist.h"
+#include "fp8moe/moe.h"
+#include "fp8moe/quant.h"
+#include "moe/moe_test_util.h"
+
+namespace fp8moe {
+namespace {
+
+using test::LayerInputs;
+using test::MakeConfig;
+
+Tensor F32(const Shape& s) { return std::move(Tensor::Create(DType::kF32, s)).value(); }
+
+// Outputs of the whole batch: y, dx [P*T, D], drouter [D, E], dwi, dwo whole.
+struct Out {
+  Tensor y, dx, dr, dwi, dwo;
+  double aux = 0;
+  std::vector<MoeStats> stats;  // per rank
+  explicit Out(const LayerInputs& in)
+      : y(F32(in.x.shape())), dx(F32(in.x.shape())), dr(F32(in.router.shape())),
+        dwi(F32(in.wi.shape())), dwo(F32(in.wo.shape())) {}
+};
+
+TensorView Rows(const Tensor& t, int64_t first, int64_t n) {
+  Shape s = t.shape();
+  const int64_t row = static_cast<int64_t>(t.num_elements()) / s[0];
+  s[0] = n;
+  return TensorView{const_cast<float*>(t.data_as<float>()) + first * row, DType::kF32, s};
+}
+
+Status RunWhole(const MoeConfig& cfg, const LayerInputs& in, Out* out) {
+  Context ctx;
+  PreparedMoeWeights p;
+  MoeWorkspace ws;
+  MoeStepInfo info;
+  FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, in.wi.view(), in.wo.view(), &p));
+  FP8MOE_RETURN_IF_ERROR(
+      MoeForward(ctx, cfg, in.x.view(), in.weights(), p, &ws, out->y.view(), &info));
+  out->aux = info.aux_loss;
+  out->stats = {info.stats};
+  return MoeBackward(ctx, cfg, in.x.view(), in.weights(), p, &ws, in.dy.view(),
+                     {out->dx.view(), out->dr.view(), out->dwi.view(), out->dwo.view()});
+}
+
+// P ranks: rank r takes tokens [r T, (r+1) T) and experts [r E/P, (r+1) E/P).
+// drouter: the ranks' shares added in rank order; aux: their sum. Each rank's
+// aux loss is of its own tokens' mean probabilities (with the whole batch's
+// fractions), so the ranks' sum is the single-rank aux loss when each runs
+// with load_balance_loss_weight / P (the trainer's 1 / N on every gradient
+// does the same).
+Status RunRing(int P, const MoeConfig& cfg, const LayerInputs& in, Out* out,
+               bool poison = false) {
+  const int64_t T = in.x.shape()[0] / P, E = cfg.num_experts, El = E / P;
+  std::vector<Tensor> dr(static_cast<size_t>(P));
+  std::vector<double> aux(static_cast<size_t>(P));
+  out->stats.assign(static_cast<size_t>(P), {});
+  FP8MOE_RETURN_IF_ERROR(RunThreadRanks(P, [&](Communicator& comm) -> Status {
+    const int r = comm.rank();
+    Context ctx;
+    MoeOptions o;
+    o.expert_ring = &comm;
+    o.poison_tail_rows = poison;
+    o.sum_batch_counts = [&comm](int64_t* c, int64_t n) {
+      return comm.AllReduce(c, c, n, DType::kI64, ReduceOp::kSum);
+    };
+    const int64_t e_first = El <= 0 ? 0 : r * El;
+    const TensorView wi = Rows(in.wi, e_first, El), wo = Rows(in.wo, e_first, El);
+    const MoeWeights w{in.router.view(), wi, wo};
+    PreparedMoeWeights p;
+    MoeWorkspace ws;
+    MoeStepInfo info;
+    FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, wi, wo, &p));
+    const TensorView x = Rows(in.x, r * T, T);
+    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, cfg, x, w, p, &ws, Rows(out->y, r * T, T), &info, o));
+    aux[static_cast<size_t>(r)] = info.aux_loss;
+    out->stats[static_cast<size_t>(r)] = info.stats;
+    dr[static_cast<size_t>(r)] = F32(in.router.shape());
+    return MoeBackward(ctx, cfg, x, w, p, &ws, Rows(in.dy, r * T, T),
+                       {Rows(out->dx, r * T, T), dr[static_cast<size_t>(r)].view(),
+                        Rows(out->dwi, e_first, El), Rows(out->dwo, e_first, El)},
+                       o);
+  }));
+  float* d = out->dr.data_as<float>();
+  std::memcpy(d, dr[0].data(), dr[0].num_bytes());
+  for (int r = 1; r < P; ++r) {
+    for (size_t i = 0; i < out->dr.num_elements(); ++i) d[i] += dr[static_cast<size_t>(r)].data_as<float>()[i];
+  }
+  out->aux = 0;
+  for (double a : aux) out->aux += a;
+  return OkStatus();
+}
+
+// max |a - b| / max |b|, and the fraction of elements whose bits differ.
+struct Diff {
+  double rel = 0, differ = 0;
+};
+Diff Compare(const Tensor& a, const Tensor& b) {
+  double m = 0, d = 0;
+  size_t n = 0;
+  const float* x = a.data_as<float>();
+  const float* y = b.data_as<float>();
+  for (size_t i = 0; i < a.num_elements(); ++i) {
+    m = std::max(m, static_cast<double>(std::fabs(y[i])));
+    d = std::max(d, std::fabs(static_cast<double>(x[i]) - y[i]));
+    n += std::memcmp(x + i, y + i, 4) != 0;
+  }
+  return {m > 0 ? d / m : d, static_cast<double>(n) / std::max<size_t>(a.num_elements(), 1)};
+}
+
+// Every QAT mode: the ring changes only the order of the f32 additions that
+// sum each token's partial outputs over the ranks (combine, dx) and of the
+// router gradient's shares, never what a GMM sees.
+const std::vector<std::vector<std::string>>& Modes() {
+  static const std::vector<std::vector<std::string>> modes = {
+      {"dtype=float32"},
+      {},
+      {"fp8_moe_fake_quant=true"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
+       "fp8_moe_native_bwd_dlhs=true"},
+      {"quantization=fp8_full", "use_qwix_quantization=true"},
+      {"quantization=int8"},
+  };
+  return modes;
+}
+
+// y, dx, drouter within 1e-6 of the largest value (measured: at most 3e-7);
+// dwi and dwo bit for bit (each expert sees the same rows in the same order,
+// so its GMMs get the same operands); y bit for bit when k <= 2 (a token's
+// partials are one or two non-zero values among zeros: any order of their
+// sum rounds once, as the single-rank combine does).
+void ExpectClose(const Out& ring, const Out& whole, int k, const std::string& what) {
+  const char* names[] = {"y", "dx", "drouter", "dwi", "dwo"};
+  const Tensor* a[] = {&ring.y, &ring.dx, &ring.dr, &ring.dwi, &ring.dwo};
+  const Tensor* b[] = {&whole.y, &whole.dx, &whole.dr, &whole.dwi, &whole.dwo};
+  std::string line = what + ":";
+  for (int i = 0; i < 5; ++i) {
+    const Diff d = Compare(*a[i], *b[i]);
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), " %s %.1e (%.0f%% differ)", names[i], d.rel, 100 * d.differ);
+    line += buf;
+    EXPECT_LE(d.rel, 1e-6) << what << " " << names[i];
+    if (i >= 3 || (i == 0 && k <= 2)) EXPECT_EQ(d.differ, 0.0) << what << " " << names[i];
+  }
+  std::printf("%s aux %.1e\n", line.c_str(), std::fabs(ring.aux - whole.aux) / std::fabs(whole.aux));
+  EXPECT_NEAR(ring.aux, whole.aux, 1e-6 * std::fabs(whole.aux)) << what;
+}
+
+TEST(MoeRing, RanksMatchTheSingleRankLayerInEveryMode) {
+  for (int P : {2, 4}) {
+    for (int k : {2, 3}) {
+      LayerInputs in(71 + P + k, 24 * P, 32, 16, 8);
+      for (const std::vector<std::string>& mode : Modes()) {
+        std::vector<std::string> flags = mode;
+        flags.push_back("num_experts=8");
+        flags.push_back("num_experts_per_tok=" + std::to_string(k));
+        const MoeConfig cfg = MakeConfig(flags);
+        const std::string what = "P=" + std::to_string(P) + " k=" + std::to_string(k) + " " +
+                                 (mode.empty() ? "bf16" : mode.back());
+        SCOPED_TRACE(what);
+        flags.push_back("load_balance_loss_weight=" + std::to_string(0.01 / P));
+        const MoeConfig ring_cfg = MakeConfig(flags);
+        Out whole(in), ring(in);
+        ASSERT_TRUE(RunWhole(cfg, in, &whole).ok());
+        const Status st = RunRing(P, ring_cfg, in, &ring, /*poison=*/true);
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        ExpectClose(ring, whole, k, what);
+      }
+    }
+  }
+}
+
+// The static buffer is ragged_buffer_factor x T*k rows on every rank. When
+// one rank's experts need more, every rank reruns dropless with the ring's
+// largest count, and the results are those of the dropless run, bit for bit.
+TEST(MoeRing, OneRankOverflowingMakesEveryRankRerunDropless) {
+  const int P = 4;
+  const int64_t T = 24, k = 2;
+  LayerInputs in(5, T * P, 32, 16, 8);
+  const MoeConfig dropless = MakeConfig({"dtype=float32", "num_experts=8"});
+  Out base(in);
+  ASSERT_TRUE(RunRing(P, dropless, in, &base).ok());
+  int64_t lo = base.stats[0].valid_rows, hi = lo;
+  for (const MoeStats& s : base.stats) {
+    EXPECT_EQ(s.dropless_reruns, 0);
+    lo = std::min(lo, s.valid_rows);
+    hi = std::max(hi, s.valid_rows);
+  }
+  // Some rank fits the static buffer alone, another does not.
+  ASSERT_LT(lo, hi - 1) << "the test's routing is too balanced to overflow one rank only";
+  for (double factor : {static_cast<double>(hi - 1) / (T * k), 0.05, 3.0}) {
+    SCOPED_TRACE(factor);
+    const MoeConfig cfg = MakeConfig(
+        {"dtype=float32", "num_experts=8", "ragged_buffer_factor=" + std::to_string(factor)});
+    const int64_t rows = static_cast<int64_t>(std::ceil(cfg.ragged_buffer_factor * T * k));
+    Out ring(in);
+    ASSERT_TRUE(RunRing(P, cfg, in, &ring, /*poison=*/true).ok());
+    const bool overflow = hi > rows;
+    for (int r = 0; r < P; ++r) {
+      const MoeStats& s = ring.stats[static_cast<size_t>(r)];
+      EXPECT_EQ(s.valid_rows, base.stats[static_cast<size_t>(r)].valid_rows);
+      EXPECT_EQ(s.dropless_reruns, overflow ? 1 : 0) << "rank " << r;
+      EXPECT_EQ(s.buffer_rows, overflow ? hi : rows) << "rank " << r;
+    }
+    for (auto [a, b] : {std::pair{&ring.y, &base.y}, {&ring.dx, &base.dx}, {&ring.dr, &base.dr},
+                        {&ring.dwi, &base.dwi}, {&ring.dwo, &base.dwo}}) {
+      EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->num_bytes()));
+    }
+  }
+}
+
+TEST(MoeRing, ExpertsThatDoNotDivideOverTheRingAreAnError) {
+  LayerInputs in(9, 8 * 4, 16, 8, 6);
+  const MoeConfig cfg = MakeConfig({"dtype=float32", "num_experts=6"});
+  std::mutex mu;
+  std::vector<std::string> errors;
+  const Status st = RunThreadRanks(4, [&](Communicator& comm) -> Status {
+    Context ctx;
+    MoeOptions o;
+    o.expert_ring = &comm;
+    PreparedMoeWeights p;
+    MoeWorkspace ws;
+    Tensor y = F32({8, 16});
+    const TensorView x = Rows(in.x, comm.rank() * 8, 8);
+    const TensorView wi = Rows(in.wi, 0, 1), wo = Rows(in.wo, 0, 1);
+    Status s = PrepareMoeWeights(ctx, cfg, wi, wo, &p);
+    if (s.ok()) s = MoeForward(ctx, cfg, x, {in.router.view(), wi, wo}, p, &ws, y.view(), nullptr, o);
+    std::lock_guard<std::mutex> lock(mu);
+    errors.push_back(s.ToString());
+    return OkStatus();
+  });
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(errors.size(), 4u);
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("num_experts=6 does not divide over an expert ring of 4"), std::string::npos)
+        << e;
+  }
+}
+
+}  // namespace
+}  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+
+// moe_quantize_token_all_gather: the ring gathers e4m3fn codes + per-token
+// scales. (1) Against the single-rank layer with the same flag (which runs
+// the same quantization round trip): the same bounds as without it. (2)
+// Against the single-rank layer *without* the flag fed x = deq(q(x0)),
+// tokens the quantizer maps to themselves: the forward is bit for bit and so
+// are dwi, dwo (k = 2), i.e. the flag changes the numerics by exactly one
+// quantization of x. (3) The bytes the dispatch saves are the traffic
+// functions' difference, on every rank.
+TEST(MoeRing, QuantizedTokenAllGather) {
+  for (int P : {2, 4}) {
+    const int64_t T = 24, D = 32;
+    LayerInputs in(91 + P, T * P, D, 16, 8);
+    // (1) on tokens the quantization changes: the ring against one rank,
+    // both with the flag; and the flag really changes the output.
+    for (const std::vector<std::string>& mode : Modes()) {
+      std::vector<std::string> flags = mode;
+      flags.push_back("num_experts=8");
+      const std::string what = "P=" + std::to_string(P) + " " + (mode.empty() ? "bf16" : mode.back());
+      SCOPED_TRACE(what);
+      const MoeConfig plain = MakeConfig(flags);
+      flags.push_back("moe_quantize_token_all_gather=true");
+      const MoeConfig quant_whole = MakeConfig(flags);
+      flags.push_back("load_balance_loss_weight=" + std::to_string(0.01 / P));
+      const MoeConfig quant_ring = MakeConfig(flags);
+      Out whole_plain(in), whole_quant(in), ring(in);
+      ASSERT_TRUE(RunWhole(plain, in, &whole_plain).ok());
+      ASSERT_TRUE(RunWhole(quant_whole, in, &whole_quant).ok());
+      ASSERT_TRUE(RunRing(P, quant_ring, in, &ring, /*poison=*/true).ok());
+      ExpectClose(ring, whole_quant, 2, what + " raw x, quantized tokens vs 1 rank quantized");
+      EXPECT_GT(Compare(whole_quant.y, whole_plain.y).rel, 1e-3);
+    }
+    // (2) x = deq(q(x0)), and check that q(x) gives x back.
+    {
+      Tensor codes = std::move(Tensor::Create(DType::kU8, {T * P, D})).value();
+      Tensor scales = F32({T * P});
+      Tensor back = F32({T * P, D});
+      for (int pass = 0; pass < 2; ++pass) {
+        ASSERT_TRUE(QuantizeRows(in.x.data_as<float>(), T * P, D, T * P, 0, QuantDType::kE4M3FN,
+                                 Calibration{}, codes.data_as<uint8_t>(),
+                                 scales.data_as<float>()).ok());
+        DequantizeRows(codes.data_as<uint8_t>(), T * P, D, 0, scales.data_as<float>(),
+                       QuantDType::kE4M3FN, back.data_as<float>());
+        if (pass == 1) {
+          ASSERT_EQ(0, std::memcmp(back.data(), in.x.data(), in.x.num_bytes()))
+              << "deq(q(x)) is not a fixed point of the quantizer for this data";
+        }
+        std::memcpy(in.x.data(), back.data(), in.x.num_bytes());
+      }
+    }
+    for (const std::vector<std::string>& mode : Modes()) {
+      std::vector<std::string> flags = mode;
+      flags.push_back("num_experts=8");
+      const std::string what = "P=" + std::to_string(P) + " " + (mode.empty() ? "bf16" : mode.back());
+      SCOPED_TRACE(what);
+      const MoeConfig plain = MakeConfig(flags);
+      flags.push_back("moe_quantize_token_all_gather=true");
+      const MoeConfig quant_whole = MakeConfig(flags);
+      flags.push_back("load_balance_loss_weight=" + std::to_string(0.01 / P));
+      const MoeConfig quant_ring = MakeConfig(flags);
+      Out whole_plain(in), whole_quant(in), ring(in);
+      ASSERT_TRUE(RunWhole(plain, in, &whole_plain).ok());
+      ASSERT_TRUE(RunWhole(quant_whole, in, &whole_quant).ok());
+      const Status st = RunRing(P, quant_ring, in, &ring, /*poison=*/true);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      ExpectClose(ring, whole_quant, 2, what + " quantized tokens vs 1 rank quantized");
+      ExpectClose(ring, whole_plain, 2, what + " quantized tokens vs 1 rank fed deq(q(x))");
+    }
+  }
+}
+
+// Forward only: the dispatch's token bytes with and without the flag, per
+// rank, as the traffic functions count them.
+TEST(MoeRing, QuantizedTokenAllGatherSendsTheCountedBytes) {
+  const int P = 4;
+  const int64_t T = 24, D = 32;
+  LayerInputs in(7, T * P, D, 16, 8);
+  std::vector<int64_t> sent[2];
+  for (int quant = 0; quant < 2; ++quant) {
+    std::vector<std::string> flags = {"num_experts=8"};
+    if (quant) flags.push_back("moe_quantize_token_all_gather=true");
+    const MoeConfig cfg = MakeConfig(flags);
+    sent[quant].assign(P, 0);
+    ASSERT_TRUE(RunThreadRanks(P, [&](Communicator& comm) -> Status {
+      Context ctx;
+      MoeOptions o;
+      o.expert_ring = &comm;
+      const int64_t El = 8 / P, r = comm.rank();
+      const TensorView wi = Rows(in.wi, r * El, El), wo = Rows(in.wo, r * El, El);
+      PreparedMoeWeights p;
+      MoeWorkspace ws;
+      Tensor y = F32({T, D});
+      FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, wi, wo, &p));
+      const int64_t before = comm.bytes_sent();
+      FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, cfg, Rows(in.x, r * T, T),
+                                        {in.router.view(), wi, wo}, p, &ws, y.view(), nullptr, o));
+      sent[quant][static_cast<size_t>(r)] = comm.bytes_sent() - before;
+      return OkStatus();
+    }).ok());
+  }
+  for (int r = 0; r < P; ++r) {
+    const int64_t saved = Bf16TokenGatherTraffic(P, r, T, D).total() -
+                          QuantizedTokenGatherTraffic(P, r, T, D).total();
+    EXPECT_EQ(sent[0][static_cast<size_t>(r)] - sent[1][static_cast<size_t>(r)], saved) << r;
+    std::printf("rank %d: forward sent %lld bytes with bf16 tokens, %lld with e4m3fn codes + "
+                "scales (tokens: %lld vs %lld)\n", r,
+                static_cast<long long>(sent[0][static_cast<size_t>(r)]),
+                static_cast<long long>(sent[1][static_cast<size_t>(r)]),
+                static_cast<long long>(Bf16TokenGatherTraffic(P, r, T, D).total()),
+                static_cast<long long>(QuantizedTokenGatherTraffic(P, r, T, D).total()));
+  }
+}
+
+}  // namespace
+}  // namespace fp8moe
