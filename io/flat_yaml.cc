@@ -210,7 +210,14 @@ class FlatYamlReader {
       }
     }
     size_t i = 0;
-    while (i < s.size() && IsBlank(s[i])) ++i;
+    while (i < s.size() && s[i] == ' ') ++i;
+    if (i < s.size() && s[i] == '\t') {
+      const bool blank = OnlyCommentFrom(s, i);
+      return Unsupported(i, std::string(blank ? "a tab on a blank or comment line"
+                                              : "a tab used for indentation") +
+                                " (YAML does not allow tabs there); use spaces, and start "
+                                "every key at column 1");
+    }
     if (i == s.size() || s[i] == '#') return OkStatus();  // blank or comment
     const bool open = open_key_;
     open_key_ = false;
@@ -220,6 +227,9 @@ class FlatYamlReader {
                              ": a second YAML document starts here; a config file is one "
                              "key: value mapping (remove the '---' or '...' line, or split "
                              "the file in two)");
+    }
+    if ((s.substr(0, 3) == "---" || s.substr(0, 3) == "...") && EndsToken(s, 3)) {
+      FP8MOE_RETURN_IF_ERROR(NoTab(s, 3, s.find('#')));
     }
     if (s.substr(0, 3) == "---" && EndsToken(s, 3)) {
       if (!OnlyCommentFrom(s, 3)) {
@@ -262,11 +272,6 @@ class FlatYamlReader {
 
   // A line that starts with spaces or tabs, after `key:` when `open`.
   Status ReadIndented(std::string_view s, size_t i, bool open) {
-    if (s.substr(0, i).find('\t') != std::string_view::npos) {
-      return Unsupported(s.find('\t'),
-                         "a tab used for indentation (YAML does not allow tabs there); "
-                         "config files are flat: start every key at column 1");
-    }
     if (open) {
       const FlatYamlEntry& entry = entries_.back();
       if (s[i] == '-' && EndsToken(s, i + 1)) return Nested(Kind::kNestedSequence);
@@ -314,6 +319,7 @@ class FlatYamlReader {
       }
       return Malformed(0, what + "; write key: value");
     }
+    FP8MOE_RETURN_IF_ERROR(NoTab(s, 0, colon));
     const std::string_view key = StripTrailingBlanks(s.substr(0, colon));
     for (size_t k = 0; k < key.size(); ++k) {
       if (IsBlank(key[k])) {
@@ -326,6 +332,7 @@ class FlatYamlReader {
     entry.line = line_;
     size_t v = colon + 1;
     while (v < s.size() && IsBlank(s[v])) ++v;
+    FP8MOE_RETURN_IF_ERROR(NoTab(s, colon, v));
     if (v == s.size() || s[v] == '#') {
       entry.kind = Kind::kNull;  // `key:` alone; indented lines may follow
       entries_.push_back(std::move(entry));
@@ -343,6 +350,7 @@ class FlatYamlReader {
       size_t after = 0;
       FP8MOE_RETURN_IF_ERROR(c == '"' ? DoubleQuoted(s, v, &entry.value, &after)
                                       : SingleQuoted(s, v, &entry.value, &after));
+      FP8MOE_RETURN_IF_ERROR(NoTab(s, after, s.find('#', after)));
       if (after < s.size() && !OnlyCommentFrom(s, after)) {
         return Malformed(after, "text after the closing quote of the value of '" + entry.key +
                                     "'; put it inside the quotes, or start a comment with ' #'");
@@ -371,6 +379,7 @@ class FlatYamlReader {
     size_t k = v;
     for (; k < s.size(); ++k) {
       if (s[k] == '#' && IsBlank(s[k - 1])) break;
+      if (s[k] == '\t') return NoTab(s, k, k + 1);
       if (s[k] == ':' && EndsToken(s, k + 1)) {
         return Malformed(k, "': ' inside the value of '" + entry.key +
                                 "' (a nested mapping?); to mean the text itself, quote it: " +
@@ -484,6 +493,16 @@ class FlatYamlReader {
     }
     return Unsupported(v, "the closing \" is missing on this line; a quoted value must end on "
                           "the line it starts (write \\\" for a quote inside it)");
+  }
+
+  // A tab in s[from, to): outside quotes and comments, tabs are refused.
+  // YAML 1.2 takes them as separating spaces, YAML 1.1 readers (PyYAML)
+  // refuse most of them, and an editor may show them as any width.
+  Status NoTab(std::string_view s, size_t from, size_t to) const {
+    const size_t tab = s.substr(0, to).find('\t', from);
+    if (tab == std::string_view::npos) return OkStatus();
+    return Unsupported(tab, "a tab outside quotes (YAML readers disagree on tabs); use spaces, "
+                            "or write the tab as \\t inside double quotes");
   }
 
   Status NulEscape(size_t at) const {

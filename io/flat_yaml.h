@@ -6,11 +6,11 @@
 // Accepted (docs/config.md, "Config file syntax"):
 //  - UTF-8 text (a leading byte order mark is skipped), LF or CRLF line ends;
 //  - blank lines, full-line comments (`# ...`, indented or not) and trailing
-//    comments (` # ...`, after a space or a tab);
+//    comments (` # ...`);
 //  - an optional `---` before the first key and an optional `...` after the
 //    last one;
 //  - `key: value` lines with the key at column 1: a plain key (no spaces,
-//    not starting with a YAML indicator), then ':' and a space or a tab;
+//    not starting with a YAML indicator), then ':' and a space;
 //  - values: plain scalars on one line (trailing spaces dropped, `a # b`
 //    ends at the comment, `a#b` is kept whole), 'single-quoted' ('' is a
 //    quote), "double-quoted" (the YAML escapes, \xXX, \uXXXX, \UXXXXXXXX);
@@ -19,7 +19,7 @@
 // after `key:`) is returned as such, so the caller can say which key wanted a
 // flat value. Everything else is an InvalidArgument naming the line, the
 // column and the fix: anchors, aliases, tags, block scalars, values over
-// several lines, tabs as indentation, several documents, directives, quoted or
+// several lines, tabs outside quotes and comments, several documents, directives, quoted or
 // complex keys, a top level that is not a mapping, malformed UTF-8 and
 // characters YAML does not allow.
 #ifndef FP8MOE_IO_FLAT_YAML_H_
