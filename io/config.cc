@@ -169,6 +169,14 @@ Result<FlagValue> ParseValue(const FlagSpec& spec, std::string_view text,
       return FlagValue(v);
     }
     case FlagType::kString: {
+      // A config is written back as YAML (ToYaml, checkpoints), which is
+      // Unicode text: bytes that are not UTF-8, or a NUL, could not load back.
+      if (!IsValidUtf8(text)) {
+        return InvalidArgument(bad + "not valid UTF-8 text; write the value as UTF-8");
+      }
+      if (text.find('\0') != std::string_view::npos) {
+        return InvalidArgument(bad + "a NUL character is not allowed");
+      }
       if (spec.choices.empty() ||
           std::find(spec.choices.begin(), spec.choices.end(), text) !=
               spec.choices.end()) {
@@ -204,36 +212,42 @@ bool IsPlainYamlSafe(std::string_view s) {
   return true;
 }
 
-// `s` as a YAML scalar: plain where safe, else double-quoted with escapes.
+// `s` as a YAML scalar: plain where safe, else double-quoted with escapes for
+// every character YAML does not allow raw (C0 and C1 controls, U+FFFE and
+// U+FFFF) or that YAML 1.1 readers take as a line break (U+0085, U+2028,
+// U+2029), so that the flat reader (io/flat_yaml.h) and other YAML readers
+// load back the same string. `s` is UTF-8 (ParseValue checks string values).
 std::string YamlString(std::string_view s) {
   if (IsPlainYamlSafe(s)) return std::string(s);
   std::string out = "\"";
-  for (const unsigned char c : s) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '"':
-        out += "\\\"";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      default:
-        if (c < 0x20 || c == 0x7f) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\x%02X", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp = 0;
+    size_t len = DecodeUtf8(s, i, &cp);
+    if (len == 0) {  // not UTF-8 (ParseValue refuses it): the byte as it is
+      out += s[i++];
+      continue;
     }
+    char buf[16];
+    if (cp == '\\') {
+      out += "\\\\";
+    } else if (cp == '"') {
+      out += "\\\"";
+    } else if (cp == '\n') {
+      out += "\\n";
+    } else if (cp == '\t') {
+      out += "\\t";
+    } else if (cp == '\r') {
+      out += "\\r";
+    } else if (cp < 0x20 || (cp >= 0x7F && cp < 0xA0)) {
+      std::snprintf(buf, sizeof(buf), "\\x%02X", static_cast<unsigned>(cp));
+      out += buf;
+    } else if (cp == 0x2028 || cp == 0x2029 || cp == 0xFFFE || cp == 0xFFFF) {
+      std::snprintf(buf, sizeof(buf), "\\u%04X", static_cast<unsigned>(cp));
+      out += buf;
+    } else {
+      out.append(s.substr(i, len));
+    }
+    i += len;
   }
   return out + "\"";
 }

@@ -237,6 +237,20 @@ TEST(Config, SetNamesItsSource) {
                   "'num_experts'?");
 }
 
+TEST(Config, StringValuesAreUtf8WithoutNul) {
+  // A config is written back as YAML (ToYaml, checkpoints), which cannot hold
+  // other bytes: config_fuzz found an override with a 0xFF byte that did not
+  // load back.
+  Config c(TestSchema());
+  EXPECT_NE(SetError(c, "run_name", "a\xff" "b").find(
+                "invalid value 'a\xff" "b' for string key 'run_name': not valid UTF-8 text"),
+            std::string::npos);
+  EXPECT_NE(SetError(c, "run_name", "a\xc0\xaf").find("not valid UTF-8"), std::string::npos);
+  EXPECT_NE(SetError(c, "run_name", std::string("a\0b", 3)).find("a NUL character is not allowed"),
+            std::string::npos);
+  EXPECT_EQ(SetError(c, "run_name", "r\xc3\xa9sum\xc3\xa9 \x01"), "");
+}
+
 TEST(Config, IsSetTracksExplicitSettings) {
   Config c(TestSchema());
   EXPECT_FALSE(c.IsSet("num_experts"));
@@ -507,6 +521,16 @@ TEST_F(ConfigFileTest, ToYamlRoundTrip) {
   ASSERT_TRUE(c.Set("quantization", "fp8_full").ok());
   ASSERT_TRUE(
       c.Set("run_name", "it's \"quoted\": #not a comment\\ \n\ttab \x01").ok());
+  // C1 controls, U+FFFE and the characters YAML 1.1 breaks lines at (NEL,
+  // U+2028, U+2029) are escaped; config_fuzz found that NEL did not load back.
+  ASSERT_TRUE(c.Set("word", "a\xc2\x85" "b\xc2\x80" "c\xe2\x80\xa8" "d\xe2\x80\xa9" "e\xef\xbf\xbe" "f\xc3\xa9").ok());
+  {
+    const std::string y = c.ToYaml();
+    EXPECT_CONTAINS(y, "word: \"a\\x85b\\x80c\\u2028d\\u2029e\\uFFFEf\xc3\xa9\"\n");
+    Result<Config> back = LoadConfig(s, Write("c1.yml", y), {});
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(back->GetString("word"), c.GetString("word"));
+  }
   ASSERT_TRUE(c.Set("note", "yes").ok());  // must not come back as a bool
   ASSERT_TRUE(c.Set("word", "~").ok());    // must not come back as null
 

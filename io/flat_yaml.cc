@@ -1,7 +1,6 @@
 #include "io/flat_yaml.h"
 
 #include <cstdio>
-#include <optional>
 #include <utility>
 
 namespace fp8moe {
@@ -18,40 +17,58 @@ bool YamlPrintable(uint32_t cp) {
   return cp != 0xFFFE && cp != 0xFFFF;
 }
 
+}  // namespace
+
+size_t DecodeUtf8(std::string_view text, size_t i, uint32_t* cp) {
+  const auto* b = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  const unsigned c = b[i];
+  if (c < 0x80) {
+    *cp = c;
+    return 1;
+  }
+  size_t len;
+  uint32_t v;
+  if (c >= 0xC2 && c <= 0xDF) {
+    len = 2, v = c & 0x1F;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    len = 3, v = c & 0x0F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    len = 4, v = c & 0x07;
+  } else {
+    return 0;
+  }
+  if (i + len > n) return 0;
+  for (size_t k = 1; k < len; ++k) {
+    if ((b[i + k] & 0xC0) != 0x80) return 0;
+    v = (v << 6) | (b[i + k] & 0x3F);
+  }
+  const bool overlong = (len == 3 && v < 0x800) || (len == 4 && v < 0x10000);
+  if (overlong || (v >= 0xD800 && v <= 0xDFFF) || v > 0x10FFFF) return 0;
+  *cp = v;
+  return len;
+}
+
+bool IsValidUtf8(std::string_view text) {
+  uint32_t cp;
+  for (size_t i = 0; i < text.size();) {
+    const size_t len = DecodeUtf8(text, i, &cp);
+    if (len == 0) return false;
+    i += len;
+  }
+  return true;
+}
+
+namespace {
+
 // The byte offset of the first malformed UTF-8 sequence in text (overlong
 // forms, surrogates and code points past U+10FFFF included) or of the first
 // character YAML does not allow (NUL and other control characters), or -1.
 int64_t FirstInvalidUtf8(std::string_view text) {
-  const auto* b = reinterpret_cast<const unsigned char*>(text.data());
-  const size_t n = text.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned c = b[i];
-    if (c < 0x80) {
-      if (!YamlPrintable(c)) return static_cast<int64_t>(i);
-      ++i;
-      continue;
-    }
-    size_t len;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2, cp = c & 0x1F;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3, cp = c & 0x0F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4, cp = c & 0x07;
-    } else {
-      return static_cast<int64_t>(i);
-    }
-    if (i + len > n) return static_cast<int64_t>(i);
-    for (size_t k = 1; k < len; ++k) {
-      if ((b[i + k] & 0xC0) != 0x80) return static_cast<int64_t>(i);
-      cp = (cp << 6) | (b[i + k] & 0x3F);
-    }
-    const bool overlong = (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000);
-    if (overlong || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF || !YamlPrintable(cp)) {
-      return static_cast<int64_t>(i);
-    }
+  uint32_t cp;
+  for (size_t i = 0; i < text.size();) {
+    const size_t len = DecodeUtf8(text, i, &cp);
+    if (len == 0 || !YamlPrintable(cp)) return static_cast<int64_t>(i);
     i += len;
   }
   return -1;

@@ -42,6 +42,13 @@ struct FlatYamlEntry {
   int64_t line = 0;   // 1-based line of the key
 };
 
+// The length (1 to 4) of the well-formed UTF-8 sequence at text[i], with its
+// code point in *cp; 0 for a malformed one (overlong, a surrogate, past
+// U+10FFFF, truncated). i < text.size().
+size_t DecodeUtf8(std::string_view text, size_t i, uint32_t* cp);
+// Whether all of text is well-formed UTF-8.
+bool IsValidUtf8(std::string_view text);
+
 // Parses `text`, the contents of the config file `source` (used in messages
 // only). The entries come in file order, duplicates included. Parsing stops
 // after the first nested value (the caller refuses it). An empty file, or one

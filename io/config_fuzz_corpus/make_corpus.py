@@ -73,6 +73,10 @@ SEEDS = {
     "hang_ff": b",ed_buffer_factor: \xff.inf\n",
     "hang_anchor_nul": b"&m_exp,\0\0experts: *x\n",
     "hang_comma": b",teps: 0\n",
+    # Overrides ToYaml could not write back before (config_fuzz): NEL, which
+    # YAML 1.1 breaks lines at, and a byte that is not UTF-8.
+    "override_nel": b"\0weight_quantization_calibration_method=a\xc2\x85" b"b",
+    "override_not_utf8": b"\0weight_quantization_calibration_method=a\xff" b"b",
 }
 
 if __name__ == "__main__":
