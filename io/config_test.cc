@@ -239,8 +239,8 @@ TEST(Config, SetNamesItsSource) {
 
 TEST(Config, StringValuesAreUtf8WithoutNul) {
   // A config is written back as YAML (ToYaml, checkpoints), which cannot hold
-  // other bytes: config_fuzz found an override with a 0xFF byte that did not
-  // load back.
+  // other bytes (an override with a 0xFF byte failed config_fuzz's round-trip
+  // check).
   Config c(TestSchema());
   EXPECT_NE(SetError(c, "run_name", "a\xff" "b").find(
                 "invalid value 'a\xff" "b' for string key 'run_name': not valid UTF-8 text"),
@@ -522,7 +522,8 @@ TEST_F(ConfigFileTest, ToYamlRoundTrip) {
   ASSERT_TRUE(
       c.Set("run_name", "it's \"quoted\": #not a comment\\ \n\ttab \x01").ok());
   // C1 controls, U+FFFE and the characters YAML 1.1 breaks lines at (NEL,
-  // U+2028, U+2029) are escaped; config_fuzz found that NEL did not load back.
+  // U+2028, U+2029) are escaped (an override holding NEL failed config_fuzz's
+  // round-trip check: the dump did not load back).
   ASSERT_TRUE(c.Set("word", "a\xc2\x85" "b\xc2\x80" "c\xe2\x80\xa8" "d\xe2\x80\xa9" "e\xef\xbf\xbe" "f\xc3\xa9").ok());
   {
     const std::string y = c.ToYaml();
