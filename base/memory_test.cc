@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "base/test_util.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/tensor.h"
 
@@ -18,16 +19,7 @@ bool Has(const Status& s, const std::string& needle) {
   return s.message().find(needle) != std::string::npos;
 }
 
-// Restores the cap a test changed.
-class CapGuard {
- public:
-  CapGuard() : bytes_(MemoryCap()), source_(MemoryCapSource()) {}
-  ~CapGuard() { SetMemoryCap(bytes_, source_); }
-
- private:
-  uint64_t bytes_;
-  std::string source_;
-};
+using test::CapGuard;
 
 TEST(MemoryCap, DefaultIsAvailableMemoryOrEnv) {
   // Whatever the default is, it is a real limit, and it says where it is from.

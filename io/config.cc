@@ -1,7 +1,5 @@
 #include "fp8moe/config.h"
 
-#include <yaml-cpp/yaml.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -13,8 +11,12 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <system_error>
+#include <vector>
+
+#include "io/flat_yaml.h"
 
 namespace fp8moe {
 namespace {
@@ -167,6 +169,14 @@ Result<FlagValue> ParseValue(const FlagSpec& spec, std::string_view text,
       return FlagValue(v);
     }
     case FlagType::kString: {
+      // A config is written back as YAML (ToYaml, checkpoints), which is
+      // Unicode text: bytes that are not UTF-8, or a NUL, could not load back.
+      if (!IsValidUtf8(text)) {
+        return InvalidArgument(bad + "not valid UTF-8 text; write the value as UTF-8");
+      }
+      if (text.find('\0') != std::string_view::npos) {
+        return InvalidArgument(bad + "a NUL character is not allowed");
+      }
       if (spec.choices.empty() ||
           std::find(spec.choices.begin(), spec.choices.end(), text) !=
               spec.choices.end()) {
@@ -202,36 +212,42 @@ bool IsPlainYamlSafe(std::string_view s) {
   return true;
 }
 
-// `s` as a YAML scalar: plain where safe, else double-quoted with escapes.
+// `s` as a YAML scalar: plain where safe, else double-quoted with escapes for
+// every character YAML does not allow raw (C0 and C1 controls, U+FFFE and
+// U+FFFF) or that YAML 1.1 readers take as a line break (U+0085, U+2028,
+// U+2029), so that the flat reader (io/flat_yaml.h) and other YAML readers
+// load back the same string. `s` is UTF-8 (ParseValue checks string values).
 std::string YamlString(std::string_view s) {
   if (IsPlainYamlSafe(s)) return std::string(s);
   std::string out = "\"";
-  for (const unsigned char c : s) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '"':
-        out += "\\\"";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      default:
-        if (c < 0x20 || c == 0x7f) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\x%02X", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp = 0;
+    size_t len = DecodeUtf8(s, i, &cp);
+    if (len == 0) {  // not UTF-8 (ParseValue refuses it): the byte as it is
+      out += s[i++];
+      continue;
     }
+    char buf[16];
+    if (cp == '\\') {
+      out += "\\\\";
+    } else if (cp == '"') {
+      out += "\\\"";
+    } else if (cp == '\n') {
+      out += "\\n";
+    } else if (cp == '\t') {
+      out += "\\t";
+    } else if (cp == '\r') {
+      out += "\\r";
+    } else if (cp < 0x20 || (cp >= 0x7F && cp < 0xA0)) {
+      std::snprintf(buf, sizeof(buf), "\\x%02X", static_cast<unsigned>(cp));
+      out += buf;
+    } else if (cp == 0x2028 || cp == 0x2029 || cp == 0xFFFE || cp == 0xFFFF) {
+      std::snprintf(buf, sizeof(buf), "\\u%04X", static_cast<unsigned>(cp));
+      out += buf;
+    } else {
+      out.append(s.substr(i, len));
+    }
+    i += len;
   }
   return out + "\"";
 }
@@ -269,190 +285,44 @@ Result<std::string> ReadFile(const std::string& path) {
   return text.str();
 }
 
-std::string FileLine(const std::string& path, const YAML::Mark& mark) {
-  if (mark.is_null()) return path;
-  return path + " line " + std::to_string(mark.line + 1);
-}
-
-// Whether code point cp may appear in a YAML stream (YAML 1.2 c-printable:
-// tab, LF, CR, printable ASCII, NEL, and the rest of Unicode but C1
-// controls, surrogates and U+FFFE/U+FFFF).
-bool YamlPrintable(uint32_t cp) {
-  if (cp < 0x80) return cp == 0x09 || cp == 0x0A || cp == 0x0D || (cp >= 0x20 && cp < 0x7F);
-  if (cp < 0xA0) return cp == 0x85;
-  return cp != 0xFFFE && cp != 0xFFFF;
-}
-
-// The byte offset of the first malformed UTF-8 sequence in text (overlong
-// forms, surrogates and code points past U+10FFFF included) or of the first
-// character YAML does not allow (NUL and other control characters), or -1.
-// yaml-cpp 0.7 loops forever on some of these (config_fuzz found a 0xFF byte
-// after a plain scalar's start, and NUL bytes between an anchor and its
-// alias), so text is checked before it reaches the parser.
-int64_t FirstInvalidUtf8(const std::string& text) {
-  const auto* b = reinterpret_cast<const unsigned char*>(text.data());
-  const size_t n = text.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned c = b[i];
-    if (c < 0x80) {
-      if (!YamlPrintable(c)) return static_cast<int64_t>(i);
-      ++i;
-      continue;
-    }
-    size_t len;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2, cp = c & 0x1F;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3, cp = c & 0x0F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4, cp = c & 0x07;
-    } else {
-      return static_cast<int64_t>(i);
-    }
-    if (i + len > n) return static_cast<int64_t>(i);
-    for (size_t k = 1; k < len; ++k) {
-      if ((b[i + k] & 0xC0) != 0x80) return static_cast<int64_t>(i);
-      cp = (cp << 6) | (b[i + k] & 0x3F);
-    }
-    const bool overlong = (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000);
-    if (overlong || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF || !YamlPrintable(cp)) {
-      return static_cast<int64_t>(i);
-    }
-    i += len;
-  }
-  return -1;
-}
-
-// The byte offset of the first anchor or alias (&name, *name at the start of
-// a token, outside quotes and comments), or -1. Config files are flat
-// key: value maps that never need them, and yaml-cpp 0.7 loops forever on
-// some malformed ones (config_fuzz: "&m_exp,"), so they are refused before
-// the parser; quote a value that starts with & or *.
-int64_t FirstAnchorOrAlias(const std::string& text) {
-  char quote = 0;
-  bool comment = false;
-  int64_t depth = 0;  // of flow collections [ ] { }
-  char prev = '\n';
-  for (size_t i = 0; i < text.size(); prev = text[i], ++i) {
-    const char ch = text[i];
-    if (ch == '\n') {
-      quote = 0;
-      comment = false;
-      continue;
-    }
-    if (comment) continue;
-    if (quote != 0) {
-      if (ch == quote) quote = 0;
-      continue;
-    }
-    const bool token_start = prev == '\n' || prev == ' ' || prev == '\t' || prev == '[' ||
-                             prev == '{' || prev == ',';
-    if (ch == '#' && (prev == ' ' || prev == '\t' || prev == '\n')) {
-      comment = true;
-    } else if ((ch == '"' || ch == '\'') && token_start) {
-      quote = ch;
-    } else if ((ch == '&' || ch == '*') && token_start) {
-      return static_cast<int64_t>(i);
-    } else if (ch == '[' || ch == '{') {
-      ++depth;
-    } else if ((ch == ']' || ch == '}') && depth > 0) {
-      --depth;
-    } else if (ch == ',' && depth == 0 && (prev == '\n' || prev == ' ' || prev == '\t')) {
-      return static_cast<int64_t>(i);  // yaml-cpp 0.7 loops on a token-leading ',' here
-    }
-  }
-  return -1;
-}
-
+// Reads the flat key: value file `text` (named `path` in messages) into
+// config: every key must be in the schema, given once, with a flat value.
 Status ApplyYaml(const ConfigSchema& schema, const std::string& path,
                  const std::string& text, Config* config) {
-  if (const int64_t at = FirstInvalidUtf8(text); at >= 0) {
-    const int64_t line = 1 + std::count(text.begin(), text.begin() + at, '\n');
-    char byte[8];
-    std::snprintf(byte, sizeof(byte), "0x%02X", static_cast<unsigned char>(text[at]));
-    return InvalidArgument("config file '" + path + "' is not valid UTF-8 or holds a character YAML does not allow: byte " + byte +
-                           " at offset " + std::to_string(at) + " (line " +
-                           std::to_string(line) + "); save it as UTF-8 text without control characters");
-  }
-  if (const int64_t at = FirstAnchorOrAlias(text); at >= 0) {
-    const int64_t line = 1 + std::count(text.begin(), text.begin() + at, '\n');
-    return InvalidArgument("config file '" + path + "' line " + std::to_string(line) +
-                           ": anchors and aliases (&name, *name) and a ',' that starts a token "
-                           "outside [ ] or { } are not supported; write the value itself, or "
-                           "quote a value that starts with " +
-                           std::string(1, text[at]));
-  }
-  std::vector<YAML::Node> docs;
-  try {
-    docs = YAML::LoadAll(text);
-  } catch (const YAML::Exception& e) {
-    std::string where = FileLine(path, e.mark);
-    if (!e.mark.is_null())
-      where += ", column " + std::to_string(e.mark.column + 1);
-    return InvalidArgument("malformed YAML in " + where + ": " + e.msg);
-  }
-  if (docs.size() > 1) {
-    return InvalidArgument(
-        "config file '" + path + "' holds " + std::to_string(docs.size()) +
-        " YAML documents; it must be one key: value mapping");
-  }
-  // An empty file (or one of comments only) sets nothing.
-  if (docs.empty() || docs[0].IsNull()) return OkStatus();
-  const YAML::Node& root = docs[0];
-  if (!root.IsMap()) {
-    return InvalidArgument("config file " + FileLine(path, root.Mark()) +
-                           ": the top level must be a mapping of key: value "
-                           "lines");
-  }
-
+  FP8MOE_ASSIGN_OR_RETURN(const std::vector<FlatYamlEntry> entries, ParseFlatYaml(text, path));
   std::vector<std::string> names;
   for (const FlagSpec& spec : schema.flags()) names.push_back(spec.name);
-
-  // yaml-cpp keeps every pair of a mapping, duplicates included, so walking
-  // the pairs is how a key given twice is caught.
-  std::map<std::string, int, std::less<>> seen_line;
-  try {
-    for (const auto& pair : root) {
-      const YAML::Node& key_node = pair.first;
-      const YAML::Node& value = pair.second;
-      const int line = key_node.Mark().line + 1;
-      const std::string where = FileLine(path, key_node.Mark());
-      if (!key_node.IsScalar() || key_node.Scalar().empty()) {
-        return InvalidArgument("config file " + where +
-                               ": every key must be a plain flag name");
-      }
-      const std::string& key = key_node.Scalar();
-      if (auto [it, inserted] = seen_line.emplace(key, line); !inserted) {
-        return InvalidArgument("key " + Quoted(key) + " is set twice in " +
-                               path + " (lines " + std::to_string(it->second) +
-                               " and " + std::to_string(line) + ")");
-      }
-      const FlagSpec* spec = schema.Find(key);
-      if (spec == nullptr) return UnknownKey(key, where, names);
-      if (value.IsMap() || value.IsSequence()) {
+  std::map<std::string, int64_t, std::less<>> seen_line;
+  for (const FlatYamlEntry& entry : entries) {
+    const std::string& key = entry.key;
+    const std::string where = path + " line " + std::to_string(entry.line);
+    if (auto [it, inserted] = seen_line.emplace(key, entry.line); !inserted) {
+      return InvalidArgument("key " + Quoted(key) + " is set twice in " + path + " (lines " +
+                             std::to_string(it->second) + " and " +
+                             std::to_string(entry.line) + ")");
+    }
+    const FlagSpec* spec = schema.Find(key);
+    if (spec == nullptr) return UnknownKey(key, where, names);
+    switch (entry.kind) {
+      case FlatYamlEntry::Kind::kNestedMapping:
+      case FlatYamlEntry::Kind::kNestedSequence:
         return InvalidArgument(
             "key " + Quoted(key) + " in " + where + " has a nested " +
-            (value.IsMap() ? "mapping" : "sequence") +
+            (entry.kind == FlatYamlEntry::Kind::kNestedMapping ? "mapping" : "sequence") +
             " as its value; config files are flat key: value mappings and " +
             "this key expects " + Expectation(spec->type));
-      }
-      if (value.IsNull()) {
+      case FlatYamlEntry::Kind::kNull:
         // `key:` alone means "empty", which only a string can be.
         if (spec->type != FlagType::kString) {
           return InvalidArgument("key " + Quoted(key) + " in " + where +
-                                 " has no value; expected " +
-                                 Expectation(spec->type));
+                                 " has no value; expected " + Expectation(spec->type));
         }
         FP8MOE_RETURN_IF_ERROR(config->Set(key, "", where));
-        continue;
-      }
-      FP8MOE_RETURN_IF_ERROR(config->Set(key, value.Scalar(), where));
+        break;
+      case FlatYamlEntry::Kind::kScalar:
+        FP8MOE_RETURN_IF_ERROR(config->Set(key, entry.value, where));
+        break;
     }
-  } catch (const YAML::Exception& e) {
-    return InvalidArgument("cannot read " + FileLine(path, e.mark) + ": " +
-                           e.msg);
   }
   return OkStatus();
 }

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "base/test_util.h"
 
 #include "fp8moe/numerics.h"
 #include "hwy/targets.h"
@@ -130,18 +131,7 @@ std::vector<float> EncodeInputs(const Oracle& o, uint64_t seed) {
   return in;
 }
 
-// Runs fn once per Highway target that this CPU supports and the library was
-// compiled for, with dispatch forced to that target.
-template <class Fn>
-void ForEachTarget(const Fn& fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    ASSERT_STREQ(SimdTargetName(), hwy::TargetName(target));
-    fn();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
+using test::ForEachTarget;
 
 
 // ---- Decode ------------------------------------------------------------

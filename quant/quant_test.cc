@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "base/test_util.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
@@ -21,18 +22,7 @@
 namespace fp8moe {
 namespace {
 
-// Runs fn once per Highway target this CPU supports and the library was
-// compiled for, with dispatch forced to that target.
-template <class Fn>
-void ForEachTarget(const Fn& fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    ASSERT_STREQ(SimdTargetName(), hwy::TargetName(target));
-    fn();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
+using test::ForEachTarget;
 
 constexpr QuantDType kDTypes[] = {QuantDType::kE4M3FN, QuantDType::kE4M3FNUZ,
                                   QuantDType::kE5M2, QuantDType::kE5M2FNUZ,

@@ -160,53 +160,50 @@ Status FsdpState::ReduceGradients(const ModelParams& grads) {
   return OkStatus();
 }
 
-Result<FsdpState::GradientCheck> FsdpState::CheckGradients() {
+Result<FsdpState::NonFiniteScan> FsdpState::ScanOverRanks(Tensor Unit::*field,
+                                                           bool sum_squares) {
   // In Named() order, element by element: on one rank the bits of the
   // single-process loop.
-  double first = static_cast<double>(names_.size()), sum = 0;
-  for (size_t k = 0; k < names_.size(); ++k) {
+  const double none = static_cast<double>(names_.size());
+  double first = none, sum = 0;
+  for (size_t k = 0; k < names_.size() && (sum_squares || first == none); ++k) {
     const Part& p = parts_[k];
-    const float* d = units_[p.unit].g.data_as<float>() + p.at;
+    const float* d = (units_[p.unit].*field).data_as<float>() + p.at;
     for (int64_t i = 0; i < p.size; ++i) {
-      if (!std::isfinite(d[i]) && first == static_cast<double>(names_.size())) {
+      if (!std::isfinite(d[i]) && first == none) {
         first = static_cast<double>(k);
+        if (!sum_squares) break;
       }
-      sum += static_cast<double>(d[i]) * d[i];
+      if (sum_squares) sum += static_cast<double>(d[i]) * d[i];
     }
   }
   const double mine[2] = {first, sum};
   std::vector<double> all(2 * static_cast<size_t>(comm_.size()));
   FP8MOE_RETURN_IF_ERROR(comm_.AllGather(mine, all.data(), 2, DType::kF64));
-  double lowest = static_cast<double>(names_.size()), total = 0;
+  double lowest = none;
+  NonFiniteScan scan;
   for (int r = 0; r < comm_.size(); ++r) {  // rank order: the same bits everywhere
     lowest = std::min(lowest, all[2 * static_cast<size_t>(r)]);
-    total += all[2 * static_cast<size_t>(r) + 1];
+    scan.sum_of_squares += all[2 * static_cast<size_t>(r) + 1];
   }
-  GradientCheck c;
   const size_t k = static_cast<size_t>(lowest);
-  if (k < names_.size()) c.first_nonfinite = names_[k];
-  c.norm = std::sqrt(total);
+  if (k < names_.size()) scan.first_nonfinite = names_[k];
+  return scan;
+}
+
+Result<FsdpState::GradientCheck> FsdpState::CheckGradients() {
+  FP8MOE_ASSIGN_OR_RETURN(const NonFiniteScan scan,
+                          ScanOverRanks(&Unit::g, /*sum_squares=*/true));
+  GradientCheck c;
+  c.first_nonfinite = scan.first_nonfinite;
+  c.norm = std::sqrt(scan.sum_of_squares);
   return c;
 }
 
 Result<std::string> FsdpState::FirstNonFiniteMaster() {
-  double first = static_cast<double>(names_.size());
-  for (size_t k = 0; k < names_.size() && first == static_cast<double>(names_.size()); ++k) {
-    const Part& p = parts_[k];
-    const float* d = units_[p.unit].master.data_as<float>() + p.at;
-    for (int64_t i = 0; i < p.size; ++i) {
-      if (!std::isfinite(d[i])) {
-        first = static_cast<double>(k);
-        break;
-      }
-    }
-  }
-  std::vector<double> all(static_cast<size_t>(comm_.size()));
-  FP8MOE_RETURN_IF_ERROR(comm_.AllGather(&first, all.data(), 1, DType::kF64));
-  double lowest = static_cast<double>(names_.size());
-  for (const double a : all) lowest = std::min(lowest, a);
-  const size_t k = static_cast<size_t>(lowest);
-  return k < names_.size() ? names_[k] : std::string();
+  FP8MOE_ASSIGN_OR_RETURN(const NonFiniteScan scan,
+                          ScanOverRanks(&Unit::master, /*sum_squares=*/false));
+  return scan.first_nonfinite;
 }
 
 void FsdpState::AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr,

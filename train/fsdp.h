@@ -115,6 +115,16 @@ class FsdpState : public ExpertWeightSource {
   // Gathers `shard` of unit u whole into `tensors`.
   Status GatherUnit(Unit& u, const Tensor& shard,
                     const std::vector<std::pair<std::string, Tensor*>>& tensors);
+  struct NonFiniteScan {
+    std::string first_nonfinite;  // as in GradientCheck
+    double sum_of_squares = 0;    // every rank's, added in rank order
+  };
+  // Scans this rank's range of `field` (&Unit::g or &Unit::master) in
+  // Named() order for the first tensor holding a NaN or an infinity, adding
+  // up the squares when `sum_squares` (else it stops at the first), then
+  // takes the lowest tensor index and the sum over every rank, in rank order
+  // so every rank gets the same bits. Collective (one all-gather).
+  Result<NonFiniteScan> ScanOverRanks(Tensor Unit::*field, bool sum_squares);
 
   Communicator& comm_;
   Communicator& ecomm_;

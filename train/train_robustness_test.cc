@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "base/test_util.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
@@ -23,16 +24,7 @@
 namespace fp8moe {
 namespace {
 
-// Restores the memory cap a test lowered.
-class CapGuard {
- public:
-  CapGuard() : bytes_(MemoryCap()), source_(MemoryCapSource()) {}
-  ~CapGuard() { SetMemoryCap(bytes_, source_); }
-
- private:
-  uint64_t bytes_;
-  std::string source_;
-};
+using test::CapGuard;
 
 TEST(TrainRobustness, SizesWhoseProductsOverflowAreRefused) {
   // per_device_batch_size x max_target_length wrapped past 2^64 to a small

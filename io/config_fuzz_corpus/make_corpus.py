@@ -3,7 +3,8 @@
 then key=value overrides, separated by NUL bytes. The trainer's defaults
 (configs/base.yml), valid QAT configurations, and the hostile values of
 issue 9 and of YAML itself (duplicate keys, nesting, anchors, tags, several
-documents, huge numbers). Standard library only; deterministic.
+documents, huge numbers, quoting, tabs, values over several lines), and the
+inputs yaml-cpp 0.7 looped on before the flat reader replaced it. Standard library only; deterministic.
 
     python3 io/config_fuzz_corpus/make_corpus.py
 """
@@ -61,6 +62,21 @@ SEEDS = {
     "bad_overrides": b"\0=1\0num_experts\0num_experts==4\0unknown_key=1\0num_expert=4",
     "calibration": b"weight_quantization_calibration_method: fixed,nan,1\n"
                    b"act_quantization_calibration_method: fixed,1e39,1\n",
+    # The flat reader (io/flat_yaml.h): quoting, escapes, markers, CRLF, and
+    # the forms it refuses; the inputs yaml-cpp 0.7 looped on forever.
+    "quoting": (b"--- # c\r\nrun_name: 'it''s # not' # c\r\n"
+                b"dtype: \"\\x41\\u00e9\\U0001F600\\t\\\"\\\\\" # c\r\n"
+                b"quantization: fp8 # c\r\n...\r\n"),
+    "multiline": b"run_name:\n  a\n  b\nnum_experts: 4\n  5\n",
+    "block_scalar": b"run_name: |\n  x\n",
+    "tabs": b"run_name:\tx\n\t\nnum_experts: 4\t# c\n",
+    "hang_ff": b",ed_buffer_factor: \xff.inf\n",
+    "hang_anchor_nul": b"&m_exp,\0\0experts: *x\n",
+    "hang_comma": b",teps: 0\n",
+    # Overrides ToYaml could not write back before (config_fuzz): NEL, which
+    # YAML 1.1 breaks lines at, and a byte that is not UTF-8.
+    "override_nel": b"\0weight_quantization_calibration_method=a\xc2\x85" b"b",
+    "override_not_utf8": b"\0weight_quantization_calibration_method=a\xff" b"b",
 }
 
 if __name__ == "__main__":

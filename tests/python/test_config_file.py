@@ -1,0 +1,113 @@
+"""Config files (docs/config.md, "Config file syntax") against an outside
+oracle: PyYAML must read every file our flat reader accepts to the same string,
+and every file PyYAML refuses must be refused by ours too (exit 2, naming the
+line and column). The value comes back through `fp8moe train`: a string flag
+with choices echoes the value it was given in its error message, exactly."""
+import os
+import re
+import subprocess
+
+import pytest
+
+yaml = pytest.importorskip("yaml")  # tests/python/requirements.txt pins it
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+KEY = "bwd_quantization_dtype"  # a string flag whose choices are e5m2 and e4m3
+ECHO = re.compile(r"invalid value '(.*)' for string key '" + KEY + "'", re.S)
+
+# Values as written after "KEY: ", quoting and comments included.
+VALUES = [
+    # plain
+    "fp8_x", "a b  c", "3e-4   ", "a # b", "a#b", "a:b", "http://x.y/z",
+    "a, b]", "a&b*c !d |e", "-1", "+0.5", ".inf", "yes", "Off", "?x", ":x", "~x", "nULL",
+    "r\u00e9sum\u00e9 \u20ac", "0x1F", "1_000",
+    # single-quoted
+    "''", "'it''s'", "''''", "'a # b'  # c", "'a\\nb'", "' pad  '", "'*x: &y [z]'", "'null'",
+    # double-quoted
+    '""', r'"a\"b\\c\/d"', r'"\n\t\r\a\b\v\f\e\ "', r'"\x01\x7F\u00e9\u20AC\U0001F600"',
+    r'"\N\_\L\P"', '"tab\there"', '"it\'s #not a comment" # a comment', '"~"',
+    # null
+    "", "   # a comment", "~", "null", "Null", "NULL",
+]
+
+# Whole files around the key: comments, markers, line ends, a byte order mark.
+FILES = [
+    b"# c\n---\nKEY: v1 # c\n...\n# after\n",
+    b"--- # c\n\n  # indented comment\nKEY: 'v 2'\n",
+    b"KEY: v3\r\n",
+    b"\xef\xbb\xbfKEY: v4\n",
+    b"KEY : v5",
+    b"KEY: 'v\t6' # \tc\n",
+]
+
+# Not YAML (PyYAML refuses each): ours must refuse too, naming line and column.
+MALFORMED = [
+    "KEY: a: b\n", 'KEY: "x"y\n', "KEY: 'x\n", "KEY: x\n  y: 1\n", "KEY: \"\\q\"\n",
+    "KEY: *x\n", "KEY: [1, 2\n", "- a\nKEY: 1\n", "KEY: 1\n\tsteps: 2\n", "KEY: @x\n",
+    # tabs outside quotes, which YAML 1.2 would take as spaces: refused too
+    "KEY:\tx\n", "KEY: x\t\n", "KEY: x\t# c\n",
+    "KEY: x\n\t\n", "KEY: x\n  \t# c\n", "---\t\nKEY: x\n",
+]
+
+# Valid YAML outside the subset: refused, naming line and column and the fix.
+UNSUPPORTED = [
+    ("KEY: &a x\n", "anchors and aliases"), ("KEY: !!str x\n", "tags are not supported"),
+    ("KEY: |\n  x\n", "block scalars are not supported"), ("KEY:\n  x\n", "is on the next line"),
+    ("KEY: x\n---\nKEY: y\n", "a second YAML document"), ("%YAML 1.1\n---\nKEY: x\n", "directives"),
+    ('"KEY": x\n', "a quoted key"), ("  KEY: x\n", "an indented key"), ("? KEY\n: x\n", "complex key"),
+    ('KEY: "a\n  b"\n', "the closing \" is missing"),
+]
+
+
+def load(fp8moe_bin, tmp_path, data: bytes):
+    path = tmp_path / "c.yml"
+    path.write_bytes(data)
+    p = subprocess.run([fp8moe_bin, "train", str(path), f"base_output_directory={tmp_path}"],
+                       capture_output=True, timeout=60, env=ENV)
+    return p.returncode, p.stderr.decode("utf-8")
+
+
+def oracle(data: bytes) -> str:
+    """The string PyYAML reads for KEY: null as "" (what a string flag takes)."""
+    if yaml.safe_load(data)[KEY] is None:
+        return ""
+    return yaml.load(data, Loader=yaml.BaseLoader)[KEY]  # no implicit typing: the text
+
+
+@pytest.mark.parametrize("value", VALUES)
+def test_values_read_as_pyyaml_reads_them(fp8moe_bin, tmp_path, value):
+    data = f"{KEY}: {value}\n".encode()
+    code, err = load(fp8moe_bin, tmp_path, data)
+    assert code == 2, err
+    m = ECHO.search(err)
+    assert m, err
+    assert m.group(1) == oracle(data), (value, err)
+
+
+@pytest.mark.parametrize("data", FILES)
+def test_file_forms_read_as_pyyaml_reads_them(fp8moe_bin, tmp_path, data):
+    data = data.replace(b"KEY", KEY.encode())
+    code, err = load(fp8moe_bin, tmp_path, data)
+    m = ECHO.search(err)
+    assert code == 2 and m, err
+    assert m.group(1) == oracle(data), (data, err)
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+def test_what_pyyaml_refuses_is_refused(fp8moe_bin, tmp_path, text):
+    text = text.replace("KEY", KEY)
+    with pytest.raises(yaml.YAMLError):
+        yaml.safe_load(text)
+    code, err = load(fp8moe_bin, tmp_path, text.encode())
+    assert code == 2, err
+    assert err.startswith("error: ") and re.search(r"c\.yml line \d+(, column \d+)?", err), err
+    assert not ECHO.search(err), err
+
+
+@pytest.mark.parametrize("text,part", UNSUPPORTED)
+def test_yaml_outside_the_subset_is_refused_with_line_and_column(fp8moe_bin, tmp_path, text, part):
+    text = text.replace("KEY", KEY)
+    list(yaml.safe_load_all(text))  # valid YAML ...
+    code, err = load(fp8moe_bin, tmp_path, text.encode())
+    assert code == 2, err  # ... that config files do not take
+    assert re.search(r"c\.yml line \d+, column \d+: ", err) and part in err, err
