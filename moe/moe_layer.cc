@@ -7,6 +7,7 @@
 // steady-state step allocates nothing.
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <mutex>
 #include <vector>
 
@@ -96,16 +97,44 @@ Status CheckF32(const TensorView& t, const Shape& shape, const char* name) {
                          std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape));
 }
 
+// On an expert ring every rank must stop together: a check that fails on one
+// rank only, or x shapes that differ between ranks, would otherwise leave
+// the others waiting in the ring's first collective until its timeout. One
+// small all-reduce (max of {failed, T, -T, D, -D}) after the local checks
+// turns either into an error on every rank. Off a ring: the local status.
+Status AgreeOnRing(const MoeOptions& o, const Status& local, const TensorView& x) {
+  if (o.expert_ring == nullptr || o.expert_ring->size() <= 1) return local;
+  const bool shaped = x.rank() == 2;
+  const int64_t T = shaped ? x.shape[0] : -1, D = shaped ? x.shape[1] : -1;
+  int64_t v[5] = {local.ok() ? 0 : 1, T, -T, D, -D};
+  FP8MOE_RETURN_IF_ERROR(o.expert_ring->AllReduce(v, v, 5, DType::kI64, ReduceOp::kMax));
+  if (!local.ok()) return local;
+  if (v[0] != 0) {
+    return InvalidArgument("another rank of the expert ring refused its input (its own error "
+                           "says why); every rank of the ring stops");
+  }
+  if (v[1] != -v[2] || v[3] != -v[4]) {
+    return InvalidArgument("the ranks of the expert ring give x of different shapes (T in [" +
+                           std::to_string(-v[2]) + ", " + std::to_string(v[1]) + "], D in [" +
+                           std::to_string(-v[4]) + ", " + std::to_string(v[3]) +
+                           "]); every rank must give x [T, D] with the same T and D");
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
                   const MoeWeights& w, const PreparedMoeWeights& prepared,
                   MoeWorkspace* workspace, const TensorView& y, MoeStepInfo* info,
                   const MoeOptions& options) {
-  FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
-  FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
-  FP8MOE_RETURN_IF_ERROR(CheckPrepared(cfg, w, prepared));
-  FP8MOE_RETURN_IF_ERROR(CheckF32(y, x.shape, "y"));
+  const Status checked = [&]() -> Status {
+    FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
+    FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
+    FP8MOE_RETURN_IF_ERROR(CheckPrepared(cfg, w, prepared));
+    return CheckF32(y, x.shape, "y");
+  }();
+  FP8MOE_RETURN_IF_ERROR(AgreeOnRing(options, checked, x));
   State& s = workspace->state();
   s.forward_done = false;
   s.T = x.shape[0];
@@ -137,26 +166,29 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
                    MoeWorkspace* workspace, const TensorView& dy,
                    const MoeGradientViews& grads, const MoeOptions& options) {
   State& s = workspace->state();
-  if (!s.forward_done) {
-    return FailedPrecondition("MoeBackward needs a MoeForward on the same workspace first");
-  }
-  if (options.expert_ring != s.ring) {
-    return InvalidArgument("MoeBackward must run on the expert ring its MoeForward ran on");
-  }
-  FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
-  FP8MOE_RETURN_IF_ERROR(CheckPrepared(cfg, w, prepared));
-  if (x.shape != Shape{s.T, s.D}) {
-    return InvalidArgument("x has shape " + ShapeToString(x.shape) +
-                           " but the forward ran on " + ShapeToString({s.T, s.D}));
-  }
-  if (dy.dtype != DType::kF32 || dy.shape != Shape{s.T, s.D}) {
-    return InvalidArgument("dy must be F32 " + ShapeToString({s.T, s.D}) + "; got " +
-                           std::string(DTypeName(dy.dtype)) + " " + ShapeToString(dy.shape));
-  }
-  FP8MOE_RETURN_IF_ERROR(CheckF32(grads.dx, x.shape, "dx"));
-  FP8MOE_RETURN_IF_ERROR(CheckF32(grads.drouter, w.router.shape, "drouter"));
-  FP8MOE_RETURN_IF_ERROR(CheckF32(grads.dwi, w.wi.shape, "dwi"));
-  FP8MOE_RETURN_IF_ERROR(CheckF32(grads.dwo, w.wo.shape, "dwo"));
+  const Status checked = [&]() -> Status {
+    if (!s.forward_done) {
+      return FailedPrecondition("MoeBackward needs a MoeForward on the same workspace first");
+    }
+    if (options.expert_ring != s.ring) {
+      return InvalidArgument("MoeBackward must run on the expert ring its MoeForward ran on");
+    }
+    FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
+    FP8MOE_RETURN_IF_ERROR(CheckPrepared(cfg, w, prepared));
+    if (x.shape != Shape{s.T, s.D}) {
+      return InvalidArgument("x has shape " + ShapeToString(x.shape) +
+                             " but the forward ran on " + ShapeToString({s.T, s.D}));
+    }
+    if (dy.dtype != DType::kF32 || dy.shape != Shape{s.T, s.D}) {
+      return InvalidArgument("dy must be F32 " + ShapeToString({s.T, s.D}) + "; got " +
+                             std::string(DTypeName(dy.dtype)) + " " + ShapeToString(dy.shape));
+    }
+    FP8MOE_RETURN_IF_ERROR(CheckF32(grads.dx, x.shape, "dx"));
+    FP8MOE_RETURN_IF_ERROR(CheckF32(grads.drouter, w.router.shape, "drouter"));
+    FP8MOE_RETURN_IF_ERROR(CheckF32(grads.dwi, w.wi.shape, "dwi"));
+    return CheckF32(grads.dwo, w.wo.shape, "dwo");
+  }();
+  FP8MOE_RETURN_IF_ERROR(AgreeOnRing(options, checked, x));
   FP8MOE_RETURN_IF_ERROR(internal::CombineBackwardStage(options, s, dy));
   FP8MOE_RETURN_IF_ERROR(
       internal::ExpertsBackward(ctx, cfg, x, w, prepared, options, s, grads.dwi, grads.dwo));
@@ -167,6 +199,27 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
 
 // ---- The one-call API ----
 
+// The context a one-call API call runs on: the process-wide default, held
+// under its mutex; but on an expert ring of P > 1 ranks a context of the
+// call's own, since ranks that share a process (thread ranks) would hold
+// that mutex across the ring's collectives and wait for each other forever.
+class CallContext {
+ public:
+  explicit CallContext(const MoeOptions& o)
+      : lock_(internal::DefaultContextMutex(), std::defer_lock) {
+    if (o.expert_ring != nullptr && o.expert_ring->size() > 1) {
+      own_.emplace();
+    } else {
+      lock_.lock();
+    }
+  }
+  Context& get() { return own_ ? *own_ : DefaultContext(); }
+
+ private:
+  std::unique_lock<std::recursive_mutex> lock_;
+  std::optional<Context> own_;
+};
+
 struct MoeSaved {
   PreparedMoeWeights prepared;
   MoeWorkspace workspace;
@@ -174,14 +227,20 @@ struct MoeSaved {
 
 Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const TensorView& x,
                                     const MoeWeights& w, const MoeOptions& options) {
-  FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
-  FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
-  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
-  Context& ctx = DefaultContext();
+  CallContext call(options);
+  Context& ctx = call.get();
   auto saved = std::make_shared<MoeSaved>();
-  FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, w.wi, w.wo, &saved->prepared));
   MoeForwardResult out;
-  FP8MOE_ASSIGN_OR_RETURN(out.y, Tensor::Create(DType::kF32, x.shape));
+  // What fails before the layer's own checks still joins the ring's
+  // agreement (AgreeOnRing), so that no other rank waits for this one.
+  const Status before = [&]() -> Status {
+    FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
+    FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
+    FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, w.wi, w.wo, &saved->prepared));
+    FP8MOE_ASSIGN_OR_RETURN(out.y, Tensor::Create(DType::kF32, x.shape));
+    return OkStatus();
+  }();
+  if (!before.ok()) return AgreeOnRing(options, before, x);
   MoeStepInfo info;
   FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, cfg, x, w, saved->prepared, &saved->workspace,
                                     out.y.view(), &info, options));
@@ -197,16 +256,20 @@ Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const TensorView& x,
 Result<MoeGradients> MoeBackward(const MoeConfig& cfg, const TensorView& x,
                                  const MoeWeights& w, const MoeForwardResult& fwd,
                                  const TensorView& dy, const MoeOptions& options) {
-  if (fwd.saved == nullptr) return InvalidArgument("MoeBackward needs the result of MoeForward");
-  FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
   MoeGradients g;
-  FP8MOE_ASSIGN_OR_RETURN(g.dx, Tensor::Create(DType::kF32, x.shape));
-  FP8MOE_ASSIGN_OR_RETURN(g.drouter, Tensor::Create(DType::kF32, w.router.shape));
-  FP8MOE_ASSIGN_OR_RETURN(g.dwi, Tensor::Create(DType::kF32, w.wi.shape));
-  FP8MOE_ASSIGN_OR_RETURN(g.dwo, Tensor::Create(DType::kF32, w.wo.shape));
+  const Status before = [&]() -> Status {
+    if (fwd.saved == nullptr) return InvalidArgument("MoeBackward needs the result of MoeForward");
+    FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
+    FP8MOE_ASSIGN_OR_RETURN(g.dx, Tensor::Create(DType::kF32, x.shape));
+    FP8MOE_ASSIGN_OR_RETURN(g.drouter, Tensor::Create(DType::kF32, w.router.shape));
+    FP8MOE_ASSIGN_OR_RETURN(g.dwi, Tensor::Create(DType::kF32, w.wi.shape));
+    FP8MOE_ASSIGN_OR_RETURN(g.dwo, Tensor::Create(DType::kF32, w.wo.shape));
+    return OkStatus();
+  }();
+  if (!before.ok()) return AgreeOnRing(options, before, x);
   MoeGradientViews views{g.dx.view(), g.drouter.view(), g.dwi.view(), g.dwo.view()};
-  std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
-  FP8MOE_RETURN_IF_ERROR(MoeBackward(DefaultContext(), cfg, x, w, fwd.saved->prepared,
+  CallContext call(options);
+  FP8MOE_RETURN_IF_ERROR(MoeBackward(call.get(), cfg, x, w, fwd.saved->prepared,
                                      &fwd.saved->workspace, dy, views, options));
   return g;
 }

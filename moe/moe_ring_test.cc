@@ -4,6 +4,7 @@
 // the single-rank layer gives it, and their weight gradients must be the
 // single-rank ones' slices. Also the collective overflow decision of the
 // ragged buffer and the errors.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -203,11 +204,14 @@ TEST(MoeRing, OneRankOverflowingMakesEveryRankRerunDropless) {
   }
   // Some rank fits the static buffer alone, another does not.
   ASSERT_LT(lo, hi - 1) << "the test's routing is too balanced to overflow one rank only";
-  for (double factor : {static_cast<double>(hi - 1) / (T * k), 0.05, 3.0}) {
+  // hi - 1.5 rows: the factor's 6 printed decimals cannot round it up to hi.
+  const double one_short = (static_cast<double>(hi) - 1.5) / static_cast<double>(T * k);
+  for (double factor : {one_short, 0.05, 3.0}) {
     SCOPED_TRACE(factor);
     const MoeConfig cfg = MakeConfig(
         {"dtype=float32", "num_experts=8", "ragged_buffer_factor=" + std::to_string(factor)});
     const int64_t rows = static_cast<int64_t>(std::ceil(cfg.ragged_buffer_factor * T * k));
+    if (factor == one_short) ASSERT_EQ(rows, hi - 1) << "the buffer must be one row short";
     Out ring(in);
     ASSERT_TRUE(RunRing(P, cfg, in, &ring, /*poison=*/true).ok());
     const bool overflow = hi > rows;
@@ -220,6 +224,95 @@ TEST(MoeRing, OneRankOverflowingMakesEveryRankRerunDropless) {
     for (auto [a, b] : {std::pair{&ring.y, &base.y}, {&ring.dx, &base.dx}, {&ring.dr, &base.dr},
                         {&ring.dwi, &base.dwi}, {&ring.dwo, &base.dwo}}) {
       EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->num_bytes()));
+    }
+  }
+}
+
+// The one-call API on a ring of thread ranks: each call runs on a context of
+// its own (the default context's mutex, held across the ring's collectives,
+// deadlocked the ranks), and gives the Context overload's bits.
+TEST(MoeRing, OneCallApiRunsOnARingOfThreadRanks) {
+  const int P = 2;
+  const int64_t T = 16;
+  LayerInputs in(13, T * P, 32, 16, 8);
+  const MoeConfig cfg = MakeConfig({"dtype=float32", "num_experts=8"});
+  Out ring(in);
+  ASSERT_TRUE(RunRing(P, cfg, in, &ring).ok());
+  Tensor y = F32(in.x.shape()), dx = F32(in.x.shape());
+  CommOptions co;
+  co.timeout_seconds = 60;  // a regression fails here instead of waiting forever
+  const Status st = RunThreadRanks(P, [&](Communicator& comm) -> Status {
+    const int r = comm.rank();
+    MoeOptions o;
+    o.expert_ring = &comm;
+    o.sum_batch_counts = [&comm](int64_t* c, int64_t n) {  // as RunRing
+      return comm.AllReduce(c, c, n, DType::kI64, ReduceOp::kSum);
+    };
+    const MoeWeights w{in.router.view(), Rows(in.wi, r * 4, 4), Rows(in.wo, r * 4, 4)};
+    const TensorView x = Rows(in.x, r * T, T);
+    FP8MOE_ASSIGN_OR_RETURN(MoeForwardResult f, MoeForward(cfg, x, w, o));
+    FP8MOE_ASSIGN_OR_RETURN(MoeGradients g, MoeBackward(cfg, x, w, f, Rows(in.dy, r * T, T), o));
+    std::memcpy(Rows(y, r * T, T).data, f.y.data(), f.y.num_bytes());
+    std::memcpy(Rows(dx, r * T, T).data, g.dx.data(), g.dx.num_bytes());
+    return OkStatus();
+  }, co);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(0, std::memcmp(y.data(), ring.y.data(), y.num_bytes()));
+  EXPECT_EQ(0, std::memcmp(dx.data(), ring.dx.data(), dx.num_bytes()));
+}
+
+// Bad input on one rank only (a token count unlike its peers', a router of
+// the wrong shape) is an error on every rank at once, not a wait until the
+// communicator's timeout.
+TEST(MoeRing, InputThatDiffersBetweenRanksIsAnErrorOnEveryRank) {
+  const int P = 2;
+  const int64_t T = 16;
+  LayerInputs in(17, T * P, 32, 16, 8);
+  const MoeConfig cfg = MakeConfig({"dtype=float32", "num_experts=8"});
+  Tensor bad_router = F32({16, 8});
+  for (int which : {0, 1, 2}) {  // 0: fewer tokens on rank 1; 1: bad router on rank 0; 2: one-call API
+    SCOPED_TRACE(which);
+    std::mutex mu;
+    std::vector<std::string> errors(P);
+    CommOptions co;
+    co.timeout_seconds = 60;
+    const auto start = std::chrono::steady_clock::now();
+    const Status st = RunThreadRanks(P, [&](Communicator& comm) -> Status {
+      const int r = comm.rank();
+      Context ctx;
+      MoeOptions o;
+      o.expert_ring = &comm;
+      const TensorView router = which == 1 && r == 0 ? bad_router.view() : in.router.view();
+      const MoeWeights w{router, Rows(in.wi, r * 4, 4), Rows(in.wo, r * 4, 4)};
+      const int64_t t = which == 0 && r == 1 ? T - 1 : T;
+      const TensorView x = Rows(in.x, r * T, t);
+      Status s;
+      if (which == 2) {
+        const TensorView bad_x = r == 1 ? Rows(in.x, r * T, T - 3) : x;
+        s = MoeForward(cfg, bad_x, w, o).status();
+      } else {
+        PreparedMoeWeights p;
+        MoeWorkspace ws;
+        Tensor y = F32({t, 32});
+        s = PrepareMoeWeights(ctx, cfg, w.wi, w.wo, &p);
+        if (s.ok()) s = MoeForward(ctx, cfg, x, w, p, &ws, y.view(), nullptr, o);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      errors[static_cast<size_t>(r)] = s.ToString();
+      return OkStatus();
+    }, co);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+    for (int r = 0; r < P; ++r) {
+      const std::string& e = errors[static_cast<size_t>(r)];
+      if (which == 1 && r == 0) {
+        EXPECT_NE(e.find("router must be F32 [D, E]"), std::string::npos) << e;
+      } else if (which == 1) {
+        EXPECT_NE(e.find("another rank of the expert ring refused its input"), std::string::npos) << e;
+      } else {
+        EXPECT_NE(e.find("the ranks of the expert ring give x of different shapes"), std::string::npos)
+            << e;
+      }
     }
   }
 }

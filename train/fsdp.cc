@@ -26,6 +26,18 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
                                                      Communicator* expert_group,
                                                      Communicator* ring) {
   if (ring != nullptr && ring->size() <= 1) ring = nullptr;
+  if (ring != nullptr) {
+    // The expert units hold this ring rank's experts: they may only be
+    // gathered and reduced over the ranks holding the same experts, which
+    // the job alone is not (its ranks hold other experts).
+    if (expert_group == nullptr ||
+        int64_t{expert_group->size()} * ring->size() != comm.size()) {
+      return Internal("FsdpState: an expert ring of " + std::to_string(ring->size()) +
+                      " ranks needs the expert FSDP group of the ranks holding the same "
+                      "experts (size x ring size = the job's " +
+                      std::to_string(comm.size()) + " ranks)");
+    }
+  }
   if (expert_group == nullptr) expert_group = &comm;
   if (ring == nullptr && expert_group != &comm) {
     return Internal("FsdpState: an expert group other than the job needs an expert ring");

@@ -107,7 +107,7 @@ struct MoeOptions {
 
 struct MoeStats {
   int64_t buffer_rows = 0;      // rows of the ragged buffer used
-  int64_t valid_rows = 0;       // T * k
+  int64_t valid_rows = 0;       // T * k (on an expert ring: this rank's local pairs)
   int64_t dropless_reruns = 0;  // 1 when the static buffer overflowed (on a
                                 // ring: any rank's; all of them rerun)
 };
