@@ -423,6 +423,49 @@ TEST(MoeRing, QuantizedTokenAllGather) {
 
 // Forward only: the dispatch's token bytes with and without the flag, per
 // rank, as the traffic functions count them.
+// (3) On tokens the quantization does change: the ring with the flag on x0
+// against one rank without it fed deq(q(x0)). A zero router makes the
+// routing independent of x (uniform logits, the same top-k), so the experts
+// of both see exactly deq(q(x0)): y, dwi and dwo must be equal bit for bit
+// (k = 2), i.e. the flag changes the layer by one quantization of x, no more.
+TEST(MoeRing, QuantizedTokenAllGatherIsOneQuantizationOfX) {
+  const int P = 2;
+  const int64_t T = 24, D = 32;
+  LayerInputs in(7, T * P, D, 16, 8);
+  std::memset(in.router.data(), 0, in.router.num_bytes());
+  LayerInputs deq(7, T * P, D, 16, 8);
+  std::memcpy(deq.router.data(), in.router.data(), in.router.num_bytes());
+  std::memcpy(deq.wi.data(), in.wi.data(), in.wi.num_bytes());
+  std::memcpy(deq.wo.data(), in.wo.data(), in.wo.num_bytes());
+  std::memcpy(deq.dy.data(), in.dy.data(), in.dy.num_bytes());
+  Tensor codes = std::move(Tensor::Create(DType::kU8, {T * P, D})).value();
+  Tensor scales = F32({T * P});
+  ASSERT_TRUE(QuantizeRows(in.x.data_as<float>(), T * P, D, T * P, 0, QuantDType::kE4M3FN,
+                           Calibration{}, codes.data_as<uint8_t>(), scales.data_as<float>())
+                  .ok());
+  DequantizeRows(codes.data_as<uint8_t>(), T * P, D, 0, scales.data_as<float>(),
+                 QuantDType::kE4M3FN, deq.x.data_as<float>());
+  ASSERT_NE(0, std::memcmp(deq.x.data(), in.x.data(), in.x.num_bytes()))
+      << "the test needs tokens the quantization changes";
+  for (const std::vector<std::string>& mode : Modes()) {
+    std::vector<std::string> flags = mode;
+    flags.push_back("num_experts=8");
+    SCOPED_TRACE(mode.empty() ? "bf16" : mode.back());
+    const MoeConfig plain = MakeConfig(flags);
+    flags.push_back("moe_quantize_token_all_gather=true");
+    flags.push_back("load_balance_loss_weight=" + std::to_string(0.01 / P));
+    const MoeConfig quant_ring = MakeConfig(flags);
+    Out whole(deq), ring(in);
+    ASSERT_TRUE(RunWhole(plain, deq, &whole).ok());
+    const Status st = RunRing(P, quant_ring, in, &ring, /*poison=*/true);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(0, std::memcmp(ring.y.data(), whole.y.data(), ring.y.num_bytes()));
+    EXPECT_EQ(0, std::memcmp(ring.dwi.data(), whole.dwi.data(), ring.dwi.num_bytes()));
+    EXPECT_EQ(0, std::memcmp(ring.dwo.data(), whole.dwo.data(), ring.dwo.num_bytes()));
+    EXPECT_LT(Compare(ring.dx, whole.dx).rel, 1e-6);
+  }
+}
+
 TEST(MoeRing, QuantizedTokenAllGatherSendsTheCountedBytes) {
   const int P = 4;
   const int64_t T = 24, D = 32;
