@@ -100,7 +100,16 @@ std::string Join(const std::vector<std::string>& items, bool quote) {
 
 Status UnknownKey(std::string_view key, std::string_view source,
                   const std::vector<std::string>& names) {
-  std::string message = "unknown key " + Quoted(key) + Where(source);
+  // A key of a few hundred bytes or more is shown by its start and length.
+  constexpr size_t kShown = 80;
+  size_t cut = std::min(kShown, key.size());
+  while (cut < key.size() && cut > 0 && (static_cast<unsigned char>(key[cut]) & 0xC0) == 0x80) {
+    --cut;  // at a character boundary
+  }
+  std::string shown = cut == key.size() ? Quoted(key)
+                                        : Quoted(key.substr(0, cut)) + "... (" +
+                                              std::to_string(key.size()) + " bytes)";
+  std::string message = "unknown key " + shown + Where(source);
   const std::string guess = SuggestClosest(key, names);
   if (!guess.empty()) {
     message += "; did you mean " + Quoted(guess) + "?";
@@ -503,6 +512,11 @@ std::string SuggestClosest(std::string_view name,
   size_t best_distance = limit + 1;
   for (const std::string& candidate : candidates) {
     if (candidate.empty()) continue;
+    // The distance is at least the difference in length: a key far longer
+    // than every flag name (a 1 MiB line) costs nothing to rule out.
+    const size_t gap = name.size() > candidate.size() ? name.size() - candidate.size()
+                                                       : candidate.size() - name.size();
+    if (gap >= best_distance) continue;
     const size_t d = EditDistance(name, candidate);
     if (d < best_distance) {
       best_distance = d;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -235,6 +236,18 @@ TEST(Config, SetNamesItsSource) {
   EXPECT_CONTAINS(c.Set("num_expert", "4").message(),
                   "unknown key 'num_expert'; did you mean "
                   "'num_experts'?");
+}
+
+// A key of 1 MiB (one long line) is ruled out by length before any edit
+// distance (which would take ~2e9 steps against every flag name) and shown by
+// its start and length.
+TEST(Config, AHugeUnknownKeyIsAnsweredAtOnce) {
+  Config c(TestSchema());
+  const auto start = std::chrono::steady_clock::now();
+  const std::string m = c.Set(std::string(1 << 20, 'n'), "4").message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_CONTAINS(m, "unknown key '" + std::string(80, 'n') + "'... (1048576 bytes)");
+  EXPECT_LT(m.size(), 400u);
 }
 
 TEST(Config, StringValuesAreUtf8WithoutNul) {

@@ -99,6 +99,26 @@ std::string Excerpt(std::string_view s) {
   return std::string(s.substr(0, cut)) + "...";
 }
 
+// The fix a message suggests for a value that must be quoted: `key: '...'`
+// with the value up to its comment (a '#' after a blank), single-quoted
+// (a ' doubled), so that following the advice gives the text as written.
+std::string QuoteHint(std::string_view key, std::string_view rest) {
+  size_t end = rest.size();
+  for (size_t i = 1; i < rest.size(); ++i) {
+    if (rest[i] == '#' && IsBlank(rest[i - 1])) {
+      end = i;
+      break;
+    }
+  }
+  std::string quoted = "'";
+  for (char c : StripTrailingBlanks(rest.substr(0, end))) {
+    quoted += c;
+    if (c == '\'') quoted += '\'';
+  }
+  quoted += "'";
+  return std::string(key) + ": " + Excerpt(quoted);
+}
+
 void AppendUtf8(uint32_t cp, std::string* out) {
   if (cp < 0x80) {
     *out += static_cast<char>(cp);
@@ -389,8 +409,7 @@ class FlatYamlReader {
     if (meaning != nullptr) {
       return Unsupported(v, std::string("the value of '") + entry.key + "' starts with '" + c +
                                 "', " + meaning + "; to mean the text itself, quote it: " +
-                                entry.key + ": \"" +
-                                Excerpt(StripTrailingBlanks(s.substr(v))) + "\"");
+                                QuoteHint(entry.key, s.substr(v)));
     }
     // A plain scalar: up to a comment (a '#' after a blank) or the line end.
     size_t k = v;
@@ -400,8 +419,7 @@ class FlatYamlReader {
       if (s[k] == ':' && EndsToken(s, k + 1)) {
         return Malformed(k, "': ' inside the value of '" + entry.key +
                                 "' (a nested mapping?); to mean the text itself, quote it: " +
-                                entry.key + ": \"" +
-                                Excerpt(StripTrailingBlanks(s.substr(v))) + "\"");
+                                QuoteHint(entry.key, s.substr(v)));
       }
     }
     const std::string_view value = StripTrailingBlanks(s.substr(v, k - v));

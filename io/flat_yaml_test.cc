@@ -150,7 +150,12 @@ TEST(FlatYaml, RefusedFormsNameLineColumnAndFix) {
   EXPECT_ERROR("a: &x 1\n", "f.yml line 1, column 4: the value of 'a' starts with '&', an anchor");
   EXPECT_ERROR("a: 1\nb: *x\n", "f.yml line 2, column 4: the value of 'b' starts with '*', an alias");
   EXPECT_ERROR("a: !!str 1\n", "a tag (!name, !!str); tags are not supported; to mean the text "
-                               "itself, quote it: a: \"!!str 1\"");
+                               "itself, quote it: a: '!!str 1'");
+  // The suggested fix gives the text as written: single quotes (a ' doubled,
+  // a backslash kept), the comment left out.
+  EXPECT_ERROR("run_name: @C:\\tmp # where\n", "quote it: run_name: '@C:\\tmp'");
+  EXPECT_ERROR("a: &x it's # note\n", "quote it: a: '&x it''s'");
+  EXPECT_ERROR("run_name: a: b\n", "quote it: run_name: 'a: b'");
   EXPECT_ERROR("a: |\n  text\n", "line 1, column 4: the value of 'a' starts with '|', a block scalar");
   EXPECT_ERROR("a: >-\n  text\n", "a block scalar");
   EXPECT_ERROR("a: %x\n", "starts with '%'");
