@@ -31,3 +31,41 @@ def run_op(fp8moe_bin, tmp_path):
         return p.returncode, outs, p.stderr
 
     return run
+
+
+# ---- Replayable randomness (FP8MOE_TEST_SEED, as in the C++ tests) ----
+#
+# Tests draw fresh random inputs with np.random.default_rng(). Every unseeded
+# call in a test is given the seed [S, i] (i: the call's index in the test),
+# where S is FP8MOE_TEST_SEED when set, else drawn at random; a failing test
+# prints `FP8MOE_TEST_SEED=S` so that the same inputs can be replayed.
+import numpy as _np
+
+_ORIGINAL_DEFAULT_RNG = _np.random.default_rng
+
+
+@pytest.fixture(autouse=True)
+def _replayable_default_rng(request, monkeypatch):
+    env = os.environ.get("FP8MOE_TEST_SEED")
+    seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
+    calls = [0]
+
+    def default_rng(seed_arg=None, *args, **kwargs):
+        if seed_arg is None:
+            seed_arg = [seed, calls[0]]
+            calls[0] += 1
+        return _ORIGINAL_DEFAULT_RNG(seed_arg, *args, **kwargs)
+
+    monkeypatch.setattr(_np.random, "default_rng", default_rng)
+    request.node._fp8moe_seed = seed
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "_fp8moe_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("replay", f"FP8MOE_TEST_SEED={seed} replays this test's "
+                                          "random inputs"))
