@@ -15,35 +15,13 @@
 #include "fp8moe/quant.h"
 #include "fp8moe/numerics.h"
 #include "moe/moe_workspace.h"
+#include "moe/routing.h"
 
 namespace fp8moe::internal {
 
 using State = MoeWorkspace::State;
 
 namespace {
-
-int64_t Clamp(int64_t i, int64_t n) { return std::min(std::max<int64_t>(i, 0), n - 1); }
-
-void RowToF32(const void* buffer, DType dtype, int64_t row, int64_t cols, float* out) {
-  if (cols <= 0) return;
-  if (dtype == DType::kF32) {
-    std::memcpy(out, static_cast<const float*>(buffer) + row * cols,
-                static_cast<size_t>(cols) * sizeof(float));
-  } else {
-    Bf16ToF32Span(static_cast<const uint16_t*>(buffer) + row * cols, out,
-                  static_cast<size_t>(cols));
-  }
-}
-
-void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t row) {
-  if (cols <= 0) return;
-  if (dtype == DType::kF32) {
-    std::memcpy(static_cast<float*>(buffer) + row * cols, v,
-                static_cast<size_t>(cols) * sizeof(float));
-  } else {
-    F32ToBf16Span(v, static_cast<uint16_t*>(buffer) + row * cols, static_cast<size_t>(cols));
-  }
-}
 
 size_t U(int64_t i) { return static_cast<size_t>(i); }
 

@@ -7,10 +7,7 @@
 #include "fp8moe/numerics.h"
 
 namespace fp8moe::internal {
-namespace {
 
-// Every gather and scatter index is clamped into its buffer: a corrupt index
-// can never read or write out of bounds.
 int64_t Clamp(int64_t i, int64_t n) { return std::min(std::max<int64_t>(i, 0), n - 1); }
 
 // Both helpers return at once for a zero-width row: the row buffers of a
@@ -36,8 +33,6 @@ void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t r
     F32ToBf16Span(v, static_cast<uint16_t*>(buffer) + row * cols, static_cast<size_t>(cols));
   }
 }
-
-}  // namespace
 
 void Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
            bool norm_topk_prob, Routing* out) {

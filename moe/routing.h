@@ -24,6 +24,15 @@ struct Routing {
   std::vector<int64_t> next_row;     // [E] scratch of the sort
 };
 
+// Every gather and scatter index is clamped into its buffer: a corrupt index
+// can never read or write out of bounds.
+int64_t Clamp(int64_t i, int64_t n);
+
+// Row `row` of a [rows, cols] buffer of dtype F32 or BF16, as f32 into out;
+// and v stored into that row. Both return at once for a zero-width row.
+void RowToF32(const void* buffer, DType dtype, int64_t row, int64_t cols, float* out);
+void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t row);
+
 // logits [T, E] -> routing (top-k, weights, stable expert order) in *out;
 // its vectors keep their capacity, so a routing reused step to step does not
 // allocate.
