@@ -230,5 +230,54 @@ TEST(Gmm, SwiGluOverTheWholeF32RangeMatchesReference) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
+// The quantized forward's promise near FLT_MAX (docs/numerics.md): it computes
+// (sum_k qa qw) * s_a * s_w in f32 left to right, as XLA evaluates
+// dot(qa, qw) * s_a * s_w, so the intermediate (sum_k qa qw) * s_a can pass
+// FLT_MAX although the exact product is finite. lhs [[FLT_MAX, 0.5]], one
+// channel [0.25, 1]: s_a = FLT_MAX / qmax, the codes qmax and 0, the weight's
+// codes qmax / 4 and qmax; the exact answer is about FLT_MAX / 4, the f32 one +inf
+// on every target, in both row-count paths and with a K block. The reference
+// twin (double, rounded once) gives the finite value; op_fuzz skips such rows.
+TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
+  const float big = std::numeric_limits<float>::max();
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (const EdgeMode& em : EdgeModes()) {
+      if (em.mode != GmmMode::kNativeFp8 && em.mode != GmmMode::kInt8) continue;
+      for (int64_t block : {0, 128}) {
+        if (block > 0 && em.mode == GmmMode::kInt8) continue;
+        for (int64_t m : {1, 9}) {
+          SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " +
+                       std::string(GmmModeName(em.mode)) + " " +
+                       std::string(QuantDTypeName(em.fp8)) + " block " + std::to_string(block) +
+                       " rows " + std::to_string(m));
+          Tensor lhs = Make(DType::kF32, {m, 2});
+          for (int64_t i = 0; i < m; ++i) {
+            lhs.data_as<float>()[2 * i] = big;
+            lhs.data_as<float>()[2 * i + 1] = 0.5f;
+          }
+          Weight wt = WeightFromValues(em.rhs, {0.25f, 1.0f}, 2, 1);
+          Tensor gs = Make(DType::kI32, {1});
+          gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+          GmmOptions o;
+          o.mode = em.mode;
+          o.fp8_dtype = em.fp8;
+          o.lhs_quant_block_size = block;
+          Tensor out = Poisoned(DType::kF32, {m, 1}), ref = Poisoned(DType::kF32, {m, 1});
+          const TensorView sv = wt.scale.view();
+          ASSERT_TRUE(Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), out.view()).ok());
+          ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), ref.view()).ok());
+          for (int64_t i = 0; i < m; ++i) {
+            EXPECT_EQ(out.data_as<float>()[i], std::numeric_limits<float>::infinity());
+            // FLT_MAX / 4 (int8: the weight's 0.25 is the code 32 of 127).
+            EXPECT_NEAR(ref.data_as<float>()[i], big / 4, 0.01 * big);
+          }
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 }  // namespace
 }  // namespace fp8moe
