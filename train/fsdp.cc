@@ -255,12 +255,15 @@ Status FsdpState::Quantize(int64_t layer, bool wo, const Shape& shape, QuantDTyp
   expert_gather_bytes_ += ecomm_.bytes_sent() - sent;
   *health = {};
   if (count_health_) {
-    // Integer counts of this rank's range, summed over the ranks.
+    // Integer counts of this rank's range, summed over every rank of the
+    // job: the expert group's ranges tile this ring rank's experts and the
+    // ring ranks hold the others, so the counts cover the whole tensor.
     const Fp8HealthCounts mine =
         CountFp8Health(codes + u.range.begin, u.master.data_as<float>(), u.range.size(), dtype);
     int64_t counts[2] = {mine.saturated, mine.flushed};
-    FP8MOE_RETURN_IF_ERROR(ecomm_.AllReduce(counts, counts, 2, DType::kI64, ReduceOp::kSum));
-    *health = Fp8HealthCounts{counts[0], counts[1], u.total}.Fractions();
+    FP8MOE_RETURN_IF_ERROR(comm_.AllReduce(counts, counts, 2, DType::kI64, ReduceOp::kSum));
+    const int64_t ring_size = ring_ != nullptr ? ring_->size() : 1;
+    *health = Fp8HealthCounts{counts[0], counts[1], u.total * ring_size}.Fractions();
   }
   return OkStatus();
 }

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -277,6 +279,44 @@ TEST(TrainDist, ExpertParallelLossesMatchOneRank) {
       EXPECT_NEAR(*n.summary.final_eval_loss, *one.summary.final_eval_loss,
                   m.bound * *one.summary.final_eval_loss);
     }
+  }
+}
+
+// The "layers.L.wi" / "layers.L.wo" entries of the fp8_health object of the
+// first metrics.jsonl line of a run, as written.
+std::vector<std::string> WeightHealth(const std::string& run_dir) {
+  std::ifstream m(run_dir + "/metrics.jsonl");
+  std::string line;
+  std::getline(m, line);
+  std::vector<std::string> out;
+  const std::regex entry(R"("layers\.\d+\.w[io]":\{[^}]*\})");
+  for (auto it = std::sregex_iterator(line.begin(), line.end(), entry);
+       it != std::sregex_iterator(); ++it) {
+    out.push_back(it->str());
+  }
+  return out;
+}
+
+// The weights' FP8 health counts every expert, not only this ring rank's:
+// at step 1 the weights are the initial ones, so every layout writes the
+// bits of one rank (the activations' entries are rank 0's slice and differ).
+TEST(TrainDist, WeightHealthCoversEveryRingRanksExperts) {
+  auto flags = With(Tiny("health", 1), {"log_period=1", "fp8_moe_native_fwd=false",
+                                        "fp8_moe_native_bwd_dlhs=false"});
+  RunResult one = RunRanks(1, flags, true);
+  ASSERT_TRUE(one.status.ok()) << one.status.ToString();
+  const std::vector<std::string> want = WeightHealth(one.summary.run_dir);
+  ASSERT_EQ(want.size(), 4u);  // 2 layers x wi, wo
+  EXPECT_NE(want[0].find("\"values\":"), std::string::npos) << want[0];
+  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
+      {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
+      {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}},
+      {4, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=4"}}};
+  for (const auto& [ranks, layout] : layouts) {
+    SCOPED_TRACE(layout[0] + " " + layout[1]);
+    RunResult n = RunRanks(ranks, With(flags, layout), true);
+    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
+    EXPECT_EQ(WeightHealth(n.summary.run_dir), want);
   }
 }
 

@@ -122,7 +122,7 @@ class RunLock {
 };
 
 json HealthJson(const Fp8Health& h) {
-  return {{"saturated", h.saturated}, {"flushed", h.flushed}};
+  return {{"saturated", h.saturated}, {"flushed", h.flushed}, {"values", h.values}};
 }
 
 }  // namespace
@@ -525,7 +525,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     }
     j["expert_load"] = load;
     if (lead && log_step) {
-      // Weights: counted over the whole tensors; activations: rank 0's slice.
+      // Weights: counted over the whole tensors (every ring rank's experts);
+      // activations: rank 0's slice.
       json health = json::object();
       for (int64_t l = 0; l < mc.num_layers; ++l) {
         const std::string p = "layers." + std::to_string(l) + ".";
