@@ -129,9 +129,11 @@ float CalibratedScale(float amax, QuantDType dtype, const Calibration& calib) {
 
 uint8_t QuantizeValue(float x, float scale, QuantDType dtype,
                       ScaleArithmetic arithmetic) {
-  const float v = arithmetic == ScaleArithmetic::kExactDivide
-                      ? x / scale
-                      : x * (1.0f / scale);
+  // A NaN x keeps its own bits (see QuantizeVec): with both operands NaN a
+  // product may return either one.
+  const float v = arithmetic == ScaleArithmetic::kExactDivide ? x / scale
+                  : std::isnan(x)                             ? x
+                                                              : x * (1.0f / scale);
   if (dtype == QuantDType::kInt8) {
     return static_cast<uint8_t>(EncodeInt8(v));
   }

@@ -476,26 +476,30 @@ TEST_F(QuantTest, EdgeValuesMatchReferenceOnEveryTarget) {
     for (int64_t j = 0; j < cols; ++j) x.push_back(edge[r]);
   }
   const int64_t rows = static_cast<int64_t>(x.size()) / cols;
+  // Both arithmetics: x * (1 / s) once returned the scale's NaN for a NaN x
+  // where the reference returned x's (the NaN code's sign differed).
   ForEachTarget([&] {
+   for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, kXla}) {
+    const Calibration cal = Calibration::AbsMax().With(a);
     for (QuantDType d : kDTypes) {
-      SCOPED_TRACE(QuantDTypeName(d));
+      SCOPED_TRACE(std::string(QuantDTypeName(d)) + " " + std::string(ScaleArithmeticName(a)));
       for (int64_t block : {0, 16}) {
         const int64_t nb = NumBlocks(cols, block);
         std::vector<uint8_t> q1(rows * cols, 0xA5), q2(rows * cols, 0x5A);
         std::vector<float> s1(rows * nb, 1.0f), s2(rows * nb, 2.0f);
-        ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, block, d, Calibration::AbsMax(),
+        ASSERT_TRUE(QuantizeRows(x.data(), rows, cols, rows, block, d, cal,
                                  q1.data(), s1.data()).ok());
         ASSERT_TRUE(reference::QuantizeRows(x.data(), rows, cols, rows, block, d,
-                                            Calibration::AbsMax(), q2.data(), s2.data()).ok());
+                                            cal, q2.data(), s2.data()).ok());
         ASSERT_EQ(q1, q2) << "rows, block " << block;
         ExpectSameBits(s1, s2);
       }
       // Channels: the matrix as [1, rows, cols] (a channel is a column).
       std::vector<uint8_t> q1(rows * cols), q2(rows * cols);
       std::vector<float> s1(cols), s2(cols);
-      ASSERT_TRUE(QuantizeChannels(x.data(), 1, rows, cols, d, Calibration::AbsMax(), q1.data(),
+      ASSERT_TRUE(QuantizeChannels(x.data(), 1, rows, cols, d, cal, q1.data(),
                                    s1.data()).ok());
-      ASSERT_TRUE(reference::QuantizeChannels(x.data(), 1, rows, cols, d, Calibration::AbsMax(),
+      ASSERT_TRUE(reference::QuantizeChannels(x.data(), 1, rows, cols, d, cal,
                                               q2.data(), s2.data()).ok());
       ASSERT_EQ(q1, q2) << "channels";
       ExpectSameBits(s1, s2);
@@ -504,9 +508,9 @@ TEST_F(QuantTest, EdgeValuesMatchReferenceOnEveryTarget) {
       const int64_t tiles = *NumGroupTiles(sizes, 3, rows, 5);
       std::vector<float> t1(tiles * cols), t2(tiles * cols);
       ASSERT_TRUE(QuantizeGroupTileChannels(x.data(), rows, cols, sizes, 3, 5, d,
-                                            Calibration::AbsMax(), q1.data(), t1.data()).ok());
+                                            cal, q1.data(), t1.data()).ok());
       ASSERT_TRUE(reference::QuantizeGroupTileChannels(x.data(), rows, cols, sizes, 3, 5, d,
-                                                       Calibration::AbsMax(), q2.data(),
+                                                       cal, q2.data(),
                                                        t2.data()).ok());
       ASSERT_EQ(q1, q2) << "group tiles";
       ExpectSameBits(t1, t2);
@@ -514,12 +518,13 @@ TEST_F(QuantTest, EdgeValuesMatchReferenceOnEveryTarget) {
       for (size_t r = 0; r < edge.size(); ++r) {
         const float* row = x.data() + (edge.size() + r) * cols;
         float a = 0, b = 0;
-        ASSERT_TRUE(QuantizeTensor(row, cols, d, Calibration::AbsMax(), q1.data(), &a).ok());
-        ASSERT_TRUE(reference::QuantizeTensor(row, cols, d, Calibration::AbsMax(), q2.data(), &b).ok());
+        ASSERT_TRUE(QuantizeTensor(row, cols, d, cal, q1.data(), &a).ok());
+        ASSERT_TRUE(reference::QuantizeTensor(row, cols, d, cal, q2.data(), &b).ok());
         ASSERT_EQ(0, std::memcmp(q1.data(), q2.data(), cols)) << "tensor, value " << edge[r];
         ASSERT_EQ(Bits(a), Bits(b));
       }
     }
+   }
   });
 }
 

@@ -76,7 +76,11 @@ template <QuantDType kDType, bool kMultiply, class DF>
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> QuantizeVec(DF df, hn::Vec<DF> x,
                                                        hn::Vec<DF> factor) {
   const hn::RebindToSigned<DF> di;
-  const auto v = kMultiply ? hn::Mul(x, factor) : hn::Div(x, factor);
+  // A NaN x keeps its own bits (its sign picks the NaN code): x / s returns
+  // x's NaN, but in x * (1 / s) with both NaN which one comes out depends on
+  // which operand the compiler put first (multiplication commutes).
+  const auto v = kMultiply ? hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(x, factor))
+                           : hn::Div(x, factor);
   if constexpr (kDType == QuantDType::kInt8) {
     const auto clamped = hn::Min(hn::Max(hn::IfThenZeroElse(hn::IsNaN(v), v),
                                          hn::Set(df, -127.0f)),

@@ -72,6 +72,11 @@ SEEDS = {
     "quantize_channel_xla": case("quantize", ["granularity=channel",
                                               "scale_arithmetic=xla_reciprocal", "dtype=int8"],
                                  [("x", "F32", [2, 9, 6], "special", 13)]),
+    # A NaN x with a NaN scale: x * (1 / s) gave the scale's NaN (the code's sign).
+    "quantize_tensor_xla_nan": case("quantize", ["scale_arithmetic=xla_reciprocal"],
+                                    [("x", "F32", [2, 2], "raw",
+                                      struct.pack("<4I", 0xFFFFFFFF, 0x3F800000, 0xC0000000,
+                                                  0x7FC00000))]),
     "quantize_channel_empty_huge": case("quantize", ["granularity=channel"],
                                         [("x", "F32", [2**40, 0], "raw", b"")]),
     "dequantize_tensor": case("dequantize", ["granularity=tensor"],
