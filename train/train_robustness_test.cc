@@ -133,11 +133,15 @@ void ExpectRefused(const std::string& name, const std::function<void(const std::
   f.insert(f.end(), extra_flags.begin(), extra_flags.end());
   auto s = RunTiny(f);
   ASSERT_FALSE(s.ok()) << name;
-  if (code != StatusCode::kOk) EXPECT_EQ(s.status().code(), code) << s.status().ToString();
+  if (code != StatusCode::kOk) {
+    EXPECT_EQ(s.status().code(), code) << s.status().ToString();
+  }
   EXPECT_NE(s.status().message().find("step_00000004.safetensors"), std::string::npos)
       << s.status().message();
   EXPECT_NE(s.status().message().find(what), std::string::npos) << s.status().message();
-  if (fs::is_regular_file(path)) EXPECT_EQ(Bytes(path), before) << "the checkpoint changed";
+  if (fs::is_regular_file(path)) {
+    EXPECT_EQ(Bytes(path), before) << "the checkpoint changed";
+  }
   // Nothing newer was written beside it.
   EXPECT_FALSE(fs::exists(TestDir() + "/" + name + "/checkpoints/step_00000008.safetensors"));
 }
