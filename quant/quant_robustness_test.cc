@@ -41,6 +41,15 @@ TEST(QuantRobustness, ZeroWidthOfHugeHeightReturnsAtOnce) {
     // A group of 2^31 - 1 rows of width 0, one row per tile.
     const int32_t sizes[] = {std::numeric_limits<int32_t>::max()};
     EXPECT_TRUE(group(nullptr, kHuge, 0, sizes, 1, 1, QuantDType::kE5M2, {}, nullptr, nullptr).ok());
+    // The other way round (op_fuzz: rhs [0, 28, 2^40] asked for a 4 TiB
+    // scratch of one int per channel): [0, 28, 2^40] per channel, and
+    // [0, 2^40] rows in no groups, both in xla_reciprocal too.
+    for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, ScaleArithmetic::kXlaReciprocal}) {
+      const Calibration cal = Calibration::AbsMax().With(a);
+      EXPECT_TRUE(channels(nullptr, 0, 28, kHuge, QuantDType::kE4M3FN, cal, nullptr, nullptr).ok());
+      EXPECT_TRUE(group(nullptr, 0, kHuge, nullptr, 0, 0, QuantDType::kE4M3FN, cal, nullptr,
+                        nullptr).ok());
+    }
   }
   DequantizeChannels(nullptr, kHuge, kHuge, 0, nullptr, QuantDType::kE4M3FN, nullptr);
   DequantizeRows(nullptr, kHuge, 0, 128, nullptr, QuantDType::kE4M3FN, nullptr);

@@ -194,7 +194,9 @@ Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
                         float* scales) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"experts", experts}, {"k", k}, {"n", n}}));
   FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("w [experts, k, n]", {experts, k, n}, sizeof(float)));
-  if (n == 0) return OkStatus();  // no channels: no scales, no codes
+  // No channels or no experts: no scales, no codes (and no [n] scratch: n
+  // can be 2^40 beside a zero).
+  if (n == 0 || experts == 0) return OkStatus();
   std::vector<int32_t> acc(static_cast<size_t>(n));
   std::vector<float> inv(Reciprocal(calib) ? static_cast<size_t>(n) : 0);
   for (int64_t e = 0; e < experts; ++e) {
@@ -253,7 +255,9 @@ Status QuantizeGroupTileChannels(const float* x, int64_t m, int64_t c,
   FP8MOE_RETURN_IF_ERROR(internal::CheckBuffer("x [m, c]", {m, c}, sizeof(float)));
   FP8MOE_ASSIGN_OR_RETURN(const int64_t num_tiles,
                           NumGroupTiles(group_sizes, groups, m, tile_m));
-  if (c == 0) return OkStatus();  // no channels: no scales, no codes
+  // No channels, or no rows and no tiles: nothing to write (and no [c]
+  // scratch: c can be 2^40 beside a zero).
+  if (c == 0 || (m == 0 && num_tiles == 0)) return OkStatus();
   const int threads = omp_get_max_threads();
   std::vector<internal::RowTile> tiles(static_cast<size_t>(num_tiles));
   std::vector<int32_t> acc(static_cast<size_t>(threads) * static_cast<size_t>(c));

@@ -88,6 +88,10 @@ SEEDS = {
                                       struct.pack("<4f", 3.4028234663852886e38, 0.5, 1, 2)),
                                      ("rhs", "F32", [1, 2, 1], "raw", struct.pack("<2f", 0.25, 1)),
                                      gs([2])]),
+    # No experts, 2^40 channels: quantizing rhs once allocated one int per channel.
+    "gmm_fake_qat_no_experts_huge_n": case("gmm", ["mode=fake_qat"],
+                                           [("lhs", "BF16", [0, 28], "raw", b""),
+                                            ("rhs", "BF16", [0, 28, 2**40], "raw", b"")]),
     "gmm_f32_tail": case("gmm", ["mode=f32"], [("lhs", "F32", [9, 7], "normal", 7),
                                                ("rhs", "F32", [3, 7, 5], "normal", 8), gs([2, 0, 5])]),
     "gmm_bf16_tiles": case("gmm", ["mode=bf16", "tile_m=2", "tile_k=4", "tile_n=3"],
