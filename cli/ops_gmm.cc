@@ -323,10 +323,35 @@ Result<Rhs> GetRhs(const std::string& op, const SafetensorsFile& in,
   return rhs;
 }
 
+// `calibration_key` and scale_arithmetic: how a quantization inside the
+// call finds its scales. Refused where nothing is quantized (`applies`
+// false), where they would be silently ignored.
+Result<Calibration> ParseCalibrationKeys(const std::string& op, const Config& keys,
+                                         const std::string& calibration_key, bool applies,
+                                         const std::string& where) {
+  for (const std::string& k : {calibration_key, std::string("scale_arithmetic")}) {
+    if (keys.IsSet(k) && !applies) {
+      return InvalidArgument("op " + op + ": " + k + " applies " + where + " only");
+    }
+  }
+  Result<Calibration> c = Calibration::Parse(keys.GetString(calibration_key));
+  if (!c.ok()) {
+    return InvalidArgument("op " + op + ": " + calibration_key + ": " + c.status().message());
+  }
+  FP8MOE_ASSIGN_OR_RETURN(c->arithmetic,
+                          ParseScaleArithmetic(keys.GetString("scale_arithmetic")));
+  return *c;
+}
+
 Status RunGmm(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
   const std::string op = "gmm";
   FP8MOE_ASSIGN_OR_RETURN(GmmOptions o, ParseOptions(op, keys, true, true));
   o.lhs_quant_block_size = keys.GetInt("lhs_quant_block_size");
+  FP8MOE_ASSIGN_OR_RETURN(
+      o.lhs_calibration,
+      ParseCalibrationKeys(op, keys, "lhs_calibration",
+                           o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8,
+                           "to mode native_fp8 or int8 (they quantize lhs)"));
   const bool reference = keys.GetBool("reference");
   FP8MOE_RETURN_IF_ERROR(PlanGmmFamily(op, in, o, keys, false));
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* lhs_in,
@@ -411,6 +436,9 @@ Status RunTgmm(const SafetensorsFile& in, const Config& keys, SafetensorsFile* o
     return InvalidArgument("op tgmm: dout_quant_granularity applies only when "
                            "dout is quantized; set dout_quant=e5m2|e4m3 or drop it");
   }
+  FP8MOE_ASSIGN_OR_RETURN(quant.calibration,
+                          ParseCalibrationKeys(op, keys, "dout_calibration", dq != "none",
+                                               "when dout is quantized (dout_quant=e5m2|e4m3)"));
   FP8MOE_ASSIGN_OR_RETURN(
       const Tensor* lhs_in,
       GetInput(op, in, "lhs",
@@ -465,6 +493,16 @@ void AddTailKeys(ConfigSchema* s) {
              "run the plain-loop reference twin instead of the fast kernel"});
 }
 
+// calibration_key (absmax | fixed,a,b) and scale_arithmetic.
+void AddCalibrationKeys(ConfigSchema* s, const char* calibration_key, const char* what) {
+  AddKey(s, {calibration_key, FlagType::kString, "absmax",
+             std::string(what) + ": absmax, or fixed,a,b for amax = max(|a|, |b|)"});
+  AddKey(s, {"scale_arithmetic", FlagType::kString, "exact_divide",
+             std::string(what) + ": exact_divide (x / s, DESIGN 3.2) or xla_reciprocal "
+             "(x * (1 / s), what qwix computes under jax.jit)",
+             {"exact_divide", "xla_reciprocal"}});
+}
+
 void AddFp8DTypeKey(ConfigSchema* s) {
   AddKey(s, {"fp8_dtype", FlagType::kString, "e4m3fn",
              "native_fp8: the code dtype of lhs and rhs; fake_qat / native_fp8: "
@@ -482,6 +520,8 @@ void RegisterGmmOps(std::vector<OpDef>* ops) {
   AddKey(&gmm.keys, {"lhs_quant_block_size", FlagType::kInt, "0",
                      "native_fp8: lhs scale per row over the full K (0) or per "
                      "128 / 512 columns"});
+  AddCalibrationKeys(&gmm.keys, "lhs_calibration",
+                     "native_fp8, int8: how lhs's scales are found");
   AddKey(&gmm.keys, {"epilogue", FlagType::kString, "none",
                      "swiglu: out = silu(gate) * up of the [gate | up] columns",
                      {"none", "swiglu", "dswiglu"}});
@@ -508,6 +548,8 @@ void RegisterGmmOps(std::vector<OpDef>* ops) {
                       "a dout scale per (group, channel), or per (m-tile of a "
                       "group, channel) with the m-tile tile_m (default 512)",
                       {"group", "tile"}});
+  AddCalibrationKeys(&tgmm.keys, "dout_calibration",
+                     "with dout_quant: how dout's scales are found");
   AddTailKeys(&tgmm.keys);
   ops->push_back(std::move(tgmm));
 }

@@ -279,5 +279,146 @@ TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
+// The in-kernel quantization of lhs (native fp8, int8) in scale_arithmetic
+// xla_reciprocal: codes of x * (1 / s), not x / s. A row of values next to
+// the midpoints between codes (where the two arithmetics round apart) times
+// an identity weight, so out[i, n] is lhs row i's n-th dequantized code (up
+// to the f32 scaling's rounding) and one wrong code is a whole step off. The
+// fast kernels must match the reference twin in both arithmetics on every
+// target, and the two arithmetics must differ on this input.
+TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
+  const int64_t k = 256;
+  std::vector<float> eye(static_cast<size_t>(k * k), 0.0f);
+  for (int64_t i = 0; i < k; ++i) eye[static_cast<size_t>(i * k + i)] = 1.0f;
+  for (const EdgeMode& em : EdgeModes()) {
+    if (em.mode != GmmMode::kNativeFp8 && em.mode != GmmMode::kInt8) continue;
+    const QuantDType qd = em.mode == GmmMode::kInt8 ? QuantDType::kInt8 : em.fp8;
+    // Values within a few ulp of code midpoints at the xla scale of amax 100.
+    std::vector<float> mids;
+    for (int c = 0; c < 255; ++c) {
+      const float a = DequantizeValue(static_cast<uint8_t>(c), 1.0f, qd);
+      const float b = DequantizeValue(static_cast<uint8_t>(c + 1), 1.0f, qd);
+      if (std::isfinite(a) && std::isfinite(b) && a < b) mids.push_back(0.5f * (a + b));
+    }
+    const float amax = 100.0f, s = amax * (1.0f / QuantMax(qd));
+    std::vector<float> x;
+    for (size_t j = 0; x.size() < static_cast<size_t>(3 * k); ++j) {
+      const size_t r = x.size() / static_cast<size_t>(k);
+      if (x.size() % static_cast<size_t>(k) == 0) x.push_back(amax);  // each row's amax
+      float v = mids[(j / 4) % mids.size()] * s;
+      for (size_t t = 0; t < j % 4; ++t) v = std::nextafter(v, r == 1 ? -INFINITY : INFINITY);
+      if (std::fabs(v) < amax && x.size() % static_cast<size_t>(k) != 0) x.push_back(v);
+    }
+    Tensor lhs = Make(DType::kF32, {3, k});
+    std::memcpy(lhs.data(), x.data(), x.size() * sizeof(float));
+    Weight wt = WeightFromValues(em.rhs, eye, k, k);
+    Tensor gs = Make(DType::kI32, {1});
+    gs.data_as<int32_t>()[0] = 3;
+    const TensorView sv = wt.scale.view();
+    std::vector<Tensor> refs;
+    for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, ScaleArithmetic::kXlaReciprocal}) {
+      GmmOptions o;
+      o.mode = em.mode;
+      o.fp8_dtype = em.fp8;
+      o.lhs_calibration = Calibration::AbsMax().With(a);
+      Tensor ref = Poisoned(DType::kF32, {3, k});
+      ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), ref.view()).ok());
+      for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+        hwy::SetSupportedTargetsForTest(target);
+        SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " +
+                     std::string(GmmModeName(em.mode)) + " " +
+                     std::string(QuantDTypeName(qd)) + " " + std::string(ScaleArithmeticName(a)));
+        Tensor out = Poisoned(DType::kF32, {3, k});
+        ASSERT_TRUE(Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), out.view()).ok());
+        for (int64_t i = 0; i < 3 * k; ++i) {
+          const float f = out.data_as<float>()[i], w = ref.data_as<float>()[i];
+          ASSERT_LE(std::fabs(f - w), 4 * std::ldexp(std::fabs(w), -23) + 1e-30f)
+              << "element " << i << " (x " << x[static_cast<size_t>(i)] << "): fast " << f
+              << ", reference " << w;
+        }
+      }
+      hwy::SetSupportedTargetsForTest(0);
+      refs.push_back(std::move(ref));
+    }
+    int differ = 0;
+    for (int64_t i = 0; i < 3 * k; ++i) {
+      const float a = refs[0].data_as<float>()[i], b = refs[1].data_as<float>()[i];
+      differ += std::fabs(a - b) > 4 * std::ldexp(std::fabs(a), -23);
+    }
+    EXPECT_GT(differ, 0) << QuantDTypeName(qd) << ": the input does not tell the arithmetics apart";
+  }
+}
+
+// The same for TGMM's quantized gradient (fp8_full): dout [M, N] quantized
+// per (group, channel) or per (m-tile, channel) in each arithmetic, lhs the
+// identity as e4m3fn codes of 1 (M = K), so drhs[k, n] is dout's dequantized
+// code [k, n]. Column n: its amax 100 in row 0, then values next to code
+// midpoints at the xla scale of amax 100.
+TEST(Tgmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
+  const int64_t m = 64, n = 48;
+  const QuantDType qd = QuantDType::kE4M3FN;
+  std::vector<float> mids;
+  for (int c = 0; c < 255; ++c) {
+    const float a = DequantizeValue(static_cast<uint8_t>(c), 1.0f, qd);
+    const float b = DequantizeValue(static_cast<uint8_t>(c + 1), 1.0f, qd);
+    if (std::isfinite(a) && std::isfinite(b) && a < b) mids.push_back(0.5f * (a + b));
+  }
+  const float amax = 100.0f, s = amax * (1.0f / QuantMax(qd));
+  Tensor dout = Make(DType::kF32, {m, n});
+  size_t next = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    dout.data_as<float>()[j] = amax;
+    for (int64_t i = 1; i < m; ++i) {
+      float v;
+      do {
+        v = mids[next % mids.size()] * s;
+        for (size_t t = 0; t < (next / mids.size()) % 4; ++t) v = std::nextafter(v, INFINITY);
+        ++next;
+      } while (!(std::fabs(v) < amax));
+      dout.data_as<float>()[i * n + j] = v;
+    }
+  }
+  Tensor lhs = Make(DType::kE4M3FN, {m, m});
+  std::memset(lhs.data(), 0, lhs.num_bytes());
+  for (int64_t i = 0; i < m; ++i) lhs.data_as<uint8_t>()[i * m + i] = 0x38;  // 1.0
+  Tensor gs = Make(DType::kI32, {2});
+  gs.data_as<int32_t>()[0] = 40;
+  gs.data_as<int32_t>()[1] = 24;
+  for (bool per_group : {true, false}) {
+    std::vector<Tensor> refs;
+    for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, ScaleArithmetic::kXlaReciprocal}) {
+      GmmOptions o;
+      o.mode = GmmMode::kF32;
+      o.tiles.m = 16;  // the per-tile path's quantization tile
+      TgmmQuant q;
+      q.dout_dtype = qd;
+      q.per_group = per_group;
+      q.calibration = Calibration::AbsMax().With(a);
+      Tensor ref = Poisoned(DType::kF32, {2, m, n});
+      ASSERT_TRUE(reference::Tgmm(o, q, lhs.view(), dout.view(), gs.view(), ref.view()).ok());
+      for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+        hwy::SetSupportedTargetsForTest(target);
+        SCOPED_TRACE(std::string(hwy::TargetName(target)) + (per_group ? " per group " : " per tile ") +
+                     std::string(ScaleArithmeticName(a)));
+        Tensor got = Poisoned(DType::kF32, {2, m, n});
+        ASSERT_TRUE(Tgmm(o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());
+        for (int64_t i = 0; i < 2 * m * n; ++i) {
+          const float f = got.data_as<float>()[i], w = ref.data_as<float>()[i];
+          ASSERT_LE(std::fabs(f - w), 4 * std::ldexp(std::fabs(w), -23) + 1e-30f)
+              << "element " << i << ": fast " << f << ", reference " << w;
+        }
+      }
+      hwy::SetSupportedTargetsForTest(0);
+      refs.push_back(std::move(ref));
+    }
+    int differ = 0;
+    for (int64_t i = 0; i < 2 * m * n; ++i) {
+      const float a = refs[0].data_as<float>()[i], b = refs[1].data_as<float>()[i];
+      differ += std::fabs(a - b) > 4 * std::ldexp(std::fabs(a), -23);
+    }
+    EXPECT_GT(differ, 0) << "the input does not tell the arithmetics apart";
+  }
+}
+
 }  // namespace
 }  // namespace fp8moe

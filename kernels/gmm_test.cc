@@ -42,13 +42,17 @@ struct FwdCase {
   int64_t block = 0;
   bool swiglu = false;
   bool fixed_calibration = false;  // lhs scales from fixed,-2,2 (clips)
+  // lhs codes from x * (1 / s) (scale_arithmetic=xla_reciprocal, the
+  // Python package's JAX-matching mode) instead of x / s.
+  bool xla_reciprocal = false;
 };
 
 std::string Name(const FwdCase& c) {
   return std::string(GmmModeName(c.mode)) + " lhs " + std::string(DTypeName(c.lhs_dtype)) +
          " rhs " + std::string(DTypeName(c.rhs_dtype)) + " out " +
          std::string(DTypeName(c.out_dtype)) + " block " + std::to_string(c.block) +
-         (c.swiglu ? " swiglu" : "") + (c.fixed_calibration ? " fixed" : "");
+         (c.swiglu ? " swiglu" : "") + (c.fixed_calibration ? " fixed" : "") +
+         (c.xla_reciprocal ? " xla_reciprocal" : "");
 }
 
 std::vector<FwdCase> AllFwdCases() {
@@ -71,6 +75,14 @@ std::vector<FwdCase> AllFwdCases() {
                QuantDType::kE4M3FN, 0, false, true});
   v.push_back({GmmMode::kInt8, DType::kF32, DType::kI8, DType::kF32, QuantDType::kE4M3FN, 0,
                true, true});
+  for (int64_t block : {0, 128}) {
+    v.push_back({GmmMode::kNativeFp8, DType::kBF16, DType::kE4M3FN, DType::kF32,
+                 QuantDType::kE4M3FN, block, block == 0, false, true});
+  }
+  v.push_back({GmmMode::kNativeFp8, DType::kF32, DType::kE4M3FN, DType::kBF16,
+               QuantDType::kE4M3FN, 0, false, true, true});
+  v.push_back({GmmMode::kInt8, DType::kF32, DType::kI8, DType::kF32, QuantDType::kE4M3FN, 0,
+               false, false, true});
   return v;
 }
 
@@ -94,6 +106,9 @@ void CheckFwd(Context& ctx, TestRng& r, const FwdCase& c, int64_t m, int64_t k, 
   o.epilogue = c.swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
   o.tiles = tiles;
   if (c.fixed_calibration) o.lhs_calibration = Calibration::Fixed(-2.0f, 2.0f);
+  if (c.xla_reciprocal) {
+    o.lhs_calibration = o.lhs_calibration.With(ScaleArithmetic::kXlaReciprocal);
+  }
   const int64_t oc = c.swiglu ? n / 2 : n;
   Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
   Tensor h = Poisoned(DType::kF32, {m, n}), href = Poisoned(DType::kF32, {m, n});
@@ -311,13 +326,15 @@ struct TgmmCase {
   DType lhs_dtype;
   std::optional<QuantDType> quant;
   bool per_group = true;
+  bool xla_reciprocal = false;  // dout codes from g * (1 / s)
 };
 
 void CheckTgmm(Context& ctx, TestRng& r, const TgmmCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
                const GmmTiles& tiles = {}) {
   SCOPED_TRACE(std::string(GmmModeName(c.mode)) + " lhs " + std::string(DTypeName(c.lhs_dtype)) +
                (c.quant ? " quant " + std::string(QuantDTypeName(*c.quant)) : "") +
-               (c.per_group ? "" : " per-tile") + " M " + std::to_string(m) + " K " +
+               (c.per_group ? "" : " per-tile") +
+               (c.xla_reciprocal ? " xla_reciprocal" : "") + " M " + std::to_string(m) + " K " +
                std::to_string(k) + " N " + std::to_string(n));
   std::vector<int32_t> sizes = Groups(r, e, m);
   const int64_t valid = Sum(sizes);
@@ -344,6 +361,7 @@ void CheckTgmm(Context& ctx, TestRng& r, const TgmmCase& c, int64_t m, int64_t k
   TgmmQuant q;
   q.dout_dtype = c.quant;
   q.per_group = c.per_group;
+  if (c.xla_reciprocal) q.calibration = q.calibration.With(ScaleArithmetic::kXlaReciprocal);
   Tensor got = Poisoned(DType::kF32, {e, k, n}), want = Poisoned(DType::kF32, {e, k, n});
   ASSERT_TRUE(Tgmm(ctx, o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());
   ASSERT_TRUE(reference::Tgmm(o, q, lhs.view(), dout.view(), gs.view(), want.view()).ok());
@@ -372,6 +390,8 @@ std::vector<TgmmCase> AllTgmmCases() {
       {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE4M3FN, true},
       {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, false},
       {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE4M3FN, false},
+      {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, true, true},
+      {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE4M3FN, false, true},
   };
 }
 
@@ -548,6 +568,8 @@ TEST(Gmm, EveryTargetMatchesReference) {
     CheckTgmm(ctx, r, {GmmMode::kBf16, DType::kBF16, std::nullopt}, 90, 40, 50, 3);
     CheckTgmm(ctx, r, {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE5M2, false}, 90, 40, 50, 3,
               GmmTiles{16, {}, {}});
+    CheckTgmm(ctx, r, {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE4M3FN, false, true}, 90, 40,
+              50, 3, GmmTiles{16, {}, {}});
   }
   hwy::SetSupportedTargetsForTest(0);
 }
