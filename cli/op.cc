@@ -35,6 +35,34 @@ void AddKey(ConfigSchema* schema, FlagSpec spec) {
   }
 }
 
+void AddCalibrationKeys(ConfigSchema* schema, const std::string& calibration_key,
+                        const std::string& what) {
+  AddKey(schema, {calibration_key, FlagType::kString, "absmax",
+                  what + ": absmax, or fixed,a,b for amax = max(|a|, |b|)"});
+  AddKey(schema, {"scale_arithmetic", FlagType::kString, "exact_divide",
+                  what + ": exact_divide (x / s, true f32 divisions, DESIGN 3.2) or "
+                  "xla_reciprocal (x * (1 / s), what qwix computes under jax.jit; tiny "
+                  "scales floored at 1)",
+                  {"exact_divide", "xla_reciprocal"}});
+}
+
+Result<Calibration> ParseCalibrationKeys(const std::string& op, const Config& keys,
+                                         const std::string& calibration_key, bool applies,
+                                         const std::string& where) {
+  for (const std::string& k : {calibration_key, std::string("scale_arithmetic")}) {
+    if (keys.IsSet(k) && !applies) {
+      return InvalidArgument("op " + op + ": " + k + " applies " + where + " only");
+    }
+  }
+  Result<Calibration> c = Calibration::Parse(keys.GetString(calibration_key));
+  if (!c.ok()) {
+    return InvalidArgument("op " + op + ": " + calibration_key + ": " + c.status().message());
+  }
+  FP8MOE_ASSIGN_OR_RETURN(c->arithmetic,
+                          ParseScaleArithmetic(keys.GetString("scale_arithmetic")));
+  return *c;
+}
+
 uint64_t SatMul(uint64_t a, uint64_t b) {
   if (a != 0 && b > std::numeric_limits<uint64_t>::max() / a) {
     return std::numeric_limits<uint64_t>::max();

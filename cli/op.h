@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fp8moe/config.h"
+#include "fp8moe/quant.h"
 #include "fp8moe/safetensors.h"
 
 namespace fp8moe::cli {
@@ -59,6 +60,18 @@ Result<const Tensor*> GetInput(const std::string& op, const SafetensorsFile& in,
 // Adds a string flag with fixed choices to a schema (aborts on a bad spec:
 // schemas are built from literals).
 void AddKey(ConfigSchema* schema, FlagSpec spec);
+
+// The keys of a quantization inside an op: `calibration_key` (absmax or
+// fixed,a,b; "calibration", "lhs_calibration", ...) and scale_arithmetic.
+// `what` starts their help texts.
+void AddCalibrationKeys(ConfigSchema* schema, const std::string& calibration_key,
+                        const std::string& what);
+// Those keys as a Calibration. Where nothing is quantized (`applies` false)
+// setting either is an error ("op OP: KEY applies WHERE only") rather than
+// silently ignored; a malformed calibration names its key.
+Result<Calibration> ParseCalibrationKeys(const std::string& op, const Config& keys,
+                                         const std::string& calibration_key, bool applies,
+                                         const std::string& where);
 
 // A tensor an op is about to allocate.
 struct PlannedTensor {

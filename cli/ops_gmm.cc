@@ -323,26 +323,6 @@ Result<Rhs> GetRhs(const std::string& op, const SafetensorsFile& in,
   return rhs;
 }
 
-// `calibration_key` and scale_arithmetic: how a quantization inside the
-// call finds its scales. Refused where nothing is quantized (`applies`
-// false), where they would be silently ignored.
-Result<Calibration> ParseCalibrationKeys(const std::string& op, const Config& keys,
-                                         const std::string& calibration_key, bool applies,
-                                         const std::string& where) {
-  for (const std::string& k : {calibration_key, std::string("scale_arithmetic")}) {
-    if (keys.IsSet(k) && !applies) {
-      return InvalidArgument("op " + op + ": " + k + " applies " + where + " only");
-    }
-  }
-  Result<Calibration> c = Calibration::Parse(keys.GetString(calibration_key));
-  if (!c.ok()) {
-    return InvalidArgument("op " + op + ": " + calibration_key + ": " + c.status().message());
-  }
-  FP8MOE_ASSIGN_OR_RETURN(c->arithmetic,
-                          ParseScaleArithmetic(keys.GetString("scale_arithmetic")));
-  return *c;
-}
-
 Status RunGmm(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
   const std::string op = "gmm";
   FP8MOE_ASSIGN_OR_RETURN(GmmOptions o, ParseOptions(op, keys, true, true));
@@ -491,16 +471,6 @@ void AddTailKeys(ConfigSchema* s) {
   }
   AddKey(s, {"reference", FlagType::kBool, "false",
              "run the plain-loop reference twin instead of the fast kernel"});
-}
-
-// calibration_key (absmax | fixed,a,b) and scale_arithmetic.
-void AddCalibrationKeys(ConfigSchema* s, const char* calibration_key, const char* what) {
-  AddKey(s, {calibration_key, FlagType::kString, "absmax",
-             std::string(what) + ": absmax, or fixed,a,b for amax = max(|a|, |b|)"});
-  AddKey(s, {"scale_arithmetic", FlagType::kString, "exact_divide",
-             std::string(what) + ": exact_divide (x / s, DESIGN 3.2) or xla_reciprocal "
-             "(x * (1 / s), what qwix computes under jax.jit)",
-             {"exact_divide", "xla_reciprocal"}});
 }
 
 void AddFp8DTypeKey(ConfigSchema* s) {

@@ -141,10 +141,8 @@ Result<QuantLayout> Layout(const std::string& op, const Shape& shape,
 Status Quantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* x, GetInput("quantize", in, "x", {DType::kF32}));
   FP8MOE_ASSIGN_OR_RETURN(const QuantDType dt, ParseQuantDType(keys.GetString("dtype")));
-  FP8MOE_ASSIGN_OR_RETURN(Calibration cal,
-                          Calibration::Parse(keys.GetString("calibration")));
-  FP8MOE_ASSIGN_OR_RETURN(cal.arithmetic,
-                          ParseScaleArithmetic(keys.GetString("scale_arithmetic")));
+  FP8MOE_ASSIGN_OR_RETURN(const Calibration cal,
+                          ParseCalibrationKeys("quantize", keys, "calibration", true, ""));
   FP8MOE_ASSIGN_OR_RETURN(const QuantLayout l, Layout("quantize", x->shape(), keys));
   FP8MOE_RETURN_IF_ERROR(PlanMemory("quantize", {{"output 'q'", QuantStorageDType(dt), x->shape()},
                                                  {"output 'scale'", DType::kF32, l.scale_shape}}));
@@ -231,13 +229,7 @@ void RegisterNumericsOps(std::vector<OpDef>* ops) {
 
   OpDef quantize{"quantize", "x F32 -> q codes, scale F32", {}, Quantize};
   AddQuantKeys(&quantize.keys, true);
-  AddKey(&quantize.keys, {"calibration", FlagType::kString, "absmax",
-                          "absmax, or fixed,a,b for amax = max(|a|, |b|)"});
-  AddKey(&quantize.keys, {"scale_arithmetic", FlagType::kString, "exact_divide",
-                          "exact_divide: true f32 divisions (DESIGN 3.2); "
-                          "xla_reciprocal: what qwix computes under jax.jit "
-                          "(reciprocal multiplies, tiny scales floored at 1)",
-                          {"exact_divide", "xla_reciprocal"}});
+  AddCalibrationKeys(&quantize.keys, "calibration", "how the scales are found");
   ops->push_back(std::move(quantize));
 
   OpDef dequantize{"dequantize", "q codes, scale F32 -> x F32", {}, Dequantize};

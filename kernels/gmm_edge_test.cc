@@ -15,6 +15,7 @@
 #include "fp8moe/gmm.h"
 #include "hwy/targets.h"
 #include "kernels/gmm_test_util.h"
+#include "quant/quant_test_util.h"
 
 namespace fp8moe {
 namespace {
@@ -279,18 +280,6 @@ TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
-// The midpoints between neighbouring finite codes of `qd` at scale 1, where
-// x / s and x * (1 / s) can round to different codes.
-std::vector<float> CodeMidpoints(QuantDType qd) {
-  std::vector<float> mids;
-  for (int c = 0; c < 255; ++c) {
-    const float a = DequantizeValue(static_cast<uint8_t>(c), 1.0f, qd);
-    const float b = DequantizeValue(static_cast<uint8_t>(c + 1), 1.0f, qd);
-    if (std::isfinite(a) && std::isfinite(b) && a < b) mids.push_back(0.5f * (a + b));
-  }
-  return mids;
-}
-
 // The in-kernel quantization of lhs (native fp8, int8) in scale_arithmetic
 // xla_reciprocal: codes of x * (1 / s), not x / s. A row of values next to
 // the midpoints between codes (where the two arithmetics round apart) times
@@ -306,7 +295,7 @@ TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
     if (em.mode != GmmMode::kNativeFp8 && em.mode != GmmMode::kInt8) continue;
     const QuantDType qd = em.mode == GmmMode::kInt8 ? QuantDType::kInt8 : em.fp8;
     // Values within a few ulp of code midpoints at the xla scale of amax 100.
-    const std::vector<float> mids = CodeMidpoints(qd);
+    const std::vector<float> mids = test::CodeMidpoints(qd);
     const float amax = 100.0f, s = amax * (1.0f / QuantMax(qd));
     std::vector<float> x;
     for (size_t j = 0; x.size() < static_cast<size_t>(3 * k); ++j) {
@@ -364,7 +353,7 @@ TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
 TEST(Tgmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
   const int64_t m = 64, n = 48;
   const QuantDType qd = QuantDType::kE4M3FN;
-  const std::vector<float> mids = CodeMidpoints(qd);
+  const std::vector<float> mids = test::CodeMidpoints(qd);
   const float amax = 100.0f, s = amax * (1.0f / QuantMax(qd));
   Tensor dout = Make(DType::kF32, {m, n});
   size_t next = 0;

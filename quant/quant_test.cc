@@ -18,6 +18,7 @@
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
+#include "quant/quant_test_util.h"
 
 namespace fp8moe {
 namespace {
@@ -239,12 +240,7 @@ TEST(Quant, XlaReciprocalCodesNearMidpoints) {
  ForEachTarget([] {
   for (QuantDType d : {QuantDType::kE4M3FN, QuantDType::kE5M2, QuantDType::kInt8}) {
     const int64_t cols = 512;
-    std::vector<float> mids;
-    for (int c = 0; c < 255; ++c) {
-      const float a = DequantizeValue(static_cast<uint8_t>(c), 1.0f, d);
-      const float b = DequantizeValue(static_cast<uint8_t>(c + 1), 1.0f, d);
-      if (std::isfinite(a) && std::isfinite(b) && a < b) mids.push_back(0.5f * (a + b));
-    }
+    const std::vector<float> mids = test::CodeMidpoints(d);
     std::vector<float> x;
     const float amax = 100.0f;
     const float s = 100.0f * (1.0f / QuantMax(d));  // the xla scale of amax 100
