@@ -3,6 +3,7 @@
 // collectives (CollectiveAlgorithm::kLibrary), every blocking call under the
 // watchdog (dist/watchdog.h).
 #include <mpi.h>
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,10 +23,16 @@
 
 namespace fp8moe {
 
-// DoWaitAll: polls before it starts sleeping between polls, and the sleep.
-constexpr int kSpinPolls = 200;
-constexpr long kPollSleepNs = 50'000;
 namespace {
+
+// DoWaitAll's polling (see there): polls that only spin, how long a wait
+// yields the core between polls before it sleeps between them (0 where the
+// ranks of this machine outnumber its cores: MpiRuntime::Start decides),
+// the sleep.
+constexpr int kSpinPolls = 200;
+constexpr double kYieldSeconds = 0.005;
+constexpr long kPollSleepNs = 50'000;
+double g_yield_seconds = kYieldSeconds;
 
 std::string MpiError(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -265,15 +272,35 @@ class MpiCommunicator final : public Communicator, public internal::WatchdogClie
     // share cores with each other or with other work (oversubscribed, a
     // busy machine) the spinning rank takes the core its peer needs to get
     // there: measured on 2 busy cores, the trainer's 2-rank compute took 2x
-    // the 1-rank time of the same half batch. So: poll a little, then sleep
-    // 50 us between polls (the added latency is at most that per wait).
+    // the 1-rank time of the same half batch. A sleep between polls gives
+    // the core back but costs latency on every wait: nanosleep(50 us) sleeps
+    // ~100 us (timer slack), and a training step waits ~30 times; a 2-rank
+    // step of the default model took 1.15-1.2x the step of 2 ranks that
+    // yield instead (docs/distributed.md). So: spin a little, then
+    // sched_yield between polls (the core goes to whoever else is ready on
+    // it, and the poll resumes at once when nobody is), and only a wait
+    // longer than g_yield_seconds (a peer writing a checkpoint, a slow rank)
+    // sleeps between polls, so a rank that waits long burns no core. Where
+    // this machine's ranks outnumber its cores, a yielding rank still takes
+    // its turns on a core a peer needs (4 ranks on 2 cores were slower in 5
+    // of 6 runs), so there every wait past the spin sleeps, as before.
     int done = 0;
     int err = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done,
                           statuses_.data());
+    timespec start{};
     for (int polls = 0; err == MPI_SUCCESS && done == 0; ++polls) {
+      if (polls == kSpinPolls) clock_gettime(CLOCK_MONOTONIC, &start);
       if (polls >= kSpinPolls) {
-        timespec ts{0, kPollSleepNs};
-        nanosleep(&ts, nullptr);
+        timespec now{};
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        const double waited = static_cast<double>(now.tv_sec - start.tv_sec) +
+                              1e-9 * static_cast<double>(now.tv_nsec - start.tv_nsec);
+        if (waited < g_yield_seconds) {
+          sched_yield();
+        } else {
+          timespec ts{0, kPollSleepNs};
+          nanosleep(&ts, nullptr);
+        }
       }
       err = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done,
                         statuses_.data());
@@ -381,6 +408,16 @@ Result<std::unique_ptr<MpiRuntime>> MpiRuntime::Start(const MpiRuntimeOptions& o
         std::to_string(provided) + "); fp8moe's watchdog needs it");
   }
   if (options.report_termination) InstallTerminationReport(rank, size);
+  // The ranks on this machine against its cores (DoWaitAll's polling).
+  MPI_Comm local;
+  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local) ==
+      MPI_SUCCESS) {
+    int local_size = 1;
+    MPI_Comm_size(local, &local_size);
+    MPI_Comm_free(&local);
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    g_yield_seconds = cores > 0 && local_size > cores ? 0.0 : kYieldSeconds;
+  }
   return std::unique_ptr<MpiRuntime>(new MpiRuntime(rank, size));
 }
 
