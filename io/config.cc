@@ -87,7 +87,15 @@ std::string Where(std::string_view source) {
   return source.empty() ? std::string() : " in " + std::string(source);
 }
 
-std::string Quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
+// Appended piecewise: GCC 12 warns falsely (-Wrestrict) on "'" + string.
+std::string Quoted(std::string_view s) {
+  std::string out;
+  out.reserve(s.size() + 2);
+  out += '\'';
+  out += s;
+  out += '\'';
+  return out;
+}
 
 std::string Join(const std::vector<std::string>& items, bool quote) {
   std::string out;

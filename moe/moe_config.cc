@@ -175,6 +175,12 @@ const std::vector<FlagSpec>& PlainFlags() {
        "scale): the ring of experts all-gathers the codes + scales, about half "
        "the bytes of bf16; on one rank the same round trip. The router reads "
        "the unquantized tokens."},
+      {"num_moe_token_chunks", FlagType::kInt, "1",
+       "The layer runs its T tokens in this many chunks (numpy.array_split's "
+       "rule), each through dispatch, expert GMMs and combine; on the ring of "
+       "experts the next chunk's all-gather runs while this chunk's GMMs do. "
+       "Routing, the aux loss and the forward output do not change; the "
+       "expert weight gradients are summed chunk by chunk."},
   };
   return *flags;
 }
@@ -287,6 +293,12 @@ void CheckDispatch(const MoeConfig& c, std::vector<std::string>* out) {
                    "routed rows, so 1 already holds every row and more only adds "
                    "unused ones; set ragged_buffer_factor to at most " +
                    Num(kMaxRaggedBufferFactor) + ", or <= 0 for dropless");
+  }
+  if (c.num_moe_token_chunks < 1 || c.num_moe_token_chunks > kMaxMoeTokenChunks) {
+    out->push_back("num_moe_token_chunks=" + Num(c.num_moe_token_chunks) +
+                   " is outside [1, " + Num(kMaxMoeTokenChunks) +
+                   "]; set num_moe_token_chunks=1 (no chunks) or a count of chunks "
+                   "no larger than the tokens of a layer call");
   }
   if (c.ici_tensor_parallelism < 1) {
     out->push_back("ici_tensor_parallelism=" + Num(c.ici_tensor_parallelism) +
@@ -601,6 +613,7 @@ Result<MoeConfig> MoeConfigFrom(const Config& c) {
   }
   m.moe_bwd_inkernel_quant = c.GetBool("moe_bwd_inkernel_quant");
   m.moe_quantize_token_all_gather = c.GetBool("moe_quantize_token_all_gather");
+  m.num_moe_token_chunks = c.GetInt("num_moe_token_chunks");
 
   m.fp8_moe_fake_quant = c.GetBool("fp8_moe_fake_quant");
   const std::string& hoist = c.GetString("fp8_fake_quant_hoist");

@@ -118,6 +118,7 @@ TEST(MoeConfigSchemaTest, HasEveryFlagWithDocAndChoices) {
       "ici_tensor_parallelism",
       "moe_lhs_quant_block_size",
       "moe_quantize_token_all_gather",
+      "num_moe_token_chunks",
   };
   expected.insert(expected.end(), kTileNames.begin(), kTileNames.end());
   EXPECT_EQ(schema.flags().size(), expected.size());

@@ -5,6 +5,7 @@
 // backward). Weights arrive prepared once per step (moe/moe_prepare.cc);
 // every intermediate buffer lives in the caller's MoeWorkspace, so a
 // steady-state step allocates nothing.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -14,6 +15,7 @@
 #include "base/default_context.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/moe.h"
+#include "moe/moe_chunks.h"
 #include "moe/moe_stages.h"
 #include "moe/moe_workspace.h"
 
@@ -122,6 +124,16 @@ Status AgreeOnRing(const MoeOptions& o, const Status& local, const TensorView& x
   return OkStatus();
 }
 
+// num_moe_token_chunks: at most one chunk per token.
+Status CheckChunks(const MoeConfig& cfg, const TensorView& x) {
+  if (cfg.num_moe_token_chunks <= 1 || x.shape[0] >= cfg.num_moe_token_chunks) return OkStatus();
+  return InvalidArgument("num_moe_token_chunks=" + std::to_string(cfg.num_moe_token_chunks) +
+                         " exceeds the " + std::to_string(x.shape[0]) +
+                         " tokens of this layer call; set num_moe_token_chunks to at most " +
+                         std::to_string(std::max<int64_t>(x.shape[0], 1)) +
+                         " (or 1: no chunks)");
+}
+
 }  // namespace
 
 Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
@@ -132,6 +144,7 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
     FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
     FP8MOE_RETURN_IF_ERROR(CheckPrepared(cfg, w, prepared));
+    FP8MOE_RETURN_IF_ERROR(CheckChunks(cfg, x));
     return CheckF32(y, x.shape, "y");
   }();
   FP8MOE_RETURN_IF_ERROR(AgreeOnRing(options, checked, x));
@@ -148,10 +161,17 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   s.P = s.ring != nullptr ? s.ring->size() : 1;
   s.ring_index = s.ring != nullptr ? s.ring->rank() : 0;
   MoeStepInfo out;
-  FP8MOE_RETURN_IF_ERROR(internal::RouteForward(ctx, cfg, x, w.router, options, s, &out.aux_loss));
-  FP8MOE_RETURN_IF_ERROR(internal::DispatchForward(cfg, x, options, s, &out.stats));
-  FP8MOE_RETURN_IF_ERROR(internal::ExpertsForward(ctx, cfg, prepared, options, s));
-  FP8MOE_RETURN_IF_ERROR(internal::CombineForward(s, y));
+  if (cfg.num_moe_token_chunks > 1) {
+    FP8MOE_RETURN_IF_ERROR(
+        internal::ChunkedForward(ctx, cfg, x, w.router, prepared, options, s, y, &out));
+  } else {
+    s.chunks.clear();
+    FP8MOE_RETURN_IF_ERROR(
+        internal::RouteForward(ctx, cfg, x, w.router, options, s, &out.aux_loss));
+    FP8MOE_RETURN_IF_ERROR(internal::DispatchForward(cfg, x, options, s, &out.stats));
+    FP8MOE_RETURN_IF_ERROR(internal::ExpertsForward(ctx, cfg, prepared, options, s));
+    FP8MOE_RETURN_IF_ERROR(internal::CombineForward(s, y));
+  }
   s.forward_done = true;
   if (MetricsSink* sink = ctx.metrics()) {
     sink->Record("moe/aux_loss", out.aux_loss);
@@ -173,6 +193,12 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     if (options.expert_ring != s.ring) {
       return InvalidArgument("MoeBackward must run on the expert ring its MoeForward ran on");
     }
+    const int64_t chunks = std::max<int64_t>(static_cast<int64_t>(s.chunks.size()), 1);
+    if (cfg.num_moe_token_chunks != chunks) {
+      return InvalidArgument("MoeBackward got num_moe_token_chunks=" +
+                             std::to_string(cfg.num_moe_token_chunks) + " but its MoeForward ran " +
+                             std::to_string(chunks) + " chunks; use the forward's config");
+    }
     FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
     FP8MOE_RETURN_IF_ERROR(CheckPrepared(cfg, w, prepared));
     if (x.shape != Shape{s.T, s.D}) {
@@ -189,6 +215,9 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     return CheckF32(grads.dwo, w.wo.shape, "dwo");
   }();
   FP8MOE_RETURN_IF_ERROR(AgreeOnRing(options, checked, x));
+  if (!s.chunks.empty()) {
+    return internal::ChunkedBackward(ctx, cfg, x, w, prepared, options, s, dy, grads);
+  }
   FP8MOE_RETURN_IF_ERROR(internal::CombineBackwardStage(options, s, dy));
   FP8MOE_RETURN_IF_ERROR(
       internal::ExpertsBackward(ctx, cfg, x, w, prepared, options, s, grads.dwi, grads.dwo));

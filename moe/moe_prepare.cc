@@ -193,9 +193,9 @@ Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& w
 namespace {
 
 // Quantizes the valid rows of `buffer` [rows, cols] (act dtype) the way the
-// forward GMM does and counts the health.
+// forward GMM does and adds the health counts to *out.
 Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const TensorView& buffer,
-                        QuantDType dtype, int64_t block, Fp8Health* out) {
+                        QuantDType dtype, int64_t block, Fp8HealthCounts* out) {
   const int64_t valid = s.valid, cols = buffer.shape[1];
   FP8MOE_ASSIGN_OR_RETURN(TensorView f, Grow(&s.health_f32, DType::kF32, {valid, cols}));
   if (buffer.dtype == DType::kF32) {
@@ -209,7 +209,10 @@ Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const Tens
   FP8MOE_RETURN_IF_ERROR(QuantizeRows(f.as<float>(), valid, cols, valid, block, dtype,
                                       cfg.act_quantization_calibration_method, q.as<uint8_t>(),
                                       sc.as<float>()));
-  *out = CountHealth(q.as<uint8_t>(), f.as<float>(), valid * cols, dtype);
+  const Fp8HealthCounts n = CountFp8Health(q.as<uint8_t>(), f.as<float>(), valid * cols, dtype);
+  out->saturated += n.saturated;
+  out->flushed += n.flushed;
+  out->values += n.values;
   return OkStatus();
 }
 
@@ -229,8 +232,19 @@ Status MoeActivationHealth(Context& ctx, const MoeConfig& cfg, const PreparedMoe
   const bool native = prepared.plan.mode == MoeQatMode::kNativeFwd ||
                       prepared.plan.mode == MoeQatMode::kNativeFwdDlhs;
   const int64_t block = native ? cfg.moe_lhs_quant_block_size : 0;
-  FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, s, s.xs, dtype, block, wi_lhs));
-  return ActivationHealth(cfg, s, s.av, dtype, block, wo_lhs);
+  // With num_moe_token_chunks the rows are the chunks' (counts add up).
+  Fp8HealthCounts wi, wo;
+  if (s.chunks.empty()) {
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, s, s.xs, dtype, block, &wi));
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, s, s.av, dtype, block, &wo));
+  }
+  for (const auto& cs : s.chunks) {
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, *cs, cs->xs, dtype, block, &wi));
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, *cs, cs->av, dtype, block, &wo));
+  }
+  *wi_lhs = wi.Fractions();
+  *wo_lhs = wo.Fractions();
+  return OkStatus();
 }
 
 }  // namespace fp8moe

@@ -4,6 +4,8 @@
 #define FP8MOE_MOE_MOE_WORKSPACE_H_
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "fp8moe/moe.h"
 #include "fp8moe/tensor.h"
@@ -55,6 +57,13 @@ struct MoeWorkspace::State {
   Tensor recipe_g, recipe_q, recipe_sc, recipe_a32, recipe_qa, recipe_sa;
   // Activation health.
   Tensor health_f32, health_q, health_sc;
+
+  // num_moe_token_chunks > 1 (moe/moe_chunks.cc): the route is this
+  // state's, each chunk's dispatch, GMMs and combine run on chunks[c];
+  // empty without chunks. chunk_dwi / chunk_dwo: a chunk's expert weight
+  // gradients before they are added.
+  std::vector<std::unique_ptr<State>> chunks;
+  Tensor chunk_dwi, chunk_dwo;
 };
 
 }  // namespace fp8moe

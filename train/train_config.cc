@@ -236,7 +236,13 @@ std::string BaseConfigYaml() {
       for (const std::string& x : f.choices) c += (c.empty() ? "" : ", ") + (x.empty() ? "\"\"" : x);
       doc += " One of: " + c + ".";
     }
-    out += "\n" + Comment(doc) + f.name + ": " + value[f.name] + "\n";
+    // Appended piecewise: GCC 12 warns falsely (-Wrestrict) on "\n" + string.
+    out += '\n';
+    out += Comment(doc);
+    out += f.name;
+    out += ": ";
+    out += value[f.name];
+    out += '\n';
   };
   for (const Section& s : TrainerSections()) {
     out += "\n" + Header(s.title);

@@ -28,6 +28,7 @@ namespace fp8moe {
 // most kMaxGmmTile (gmm.h).
 inline constexpr double kMaxRaggedBufferFactor = 1024.0;
 inline constexpr int64_t kMaxNumExperts = 2147483647;
+inline constexpr int64_t kMaxMoeTokenChunks = 65536;
 
 // The MoE and QAT flags, each with its MaxText name, type, default, a doc
 // line and (for enums) its choices.
@@ -113,6 +114,15 @@ struct MoeConfig {
   // the same model on any rank count. The router reads x unquantized; the
   // backward passes straight through the quantizer.
   bool moe_quantize_token_all_gather = false;
+  // The layer runs its T tokens in this many chunks (numpy.array_split:
+  // the first T % C chunks hold one token more), each through dispatch,
+  // expert GMMs and combine; on an expert ring the next chunk's dispatch
+  // (its all-gathers) runs on a helper thread while this chunk's GMMs run.
+  // Routing is of all T tokens (the aux loss and its fractions do not
+  // change); y, dx and drouter are the bits of one chunk on one rank and on
+  // a ring of 2; dwi and dwo are the chunks' sums, added in chunk order.
+  // At most T (a layer call with fewer tokens is an error).
+  int64_t num_moe_token_chunks = 1;
 
   MoeGmmTiles wi_tiles;  // wi_tile_{fwd,dlhs,drhs}_*
   MoeGmmTiles wo_tiles;  // wo_tile_{fwd,dlhs,drhs}_*
