@@ -13,7 +13,8 @@
 #    in f32 within 1e-5 and native FP8 within 5e-4 of one rank; with a
 #    static buffer (ragged_buffer_factor=1) that overflows on some steps (the
 #    ranks rerun dropless together) still within 1e-5; a checkpoint of the
-#    expert-parallel run resumes on one rank within 1e-5;
+#    expert-parallel run resumes on one rank within 1e-5; with
+#    num_moe_token_chunks=3 within 1e-5;
 # 5. a layout that does not fit the job, experts that do not divide over
 #    ici_expert_parallelism, and flags that differ across ranks are errors on
 #    every rank, exit 2.
@@ -94,6 +95,11 @@ r = [j.get("dropless_reruns", 0) for j in map(json.loads, open(sys.argv[1])) if 
 print(f"  ragged_buffer_factor=1: dropless reruns per logged step {r}")
 assert sum(r) > 0 and all(x % int(sys.argv[2]) == 0 for x in r), r
 EOF
+# num_moe_token_chunks: the next chunk's dispatch on a helper thread (MPI
+# from two threads of a rank, one at a time) while this chunk's GMMs run.
+"${mpi[@]}" "$fp8moe" train "${tiny[@]}" "${f32[@]}" "${ep[@]}" num_moe_token_chunks=3 \
+  run_name=ep_chunks > /dev/null
+compare ep_chunks f32_one 1e-5
 "${mpi[@]}" "$fp8moe" train "${tiny[@]}" "${f32[@]}" "${ep[@]}" run_name=ep_resume steps=8 > /dev/null
 "$fp8moe" train "${tiny[@]}" "${f32[@]}" run_name=ep_resume > /dev/null
 compare ep_resume f32_one 1e-5 9
