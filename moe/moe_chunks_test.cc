@@ -23,17 +23,10 @@ using test::MakeConfig;
 using test::Out;
 using test::RunRing;
 
-const std::vector<std::vector<std::string>>& Modes() {
-  static const std::vector<std::vector<std::string>> modes = {
-      {"dtype=float32"},
-      {},
-      {"fp8_moe_fake_quant=true"},
-      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
-       "fp8_moe_native_bwd_dlhs=true"},
-      {"fp8_moe_fake_quant=true", "moe_quantize_token_all_gather=true"},
-      {"quantization=fp8_full", "use_qwix_quantization=true"},
-      {"quantization=int8"},
-  };
+// The ring tests' modes, and the quantized token all-gather.
+std::vector<std::vector<std::string>> ChunkModes() {
+  std::vector<std::vector<std::string>> modes = test::Modes();
+  modes.push_back({"fp8_moe_fake_quant=true", "moe_quantize_token_all_gather=true"});
   return modes;
 }
 
@@ -74,7 +67,7 @@ TEST(MoeChunks, ChunksKeepTheLayersBitsOnOneRankAndOnRings) {
   for (int P : {1, 2, 4}) {
     // 25 tokens per rank: 2, 3 and 7 chunks of unequal sizes.
     LayerInputs in(301 + P, 25 * P, 32, 16, 8);
-    for (const std::vector<std::string>& mode : Modes()) {
+    for (const std::vector<std::string>& mode : ChunkModes()) {
       for (int C : {2, 3, 7}) {
         std::vector<std::string> flags = mode;
         flags.push_back("num_experts=8");

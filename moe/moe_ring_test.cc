@@ -33,22 +33,11 @@ using test::Compare;
 using test::Diff;
 using test::F32;
 using test::Rows;
+using test::Modes;
 
 // Every QAT mode: the ring changes only the order of the f32 additions that
 // sum each token's partial outputs over the ranks (combine, dx) and of the
 // router gradient's shares, never what a GMM sees.
-const std::vector<std::vector<std::string>>& Modes() {
-  static const std::vector<std::vector<std::string>> modes = {
-      {"dtype=float32"},
-      {},
-      {"fp8_moe_fake_quant=true"},
-      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
-       "fp8_moe_native_bwd_dlhs=true"},
-      {"quantization=fp8_full", "use_qwix_quantization=true"},
-      {"quantization=int8"},
-  };
-  return modes;
-}
 
 // y, dx, drouter within 1e-6 of the largest value (measured: at most 3e-7);
 // dwi and dwo bit for bit (each expert sees the same rows in the same order,

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "fp8moe/communicator.h"
@@ -112,6 +113,20 @@ inline Diff Compare(const Tensor& a, const Tensor& b) {
     n += std::memcmp(x + i, y + i, 4) != 0;
   }
   return {m > 0 ? d / m : d, static_cast<double>(n) / std::max<size_t>(a.num_elements(), 1)};
+}
+
+// The QAT modes the ring and chunk tests run, as flags.
+inline const std::vector<std::vector<std::string>>& Modes() {
+  static const std::vector<std::vector<std::string>> modes = {
+      {"dtype=float32"},
+      {},
+      {"fp8_moe_fake_quant=true"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
+       "fp8_moe_native_bwd_dlhs=true"},
+      {"quantization=fp8_full", "use_qwix_quantization=true"},
+      {"quantization=int8"},
+  };
+  return modes;
 }
 
 }  // namespace fp8moe::test
