@@ -71,7 +71,7 @@ Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
                       MoeStepInfo* info) {
   const int64_t C = cfg.num_moe_token_chunks;
   FP8MOE_RETURN_IF_ERROR(RouteForward(ctx, cfg, x, router, options, s, &info->aux_loss));
-  if (static_cast<int64_t>(s.chunks.size()) != C) s.chunks.resize(static_cast<size_t>(C));
+  s.chunks.resize(static_cast<size_t>(C));
   for (int64_t c = 0; c < C; ++c) {
     auto& cs = s.chunks[static_cast<size_t>(c)];
     if (cs == nullptr) cs = std::make_unique<State>();

@@ -4,6 +4,7 @@
 // the single-rank layer gives it, and their weight gradients must be the
 // single-rank ones' slices. Also the collective overflow decision of the
 // ragged buffer and the errors.
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -45,18 +46,14 @@ using test::Modes;
 // partials are one or two non-zero values among zeros: any order of their
 // sum rounds once, as the single-rank combine does).
 void ExpectClose(const Out& ring, const Out& whole, int k, const std::string& what) {
-  const char* names[] = {"y", "dx", "drouter", "dwi", "dwo"};
-  const Tensor* a[] = {&ring.y, &ring.dx, &ring.dr, &ring.dwi, &ring.dwo};
-  const Tensor* b[] = {&whole.y, &whole.dx, &whole.dr, &whole.dwi, &whole.dwo};
   std::string line = what + ":";
+  const std::array<Diff, 5> diffs = test::CompareOuts(ring, whole, &line);
   for (int i = 0; i < 5; ++i) {
-    const Diff d = Compare(*a[i], *b[i]);
-    char buf[96];
-    std::snprintf(buf, sizeof(buf), " %s %.1e (%.0f%% differ)", names[i], d.rel, 100 * d.differ);
-    line += buf;
-    EXPECT_LE(d.rel, 1e-6) << what << " " << names[i];
+    const Diff& d = diffs[i];
+    const char* name = test::kOutNames[i];
+    EXPECT_LE(d.rel, 1e-6) << what << " " << name;
     if (i >= 3 || (i == 0 && k <= 2)) {
-      EXPECT_EQ(d.differ, 0.0) << what << " " << names[i];
+      EXPECT_EQ(d.differ, 0.0) << what << " " << name;
     }
   }
   std::printf("%s aux %.1e\n", line.c_str(), std::fabs(ring.aux - whole.aux) / std::fabs(whole.aux));

@@ -5,7 +5,9 @@
 #define FP8MOE_MOE_MOE_RING_TEST_UTIL_H_
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -115,18 +117,22 @@ inline Diff Compare(const Tensor& a, const Tensor& b) {
   return {m > 0 ? d / m : d, static_cast<double>(n) / std::max<size_t>(a.num_elements(), 1)};
 }
 
-// The QAT modes the ring and chunk tests run, as flags.
-inline const std::vector<std::vector<std::string>>& Modes() {
-  static const std::vector<std::vector<std::string>> modes = {
-      {"dtype=float32"},
-      {},
-      {"fp8_moe_fake_quant=true"},
-      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
-       "fp8_moe_native_bwd_dlhs=true"},
-      {"quantization=fp8_full", "use_qwix_quantization=true"},
-      {"quantization=int8"},
-  };
-  return modes;
+
+// Diffs of y, dx, drouter, dwi, dwo (kOutNames) of a against b; *line
+// gets "NAME REL (PCT% differ)" for each.
+inline constexpr const char* kOutNames[] = {"y", "dx", "drouter", "dwi", "dwo"};
+inline std::array<Diff, 5> CompareOuts(const Out& a, const Out& b, std::string* line) {
+  const Tensor* x[] = {&a.y, &a.dx, &a.dr, &a.dwi, &a.dwo};
+  const Tensor* y[] = {&b.y, &b.dx, &b.dr, &b.dwi, &b.dwo};
+  std::array<Diff, 5> d;
+  for (int i = 0; i < 5; ++i) {
+    d[i] = Compare(*x[i], *y[i]);
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), " %s %.1e (%.0f%% differ)", kOutNames[i], d[i].rel,
+                  100 * d[i].differ);
+    *line += buf;
+  }
+  return d;
 }
 
 }  // namespace fp8moe::test

@@ -50,6 +50,20 @@ inline MoeConfig MakeConfig(const std::vector<std::string>& flags) {
   return *m;
 }
 
+// Every QAT mode (and bf16 without quantization) as flags.
+inline const std::vector<std::vector<std::string>>& Modes() {
+  static const std::vector<std::vector<std::string>> modes = {
+      {"dtype=float32"},
+      {},
+      {"fp8_moe_fake_quant=true"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
+       "fp8_moe_native_bwd_dlhs=true"},
+      {"quantization=fp8_full", "use_qwix_quantization=true"},
+      {"quantization=int8"},
+  };
+  return modes;
+}
+
 }  // namespace fp8moe::test
 
 #endif  // FP8MOE_MOE_MOE_TEST_UTIL_H_

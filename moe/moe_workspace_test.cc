@@ -48,18 +48,7 @@ Status Step(Context& ctx, const MoeConfig& cfg, const LayerInputs& in, PreparedM
                      {out->dx.view(), out->dr.view(), out->dwi.view(), out->dwo.view()}, o);
 }
 
-const std::vector<std::vector<std::string>>& Modes() {
-  static const std::vector<std::vector<std::string>> modes = {
-      {"dtype=float32"},
-      {},
-      {"fp8_moe_fake_quant=true"},
-      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
-       "fp8_moe_native_bwd_dlhs=true"},
-      {"quantization=fp8_full", "use_qwix_quantization=true"},
-      {"quantization=int8"},
-  };
-  return modes;
-}
+using test::Modes;
 
 TEST(MoeWorkspace, ReusedWorkspaceGivesTheBitsOfAFreshOne) {
   LayerInputs a(31, 80, 32, 24, 4), b(32, 80, 32, 24, 4);
