@@ -401,10 +401,10 @@ Result<uint64_t> HeaderLength(const uint8_t* prefix, uint64_t file_size) {
 }
 
 // Bool tensors must hold 0 or 1: any other byte is not a valid C++ bool.
-Status CheckBool(const Entry& e, const Tensor& t) {
+Status CheckBool(const Entry& e, const void* data) {
   if (e.dtype != DType::kBool) return OkStatus();
-  const uint8_t* p = t.data_as<uint8_t>();
-  for (size_t i = 0; i < t.num_bytes(); ++i) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  for (uint64_t i = 0; i < e.end - e.begin; ++i) {
     if (p[i] > 1) {
       return DataLoss("safetensors: tensor " + Quote(e.name) +
                       ": BOOL element " + std::to_string(i) +
@@ -417,9 +417,9 @@ Status CheckBool(const Entry& e, const Tensor& t) {
 
 // Allocates each tensor and lets `fill(entry, dst)` supply its bytes.
 template <typename Fill>
-Result<SafetensorsFile> Materialize(Header h, Fill fill) {
+Result<SafetensorsFile> Materialize(const Header& h, Fill fill) {
   SafetensorsFile file;
-  file.metadata = std::move(h.metadata);
+  file.metadata = h.metadata;
   // The whole file against the memory cap first, so a file too large to
   // hold is refused before anything is allocated, naming its largest tensor.
   uint64_t total = 0, largest = 0;
@@ -440,7 +440,7 @@ Result<SafetensorsFile> Materialize(Header h, Fill fill) {
         total));
   }
   file.tensors.reserve(h.entries.size());
-  for (Entry& e : h.entries) {
+  for (const Entry& e : h.entries) {
     auto created = Tensor::Create(e.dtype, e.shape);
     if (!created.ok()) {
       return Status(created.status().code(),
@@ -448,8 +448,8 @@ Result<SafetensorsFile> Materialize(Header h, Fill fill) {
     }
     Tensor t = std::move(*created);
     if (t.num_bytes() > 0) FP8MOE_RETURN_IF_ERROR(fill(e, t.data()));
-    FP8MOE_RETURN_IF_ERROR(CheckBool(e, t));
-    file.tensors.emplace_back(std::move(e.name), std::move(t));
+    FP8MOE_RETURN_IF_ERROR(CheckBool(e, t.data()));
+    file.tensors.emplace_back(e.name, std::move(t));
   }
   return file;
 }
@@ -470,6 +470,11 @@ class Fd {
   Fd& operator=(const Fd&) = delete;
   ~Fd() { Close(); }
   int get() const { return fd_; }
+  // Closes the file held (if any) and holds `fd`.
+  void Reset(int fd) {
+    Close();
+    fd_ = fd;
+  }
   // Closes now; returns the errno of a failed close, or 0.
   int Close() {
     if (fd_ < 0) return 0;
@@ -522,8 +527,25 @@ Status WithPath(const std::string& path, const Status& s) {
   return Status(s.code(), path + ": " + s.message());
 }
 
-// The 8-byte length and the padded JSON header for `file`.
-Result<std::string> BuildPrefix(const SafetensorsFile& file) {
+// The layout of `file`'s tensors, each checked to hold data.
+Result<std::vector<SafetensorsEntry>> EntriesOf(const SafetensorsFile& file) {
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(file.tensors.size());
+  for (const auto& [name, tensor] : file.tensors) {
+    if (tensor.data() == nullptr) {
+      return InvalidArgument("safetensors: tensor " + Quote(name) +
+                             " holds no data (a default-constructed Tensor)");
+    }
+    entries.push_back({name, tensor.dtype(), tensor.shape()});
+  }
+  return entries;
+}
+
+// The 8-byte length and the padded JSON header for a file of `entries`
+// (in data order) and `user_metadata`.
+Result<std::string> BuildPrefix(
+    const std::vector<SafetensorsEntry>& entries,
+    const std::map<std::string, std::string>& user_metadata) {
   // Escaping goes through nlohmann so names with quotes or control characters
   // stay valid JSON; invalid UTF-8 is refused rather than written.
   auto quote = [](const std::string& s) -> Result<std::string> {
@@ -535,7 +557,7 @@ Result<std::string> BuildPrefix(const SafetensorsFile& file) {
     }
   };
   std::map<std::string, std::string> metadata;
-  for (const auto& [key, value] : file.metadata) {
+  for (const auto& [key, value] : user_metadata) {
     if (EndsWith(key, kFormatSuffix)) {
       return InvalidArgument(
           "safetensors: metadata key " + Quote(key) +
@@ -544,7 +566,7 @@ Result<std::string> BuildPrefix(const SafetensorsFile& file) {
     metadata.emplace(key, value);
   }
   std::set<std::string_view> names;
-  for (const auto& [name, tensor] : file.tensors) {
+  for (const auto& [name, dtype, shape] : entries) {
     if (name == kMetadataKey) {
       return InvalidArgument(
           "safetensors: a tensor cannot be named "
@@ -554,12 +576,8 @@ Result<std::string> BuildPrefix(const SafetensorsFile& file) {
       return InvalidArgument("safetensors: duplicate tensor name " +
                              Quote(name));
     }
-    if (tensor.data() == nullptr) {
-      return InvalidArgument("safetensors: tensor " + Quote(name) +
-                             " holds no data (a default-constructed Tensor)");
-    }
     for (const NamedDType& f : kFormats) {
-      if (f.dtype == tensor.dtype()) {
+      if (f.dtype == dtype) {
         metadata[name + std::string(kFormatSuffix)] = std::string(f.name);
       }
     }
@@ -579,16 +597,16 @@ Result<std::string> BuildPrefix(const SafetensorsFile& file) {
     json += '}';
   }
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : file.tensors) {
+  for (const SafetensorsEntry& e : entries) {
     if (json.size() > 1) json += ',';
-    FP8MOE_ASSIGN_OR_RETURN(std::string n, quote(name));
-    json += n + ":{\"dtype\":\"" + std::string(StDTypeName(tensor.dtype())) +
+    FP8MOE_ASSIGN_OR_RETURN(std::string n, quote(e.name));
+    json += n + ":{\"dtype\":\"" + std::string(StDTypeName(e.dtype)) +
             "\",\"shape\":[";
-    for (size_t i = 0; i < tensor.shape().size(); ++i) {
+    for (size_t i = 0; i < e.shape.size(); ++i) {
       if (i) json += ',';
-      json += std::to_string(tensor.shape()[i]);
+      json += std::to_string(e.shape[i]);
     }
-    const uint64_t end = offset + tensor.num_bytes();
+    const uint64_t end = offset + e.num_bytes();
     json += "],\"data_offsets\":[" + std::to_string(offset) + ',' +
             std::to_string(end) + "]}";
     offset = end;
@@ -697,11 +715,40 @@ Result<SafetensorsFile> ParseSafetensors(const uint8_t* data, size_t size) {
   });
 }
 
-Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return OpenError(path, errno);
+uint64_t SafetensorsEntry::num_bytes() const {
+  uint64_t n = DTypeSize(dtype);
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// ---- SafetensorsReader ----
+
+struct SafetensorsReader::Impl {
+  std::string path;
+  Fd fd{-1};
+  Header header;
+  uint64_t base = 0;  // the data buffer's offset in the file
+  std::vector<SafetensorsEntry> entries;
+
+  const Entry* FindEntry(std::string_view name) const {
+    for (const Entry& e : header.entries) {
+      if (e.name == name) return &e;
+    }
+    return nullptr;
+  }
+};
+
+SafetensorsReader::SafetensorsReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+SafetensorsReader::~SafetensorsReader() = default;
+
+Result<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(const std::string& path) {
+  auto impl = std::make_unique<Impl>();
+  impl->path = path;
+  impl->fd.Reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  const int fd = impl->fd.get();
+  if (fd < 0) return OpenError(path, errno);
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) {
+  if (::fstat(fd, &st) != 0) {
     return IoError("cannot stat '" + path + "': " + Errno(errno));
   }
   if (!S_ISREG(st.st_mode)) {
@@ -711,19 +758,51 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
   // Every error past this point is prefixed with the path.
   uint8_t prefix[8] = {};
   if (file_size >= 8) {
-    Status s = PreadAll(fd.get(), prefix, 8, 0);
+    Status s = PreadAll(fd, prefix, 8, 0);
     if (!s.ok()) return WithPath(path, s);
   }
   auto n = HeaderLength(prefix, file_size);
   if (!n.ok()) return WithPath(path, n.status());
   std::vector<uint8_t> text(*n);
-  Status s = PreadAll(fd.get(), text.data(), *n, 8);
+  Status s = PreadAll(fd, text.data(), *n, 8);
   if (!s.ok()) return WithPath(path, s);
   auto h = ParseHeader(text.data(), text.size(), file_size - 8 - *n);
   if (!h.ok()) return WithPath(path, h.status());
-  const uint64_t base = 8 + *n;
-  auto file = Materialize(std::move(*h), [&](const Entry& e, void* dst) {
-    return PreadAll(fd.get(), dst, e.end - e.begin, base + e.begin);
+  impl->header = std::move(*h);
+  impl->base = 8 + *n;
+  for (const Entry& e : impl->header.entries) impl->entries.push_back({e.name, e.dtype, e.shape});
+  return std::unique_ptr<SafetensorsReader>(new SafetensorsReader(std::move(impl)));
+}
+
+const std::vector<SafetensorsEntry>& SafetensorsReader::entries() const { return impl_->entries; }
+
+const std::map<std::string, std::string>& SafetensorsReader::metadata() const {
+  return impl_->header.metadata;
+}
+
+const SafetensorsEntry* SafetensorsReader::Find(std::string_view name) const {
+  for (const SafetensorsEntry& e : impl_->entries) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+Status SafetensorsReader::Read(std::string_view name, void* dst) const {
+  const Entry* e = impl_->FindEntry(name);
+  if (e == nullptr) {
+    return NotFound(impl_->path + ": no tensor named " + Quote(name));
+  }
+  Status s = PreadAll(impl_->fd.get(), dst, e->end - e->begin, impl_->base + e->begin);
+  if (s.ok()) s = CheckBool(*e, dst);
+  return s.ok() ? s : WithPath(impl_->path, s);
+}
+
+Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
+  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> reader,
+                          SafetensorsReader::Open(path));
+  const SafetensorsReader::Impl& r = *reader->impl_;
+  auto file = Materialize(r.header, [&](const Entry& e, void* dst) {
+    return PreadAll(r.fd.get(), dst, e.end - e.begin, r.base + e.begin);
   });
   if (!file.ok()) return WithPath(path, file.status());
   return file;
@@ -741,7 +820,8 @@ void RemoveTempFilesOnSignals() {
 }
 
 Result<std::vector<uint8_t>> SerializeSafetensors(const SafetensorsFile& file) {
-  FP8MOE_ASSIGN_OR_RETURN(std::string prefix, BuildPrefix(file));
+  FP8MOE_ASSIGN_OR_RETURN(const std::vector<SafetensorsEntry> entries, EntriesOf(file));
+  FP8MOE_ASSIGN_OR_RETURN(std::string prefix, BuildPrefix(entries, file.metadata));
   size_t total = prefix.size();
   for (const auto& [name, t] : file.tensors) total += t.num_bytes();
   std::vector<uint8_t> out;
@@ -754,70 +834,163 @@ Result<std::vector<uint8_t>> SerializeSafetensors(const SafetensorsFile& file) {
   return out;
 }
 
-Status WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
+// ---- SafetensorsWriter ----
+
+struct SafetensorsWriter::Impl {
+  std::string path, tmp;
+  Fd fd{-1};
+  int slot = -1;  // the temporary file's signal-removal slot
+  std::vector<SafetensorsEntry> entries;
+  size_t prefix_bytes = 0;
+  uint64_t data_bytes = 0, written = 0;
+  bool spent = false;  // failed or finished
+
+  // Removes the temporary file; the writer is spent.
+  void Discard() {
+    if (spent) return;
+    spent = true;
+    fd.Close();
+    ::unlink(tmp.c_str());
+    UnregisterTemp(slot);
+  }
+  Status Fail(const char* what, int err) {
+    Discard();
+    return IoError("cannot write '" + path + "': " + what + " '" + tmp + "': " + Errno(err));
+  }
+};
+
+SafetensorsWriter::SafetensorsWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+SafetensorsWriter::~SafetensorsWriter() { impl_->Discard(); }
+
+Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
+    const std::string& path, std::vector<SafetensorsEntry> entries,
+    std::map<std::string, std::string> metadata) {
   // Everything that can be checked is checked before the disk is touched.
-  FP8MOE_ASSIGN_OR_RETURN(std::string prefix, BuildPrefix(file));
+  for (const SafetensorsEntry& e : entries) {
+    auto n = CheckedNumElements(e.shape, DTypeSize(e.dtype));
+    if (!n.ok()) {
+      return Status(n.status().code(),
+                    "safetensors: tensor " + Quote(e.name) + ": " + n.status().message());
+    }
+  }
+  FP8MOE_ASSIGN_OR_RETURN(const std::string prefix, BuildPrefix(entries, metadata));
+  auto impl = std::make_unique<Impl>();
+  impl->path = path;
+  for (const SafetensorsEntry& e : entries) impl->data_bytes += e.num_bytes();
+  impl->entries = std::move(entries);
+  impl->prefix_bytes = prefix.size();
 
   // A fresh name per attempt, unique per process (pid) and per call
   // (counter); O_EXCL so two writers never share a temp file. Each candidate
   // is registered before it is created, so a signal arriving at any point
   // removes it (RemoveTempFilesOnSignals).
   static std::atomic<uint64_t> counter{0};
-  std::string tmp;
-  int raw_fd = -1, slot = -1;
+  int raw_fd = -1;
   for (int attempt = 0; attempt < 100 && raw_fd < 0; ++attempt) {
-    tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
-          std::to_string(counter.fetch_add(1));
-    slot = RegisterTemp(tmp);
-    raw_fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    impl->tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
+                std::to_string(counter.fetch_add(1));
+    impl->slot = RegisterTemp(impl->tmp);
+    raw_fd = ::open(impl->tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (raw_fd < 0) {
       const int err = errno;
-      UnregisterTemp(slot);
+      UnregisterTemp(impl->slot);
       errno = err;
       if (err != EEXIST) break;
     }
   }
   if (raw_fd < 0) {
-    return IoError("cannot write '" + path + "': cannot create '" + tmp +
+    impl->spent = true;  // nothing to remove
+    return IoError("cannot write '" + path + "': cannot create '" + impl->tmp +
                    "': " + Errno(errno));
   }
-  Fd fd(raw_fd);
-  auto fail = [&](const char* what, int err) {
-    fd.Close();
-    ::unlink(tmp.c_str());
-    UnregisterTemp(slot);
-    return IoError("cannot write '" + path + "': " + what + " '" + tmp +
-                   "': " + Errno(err));
-  };
+  impl->fd.Reset(raw_fd);
+  if (int err = WriteAll(raw_fd, prefix.data(), prefix.size())) {
+    return impl->Fail("write to", err);
+  }
+  return std::unique_ptr<SafetensorsWriter>(new SafetensorsWriter(std::move(impl)));
+}
 
-  if (int err = WriteAll(fd.get(), prefix.data(), prefix.size())) {
-    return fail("write to", err);
+Status SafetensorsWriter::Write(const void* data, size_t n) {
+  Impl& w = *impl_;
+  if (w.spent) {
+    return FailedPrecondition("cannot write '" + w.path + "': the writer has failed or finished");
   }
-  for (const auto& [name, t] : file.tensors) {
-    if (int err = WriteAll(fd.get(), t.data(), t.num_bytes())) {
-      return fail("write to", err);
+  if (n > w.data_bytes - w.written) {
+    const uint64_t total = w.data_bytes;
+    w.Discard();
+    return InvalidArgument("cannot write '" + w.path + "': " + std::to_string(n) +
+                           " more bytes would pass the " + std::to_string(total) +
+                           " bytes its tensors hold");
+  }
+  if (int err = WriteAll(w.fd.get(), data, n)) return w.Fail("write to", err);
+  w.written += n;
+  return OkStatus();
+}
+
+Status SafetensorsWriter::Finish(const std::map<std::string, std::string>& metadata) {
+  Impl& w = *impl_;
+  if (w.spent) {
+    return FailedPrecondition("cannot write '" + w.path + "': the writer has failed or finished");
+  }
+  if (w.written != w.data_bytes) {
+    const uint64_t written = w.written, total = w.data_bytes;
+    w.Discard();
+    return InvalidArgument("cannot write '" + w.path + "': finished after " +
+                           std::to_string(written) + " of its " + std::to_string(total) +
+                           " data bytes");
+  }
+  auto prefix = BuildPrefix(w.entries, metadata);
+  if (!prefix.ok()) {
+    w.Discard();
+    return prefix.status();
+  }
+  if (prefix->size() != w.prefix_bytes) {
+    w.Discard();
+    return InvalidArgument("cannot write '" + w.path + "': the final metadata changes the " +
+                           "header's length (" + std::to_string(w.prefix_bytes) + " -> " +
+                           std::to_string(prefix->size()) +
+                           " bytes); give Create placeholders of the final values' width");
+  }
+  for (size_t done = 0; done < prefix->size();) {
+    const ssize_t put = ::pwrite(w.fd.get(), prefix->data() + done, prefix->size() - done,
+                                 static_cast<off_t>(done));
+    if (put < 0) {
+      if (errno == EINTR) continue;
+      return w.Fail("write to", errno);
     }
+    done += static_cast<size_t>(put);
   }
-  if (::fsync(fd.get()) != 0) return fail("fsync of", errno);
-  if (int err = fd.Close()) return fail("close of", err);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return fail("rename onto the target of", errno);
+  if (::fsync(w.fd.get()) != 0) return w.Fail("fsync of", errno);
+  if (int err = w.fd.Close()) return w.Fail("close of", err);
+  if (::rename(w.tmp.c_str(), w.path.c_str()) != 0) {
+    return w.Fail("rename onto the target of", errno);
   }
-  UnregisterTemp(slot);  // a signal now would unlink a name that is gone
+  UnregisterTemp(w.slot);  // a signal now would unlink a name that is gone
+  w.spent = true;
 
   // Make the rename itself durable. Some file systems cannot fsync a
   // directory (EINVAL); the data is then as safe as they allow.
-  const std::string dir = DirName(path);
+  const std::string dir = DirName(w.path);
   Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dfd.get() < 0) {
-    return IoError("wrote '" + path + "' but cannot open its directory '" +
+    return IoError("wrote '" + w.path + "' but cannot open its directory '" +
                    dir + "' to fsync it: " + Errno(errno));
   }
   if (::fsync(dfd.get()) != 0 && errno != EINVAL) {
-    return IoError("wrote '" + path + "' but cannot fsync its directory '" +
+    return IoError("wrote '" + w.path + "' but cannot fsync its directory '" +
                    dir + "': " + Errno(errno));
   }
   return OkStatus();
+}
+
+Status WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
+  FP8MOE_ASSIGN_OR_RETURN(std::vector<SafetensorsEntry> entries, EntriesOf(file));
+  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> w,
+                          SafetensorsWriter::Create(path, std::move(entries), file.metadata));
+  for (const auto& [name, t] : file.tensors) {
+    FP8MOE_RETURN_IF_ERROR(w->Write(t.data(), t.num_bytes()));
+  }
+  return w->Finish(file.metadata);
 }
 
 }  // namespace fp8moe

@@ -762,5 +762,164 @@ TEST_F(SafetensorsTest, SignalDuringWriteRemovesTheTempFile) {
   }
 }
 
+// ---- Streaming: SafetensorsWriter and SafetensorsReader ----
+
+TEST_F(SafetensorsTest, StreamedWriteInAnyPiecesEqualsWriteSafetensors) {
+  SEED_TRACE();
+  SafetensorsFile f;  // every dtype, a few shapes
+  const Shape shapes[] = {{}, {0}, {7}, {2, 3, 5}};
+  for (DType d : kAllDTypes) {
+    for (size_t i = 0; i < std::size(shapes); ++i) {
+      ASSERT_TRUE(f.Add(std::string(DTypeName(d)) + "/" + std::to_string(i), RandomTensor(d, shapes[i])).ok());
+    }
+  }
+  f.metadata = {{"checksum", "0123456789abcdef"}, {"step", "7"}};
+  std::vector<SafetensorsEntry> layout;
+  std::vector<uint8_t> data;
+  for (const auto& [name, t] : f.tensors) {
+    layout.push_back({name, t.dtype(), t.shape()});
+    EXPECT_EQ(layout.back().num_bytes(), t.num_bytes());
+    const auto* p = t.data_as<uint8_t>();
+    data.insert(data.end(), p, p + t.num_bytes());
+  }
+  // Written under a placeholder of the checksum's width, in random pieces
+  // that cross the tensors' boundaries.
+  const std::string path = dir_ + "/streamed.safetensors";
+  std::map<std::string, std::string> placeholder = f.metadata;
+  placeholder["checksum"] = "0000000000000000";
+  auto w = SafetensorsWriter::Create(path, layout, placeholder);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  for (size_t at = 0; at < data.size();) {
+    const size_t n = std::min<size_t>(data.size() - at, rng_() % 23);
+    ASSERT_TRUE((*w)->Write(data.data() + at, n).ok());
+    at += n;
+  }
+  EXPECT_NE(access(path.c_str(), F_OK), 0) << "visible before Finish";
+  ASSERT_TRUE((*w)->Finish(f.metadata).ok());
+  EXPECT_EQ(ReadBytes(path), *SerializeSafetensors(f));
+  for (const std::string& e : DirEntries()) EXPECT_EQ(e, "streamed.safetensors");
+  EXPECT_EQ((*w)->Write(data.data(), 0).code(), StatusCode::kFailedPrecondition);
+
+  // The reader lists the layout in file order and reads each tensor alone.
+  auto r = SafetensorsReader::Open(path);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)->metadata(), f.metadata);
+  ASSERT_EQ((*r)->entries().size(), layout.size());
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const SafetensorsEntry& e = (*r)->entries()[i];
+    EXPECT_EQ(e.name, layout[i].name);
+    EXPECT_EQ(e.dtype, layout[i].dtype);
+    EXPECT_EQ(e.shape, layout[i].shape);
+    EXPECT_EQ((*r)->Find(e.name), &e);
+  }
+  for (size_t i = layout.size(); i-- > 0;) {  // any order
+    const Tensor& want = f.tensors[i].second;
+    std::vector<uint8_t> got(want.num_bytes() + 8, 0xA5);  // a poisoned tail
+    ASSERT_TRUE((*r)->Read(layout[i].name, got.data()).ok());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.num_bytes()), 0) << layout[i].name;
+    for (size_t j = want.num_bytes(); j < got.size(); ++j) ASSERT_EQ(got[j], 0xA5);
+  }
+  EXPECT_EQ((*r)->Find("nope"), nullptr);
+  const Status missing = (*r)->Read("nope", data.data());
+  EXPECT_EQ(missing.code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.message().find(path), std::string::npos) << missing.message();
+}
+
+TEST_F(SafetensorsTest, StreamedWriteMisuseLeavesTargetAndNoTempFile) {
+  SEED_TRACE();
+  const std::string path = dir_ + "/t.safetensors";
+  SafetensorsFile old;
+  ASSERT_TRUE(old.Add("old", RandomTensor(DType::kF32, {3})).ok());
+  ASSERT_TRUE(WriteSafetensors(path, old).ok());
+  const std::vector<uint8_t> before = ReadBytes(path);
+  const std::vector<SafetensorsEntry> layout = {{"a", DType::kF32, {2, 3}}, {"b", DType::kU8, {5}}};
+  const std::vector<uint8_t> bytes(29, 1);
+  auto expect_untouched = [&](const char* what) {
+    EXPECT_EQ(ReadBytes(path), before) << what;
+    for (const std::string& e : DirEntries()) EXPECT_EQ(e, "t.safetensors") << what;
+  };
+  {  // more bytes than the tensors hold
+    auto w = SafetensorsWriter::Create(path, layout, {{"k", "v"}});
+    ASSERT_TRUE(w.ok());
+    const Status s = (*w)->Write(bytes.data(), 30);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("29 bytes"), std::string::npos) << s.message();
+    expect_untouched("too many bytes");
+    EXPECT_EQ((*w)->Finish({{"k", "v"}}).code(), StatusCode::kFailedPrecondition);
+  }
+  {  // Finish before the last byte
+    auto w = SafetensorsWriter::Create(path, layout, {{"k", "v"}});
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Write(bytes.data(), 28).ok());
+    const Status s = (*w)->Finish({{"k", "v"}});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("28 of its 29"), std::string::npos) << s.message();
+    expect_untouched("short");
+  }
+  {  // final metadata of another width
+    auto w = SafetensorsWriter::Create(path, layout, {{"k", "v"}});
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Write(bytes.data(), 29).ok());
+    const Status s = (*w)->Finish({{"k", "longer value"}});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("length"), std::string::npos) << s.message();
+    expect_untouched("header length");
+  }
+  {  // destroyed unfinished
+    auto w = SafetensorsWriter::Create(path, layout, {});
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Write(bytes.data(), 10).ok());
+    bool temp = false;
+    for (const std::string& e : DirEntries()) temp = temp || e.find(".tmp.") != std::string::npos;
+    EXPECT_TRUE(temp);
+  }
+  expect_untouched("abandoned");
+  // A bad layout is refused before the disk is touched.
+  for (const auto& bad : std::vector<std::vector<SafetensorsEntry>>{
+           {{"a", DType::kF32, {2}}, {"a", DType::kF32, {2}}},
+           {{"__metadata__", DType::kF32, {2}}},
+           {{"a", DType::kF32, {-1}}},
+           {{"a", DType::kF32, {int64_t{1} << 40, int64_t{1} << 40}}}}) {
+    auto w = SafetensorsWriter::Create(path, bad, {});
+    EXPECT_FALSE(w.ok()) << bad[0].name;
+    expect_untouched("bad layout");
+  }
+  EXPECT_FALSE(SafetensorsWriter::Create(path, layout, {{"x.format", "e4m3fnuz"}}).ok());
+  expect_untouched("reserved key");
+}
+
+TEST_F(SafetensorsTest, StreamedReadChecksBoolBytesAndNamesThePath) {
+  SafetensorsFile f;
+  ASSERT_TRUE(f.Add("ok", RandomTensor(DType::kU8, {4})).ok());
+  Tensor b = Tensor::Create(DType::kBool, {3}).value();
+  b.data_as<uint8_t>()[0] = 1;
+  b.data_as<uint8_t>()[1] = 2;  // not a bool
+  b.data_as<uint8_t>()[2] = 0;
+  ASSERT_TRUE(f.Add("flag", std::move(b)).ok());
+  const std::string path = dir_ + "/b.safetensors";
+  std::vector<uint8_t> bytes = *SerializeSafetensors(f);
+  {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  }
+  auto r = SafetensorsReader::Open(path);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  uint8_t buf[4];
+  EXPECT_TRUE((*r)->Read("ok", buf).ok());
+  const Status s = (*r)->Read("flag", buf);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_NE(s.message().find(path), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("byte value 2"), std::string::npos) << s.message();
+  // Open refuses what ReadSafetensors refuses, with the same message.
+  bytes.resize(bytes.size() - 1);
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  }
+  auto bad = SafetensorsReader::Open(path);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().ToString(), ReadSafetensors(path).status().ToString());
+}
+
 }  // namespace
 }  // namespace fp8moe

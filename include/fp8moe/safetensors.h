@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -79,6 +80,77 @@ Result<std::vector<uint8_t>> SerializeSafetensors(const SafetensorsFile& file);
 // temporary file is removed and `path` is left as it was. Two processes
 // writing the same `path` leave one complete file (the last rename wins).
 Status WriteSafetensors(const std::string& path, const SafetensorsFile& file);
+
+// One tensor's entry in a file's header: what SafetensorsWriter lays out and
+// SafetensorsReader lists.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kU8;
+  Shape shape;
+  // Bytes of its data (elements x the dtype's size).
+  uint64_t num_bytes() const;
+};
+
+// Writes a safetensors file one tensor at a time, so a file larger than the
+// memory at hand (a checkpoint gathered tensor by tensor) can be written:
+// the layout is declared first, the tensors' bytes follow in that order, and
+// Finish makes the file appear as WriteSafetensors does (temporary file,
+// fsync, rename, directory fsync; removed on a signal with
+// RemoveTempFilesOnSignals). A writer destroyed before Finish succeeds
+// removes its temporary file and leaves `path` as it was.
+class SafetensorsWriter {
+ public:
+  // Checks the layout as WriteSafetensors does, creates the temporary file
+  // and writes the header.
+  static Result<std::unique_ptr<SafetensorsWriter>> Create(
+      const std::string& path, std::vector<SafetensorsEntry> entries,
+      std::map<std::string, std::string> metadata);
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // Appends `n` bytes of the data: the tensors' bytes back to back, in the
+  // entries' order, in pieces of any size. After an error the writer is
+  // spent (its temporary file removed) and every later call fails.
+  Status Write(const void* data, size_t n);
+  // After the last byte: rewrites the header with `metadata` (which may
+  // replace values of the metadata given to Create, e.g. a checksum of the
+  // data written under a placeholder of the same width; the header must
+  // keep its length), then publishes the file.
+  Status Finish(const std::map<std::string, std::string>& metadata);
+
+ private:
+  struct Impl;
+  explicit SafetensorsWriter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Reads a safetensors file one tensor at a time: Open checks the header as
+// ReadSafetensors does (the same errors), Read fills a caller's buffer with
+// one tensor's bytes.
+class SafetensorsReader {
+ public:
+  static Result<std::unique_ptr<SafetensorsReader>> Open(const std::string& path);
+  ~SafetensorsReader();
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+
+  // The tensors in the order of their data in the file.
+  const std::vector<SafetensorsEntry>& entries() const;
+  // User-visible "__metadata__" entries (as SafetensorsFile::metadata).
+  const std::map<std::string, std::string>& metadata() const;
+  // The entry named `name`, or nullptr.
+  const SafetensorsEntry* Find(std::string_view name) const;
+  // Reads tensor `name`'s num_bytes() bytes into dst (BOOL bytes checked).
+  // Errors name the path.
+  Status Read(std::string_view name, void* dst) const;
+
+ private:
+  friend Result<SafetensorsFile> ReadSafetensors(const std::string& path);
+  struct Impl;
+  explicit SafetensorsReader(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 // Makes SIGINT, SIGTERM and SIGHUP first remove the temporary file of every
 // WriteSafetensors in progress, then kill the process as the signal would
