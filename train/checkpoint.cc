@@ -51,9 +51,11 @@ Result<std::vector<uint64_t>> SplitU64(const std::string& s, const std::string& 
   return out;
 }
 
-Result<int64_t> MetaInt(const SafetensorsFile& f, const std::string& key, const std::string& path) {
-  auto it = f.metadata.find(key);
-  if (it == f.metadata.end()) {
+using Metadata = std::map<std::string, std::string>;
+
+Result<int64_t> MetaInt(const Metadata& meta, const std::string& key, const std::string& path) {
+  auto it = meta.find(key);
+  if (it == meta.end()) {
     return DataLoss("checkpoint '" + path + "' has no '" + key + "' in its metadata");
   }
   FP8MOE_ASSIGN_OR_RETURN(auto v, SplitU64(it->second, key, path));
@@ -128,26 +130,59 @@ class Checksum {
   uint64_t h_ = 0xcbf29ce484222325ull;
 };
 
-}  // namespace
-
-std::string CheckpointChecksum(const SafetensorsFile& f) {
+// The checksum's start: every metadata entry but "checksum", by key.
+Checksum ChecksumOfMetadata(const Metadata& metadata) {
   Checksum c;
-  std::map<std::string, std::string> meta(f.metadata.begin(), f.metadata.end());
-  meta.erase("checksum");
-  for (const auto& [k, v] : meta) {
+  for (const auto& [k, v] : metadata) {
+    if (k == "checksum") continue;
     c.Add(k);
     c.Add(v);
   }
+  return c;
+}
+
+// Then each tensor, in name order.
+void AddTensor(Checksum* c, const std::string& name, DType dtype, const Shape& shape,
+               const void* data, size_t bytes) {
+  c->Add(name);
+  c->Add(std::string(DTypeName(dtype)) + " " + ShapeToString(shape));
+  c->Add(data, bytes);
+}
+
+// The placeholder a streamed save writes before the data is hashed: the
+// width of Checksum::Hex, so the header keeps its length.
+constexpr const char* kChecksumPlaceholder = "0000000000000000";
+
+}  // namespace
+
+std::string CheckpointChecksum(const SafetensorsFile& f) {
+  Checksum c = ChecksumOfMetadata(f.metadata);
   std::vector<std::pair<std::string, const Tensor*>> tensors;
   for (const auto& [name, t] : f.tensors) tensors.emplace_back(name, &t);
   std::sort(tensors.begin(), tensors.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (const auto& [name, t] : tensors) {
-    c.Add(name);
-    c.Add(std::string(DTypeName(t->dtype())) + " " + ShapeToString(t->shape()));
-    c.Add(t->data(), t->num_bytes());
-  }
+  for (const auto& [name, t] : tensors) AddTensor(&c, name, t->dtype(), t->shape(), t->data(), t->num_bytes());
   return c.Hex();
+}
+
+size_t CheckpointTensor::num_elements() const {
+  size_t n = 1;
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+std::vector<CheckpointTensor> CheckpointLayout(const ModelParams& like) {
+  std::vector<CheckpointTensor> out;
+  for (const auto& [set, prefix] : {std::pair{CheckpointSet::kParams, "params/"},
+                                    {CheckpointSet::kAdamM, "adam_m/"},
+                                    {CheckpointSet::kAdamV, "adam_v/"}}) {
+    const auto named = like.Named();
+    for (size_t k = 0; k < named.size(); ++k) {
+      out.push_back({set, k, prefix + named[k].first, named[k].second->shape()});
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  return out;
 }
 
 std::string ModelSignature(const ModelConfig& m) {
@@ -183,44 +218,65 @@ void PruneCheckpoints(const std::string& dir, int keep) {
 }
 
 Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
-                      const ModelParams& params, const ModelParams& adam_m,
-                      const ModelParams& adam_v, const TrainState& state) {
-  SafetensorsFile f;
-  for (const auto& [prefix, set] : {std::pair{"params/", &params}, {"adam_m/", &adam_m},
-                                    {"adam_v/", &adam_v}}) {
-    for (const auto& [name, t] : set->Named()) {
-      FP8MOE_ASSIGN_OR_RETURN(Tensor copy, Tensor::Create(t->dtype(), t->shape()));
-      std::memcpy(copy.data(), t->data(), t->num_bytes());
-      FP8MOE_RETURN_IF_ERROR(f.Add(prefix + name, std::move(copy)));
+                      const ModelParams& like, const CheckpointSource& source,
+                      const TrainState& state, bool write) {
+  const std::vector<CheckpointTensor> layout = CheckpointLayout(like);
+  size_t largest = 0;
+  for (const CheckpointTensor& t : layout) largest = std::max(largest, t.num_elements());
+  FP8MOE_ASSIGN_OR_RETURN(Tensor buffer,
+                          Tensor::Create(DType::kF32, {static_cast<int64_t>(largest)}));
+  float* data = buffer.data_as<float>();
+  Metadata meta;
+  meta["fp8moe_checkpoint"] = "1";
+  meta["step"] = std::to_string(state.step);
+  meta["rng_state"] = JoinU64(state.rng.data(), state.rng.size());
+  meta["data_position"] = JoinU64(state.data_position.data(), state.data_position.size());
+  meta["nonfinite_steps"] = std::to_string(state.nonfinite_steps);
+  meta["model_signature"] = ModelSignature(config.model);
+  meta["quantization_mode"] = std::string(MoeQatModeName(PlanMoeQuantization(config.model.moe).mode));
+  meta["config"] = raw.ToYaml();
+  Checksum sum = ChecksumOfMetadata(meta);
+  meta["checksum"] = kChecksumPlaceholder;
+
+  std::unique_ptr<SafetensorsWriter> writer;
+  Status error;
+  if (write) {
+    std::vector<SafetensorsEntry> entries;
+    for (const CheckpointTensor& t : layout) entries.push_back({t.name, DType::kF32, t.shape});
+    auto w = SafetensorsWriter::Create(path, std::move(entries), meta);
+    if (w.ok()) {
+      writer = std::move(*w);
+    } else {
+      error = w.status();
     }
   }
-  f.metadata["fp8moe_checkpoint"] = "1";
-  f.metadata["step"] = std::to_string(state.step);
-  f.metadata["rng_state"] = JoinU64(state.rng.data(), state.rng.size());
-  f.metadata["data_position"] = JoinU64(state.data_position.data(), state.data_position.size());
-  f.metadata["nonfinite_steps"] = std::to_string(state.nonfinite_steps);
-  f.metadata["model_signature"] = ModelSignature(config.model);
-  f.metadata["quantization_mode"] = std::string(MoeQatModeName(PlanMoeQuantization(config.model.moe).mode));
-  f.metadata["config"] = raw.ToYaml();
-  f.metadata["checksum"] = CheckpointChecksum(f);
-  return WriteSafetensors(path, f);
+  for (const CheckpointTensor& t : layout) {
+    FP8MOE_RETURN_IF_ERROR(source(t, data));
+    if (writer == nullptr || !error.ok()) continue;
+    const size_t bytes = t.num_elements() * sizeof(float);
+    AddTensor(&sum, t.name, DType::kF32, t.shape, data, bytes);
+    error = writer->Write(data, bytes);
+  }
+  if (writer == nullptr || !error.ok()) return error;
+  meta["checksum"] = sum.Hex();
+  return writer->Finish(meta);
 }
 
-Status LoadCheckpoint(const std::string& path, const TrainConfig& config, ModelParams* params,
-                      ModelParams* adam_m, ModelParams* adam_v, TrainState* state) {
-  // Everything is checked into a scratch state first; *params, the moments
-  // and *state change only once the whole file has passed.
-  auto file = ReadSafetensors(path);
-  if (!file.ok()) {
-    return Status(file.status().code(),
-                  "cannot resume from checkpoint: " + file.status().message() + "; " + kFixHint);
+Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
+                      const ModelParams& like, const CheckpointSink& sink, TrainState* state) {
+  // Everything is checked before `sink` sees a tensor or *state changes.
+  auto opened = SafetensorsReader::Open(path);
+  if (!opened.ok()) {
+    return Status(opened.status().code(),
+                  "cannot resume from checkpoint: " + opened.status().message() + "; " + kFixHint);
   }
-  SafetensorsFile& f = *file;
+  const SafetensorsReader& reader = **opened;
+  const Metadata& metadata = reader.metadata();
   auto meta = [&](const std::string& key) -> std::string {
-    auto it = f.metadata.find(key);
-    return it == f.metadata.end() ? "?" : it->second;
+    auto it = metadata.find(key);
+    return it == metadata.end() ? "?" : it->second;
   };
-  if (f.metadata.count("fp8moe_checkpoint") == 0) {
+  if (metadata.count("fp8moe_checkpoint") == 0) {
     return DataLoss("'" + path + "' is not an fp8moe checkpoint (no fp8moe_checkpoint metadata); " +
                     kFixHint);
   }
@@ -228,11 +284,42 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config, ModelP
     return DataLoss("checkpoint '" + path + "' has format version '" + meta("fp8moe_checkpoint") +
                     "', but this fp8moe reads version 1; " + kFixHint);
   }
-  if (f.metadata.count("checksum") == 0) {
+  if (metadata.count("checksum") == 0) {
     return DataLoss("checkpoint '" + path + "' has no checksum in its metadata; " + kFixHint);
   }
-  if (const std::string sum = CheckpointChecksum(f); sum != meta("checksum")) {
-    return DataLoss("checkpoint '" + path + "' is corrupt: its contents have checksum " + sum +
+  // First pass: every tensor of the file, by name, through the checksum;
+  // the config's tensors also through the finiteness check.
+  const std::vector<CheckpointTensor> layout = CheckpointLayout(like);
+  std::map<std::string, const CheckpointTensor*> wanted;
+  for (const CheckpointTensor& t : layout) wanted[t.name] = &t;
+  std::vector<const SafetensorsEntry*> entries;
+  uint64_t largest = 0;
+  for (const SafetensorsEntry& e : reader.entries()) {
+    entries.push_back(&e);
+    largest = std::max(largest, e.num_bytes());
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const auto* a, const auto* b) { return a->name < b->name; });
+  FP8MOE_ASSIGN_OR_RETURN(Tensor buffer,
+                          Tensor::Create(DType::kU8, {static_cast<int64_t>(largest)}));
+  Checksum sum = ChecksumOfMetadata(metadata);
+  std::string first_nonfinite;
+  int64_t nonfinite = 0;
+  for (const SafetensorsEntry* e : entries) {
+    if (Status r = reader.Read(e->name, buffer.data()); !r.ok()) {
+      return Status(r.code(), "cannot resume from checkpoint: " + r.message() + "; " + kFixHint);
+    }
+    AddTensor(&sum, e->name, e->dtype, e->shape, buffer.data(), e->num_bytes());
+    auto it = wanted.find(e->name);
+    if (first_nonfinite.empty() && it != wanted.end() && e->dtype == DType::kF32 &&
+        e->shape == it->second->shape) {
+      // The trainer never saves NaN or Inf (it skips non-finite steps).
+      nonfinite = FindNonFinite(TensorView{buffer.data(), DType::kF32, e->shape}).count;
+      if (nonfinite > 0) first_nonfinite = e->name;
+    }
+  }
+  if (const std::string hex = sum.Hex(); hex != meta("checksum")) {
+    return DataLoss("checkpoint '" + path + "' is corrupt: its contents have checksum " + hex +
                     " but the file records " + meta("checksum") +
                     " (a flipped bit, a partial copy or an edit); " + kFixHint);
   }
@@ -252,8 +339,8 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config, ModelP
                               "another run_name to start a new run");
   }
   TrainState s;
-  FP8MOE_ASSIGN_OR_RETURN(s.step, MetaInt(f, "step", path));
-  FP8MOE_ASSIGN_OR_RETURN(s.nonfinite_steps, MetaInt(f, "nonfinite_steps", path));
+  FP8MOE_ASSIGN_OR_RETURN(s.step, MetaInt(metadata, "step", path));
+  FP8MOE_ASSIGN_OR_RETURN(s.nonfinite_steps, MetaInt(metadata, "nonfinite_steps", path));
   const int64_t named_step = StepOf(fs::path(path).filename().string());
   if (s.step < 1 || (named_step >= 0 && s.step != named_step)) {
     return DataLoss("checkpoint '" + path + "' records step " + meta("step") +
@@ -276,35 +363,31 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config, ModelP
   }
   std::copy(rng.begin(), rng.end(), s.rng.begin());
   FP8MOE_ASSIGN_OR_RETURN(s.data_position, SplitU64(meta("data_position"), "data_position", path));
-  std::vector<std::pair<Tensor*, const Tensor*>> copies;
-  for (const auto& [prefix, set] : {std::pair{"params/", params}, {"adam_m/", adam_m},
-                                    {"adam_v/", adam_v}}) {
-    for (auto& [name, t] : set->Named()) {
-      const Tensor* src = f.Find(prefix + name);
-      if (src == nullptr) {
-        return DataLoss("checkpoint '" + path + "' lacks tensor " + prefix + name + "; " +
-                        kFixHint);
-      }
-      if (src->dtype() != DType::kF32 || src->shape() != t->shape()) {
-        return DataLoss("checkpoint '" + path + "' holds tensor " + prefix + name + " as " +
-                        std::string(DTypeName(src->dtype())) + " " +
-                        ShapeToString(src->shape()) + " but this run needs f32 " +
-                        ShapeToString(t->shape()) + "; " + kFixHint);
-      }
-      // The trainer never saves NaN or Inf (it skips non-finite steps).
-      if (const NonFinite nf = FindNonFinite(src->view()); nf.count > 0) {
-        return DataLoss("checkpoint '" + path + "' holds " + std::to_string(nf.count) +
-                        " NaN or Inf values in " + prefix + name + "; " + kFixHint);
-      }
-      copies.emplace_back(t, src);
+  for (const CheckpointTensor& t : layout) {
+    const SafetensorsEntry* e = reader.Find(t.name);
+    if (e == nullptr) {
+      return DataLoss("checkpoint '" + path + "' lacks tensor " + t.name + "; " + kFixHint);
+    }
+    if (e->dtype != DType::kF32 || e->shape != t.shape) {
+      return DataLoss("checkpoint '" + path + "' holds tensor " + t.name + " as " +
+                      std::string(DTypeName(e->dtype)) + " " + ShapeToString(e->shape) +
+                      " but this run needs f32 " + ShapeToString(t.shape) + "; " + kFixHint);
     }
   }
-  if (f.tensors.size() != copies.size()) {
-    return DataLoss("checkpoint '" + path + "' holds " + std::to_string(f.tensors.size()) +
-                    " tensors but this model has " + std::to_string(copies.size()) + "; " +
+  if (!first_nonfinite.empty()) {
+    return DataLoss("checkpoint '" + path + "' holds " + std::to_string(nonfinite) +
+                    " NaN or Inf values in " + first_nonfinite + "; " + kFixHint);
+  }
+  if (reader.entries().size() != layout.size()) {
+    return DataLoss("checkpoint '" + path + "' holds " + std::to_string(reader.entries().size()) +
+                    " tensors but this model has " + std::to_string(layout.size()) + "; " +
                     kFixHint);
   }
-  for (auto& [dst, src] : copies) std::memcpy(dst->data(), src->data(), dst->num_bytes());
+  // Second pass: the checked file, tensor by tensor.
+  for (const CheckpointTensor& t : layout) {
+    FP8MOE_RETURN_IF_ERROR(reader.Read(t.name, buffer.data()));
+    sink(t, buffer.data_as<float>());
+  }
   *state = std::move(s);
   return OkStatus();
 }

@@ -3,11 +3,16 @@
 // "adam_v/<name>") and, in __metadata__, the step, the RNG state, the data
 // position, the non-finite step count, the model signature, the QAT mode and
 // the whole config as YAML. Written atomically (io/safetensors): a crash
-// leaves either the old file set or the new one, never a torn file.
+// leaves either the old file set or the new one, never a torn file. Saved
+// and loaded one tensor at a time (SafetensorsWriter / SafetensorsReader):
+// a run holds one tensor of a checkpoint, never a whole set, so the FSDP
+// shards can be written and resumed without any rank holding the model's
+// moments whole.
 #ifndef FP8MOE_TRAIN_CHECKPOINT_H_
 #define FP8MOE_TRAIN_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,15 +47,51 @@ std::string CheckpointPath(const std::string& dir, int64_t step);
 // temporary files a killed save left behind.
 std::optional<std::string> LatestCheckpoint(const std::string& dir);
 
-Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
-                      const ModelParams& params, const ModelParams& adam_m,
-                      const ModelParams& adam_v, const TrainState& state);
+// The three f32 sets a checkpoint holds, each shaped like the parameters.
+enum class CheckpointSet { kParams, kAdamM, kAdamV };
 
-// Loads into tensors of the config's shapes. A checkpoint of another model
-// shape or QAT mode is a FailedPrecondition naming both; a malformed one
-// DataLoss.
-Status LoadCheckpoint(const std::string& path, const TrainConfig& config, ModelParams* params,
-                      ModelParams* adam_m, ModelParams* adam_v, TrainState* state);
+// One tensor of a checkpoint: its set, its index in ModelParams::Named()
+// order, its name in the file ("params/layers.0.wi") and its shape.
+struct CheckpointTensor {
+  CheckpointSet set = CheckpointSet::kParams;
+  size_t index = 0;
+  std::string name;
+  Shape shape;
+  size_t num_elements() const;
+};
+
+// Every tensor of a checkpoint of parameters shaped like `like`, in the
+// file's order: sorted by name, the checksum's order, so a save hashes the
+// data as it writes it.
+std::vector<CheckpointTensor> CheckpointLayout(const ModelParams& like);
+
+// Fills `out` with tensor t's whole f32 data (t.num_elements() floats).
+using CheckpointSource = std::function<Status(const CheckpointTensor& t, float* out)>;
+
+// Writes the checkpoint of parameters shaped like `like` to `path`, asking
+// `source` for each tensor of CheckpointLayout(like) in turn, into one
+// buffer of the largest tensor. `source` is called for every tensor, in
+// that order, whatever happens to the file (a failed write is reported
+// after the last call and leaves `path` as it was), and with write = false
+// nothing is written at all: the other ranks of a job run this too, so
+// their gathers match the writing rank's.
+Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
+                      const ModelParams& like, const CheckpointSource& source,
+                      const TrainState& state, bool write = true);
+
+// Receives tensor t's whole f32 data (t.num_elements() floats).
+using CheckpointSink = std::function<void(const CheckpointTensor& t, const float* data)>;
+
+// Checks the checkpoint at `path` whole — metadata, checksum, the config's
+// tensor names and shapes, finite values — reading one tensor at a time, and
+// only then hands `sink` every tensor of CheckpointLayout(like) (a second
+// read) and fills *state. A checkpoint of another model shape or QAT mode
+// is a FailedPrecondition naming both; a malformed one DataLoss; either
+// changes nothing. A read error in the second pass (the file changed or the
+// disk failed after it was checked) is returned after `sink` may have
+// received some tensors.
+Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
+                      const ModelParams& like, const CheckpointSink& sink, TrainState* state);
 
 // Removes all but the newest `keep` checkpoints of `dir`.
 void PruneCheckpoints(const std::string& dir, int keep);

@@ -96,6 +96,7 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
 const float* FsdpState::Whole(
     Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors) {
   if (u.members.size() == 1) return tensors[u.members[0]].second->data_as<float>() + u.first;
+  staged_.reset();
   float* flat = u.staging.data_as<float>();
   for (size_t i = 0; i < u.members.size(); ++i) {
     const Tensor& t = *tensors[u.members[i]].second;
@@ -111,6 +112,7 @@ Status FsdpState::GatherUnit(Unit& u, const Tensor& shard,
                                     tensors[u.members[0]].second->data_as<float>() + u.first,
                                     u.total, DType::kF32);
   }
+  staged_.reset();
   FP8MOE_RETURN_IF_ERROR(
       comm_.AllGatherShards(shard.data(), u.staging.data(), u.total, DType::kF32));
   const float* flat = u.staging.data_as<float>();
@@ -121,14 +123,34 @@ Status FsdpState::GatherUnit(Unit& u, const Tensor& shard,
   return OkStatus();
 }
 
-void FsdpState::Slice(const ModelParams& params, const ModelParams& m, const ModelParams& v) {
-  const auto p = params.Named(), ms = m.Named(), vs = v.Named();
+Tensor& FsdpState::ShardOf(Unit& u, CheckpointSet set) {
+  switch (set) {
+    case CheckpointSet::kAdamM:
+      return u.m;
+    case CheckpointSet::kAdamV:
+      return u.v;
+    case CheckpointSet::kParams:
+      break;
+  }
+  return u.master;
+}
+
+void FsdpState::Slice(const ModelParams& params) {
+  const auto p = params.Named();
   for (Unit& u : units_) {
     const size_t bytes = static_cast<size_t>(u.range.size()) * sizeof(float);
     std::memcpy(u.master.data(), Whole(u, p) + u.range.begin, bytes);
-    std::memcpy(u.m.data(), Whole(u, ms) + u.range.begin, bytes);
-    std::memcpy(u.v.data(), Whole(u, vs) + u.range.begin, bytes);
+    std::memset(u.m.data(), 0, bytes);
+    std::memset(u.v.data(), 0, bytes);
   }
+}
+
+void FsdpState::LoadTensor(const CheckpointTensor& t, const float* whole) {
+  staged_.reset();
+  const Part& p = parts_[t.index];
+  Unit& u = units_[p.unit];
+  std::memcpy(ShardOf(u, t.set).data_as<float>() + p.at, whole + u.first + p.begin,
+              static_cast<size_t>(p.size) * sizeof(float));
 }
 
 Status FsdpState::GatherParams(ModelParams* params, bool skip_experts) {
@@ -140,21 +162,27 @@ Status FsdpState::GatherParams(ModelParams* params, bool skip_experts) {
   return OkStatus();
 }
 
-Status FsdpState::GatherAll(ModelParams* params, ModelParams* m, ModelParams* v) {
-  FP8MOE_RETURN_IF_ERROR(GatherParams(params, /*skip_experts=*/false));
-  const auto ps = params->Named(), ms = m->Named(), vs = v->Named();
-  for (Unit& u : units_) {
-    FP8MOE_RETURN_IF_ERROR(GatherUnit(u, u.m, ms));
-    FP8MOE_RETURN_IF_ERROR(GatherUnit(u, u.v, vs));
-    // Expert parallelism: each ring rank now holds its rows whole; gather
-    // the other ring ranks' rows (in place) so the tensors are whole.
+Status FsdpState::GatherTensor(const CheckpointTensor& t, float* out) {
+  Unit& u = units_[parts_[t.index].unit];
+  const Tensor& shard = ShardOf(u, t.set);
+  if (u.members.size() == 1) {
+    // An expert tensor: this ring rank's rows over the expert group, then
+    // the other ring ranks' rows around the ring (in place).
+    FP8MOE_RETURN_IF_ERROR(
+        Group(u).AllGatherShards(shard.data(), out + u.first, u.total, DType::kF32));
     if (u.expert && ring_ != nullptr) {
-      for (const auto* named : {&ps, &ms, &vs}) {
-        float* t = (*named)[u.members[0]].second->data_as<float>();
-        FP8MOE_RETURN_IF_ERROR(ring_->AllGather(t + u.first, t, u.total, DType::kF32));
-      }
+      FP8MOE_RETURN_IF_ERROR(ring_->AllGather(out + u.first, out, u.total, DType::kF32));
     }
+    return OkStatus();
   }
+  if (staged_ != t.set) {
+    FP8MOE_RETURN_IF_ERROR(
+        comm_.AllGatherShards(shard.data(), u.staging.data(), u.total, DType::kF32));
+    staged_ = t.set;
+  }
+  const size_t i = static_cast<size_t>(
+      std::find(u.members.begin(), u.members.end(), t.index) - u.members.begin());
+  std::memcpy(out, u.staging.data_as<float>() + u.offsets[i], t.num_elements() * sizeof(float));
   return OkStatus();
 }
 
@@ -220,6 +248,7 @@ Result<std::string> FsdpState::FirstNonFiniteMaster() {
 
 void FsdpState::AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr,
                       double grad_scale) {
+  staged_.reset();
   for (size_t k = 0; k < names_.size(); ++k) {
     const Part& p = parts_[k];
     Unit& u = units_[p.unit];

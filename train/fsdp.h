@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "fp8moe/model.h"
 #include "fp8moe/moe.h"
 #include "fp8moe/train.h"
+#include "train/checkpoint.h"
 
 namespace fp8moe::internal {
 
@@ -44,17 +46,23 @@ class FsdpState : public ExpertWeightSource {
                                                    Communicator* expert_group = nullptr,
                                                    Communicator* ring = nullptr);
 
-  // Keeps this rank's range of every tensor (initial weights, or a
-  // checkpoint's whole tensors: resharding is slicing).
-  void Slice(const ModelParams& params, const ModelParams& m, const ModelParams& v);
+  // Keeps this rank's range of every weight as its master and zeroes the
+  // moments (a fresh run).
+  void Slice(const ModelParams& params);
+  // Keeps this rank's range of a checkpoint's tensor t (`whole`: all of it,
+  // whatever rank count wrote it: resharding is slicing). Local.
+  void LoadTensor(const CheckpointTensor& t, const float* whole);
 
   // The f32 masters gathered whole into *params; with skip_experts the
   // expert weights wi / wo are left out (their codes or bf16 copies come
   // through this ExpertWeightSource instead).
   Status GatherParams(ModelParams* params, bool skip_experts);
-  // Masters and moments gathered whole (for a checkpoint; the expert rows of
-  // the other ring ranks too).
-  Status GatherAll(ModelParams* params, ModelParams* m, ModelParams* v);
+  // Checkpoint tensor t (a master or a moment) gathered whole into `out`,
+  // the other ring ranks' expert rows included. Collective: every rank
+  // asks for the same tensors in the same order (SaveCheckpoint's). The
+  // dense tensors of a set come from one gather of the dense unit into the
+  // staging buffer, made for the first of them.
+  Status GatherTensor(const CheckpointTensor& t, float* out);
 
   // grads: this rank's whole gradient of its local mean loss (the expert rows
   // of its ring rank: of the ring's tokens). Reduce-scatters (f32 sum, the
@@ -125,6 +133,8 @@ class FsdpState : public ExpertWeightSource {
   // takes the lowest tensor index and the sum over every rank, in rank order
   // so every rank gets the same bits. Collective (one all-gather).
   Result<NonFiniteScan> ScanOverRanks(Tensor Unit::*field, bool sum_squares);
+  // The shard of a checkpoint set: master, m or v.
+  static Tensor& ShardOf(Unit& u, CheckpointSet set);
 
   Communicator& comm_;
   Communicator& ecomm_;
@@ -134,6 +144,9 @@ class FsdpState : public ExpertWeightSource {
   std::vector<Part> parts_;  // per tensor
   std::vector<Unit> units_;
   DistScratch scratch_;
+  // Which set's dense unit the staging buffer holds for GatherTensor; reset
+  // by everything else that writes the staging or the shards.
+  std::optional<CheckpointSet> staged_;
   int64_t expert_gather_bytes_ = 0;
   bool count_health_ = true;
 };

@@ -37,17 +37,21 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c) {
           F = Pos(m.mlp_dim), E = Pos(m.moe.num_experts), L = Pos(m.num_layers),
           k = Pos(m.moe.num_experts_per_tok);
   TrainMemoryPlan plan;
-  // Weights, gradients, AdamW m and v, and the copies a checkpoint save (or
-  // the file a resume reads) holds of weights, m and v: 7 f32 sets; and the
-  // FSDP state (train/fsdp.h): the shards of master, m, v and gradient (whole
-  // tensors on one rank; the plan does not count on more ranks) and the
-  // staging of the dense unit's gathers: 5 more.
+  // The whole weights the model reads and this rank's whole gradient: 2 f32
+  // sets; the FSDP state (train/fsdp.h): the shards of master, m, v and
+  // gradient (whole tensors on one rank; the plan does not count on more
+  // ranks): 4 sets; the staging of the dense unit's gathers (the dense
+  // tensors once); and the one-tensor buffer a checkpoint save or resume
+  // streams through (the largest tensor). No set is ever held whole for a
+  // checkpoint.
   const U params = ModelParamCount(m);
-  plan.weights_bytes = Saturate(12 * 4 * params);
+  const U expert = E * D * 2 * F + E * F * D;
+  const U dense = params - std::min(params, L * expert);
+  const U largest = std::max({V * D, D * 3 * HD, E * D * 2 * F, D * E});
+  plan.weights_bytes = Saturate(4 * (6 * params + dense + largest));
   // The expert weights as the QAT mode presents them to the GMMs (codes, a
   // BF16 copy, scales: at most 4 bytes an element, every layer), and the f32
   // copies one layer's backward makes (8 bytes an element, one layer).
-  const U expert = E * D * 2 * F + E * F * D;
   plan.expert_bytes = Saturate(4 * L * expert + 8 * expert);
   // Activations kept for the backward, per layer: x, n1, x1, n2 [N, D];
   // inv1, inv2 [N]; qkv [N, 3HD]; attention probabilities [B, H, S, S];
@@ -94,7 +98,7 @@ Status CheckTrainMemory(const TrainConfig& c) {
   const TrainMemoryPlan p = PlanTrainMemory(c);
   return CheckMemoryRequest(
       "this training run (model " + std::to_string(ModelParamCount(c.model)) +
-          " parameters: weights, gradients, AdamW moments and checkpoint copies " +
+          " parameters: weights, gradients, master and AdamW shards and the checkpoint buffer " +
           FormatBytes(p.weights_bytes) + "; expert weights for the GMMs " +
           FormatBytes(p.expert_bytes) + "; activations of per_device_batch_size x "
           "max_target_length tokens " + FormatBytes(p.activation_bytes) + "; data " +

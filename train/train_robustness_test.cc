@@ -4,6 +4,7 @@
 // bit-flipped, edited, of other shapes or dtypes, missing tensors, past the
 // run's steps, or directories: each is refused with the file named, and the
 // file is left exactly as it was.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -236,6 +237,52 @@ TEST(TrainRobustness, CheckpointsOfTheWrongContentsAreRefused) {
     ASSERT_TRUE(f.Add("x", *Tensor::Create(DType::kF32, {2})).ok());
     ASSERT_TRUE(WriteSafetensors(p, f).ok());
   }, StatusCode::kDataLoss, "not an fp8moe checkpoint");
+}
+
+// A save streams the tensors in name order (the checksum's order), one at a
+// time; the file is exactly what WriteSafetensors writes for the same
+// contents, and a checkpoint in any tensor order (those of earlier versions
+// were in parameter order) resumes to the same bits.
+TEST(TrainRobustness, ACheckpointInAnyTensorOrderResumesToTheSameBits) {
+  const std::string path = CheckpointOfAStoppedRun("order_a");
+  auto f = ReadSafetensors(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_EQ(f->tensors.size(), 3 * 17u);  // params, adam_m, adam_v of 2 layers
+  for (size_t i = 1; i < f->tensors.size(); ++i) {
+    EXPECT_LT(f->tensors[i - 1].first, f->tensors[i].first);
+  }
+  EXPECT_EQ(internal::CheckpointChecksum(*f), f->metadata["checksum"]);
+  auto bytes = SerializeSafetensors(*f);
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_TRUE(std::string(bytes->begin(), bytes->end()) == Bytes(path));
+
+  const std::string b = TestDir() + "/order_b";
+  std::error_code ec;
+  fs::remove_all(b, ec);
+  fs::copy(TestDir() + "/order_a", b, fs::copy_options::recursive);
+  std::reverse(f->tensors.begin(), f->tensors.end());
+  ASSERT_TRUE(WriteSafetensors(b + "/checkpoints/step_00000004.safetensors", *f).ok());
+  auto ra = RunTiny(Tiny("order_a"));
+  auto rb = RunTiny(Tiny("order_b"));
+  ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status().ToString() << rb.status().ToString();
+  EXPECT_EQ(ra->resumed_from, 4);
+  EXPECT_EQ(rb->resumed_from, 4);
+  EXPECT_EQ(ra->final_loss, rb->final_loss);
+  EXPECT_EQ(*ra->final_eval_loss, *rb->final_eval_loss);
+  // The next checkpoints hold the same bits (their metadata differ by the
+  // run name).
+  const std::string last = "/checkpoints/step_00000012.safetensors";
+  auto la = ReadSafetensors(TestDir() + "/order_a" + last);
+  auto lb = ReadSafetensors(b + last);
+  ASSERT_TRUE(la.ok() && lb.ok());
+  ASSERT_EQ(la->tensors.size(), lb->tensors.size());
+  for (size_t i = 0; i < la->tensors.size(); ++i) {
+    const Tensor& x = la->tensors[i].second;
+    const Tensor& y = lb->tensors[i].second;
+    EXPECT_EQ(la->tensors[i].first, lb->tensors[i].first);
+    ASSERT_EQ(x.num_bytes(), y.num_bytes());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.num_bytes()), 0) << la->tensors[i].first;
+  }
 }
 
 TEST(TrainRobustness, ACheckpointPastTheRunsStepsIsRefused) {

@@ -217,23 +217,27 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   co.seed = c.data_shuffle_seed;
   Context ctx(co);
   // params: the whole weights the model reads (gathered each step); grads:
-  // this rank's whole gradient; adam_m / adam_v: whole moments, used only to
-  // initialise and load, then freed (a save gathers into fresh ones; the
-  // optimizer runs on the FSDP shards).
+  // this rank's whole gradient. The masters and the AdamW moments live only
+  // in the FSDP shards: the initial weights are sliced from params, a
+  // checkpoint is read into the shards a tensor at a time (resharding is
+  // slicing: whatever rank count wrote it) and saved the same way.
   FP8MOE_ASSIGN_OR_RETURN(ModelParams params, AllocateParams(mc));
   FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, &params));
   FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));
-  FP8MOE_ASSIGN_OR_RETURN(ModelParams adam_m, AllocateParams(mc));
-  FP8MOE_ASSIGN_OR_RETURN(ModelParams adam_v, AllocateParams(mc));
-  for (ModelParams* s : {&adam_m, &adam_v}) {
-    for (auto& [n, t] : s->Named()) std::memset(t->data(), 0, t->num_bytes());
-  }
+  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
+                          internal::FsdpState::Create(*comm, params, expert_group.get(),
+                                                      ring.get()));
+  fsdp->Slice(params);
 
   internal::TrainState state;
   if (c.enable_checkpointing) {
     if (auto latest = internal::LatestCheckpoint(ckpt_dir.string())) {
-      FP8MOE_RETURN_IF_ERROR(
-          internal::LoadCheckpoint(*latest, c, &params, &adam_m, &adam_v, &state));
+      FP8MOE_RETURN_IF_ERROR(internal::LoadCheckpoint(
+          *latest, c, params,
+          [&](const internal::CheckpointTensor& t, const float* whole) {
+            fsdp->LoadTensor(t, whole);
+          },
+          &state));
       if (Status st = data->SetPosition(state.data_position); !st.ok()) {
         return DataLoss("checkpoint '" + *latest + "' has a data_position this dataset cannot "
                         "use: " + st.message() + "; resume with the dataset flags it was "
@@ -243,14 +247,6 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       sum.resumed_from = state.step;
     }
   }
-  // Resharding is slicing: whatever rank count wrote the checkpoint.
-  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
-                          internal::FsdpState::Create(*comm, params, expert_group.get(),
-                                                      ring.get()));
-  fsdp->Slice(params, adam_m, adam_v);
-  // The whole moments are needed again only while saving a checkpoint.
-  adam_m = ModelParams{};
-  adam_v = ModelParams{};
   // The expert weights reach the GMMs as gathered codes (gather8) or bf16
   // copies, never whole in f32, except in the f32 mode (the GMMs read the
   // master) and with a fixed weight calibration (its straight-through mask
@@ -379,16 +375,16 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     state.rng = ctx.rng().state();
     state.data_position = data->Position();
     const std::string path = internal::CheckpointPath(ckpt_dir.string(), step);
-    // Every rank gathers the whole tensors; rank 0 writes the file (a
-    // temporary name, then a rename: no partial checkpoint is ever visible)
-    // and tells the others how it went, which also holds them until the
-    // file is complete.
-    FP8MOE_ASSIGN_OR_RETURN(ModelParams whole_m, AllocateParams(mc));
-    FP8MOE_ASSIGN_OR_RETURN(ModelParams whole_v, AllocateParams(mc));
-    FP8MOE_RETURN_IF_ERROR(fsdp->GatherAll(&params, &whole_m, &whole_v));
-    Status s = lead ? internal::SaveCheckpoint(path, c, raw, params, whole_m, whole_v, state)
-                    : OkStatus();
-    poison_experts();
+    // Every rank gathers the tensors one at a time, in the file's order;
+    // rank 0 writes them (a temporary name, then a rename: no partial
+    // checkpoint is ever visible) and tells the others how it went, which
+    // also holds them until the file is complete.
+    Status s = internal::SaveCheckpoint(
+        path, c, raw, params,
+        [&](const internal::CheckpointTensor& t, float* out) {
+          return fsdp->GatherTensor(t, out);
+        },
+        state, /*write=*/lead);
     int64_t code = static_cast<int64_t>(s.code());
     FP8MOE_RETURN_IF_ERROR(comm->AllReduce(&code, &code, 1, DType::kI64, ReduceOp::kMax));
     if (!lead && code != 0) {

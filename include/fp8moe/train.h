@@ -70,7 +70,7 @@ Result<TrainConfig> TrainConfigFrom(const Config& config);
 // What a training run holds at its peak, from the config alone (bytes; each
 // saturates at UINT64_MAX).
 struct TrainMemoryPlan {
-  uint64_t weights_bytes = 0;     // weights, gradients, AdamW m and v, checkpoint copies
+  uint64_t weights_bytes = 0;     // weights, gradients, FSDP shards, checkpoint buffer
   uint64_t expert_bytes = 0;      // expert weights as the QAT mode presents them
   uint64_t activation_bytes = 0;  // activations kept for the backward, logits, gradients
   uint64_t data_bytes = 0;        // synthetic tables or the text file
