@@ -160,6 +160,21 @@ Result<ModelParams> AllocateParams(const ModelConfig& c) {
   return p;
 }
 
+Status ResizeExperts(const ModelConfig& c, int64_t rows, ModelParams* params) {
+  if (rows < 0 || rows > c.moe.num_experts) {
+    return InvalidArgument("ResizeExperts: " + std::to_string(rows) + " experts is outside [0, " +
+                           std::to_string(c.moe.num_experts) + "]");
+  }
+  const int64_t D = c.emb_dim, F = c.mlp_dim;
+  for (LayerParams& L : params->layers) {
+    L.wi = Tensor{};  // freed before the new ones are made
+    L.wo = Tensor{};
+    FP8MOE_ASSIGN_OR_RETURN(L.wi, Tensor::Create(DType::kF32, {rows, D, 2 * F}));
+    FP8MOE_ASSIGN_OR_RETURN(L.wo, Tensor::Create(DType::kF32, {rows, F, D}));
+  }
+  return OkStatus();
+}
+
 Status InitParams(const ModelConfig& c, uint64_t seed, ModelParams* params) {
   Rng rng(seed);
   for (auto& [name, t] : params->Named()) {
@@ -237,20 +252,29 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   return OkStatus();
 }
 
-// The rows [r E/P, (r+1) E/P) of an expert tensor [E, ...] for ring rank r
-// of P (the whole tensor without a ring).
-TensorView ExpertRows(const Tensor& t, const Communicator* ring) {
+// This rank's experts of an expert tensor: rows [r E/P, (r+1) E/P) of a
+// whole one [E, ...] for ring rank r of P, all of one that holds only those
+// E/P rows, and for one that holds none (ResizeExperts to 0) a view of the
+// E/P rows' shape without data, for the prepare and the shape checks of a
+// mode that never reads the master.
+TensorView ExpertRows(const ModelConfig& c, const Tensor& t, bool wo, const Communicator* ring) {
+  const int64_t E = c.moe.num_experts, P = ring != nullptr ? ring->size() : 1, El = E / P;
   TensorView v = t.view();
-  if (ring == nullptr || ring->size() <= 1) return v;
-  const int64_t P = ring->size(), El = v.shape[0] / P;
-  const int64_t row = static_cast<int64_t>(t.num_elements()) / std::max<int64_t>(v.shape[0], 1);
+  if (v.shape.empty()) return v;  // not a model's tensor: the layer's check names it
+  if (v.shape[0] == 0) {
+    v.data = nullptr;
+    v.shape = wo ? Shape{El, c.mlp_dim, c.emb_dim} : Shape{El, c.emb_dim, 2 * c.mlp_dim};
+    return v;
+  }
+  if (P <= 1 || v.shape[0] != E) return v;
+  const int64_t row = static_cast<int64_t>(t.num_elements()) / E;
   v.data = const_cast<float*>(t.data_as<float>()) + ring->rank() * El * row;
   v.shape[0] = El;
   return v;
 }
 
-MoeWeights MasterOf(const LayerParams& L, const Communicator* ring) {
-  return {L.router.view(), ExpertRows(L.wi, ring), ExpertRows(L.wo, ring)};
+MoeWeights MasterOf(const ModelConfig& c, const LayerParams& L, const Communicator* ring) {
+  return {L.router.view(), ExpertRows(c, L.wi, false, ring), ExpertRows(c, L.wo, true, ring)};
 }
 
 void Add(const float* a, const float* b, size_t n, float* out) {
@@ -265,8 +289,8 @@ Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
   if (prepared->size() != params.layers.size()) prepared->resize(params.layers.size());
   for (size_t l = 0; l < params.layers.size(); ++l) {
     FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, config_.moe,
-                                             ExpertRows(params.layers[l].wi, expert_ring_),
-                                             ExpertRows(params.layers[l].wo, expert_ring_),
+                                             ExpertRows(config_, params.layers[l].wi, false, expert_ring_),
+                                             ExpertRows(config_, params.layers[l].wo, true, expert_ring_),
                                              &(*prepared)[l],
                                              source, static_cast<int64_t>(l)));
   }
@@ -328,7 +352,7 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     MoeOptions mo;
     mo.sum_batch_counts = sum_batch_counts_;
     mo.expert_ring = expert_ring_;
-    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(P, expert_ring_),
+    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(c, P, expert_ring_),
                                       prepared[static_cast<size_t>(l)], &A.moe, b.moe_y.view(),
                                       &mi, mo));
     info->aux_loss += mi.aux_loss;
@@ -367,11 +391,11 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     LayerParams& G = grads->layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
     // MoE FFN: dy = dx; its dx is the gradient of n2.
-    const MoeGradientViews mg{b.dtmp.view(), G.router.view(), ExpertRows(G.wi, expert_ring_),
-                              ExpertRows(G.wo, expert_ring_)};
+    const MoeGradientViews mg{b.dtmp.view(), G.router.view(), ExpertRows(c, G.wi, false, expert_ring_),
+                              ExpertRows(c, G.wo, true, expert_ring_)};
     MoeOptions mo;
     mo.expert_ring = expert_ring_;
-    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(P, expert_ring_),
+    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(c, P, expert_ring_),
                                        prepared[static_cast<size_t>(l)], &A.moe, b.dx.view(),
                                        mg, mo));
     internal::RmsNormBackward(ctx, A.x1.data_as<float>(), P.mlp_norm.data_as<float>(),

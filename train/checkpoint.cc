@@ -218,9 +218,8 @@ void PruneCheckpoints(const std::string& dir, int keep) {
 }
 
 Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
-                      const ModelParams& like, const CheckpointSource& source,
-                      const TrainState& state, bool write) {
-  const std::vector<CheckpointTensor> layout = CheckpointLayout(like);
+                      const std::vector<CheckpointTensor>& layout,
+                      const CheckpointSource& source, const TrainState& state, bool write) {
   size_t largest = 0;
   for (const CheckpointTensor& t : layout) largest = std::max(largest, t.num_elements());
   FP8MOE_ASSIGN_OR_RETURN(Tensor buffer,
@@ -263,7 +262,8 @@ Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const 
 }
 
 Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
-                      const ModelParams& like, const CheckpointSink& sink, TrainState* state) {
+                      const std::vector<CheckpointTensor>& layout, const CheckpointSink& sink,
+                      TrainState* state) {
   // Everything is checked before `sink` sees a tensor or *state changes.
   auto opened = SafetensorsReader::Open(path);
   if (!opened.ok()) {
@@ -289,7 +289,6 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
   }
   // First pass: every tensor of the file, by name, through the checksum;
   // the config's tensors also through the finiteness check.
-  const std::vector<CheckpointTensor> layout = CheckpointLayout(like);
   std::map<std::string, const CheckpointTensor*> wanted;
   for (const CheckpointTensor& t : layout) wanted[t.name] = &t;
   std::vector<const SafetensorsEntry*> entries;

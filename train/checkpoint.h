@@ -68,15 +68,16 @@ std::vector<CheckpointTensor> CheckpointLayout(const ModelParams& like);
 // Fills `out` with tensor t's whole f32 data (t.num_elements() floats).
 using CheckpointSource = std::function<Status(const CheckpointTensor& t, float* out)>;
 
-// Writes the checkpoint of parameters shaped like `like` to `path`, asking
-// `source` for each tensor of CheckpointLayout(like) in turn, into one
+// Writes the checkpoint of `layout` (CheckpointLayout's) to `path`, asking
+// `source` for each of its tensors in turn, into one
 // buffer of the largest tensor. `source` is called for every tensor, in
 // that order, whatever happens to the file (a failed write is reported
 // after the last call and leaves `path` as it was), and with write = false
 // nothing is written at all: the other ranks of a job run this too, so
 // their gathers match the writing rank's.
 Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
-                      const ModelParams& like, const CheckpointSource& source,
+                      const std::vector<CheckpointTensor>& layout,
+                      const CheckpointSource& source,
                       const TrainState& state, bool write = true);
 
 // Receives tensor t's whole f32 data (t.num_elements() floats).
@@ -84,14 +85,15 @@ using CheckpointSink = std::function<void(const CheckpointTensor& t, const float
 
 // Checks the checkpoint at `path` whole — metadata, checksum, the config's
 // tensor names and shapes, finite values — reading one tensor at a time, and
-// only then hands `sink` every tensor of CheckpointLayout(like) (a second
+// only then hands `sink` every tensor of `layout` (a second
 // read) and fills *state. A checkpoint of another model shape or QAT mode
 // is a FailedPrecondition naming both; a malformed one DataLoss; either
 // changes nothing. A read error in the second pass (the file changed or the
 // disk failed after it was checked) is returned after `sink` may have
 // received some tensors.
 Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
-                      const ModelParams& like, const CheckpointSink& sink, TrainState* state);
+                      const std::vector<CheckpointTensor>& layout, const CheckpointSink& sink,
+                      TrainState* state);
 
 // Removes all but the newest `keep` checkpoints of `dir`.
 void PruneCheckpoints(const std::string& dir, int keep);

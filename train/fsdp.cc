@@ -93,9 +93,16 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
   return s;
 }
 
+int64_t FsdpState::UnitOffset(const Unit& u, const Tensor& t) {
+  return static_cast<int64_t>(t.num_elements()) == u.total ? 0 : u.first;
+}
+
 const float* FsdpState::Whole(
     Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors) {
-  if (u.members.size() == 1) return tensors[u.members[0]].second->data_as<float>() + u.first;
+  if (u.members.size() == 1) {
+    const Tensor& t = *tensors[u.members[0]].second;
+    return t.data_as<float>() + UnitOffset(u, t);
+  }
   staged_.reset();
   float* flat = u.staging.data_as<float>();
   for (size_t i = 0; i < u.members.size(); ++i) {
@@ -108,9 +115,9 @@ const float* FsdpState::Whole(
 Status FsdpState::GatherUnit(Unit& u, const Tensor& shard,
                              const std::vector<std::pair<std::string, Tensor*>>& tensors) {
   if (u.members.size() == 1) {
-    return Group(u).AllGatherShards(shard.data(),
-                                    tensors[u.members[0]].second->data_as<float>() + u.first,
-                                    u.total, DType::kF32);
+    Tensor& t = *tensors[u.members[0]].second;
+    return Group(u).AllGatherShards(shard.data(), t.data_as<float>() + UnitOffset(u, t), u.total,
+                                    DType::kF32);
   }
   staged_.reset();
   FP8MOE_RETURN_IF_ERROR(

@@ -55,7 +55,9 @@ class FsdpState : public ExpertWeightSource {
 
   // The f32 masters gathered whole into *params; with skip_experts the
   // expert weights wi / wo are left out (their codes or bf16 copies come
-  // through this ExpertWeightSource instead).
+  // through this ExpertWeightSource instead). An expert tensor may hold all
+  // E experts or only this ring rank's E/P (ResizeExperts); likewise the
+  // gradients of ReduceGradients.
   Status GatherParams(ModelParams* params, bool skip_experts);
   // Checkpoint tensor t (a master or a moment) gathered whole into `out`,
   // the other ring ranks' expert rows included. Collective: every rank
@@ -118,6 +120,9 @@ class FsdpState : public ExpertWeightSource {
       : comm_(comm), ecomm_(expert_group), ring_(ring) {}
   Communicator& Group(const Unit& u) { return u.expert ? ecomm_ : comm_; }
   size_t ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status* error) const;
+  // Where unit u starts in its tensor t: an expert tensor holds all E
+  // experts (the unit at u.first) or only this ring rank's (at 0).
+  static int64_t UnitOffset(const Unit& u, const Tensor& t);
   // The unit's whole data from `tensors` (staged when it has several).
   const float* Whole(Unit& u, const std::vector<std::pair<std::string, const Tensor*>>& tensors);
   // Gathers `shard` of unit u whole into `tensors`.

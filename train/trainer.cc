@@ -223,17 +223,18 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   // slicing: whatever rank count wrote it) and saved the same way.
   FP8MOE_ASSIGN_OR_RETURN(ModelParams params, AllocateParams(mc));
   FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, &params));
-  FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
                           internal::FsdpState::Create(*comm, params, expert_group.get(),
                                                       ring.get()));
   fsdp->Slice(params);
+  // A checkpoint's tensors, whole (params will hold fewer experts).
+  const std::vector<internal::CheckpointTensor> ckpt_layout = internal::CheckpointLayout(params);
 
   internal::TrainState state;
   if (c.enable_checkpointing) {
     if (auto latest = internal::LatestCheckpoint(ckpt_dir.string())) {
       FP8MOE_RETURN_IF_ERROR(internal::LoadCheckpoint(
-          *latest, c, params,
+          *latest, c, ckpt_layout,
           [&](const internal::CheckpointTensor& t, const float* whole) {
             fsdp->LoadTensor(t, whole);
           },
@@ -248,25 +249,19 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     }
   }
   // The expert weights reach the GMMs as gathered codes (gather8) or bf16
-  // copies, never whole in f32, except in the f32 mode (the GMMs read the
-  // master) and with a fixed weight calibration (its straight-through mask
-  // reads the master). Their whole f32 buffers then hold NaN between
-  // checkpoints, so a read of a stale master cannot pass unnoticed.
+  // copies, never in f32, except in the f32 mode (the GMMs read the master)
+  // and with a fixed weight calibration (its straight-through mask reads the
+  // master). So params keep f32 experts only in those modes, and then only
+  // this ring rank's E/P; the gradients hold this ring rank's E/P experts.
   const MoeQuantPlan plan = PlanMoeQuantization(mc.moe);
   const bool f32_experts =
       (plan.mode == MoeQatMode::kNone && mc.moe.dtype == DType::kF32) ||
       (plan.mode != MoeQatMode::kNone &&
        mc.moe.weight_quantization_calibration_method.kind == Calibration::Kind::kFixed);
-  auto poison_experts = [&]() {
-    if (f32_experts) return;
-    for (auto& L : params.layers) {
-      for (Tensor* t : {&L.wi, &L.wo}) {
-        std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(),
-                  std::numeric_limits<float>::quiet_NaN());
-      }
-    }
-  };
-  poison_experts();
+  const int64_t local_experts = mc.moe.num_experts / (ring ? ring->size() : 1);
+  FP8MOE_RETURN_IF_ERROR(ResizeExperts(mc, f32_experts ? local_experts : 0, &params));
+  FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));
+  FP8MOE_RETURN_IF_ERROR(ResizeExperts(mc, local_experts, &grads));
   // A finished run is not trained again: its summary stands.
   if (state.step >= c.steps && fs::exists(run_dir / "summary.json")) {
     std::ifstream in(run_dir / "summary.json");
@@ -380,7 +375,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     // checkpoint is ever visible) and tells the others how it went, which
     // also holds them until the file is complete.
     Status s = internal::SaveCheckpoint(
-        path, c, raw, params,
+        path, c, raw, ckpt_layout,
         [&](const internal::CheckpointTensor& t, float* out) {
           return fsdp->GatherTensor(t, out);
         },

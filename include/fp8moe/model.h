@@ -76,6 +76,11 @@ uint64_t ModelParamCount(const ModelConfig& config);
 // Tensors of the model's shapes, uninitialized. The whole set is checked
 // against the memory cap (CheckMemoryRequest) before anything is allocated.
 Result<ModelParams> AllocateParams(const ModelConfig& config);
+// Reallocates every layer's expert weights wi / wo to hold `rows` experts
+// (uninitialized): E, all of them; E/P, the rows of one ring rank (expert
+// parallelism); or 0, none (the shapes alone, for a run whose experts reach
+// the GMMs only through an ExpertWeightSource). Model reads either.
+Status ResizeExperts(const ModelConfig& config, int64_t rows, ModelParams* params);
 // Normal(0, 1/sqrt(fan_in)) matrices (embedding: Normal(0, 1)), norm gains 1,
 // drawn from Rng(seed) in Named() order.
 Status InitParams(const ModelConfig& config, uint64_t seed, ModelParams* params);
@@ -102,7 +107,7 @@ class Model {
   // Prepares every layer's expert weights for this step into *prepared
   // (resized to L).
   // With a source (FSDP), the codes or bf16 copies come from it and params'
-  // wi / wo give only the shapes (and the f32 mode's weights).
+  // wi / wo may hold no experts (the f32 mode reads them).
   Status PrepareExperts(Context& ctx, const ModelParams& params,
                         std::vector<PreparedMoeWeights>* prepared,
                         ExpertWeightSource* source = nullptr);
@@ -126,9 +131,10 @@ class Model {
   }
   // Expert parallelism (MoeOptions::expert_ring): the MoE layers run on this
   // ring of P ranks and read, prepare and write the gradients of only the
-  // experts [r E/P, (r+1) E/P) of ring rank r: rows of the whole-shaped wi,
-  // wo tensors of the parameters and gradients (the other rows are neither
-  // read nor written). Null: every expert.
+  // experts [r E/P, (r+1) E/P) of ring rank r. The wi / wo tensors of the
+  // parameters and gradients may hold all E experts (those rows are used,
+  // the others neither read nor written) or only these E/P (ResizeExperts);
+  // parameters prepared through a source may hold none. Null: every expert.
   void SetExpertRing(Communicator* ring) { expert_ring_ = ring; }
 
   struct Buffers;
