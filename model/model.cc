@@ -273,6 +273,20 @@ TensorView ExpertRows(const ModelConfig& c, const Tensor& t, bool wo, const Comm
   return v;
 }
 
+// An error unless every layer's wi / wo hold experts (not ResizeExperts to
+// 0): what reads or writes them needs them.
+Status NeedExperts(const ModelParams& p, const std::string& what, const std::string& why) {
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    if (p.layers[l].wi.rank() == 3 && p.layers[l].wi.dim(0) > 0 && p.layers[l].wo.rank() == 3 &&
+        p.layers[l].wo.dim(0) > 0) {
+      continue;
+    }
+    return InvalidArgument("layer " + std::to_string(l) + "'s expert weights in the " + what +
+                           " hold no experts (ResizeExperts to 0), but " + why);
+  }
+  return OkStatus();
+}
+
 MoeWeights MasterOf(const ModelConfig& c, const LayerParams& L, const Communicator* ring) {
   return {L.router.view(), ExpertRows(c, L.wi, false, ring), ExpertRows(c, L.wo, true, ring)};
 }
@@ -286,6 +300,12 @@ void Add(const float* a, const float* b, size_t n, float* out) {
 Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
                              std::vector<PreparedMoeWeights>* prepared,
                              ExpertWeightSource* source) {
+  if (source == nullptr || MoeReadsF32Masters(config_.moe)) {
+    FP8MOE_RETURN_IF_ERROR(NeedExperts(
+        params, "parameters",
+        source == nullptr ? "preparing them without an ExpertWeightSource reads them"
+                          : "this MoE mode reads the f32 masters"));
+  }
   if (prepared->size() != params.layers.size()) prepared->resize(params.layers.size());
   for (size_t l = 0; l < params.layers.size(); ++l) {
     FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, config_.moe,
@@ -307,9 +327,16 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                 hd = c.head_dim, HD = H * hd, V = c.vocab_size, L = c.num_layers;
   const size_t ND = static_cast<size_t>(N * D);
   if (static_cast<int64_t>(params.layers.size()) != L ||
-      static_cast<int64_t>(prepared.size()) != L) {
-    return InvalidArgument("the parameters or prepared experts do not have " +
+      static_cast<int64_t>(prepared.size()) != L ||
+      (grads != nullptr && static_cast<int64_t>(grads->layers.size()) != L)) {
+    return InvalidArgument("the parameters, gradients or prepared experts do not have " +
                            std::to_string(L) + " layers");
+  }
+  if (MoeReadsF32Masters(c.moe)) {
+    FP8MOE_RETURN_IF_ERROR(NeedExperts(params, "parameters", "this MoE mode reads the f32 masters"));
+  }
+  if (grads != nullptr) {
+    FP8MOE_RETURN_IF_ERROR(NeedExperts(*grads, "gradients", "the backward writes them"));
   }
   for (int64_t n = 0; n < N; ++n) {
     if (inputs[n] < 0 || inputs[n] >= V) {

@@ -203,6 +203,26 @@ TEST(Model, BadInputsAreClearErrors) {
   s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("vocab"), std::string::npos) << s.message();
+
+  // Expert tensors without experts (ResizeExperts to 0) where something
+  // reads or writes them: a clear error, never a read of no data.
+  tok.in[3] = 1;
+  ASSERT_TRUE(model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info).ok());
+  ModelParams none = std::move(*grads);
+  ASSERT_TRUE(ResizeExperts(c, 0, &none).ok());
+  EXPECT_EQ(none.layers[0].wi.shape(), (Shape{0, c.emb_dim, 2 * c.mlp_dim}));
+  s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &none, &info);
+  EXPECT_NE(s.message().find("layer 0's expert weights in the gradients hold no experts"),
+            std::string::npos) << s.message();
+  s = model.PrepareExperts(ctx, none, &prepared);
+  EXPECT_NE(s.message().find("without an ExpertWeightSource"), std::string::npos) << s.message();
+  EXPECT_FALSE(ResizeExperts(c, c.moe.num_experts + 1, &none).ok());
+  EXPECT_FALSE(ResizeExperts(c, -1, &none).ok());
+  // Tiny()'s f32 mode reads the masters in the step itself.
+  ASSERT_TRUE(MoeReadsF32Masters(c.moe));
+  s = model.Step(ctx, none, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info);
+  EXPECT_NE(s.message().find("in the parameters hold no experts"), std::string::npos)
+      << s.message();
 }
 
 }  // namespace

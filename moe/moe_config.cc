@@ -709,4 +709,10 @@ MoeQuantPlan PlanMoeQuantization(const MoeConfig& config) {
   return plan;
 }
 
+bool MoeReadsF32Masters(const MoeConfig& config) {
+  const MoeQuantPlan plan = PlanMoeQuantization(config);
+  if (plan.mode == MoeQatMode::kNone) return config.dtype == DType::kF32;
+  return config.weight_quantization_calibration_method.kind == Calibration::Kind::kFixed;
+}
+
 }  // namespace fp8moe

@@ -216,11 +216,12 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   ContextOptions co;
   co.seed = c.data_shuffle_seed;
   Context ctx(co);
-  // params: the whole weights the model reads (gathered each step); grads:
-  // this rank's whole gradient. The masters and the AdamW moments live only
-  // in the FSDP shards: the initial weights are sliced from params, a
-  // checkpoint is read into the shards a tensor at a time (resharding is
-  // slicing: whatever rank count wrote it) and saved the same way.
+  // params: the weights the model reads (gathered each step; the experts as
+  // below); grads: this rank's gradient. The masters and the AdamW moments
+  // live only in the FSDP shards: the initial weights are sliced from params
+  // (initialised whole once: the RNG draws them in order), a checkpoint is
+  // read into the shards a tensor at a time (resharding is slicing: whatever
+  // rank count wrote it) and saved the same way.
   FP8MOE_ASSIGN_OR_RETURN(ModelParams params, AllocateParams(mc));
   FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, &params));
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
@@ -253,11 +254,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   // and with a fixed weight calibration (its straight-through mask reads the
   // master). So params keep f32 experts only in those modes, and then only
   // this ring rank's E/P; the gradients hold this ring rank's E/P experts.
-  const MoeQuantPlan plan = PlanMoeQuantization(mc.moe);
-  const bool f32_experts =
-      (plan.mode == MoeQatMode::kNone && mc.moe.dtype == DType::kF32) ||
-      (plan.mode != MoeQatMode::kNone &&
-       mc.moe.weight_quantization_calibration_method.kind == Calibration::Kind::kFixed);
+  const bool f32_experts = MoeReadsF32Masters(mc.moe);
   const int64_t local_experts = mc.moe.num_experts / (ring ? ring->size() : 1);
   FP8MOE_RETURN_IF_ERROR(ResizeExperts(mc, f32_experts ? local_experts : 0, &params));
   FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));

@@ -180,6 +180,12 @@ struct MoeQuantPlan {
 //     leaves the GMMs unquantized (kNone).
 MoeQuantPlan PlanMoeQuantization(const MoeConfig& config);
 
+// Whether the layer reads the f32 expert masters during a step: the f32 mode
+// (no QAT, dtype=float32: the GMMs read them) and any QAT mode with a fixed
+// weight calibration (its straight-through mask reads them). Otherwise the
+// GMMs read only the prepared codes or bf16 copies.
+bool MoeReadsF32Masters(const MoeConfig& config);
+
 }  // namespace fp8moe
 
 #endif  // FP8MOE_MOE_CONFIG_H_
