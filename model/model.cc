@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "base/check.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/memory.h"
 #include "model/layers.h"
@@ -131,65 +132,111 @@ uint64_t ModelParamCount(const ModelConfig& c) {
                                                       : static_cast<uint64_t>(total);
 }
 
-Result<ModelParams> AllocateParams(const ModelConfig& c) {
+namespace {
+
+size_t Count(const Shape& shape) {
+  size_t n = 1;
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
+                                                       int64_t expert_rows) {
+  const int64_t D = c.emb_dim, HD = c.num_heads * c.head_dim, E = c.moe.num_experts,
+                F = c.mlp_dim, V = c.vocab_size;
+  const int64_t rows = expert_rows < 0 ? E : expert_rows;
+  ModelParams skeleton;  // Named() gives the names and their order
+  skeleton.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
+  std::vector<std::pair<std::string, Shape>> out;
+  for (const auto& [name, t] : skeleton.Named()) {
+    const std::string leaf = name.substr(name.rfind('.') + 1);  // npos + 1 = 0
+    Shape s;
+    if (leaf == "embed") s = {V, D};
+    if (leaf == "lm_head") s = {D, V};
+    if (leaf == "attn_norm" || leaf == "mlp_norm" || leaf == "final_norm") s = {D};
+    if (leaf == "wqkv") s = {D, 3 * HD};
+    if (leaf == "wo_attn") s = {HD, D};
+    if (leaf == "router") s = {D, E};
+    if (leaf == "wi") s = {rows, D, 2 * F};
+    if (leaf == "wo") s = {rows, F, D};
+    FP8MOE_DCHECK(!s.empty());  // every tensor of Named() has its shape here
+    out.emplace_back(name, std::move(s));
+  }
+  return out;
+}
+
+Result<ModelParams> AllocateParams(const ModelConfig& c, int64_t expert_rows) {
   FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(c));
+  if (expert_rows > c.moe.num_experts) {
+    return InvalidArgument("AllocateParams: " + std::to_string(expert_rows) +
+                           " experts per layer, but the model has " +
+                           std::to_string(c.moe.num_experts));
+  }
   // The whole set is checked against the memory cap before the first tensor
   // (and the per-layer table) is allocated.
-  const uint64_t count = ModelParamCount(c);
+  using U = unsigned __int128;  // four validated sizes (< 2^31 each) fit
+  const int64_t E = c.moe.num_experts, rows = expert_rows < 0 ? E : expert_rows;
+  const U whole = ModelParamCount(c);
+  const U left_out = static_cast<U>(c.num_layers) * 3 * static_cast<U>(c.emb_dim) *
+                     static_cast<U>(c.mlp_dim) * static_cast<U>(E - rows);
+  const uint64_t count = static_cast<uint64_t>(whole > left_out ? whole - left_out : 0);
   FP8MOE_RETURN_IF_ERROR(CheckMemoryRequest(
       "the model's f32 weights (" + std::to_string(count) + " parameters)",
       count > std::numeric_limits<uint64_t>::max() / 4 ? std::numeric_limits<uint64_t>::max()
                                                        : count * 4));
-  const int64_t D = c.emb_dim, HD = c.num_heads * c.head_dim, E = c.moe.num_experts,
-                F = c.mlp_dim, V = c.vocab_size;
-  auto make = [](Shape s) { return Tensor::Create(DType::kF32, std::move(s)); };
+  const auto shapes = ParamShapes(c, rows);
   ModelParams p;
-  FP8MOE_ASSIGN_OR_RETURN(p.embed, make({V, D}));
   p.layers.resize(static_cast<size_t>(c.num_layers));
-  for (LayerParams& L : p.layers) {
-    FP8MOE_ASSIGN_OR_RETURN(L.attn_norm, make({D}));
-    FP8MOE_ASSIGN_OR_RETURN(L.wqkv, make({D, 3 * HD}));
-    FP8MOE_ASSIGN_OR_RETURN(L.wo_attn, make({HD, D}));
-    FP8MOE_ASSIGN_OR_RETURN(L.mlp_norm, make({D}));
-    FP8MOE_ASSIGN_OR_RETURN(L.router, make({D, E}));
-    FP8MOE_ASSIGN_OR_RETURN(L.wi, make({E, D, 2 * F}));
-    FP8MOE_ASSIGN_OR_RETURN(L.wo, make({E, F, D}));
+  const auto named = p.Named();
+  for (size_t k = 0; k < named.size(); ++k) {
+    FP8MOE_ASSIGN_OR_RETURN(*named[k].second, Tensor::Create(DType::kF32, shapes[k].second));
   }
-  FP8MOE_ASSIGN_OR_RETURN(p.final_norm, make({D}));
-  FP8MOE_ASSIGN_OR_RETURN(p.lm_head, make({D, V}));
   return p;
 }
 
-Status ResizeExperts(const ModelConfig& c, int64_t rows, ModelParams* params) {
-  if (rows < 0 || rows > c.moe.num_experts) {
-    return InvalidArgument("ResizeExperts: " + std::to_string(rows) + " experts is outside [0, " +
-                           std::to_string(c.moe.num_experts) + "]");
-  }
-  const int64_t D = c.emb_dim, F = c.mlp_dim;
-  for (LayerParams& L : params->layers) {
-    L.wi = Tensor{};  // freed before the new ones are made
-    L.wo = Tensor{};
-    FP8MOE_ASSIGN_OR_RETURN(L.wi, Tensor::Create(DType::kF32, {rows, D, 2 * F}));
-    FP8MOE_ASSIGN_OR_RETURN(L.wo, Tensor::Create(DType::kF32, {rows, F, D}));
+Status InitParams(const ModelConfig& c, uint64_t seed,
+                  const std::function<void(size_t k, const float* data)>& sink) {
+  const auto shapes = ParamShapes(c);
+  size_t largest = 0;
+  for (const auto& [name, shape] : shapes) largest = std::max(largest, Count(shape));
+  FP8MOE_ASSIGN_OR_RETURN(Tensor buffer, Tensor::Create(DType::kF32, {static_cast<int64_t>(largest)}));
+  float* d = buffer.data_as<float>();
+  Rng rng(seed);
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const auto& [name, shape] = shapes[k];
+    const size_t n = Count(shape);
+    if (shape.size() == 1) {  // norm gains
+      std::fill(d, d + n, 1.0f);
+    } else {
+      // fan_in: the contraction dim (rows of [K, N]; K of [E, K, N]).
+      const int64_t fan_in = shape.size() == 3 ? shape[1] : shape[0];
+      const double sd = name == "embed" ? 1.0 : 1.0 / std::sqrt(static_cast<double>(fan_in));
+      for (size_t i = 0; i < n; ++i) d[i] = static_cast<float>(rng.Normal() * sd);
+    }
+    sink(k, d);
   }
   return OkStatus();
 }
 
 Status InitParams(const ModelConfig& c, uint64_t seed, ModelParams* params) {
-  Rng rng(seed);
-  for (auto& [name, t] : params->Named()) {
-    float* d = t->data_as<float>();
-    const size_t n = t->num_elements();
-    if (t->rank() == 1) {  // norm gains
-      std::fill(d, d + n, 1.0f);
-      continue;
+  const auto shapes = ParamShapes(c);
+  const auto named = params->Named();
+  for (size_t k = 0; k < named.size(); ++k) {
+    if (k >= shapes.size() || named[k].second->dtype() != DType::kF32 ||
+        named[k].second->shape() != shapes[k].second) {
+      return InvalidArgument("InitParams needs every parameter whole (AllocateParams with every "
+                             "expert); " + named[k].first + " is " +
+                             ShapeToString(named[k].second->shape()));
     }
-    // fan_in: the contraction dim (rows of [K, N]; K of [E, K, N]).
-    const int64_t fan_in = t->rank() == 3 ? t->dim(1) : t->dim(0);
-    const double sd = name == "embed" ? 1.0 : 1.0 / std::sqrt(static_cast<double>(fan_in));
-    for (size_t i = 0; i < n; ++i) d[i] = static_cast<float>(rng.Normal() * sd);
   }
-  return OkStatus();
+  if (named.size() != shapes.size()) {
+    return InvalidArgument("InitParams: the parameters do not have the config's layers");
+  }
+  return InitParams(c, seed, [&](size_t k, const float* data) {
+    std::memcpy(named[k].second->data(), data, named[k].second->num_bytes());
+  });
 }
 
 // ---- Buffers ----

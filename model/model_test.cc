@@ -183,6 +183,44 @@ TEST(Model, SteadyStateStepAllocatesNothing) {
   }
 }
 
+// The trainer draws the initial weights a tensor at a time (never the whole
+// set): the same bits as InitParams into whole tensors; ParamShapes are the
+// shapes AllocateParams makes, experts included or not.
+TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
+  const ModelConfig c = Tiny();
+  auto whole = AllocateParams(c);
+  ASSERT_TRUE(whole.ok());
+  ASSERT_TRUE(InitParams(c, 11, &*whole).ok());
+  const auto named = whole->Named();
+  const auto shapes = ParamShapes(c);
+  ASSERT_EQ(shapes.size(), named.size());
+  size_t seen = 0;
+  ASSERT_TRUE(InitParams(c, 11, [&](size_t k, const float* data) {
+                EXPECT_EQ(k, seen++);
+                ASSERT_LT(k, named.size());
+                EXPECT_EQ(shapes[k].first, named[k].first);
+                EXPECT_EQ(shapes[k].second, named[k].second->shape());
+                EXPECT_EQ(std::memcmp(data, named[k].second->data(), named[k].second->num_bytes()), 0)
+                    << named[k].first;
+              }).ok());
+  EXPECT_EQ(seen, named.size());
+  for (int64_t rows : {int64_t{0}, int64_t{2}}) {
+    auto part = AllocateParams(c, rows);
+    ASSERT_TRUE(part.ok());
+    const auto pn = part->Named();
+    const auto ps = ParamShapes(c, rows);
+    for (size_t k = 0; k < pn.size(); ++k) {
+      EXPECT_EQ(pn[k].second->shape(), ps[k].second) << pn[k].first;
+      const bool expert = pn[k].first.ends_with(".wi") || pn[k].first.ends_with(".wo");
+      if (expert) {
+        EXPECT_EQ(ps[k].second[0], rows);
+      } else {
+        EXPECT_EQ(ps[k].second, shapes[k].second);
+      }
+    }
+  }
+}
+
 TEST(Model, BadInputsAreClearErrors) {
   ModelConfig c = Tiny();
   c.head_dim = 3;
@@ -204,20 +242,23 @@ TEST(Model, BadInputsAreClearErrors) {
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("vocab"), std::string::npos) << s.message();
 
-  // Expert tensors without experts (ResizeExperts to 0) where something
+  // Expert tensors without experts (AllocateParams with 0) where something
   // reads or writes them: a clear error, never a read of no data.
   tok.in[3] = 1;
   ASSERT_TRUE(model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info).ok());
-  ModelParams none = std::move(*grads);
-  ASSERT_TRUE(ResizeExperts(c, 0, &none).ok());
+  auto made = AllocateParams(c, 0);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  ModelParams none = std::move(*made);
   EXPECT_EQ(none.layers[0].wi.shape(), (Shape{0, c.emb_dim, 2 * c.mlp_dim}));
+  EXPECT_EQ(none.layers[1].wo.shape(), (Shape{0, c.mlp_dim, c.emb_dim}));
+  EXPECT_EQ(none.embed.shape(), params->embed.shape());
   s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &none, &info);
   EXPECT_NE(s.message().find("layer 0's expert weights in the gradients hold no experts"),
             std::string::npos) << s.message();
   s = model.PrepareExperts(ctx, none, &prepared);
   EXPECT_NE(s.message().find("without an ExpertWeightSource"), std::string::npos) << s.message();
-  EXPECT_FALSE(ResizeExperts(c, c.moe.num_experts + 1, &none).ok());
-  EXPECT_FALSE(ResizeExperts(c, -1, &none).ok());
+  EXPECT_FALSE(AllocateParams(c, c.moe.num_experts + 1).ok());
+  EXPECT_FALSE(InitParams(c, 1, &none).ok());  // needs every expert
   // Tiny()'s f32 mode reads the masters in the step itself.
   ASSERT_TRUE(MoeReadsF32Masters(c.moe));
   s = model.Step(ctx, none, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info);

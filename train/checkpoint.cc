@@ -171,14 +171,14 @@ size_t CheckpointTensor::num_elements() const {
   return n;
 }
 
-std::vector<CheckpointTensor> CheckpointLayout(const ModelParams& like) {
+std::vector<CheckpointTensor> CheckpointLayout(
+    const std::vector<std::pair<std::string, Shape>>& shapes) {
   std::vector<CheckpointTensor> out;
   for (const auto& [set, prefix] : {std::pair{CheckpointSet::kParams, "params/"},
                                     {CheckpointSet::kAdamM, "adam_m/"},
                                     {CheckpointSet::kAdamV, "adam_v/"}}) {
-    const auto named = like.Named();
-    for (size_t k = 0; k < named.size(); ++k) {
-      out.push_back({set, k, prefix + named[k].first, named[k].second->shape()});
+    for (size_t k = 0; k < shapes.size(); ++k) {
+      out.push_back({set, k, prefix + shapes[k].first, shapes[k].second});
     }
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name < b.name; });

@@ -60,10 +60,11 @@ struct CheckpointTensor {
   size_t num_elements() const;
 };
 
-// Every tensor of a checkpoint of parameters shaped like `like`, in the
-// file's order: sorted by name, the checksum's order, so a save hashes the
-// data as it writes it.
-std::vector<CheckpointTensor> CheckpointLayout(const ModelParams& like);
+// Every tensor of a checkpoint of the parameters `shapes` (ParamShapes:
+// names and whole shapes in Named() order), in the file's order: sorted by
+// name, the checksum's order, so a save hashes the data as it writes it.
+std::vector<CheckpointTensor> CheckpointLayout(
+    const std::vector<std::pair<std::string, Shape>>& shapes);
 
 // Fills `out` with tensor t's whole f32 data (t.num_elements() floats).
 using CheckpointSource = std::function<Status(const CheckpointTensor& t, float* out)>;

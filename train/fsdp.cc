@@ -22,7 +22,7 @@ Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<d
 }
 
 Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
-                                                     const ModelParams& like,
+                                                     const ParamShapeList& shapes,
                                                      Communicator* expert_group,
                                                      Communicator* ring) {
   if (ring != nullptr && ring->size() <= 1) ring = nullptr;
@@ -44,13 +44,14 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
   }
   const int64_t P = ring != nullptr ? ring->size() : 1, ring_rank = ring != nullptr ? ring->rank() : 0;
   std::unique_ptr<FsdpState> s(new FsdpState(comm, *expert_group, ring));
-  const auto named = like.Named();
   s->units_.emplace_back();  // unit 0: the dense tensors
-  s->parts_.resize(named.size());
-  for (size_t k = 0; k < named.size(); ++k) {
-    const auto& [name, t] = named[k];
+  s->parts_.resize(shapes.size());
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const auto& [name, shape] = shapes[k];
+    int64_t elements = 1;
+    for (int64_t d : shape) elements *= d;
     s->names_.push_back(name);
-    s->decay_.push_back(t->rank() >= 2);
+    s->decay_.push_back(shape.size() >= 2);
     const bool expert =
         name.starts_with("layers.") && (name.ends_with(".wi") || name.ends_with(".wo"));
     if (expert) s->units_.emplace_back();
@@ -60,15 +61,15 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
     u.offsets.push_back(u.total);
     s->parts_[k].unit = expert ? s->units_.size() - 1 : 0;
     if (expert && P > 1) {
-      if (t->shape()[0] % P != 0) {
-        return InvalidArgument(name + " has " + std::to_string(t->shape()[0]) +
+      if (shape[0] % P != 0) {
+        return InvalidArgument(name + " has " + std::to_string(shape[0]) +
                                " experts, which do not divide over " + std::to_string(P) +
                                " expert-parallel ranks");
       }
-      u.total = static_cast<int64_t>(t->num_elements()) / P;
+      u.total = elements / P;
       u.first = ring_rank * u.total;
     } else {
-      u.total += static_cast<int64_t>(t->num_elements());
+      u.total += elements;
     }
   }
   for (Unit& u : s->units_) {
@@ -76,13 +77,16 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
     u.range = GetShardRange(u.total, g.size(), g.rank());
     for (Tensor* t : {&u.master, &u.m, &u.v, &u.g}) {
       FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(DType::kF32, {u.range.size()}));
+      std::memset(t->data(), 0, t->num_bytes());
     }
     if (u.members.size() > 1) {
       FP8MOE_ASSIGN_OR_RETURN(u.staging, Tensor::Create(DType::kF32, {u.total}));
     }
     for (size_t i = 0; i < u.members.size(); ++i) {
       const int64_t lo = u.offsets[i];
-      const int64_t hi = lo + static_cast<int64_t>(named[u.members[i]].second->num_elements());
+      int64_t elements = 1;
+      for (int64_t d : shapes[u.members[i]].second) elements *= d;
+      const int64_t hi = lo + elements;
       const int64_t b = std::max(lo, u.range.begin), e = std::min(hi, u.range.end);
       Part& p = s->parts_[u.members[i]];
       p.begin = b - lo;
@@ -140,16 +144,6 @@ Tensor& FsdpState::ShardOf(Unit& u, CheckpointSet set) {
       break;
   }
   return u.master;
-}
-
-void FsdpState::Slice(const ModelParams& params) {
-  const auto p = params.Named();
-  for (Unit& u : units_) {
-    const size_t bytes = static_cast<size_t>(u.range.size()) * sizeof(float);
-    std::memcpy(u.master.data(), Whole(u, p) + u.range.begin, bytes);
-    std::memset(u.m.data(), 0, bytes);
-    std::memset(u.v.data(), 0, bytes);
-  }
 }
 
 void FsdpState::LoadTensor(const CheckpointTensor& t, const float* whole) {

@@ -24,6 +24,9 @@
 
 namespace fp8moe::internal {
 
+// Every parameter's name and shape, in Named() order (ParamShapes).
+using ParamShapeList = std::vector<std::pair<std::string, Shape>>;
+
 // Sums of per-rank values, the same bits on every rank: all-gathered, then
 // added in rank order in double (the ring's reductions have no f64).
 Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<double>& local);
@@ -36,27 +39,27 @@ Result<std::vector<double>> SumOverRanks(Communicator& comm, const std::vector<d
 // weight is sharded on its own, the flat layout GatherFp8Weight expects.
 class FsdpState : public ExpertWeightSource {
  public:
-  // Shards of tensors shaped like `like` over `comm` (every rank of the job).
+  // Shards of the tensors of `shapes` (ParamShapes: every expert) over
+  // `comm` (every rank of the job), masters and moments zero.
   // With expert parallelism (P > 1 ranks in `ring`, the expert ring of this
   // rank) each expert tensor's unit is only this ring rank's rows
   // [r E/P, (r+1) E/P), sharded over `expert_group` (the F ranks that hold
   // the same experts); the dense unit stays sharded over all of `comm`.
   // Without a ring expert_group must be null or `comm`.
-  static Result<std::unique_ptr<FsdpState>> Create(Communicator& comm, const ModelParams& like,
+  static Result<std::unique_ptr<FsdpState>> Create(Communicator& comm,
+                                                   const ParamShapeList& shapes,
                                                    Communicator* expert_group = nullptr,
                                                    Communicator* ring = nullptr);
 
-  // Keeps this rank's range of every weight as its master and zeroes the
-  // moments (a fresh run).
-  void Slice(const ModelParams& params);
   // Keeps this rank's range of a checkpoint's tensor t (`whole`: all of it,
-  // whatever rank count wrote it: resharding is slicing). Local.
+  // whatever rank count wrote it: resharding is slicing), or of an initial
+  // weight (InitParams' sink). Local.
   void LoadTensor(const CheckpointTensor& t, const float* whole);
 
   // The f32 masters gathered whole into *params; with skip_experts the
   // expert weights wi / wo are left out (their codes or bf16 copies come
   // through this ExpertWeightSource instead). An expert tensor may hold all
-  // E experts or only this ring rank's E/P (ResizeExperts); likewise the
+  // E experts or only this ring rank's E/P (AllocateParams); likewise the
   // gradients of ReduceGradients.
   Status GatherParams(ModelParams* params, bool skip_experts);
   // Checkpoint tensor t (a master or a moment) gathered whole into `out`,

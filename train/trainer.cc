@@ -216,49 +216,51 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   ContextOptions co;
   co.seed = c.data_shuffle_seed;
   Context ctx(co);
-  // params: the weights the model reads (gathered each step; the experts as
-  // below); grads: this rank's gradient. The masters and the AdamW moments
-  // live only in the FSDP shards: the initial weights are sliced from params
-  // (initialised whole once: the RNG draws them in order), a checkpoint is
-  // read into the shards a tensor at a time (resharding is slicing: whatever
-  // rank count wrote it) and saved the same way.
-  FP8MOE_ASSIGN_OR_RETURN(ModelParams params, AllocateParams(mc));
-  FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, &params));
+  // The masters and the AdamW moments live only in the FSDP shards, and no
+  // rank ever holds a whole set of them: the initial weights are drawn a
+  // tensor at a time (InitParams' sink) and sliced, a checkpoint is read into
+  // the shards a tensor at a time (resharding is slicing: whatever rank count
+  // wrote it) and saved the same way.
+  const std::vector<std::pair<std::string, Shape>> shapes = ParamShapes(mc);
+  const std::vector<internal::CheckpointTensor> ckpt_layout = internal::CheckpointLayout(shapes);
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
-                          internal::FsdpState::Create(*comm, params, expert_group.get(),
+                          internal::FsdpState::Create(*comm, shapes, expert_group.get(),
                                                       ring.get()));
-  fsdp->Slice(params);
-  // A checkpoint's tensors, whole (params will hold fewer experts).
-  const std::vector<internal::CheckpointTensor> ckpt_layout = internal::CheckpointLayout(params);
+  auto to_master = [&](size_t k, const float* whole) {
+    fsdp->LoadTensor({internal::CheckpointSet::kParams, k, shapes[k].first, shapes[k].second},
+                     whole);
+  };
 
   internal::TrainState state;
-  if (c.enable_checkpointing) {
-    if (auto latest = internal::LatestCheckpoint(ckpt_dir.string())) {
-      FP8MOE_RETURN_IF_ERROR(internal::LoadCheckpoint(
-          *latest, c, ckpt_layout,
-          [&](const internal::CheckpointTensor& t, const float* whole) {
-            fsdp->LoadTensor(t, whole);
-          },
-          &state));
-      if (Status st = data->SetPosition(state.data_position); !st.ok()) {
-        return DataLoss("checkpoint '" + *latest + "' has a data_position this dataset cannot "
-                        "use: " + st.message() + "; resume with the dataset flags it was "
-                        "trained with, or use another run_name to start a new run");
-      }
-      ctx.rng().set_state(state.rng);
-      sum.resumed_from = state.step;
+  std::optional<std::string> latest;
+  if (c.enable_checkpointing) latest = internal::LatestCheckpoint(ckpt_dir.string());
+  if (!latest) {
+    FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, to_master));
+  } else {
+    FP8MOE_RETURN_IF_ERROR(internal::LoadCheckpoint(
+        *latest, c, ckpt_layout,
+        [&](const internal::CheckpointTensor& t, const float* whole) { fsdp->LoadTensor(t, whole); },
+        &state));
+    if (Status st = data->SetPosition(state.data_position); !st.ok()) {
+      return DataLoss("checkpoint '" + *latest + "' has a data_position this dataset cannot "
+                      "use: " + st.message() + "; resume with the dataset flags it was "
+                      "trained with, or use another run_name to start a new run");
     }
+    ctx.rng().set_state(state.rng);
+    sum.resumed_from = state.step;
   }
-  // The expert weights reach the GMMs as gathered codes (gather8) or bf16
-  // copies, never in f32, except in the f32 mode (the GMMs read the master)
-  // and with a fixed weight calibration (its straight-through mask reads the
-  // master). So params keep f32 experts only in those modes, and then only
-  // this ring rank's E/P; the gradients hold this ring rank's E/P experts.
+  // params: the weights the model reads, gathered each step; grads: this
+  // rank's gradient. The expert weights reach the GMMs as gathered codes
+  // (gather8) or bf16 copies, never in f32, except in the f32 mode (the GMMs
+  // read the master) and with a fixed weight calibration (its
+  // straight-through mask reads the master). So params hold f32 experts only
+  // in those modes, and then only this ring rank's E/P; the gradients hold
+  // this ring rank's E/P experts.
   const bool f32_experts = MoeReadsF32Masters(mc.moe);
   const int64_t local_experts = mc.moe.num_experts / (ring ? ring->size() : 1);
-  FP8MOE_RETURN_IF_ERROR(ResizeExperts(mc, f32_experts ? local_experts : 0, &params));
-  FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc));
-  FP8MOE_RETURN_IF_ERROR(ResizeExperts(mc, local_experts, &grads));
+  FP8MOE_ASSIGN_OR_RETURN(ModelParams params,
+                          AllocateParams(mc, f32_experts ? local_experts : 0));
+  FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc, local_experts));
   // A finished run is not trained again: its summary stands.
   if (state.step >= c.steps && fs::exists(run_dir / "summary.json")) {
     std::ifstream in(run_dir / "summary.json");

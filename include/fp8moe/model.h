@@ -73,17 +73,25 @@ struct ModelParams {
 // UINT64_MAX for configs that fail ValidateModelConfig.
 uint64_t ModelParamCount(const ModelConfig& config);
 
-// Tensors of the model's shapes, uninitialized. The whole set is checked
-// against the memory cap (CheckMemoryRequest) before anything is allocated.
-Result<ModelParams> AllocateParams(const ModelConfig& config);
-// Reallocates every layer's expert weights wi / wo to hold `rows` experts
-// (uninitialized): E, all of them; E/P, the rows of one ring rank (expert
-// parallelism); or 0, none (the shapes alone, for a run whose experts reach
-// the GMMs only through an ExpertWeightSource). Model reads either.
-Status ResizeExperts(const ModelConfig& config, int64_t rows, ModelParams* params);
+// Every parameter's name and shape, in ModelParams::Named() order; the
+// expert weights wi / wo with `expert_rows` experts (-1: all E).
+std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& config,
+                                                       int64_t expert_rows = -1);
+
+// Tensors of ParamShapes(config, expert_rows), uninitialized. expert_rows:
+// -1 or E, every expert; E/P, the experts of one ring rank (expert
+// parallelism); 0, none (the shapes alone, for a run whose experts reach the
+// GMMs only through an ExpertWeightSource). Model reads each of these. The
+// set is checked against the memory cap (CheckMemoryRequest) before
+// anything is allocated.
+Result<ModelParams> AllocateParams(const ModelConfig& config, int64_t expert_rows = -1);
 // Normal(0, 1/sqrt(fan_in)) matrices (embedding: Normal(0, 1)), norm gains 1,
 // drawn from Rng(seed) in Named() order.
 Status InitParams(const ModelConfig& config, uint64_t seed, ModelParams* params);
+// The same values one tensor at a time, never the whole set: `sink` gets
+// parameter k (Named() order, its whole ParamShapes(config) shape) in turn.
+Status InitParams(const ModelConfig& config, uint64_t seed,
+                  const std::function<void(size_t k, const float* data)>& sink);
 
 // Per-step results of the model.
 struct ModelStepInfo {
@@ -133,7 +141,7 @@ class Model {
   // ring of P ranks and read, prepare and write the gradients of only the
   // experts [r E/P, (r+1) E/P) of ring rank r. The wi / wo tensors of the
   // parameters and gradients may hold all E experts (those rows are used,
-  // the others neither read nor written) or only these E/P (ResizeExperts);
+  // the others neither read nor written) or only these E/P (AllocateParams);
   // parameters prepared through a source may hold none. Null: every expert.
   void SetExpertRing(Communicator* ring) { expert_ring_ = ring; }
 
