@@ -16,7 +16,9 @@
 #    expert-parallel run resumes on one rank within 1e-5; with
 #    num_moe_token_chunks=3 within 1e-5;
 # 5. memory: rank 0's peak on RANKS expert-parallel ranks (and 2 x 2) is at
-#    most a stated fraction of one rank's;
+#    most a stated fraction of one rank's, and within its per-rank memory
+#    plan; a memory cap that refuses the model on one rank lets it train on
+#    RANKS;
 # 6. a layout that does not fit the job, experts that do not divide over
 #    ici_expert_parallelism, and flags that differ across ranks are errors on
 #    every rank, exit 2.
@@ -127,14 +129,32 @@ if [ "$ranks" -eq 4 ]; then
 fi
 python3 - "$dir" "$ranks" $layouts <<'EOF'
 import json, sys
-peak = lambda run: json.load(open(f"{sys.argv[1]}/{run}/summary.json"))["peak_bytes"]
-one, ranks = peak("mem_one"), int(sys.argv[2])
+get = lambda run, key: json.load(open(f"{sys.argv[1]}/{run}/summary.json"))[key]
+one, ranks = get("mem_one", "peak_bytes"), int(sys.argv[2])
 bound = {"mem_ep": 0.65 if ranks == 2 else 0.45, "mem_f2p2": 0.5}
-for run in sys.argv[3:]:
-    r = peak(run) / one
-    print(f"  {run}: peak {peak(run)} bytes, {r:.3f} of one rank's {one} (bound {bound[run]})")
-    assert r < bound[run], run
+for run in ["mem_one"] + sys.argv[3:]:
+    peak, plan = get(run, "peak_bytes"), get(run, "memory_plan_bytes")
+    r = peak / one
+    print(f"  {run}: peak {peak} bytes, {r:.3f} of one rank's (bound {bound.get(run, 1)}); "
+          f"the rank's memory plan {plan} bytes ({plan / peak:.2f}x the peak)")
+    assert r <= bound.get(run, 1) and peak <= plan <= 8 * peak, run
 EOF
+# The plan is per rank: a memory cap between the N-rank plan and the
+# 1-rank one refuses the run on one rank (exit 2, before any work) and
+# lets it run on N.
+read -r plan_one plan_many <<< "$(python3 -c 'import json, sys
+print(*(json.load(open(f"{sys.argv[1]}/{r}/summary.json"))["memory_plan_bytes"]
+        for r in ("mem_one", "mem_ep")))' "$dir")"
+cap=$(( (plan_one + plan_many) / 2 ))
+set +e
+FP8MOE_MEMORY_CAP=$cap "$fp8moe" train "${big[@]}" run_name=mem_cap_one > /dev/null 2> "$dir/err"
+rc=$?
+set -e
+echo "  FP8MOE_MEMORY_CAP=$cap: one rank exits $rc"
+test "$rc" -eq 2 && grep -q "memory cap" "$dir/err"
+FP8MOE_MEMORY_CAP=$cap "${mpi[@]}" "$fp8moe" train "${big[@]}" "${ep[@]}" \
+  run_name=mem_cap_many > /dev/null
+echo "  FP8MOE_MEMORY_CAP=$cap: $ranks expert-parallel ranks train"
 
 # expect_error WHAT GREP COMMAND...: a non-zero exit and the message from every rank
 expect_error() {

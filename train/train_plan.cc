@@ -28,7 +28,7 @@ uint64_t Saturate(U v) {
 
 }  // namespace
 
-TrainMemoryPlan PlanTrainMemory(const TrainConfig& c) {
+TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expert) {
   // Every size is at most 2^31 (Pos) and each product below has at most four
   // such factors, so 128-bit arithmetic cannot overflow.
   const ModelConfig& m = c.model;
@@ -36,23 +36,32 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c) {
           H = Pos(m.num_heads), HD = H * Pos(m.head_dim), V = Pos(m.vocab_size),
           F = Pos(m.mlp_dim), E = Pos(m.moe.num_experts), L = Pos(m.num_layers),
           k = Pos(m.moe.num_experts_per_tok);
+  const U Pe = std::max<U>(Pos(expert), 1), ranks = std::max<U>(Pos(fsdp), 1) * Pe;
   TrainMemoryPlan plan;
-  // The whole weights the model reads and this rank's whole gradient: 2 f32
-  // sets; the FSDP state (train/fsdp.h): the shards of master, m, v and
-  // gradient (whole tensors on one rank; the plan does not count on more
-  // ranks): 4 sets; the staging of the dense unit's gathers (the dense
-  // tensors once); and the one-tensor buffer a checkpoint save or resume
-  // streams through (the largest tensor). No set is ever held whole for a
-  // checkpoint.
+  // f32 sets of the parameters (train/trainer.cc, train/fsdp.h):
+  // - the weights the model reads: the dense ones whole, and the experts
+  //   only where the layer reads f32 masters, then this ring rank's E/P;
+  // - this rank's gradient: the dense tensors and its E/P experts;
+  // - the FSDP shards of master, m, v and gradient: 1/ranks of the dense
+  //   unit and of every expert tensor (each rounded up: +1 per unit);
+  // - the staging of the dense unit's gathers;
+  // - the one-tensor buffer the initial weights, a save or a resume stream
+  //   through (the largest tensor).
   const U params = ModelParamCount(m);
-  const U expert = E * D * 2 * F + E * F * D;
-  const U dense = params - std::min(params, L * expert);
+  const U expert_layer = E * D * 2 * F + E * F * D;
+  const U experts = L * expert_layer;
+  const U dense = params - std::min(params, experts);
+  const U local_experts = experts / Pe;
   const U largest = std::max({V * D, D * 3 * HD, E * D * 2 * F, D * E});
-  plan.weights_bytes = Saturate(4 * (6 * params + dense + largest));
+  const U shards = 4 * (dense / ranks + experts / ranks + 2 * L + 1);
+  const U f32_experts = MoeReadsF32Masters(m.moe) ? local_experts : 0;
+  plan.weights_bytes =
+      Saturate(4 * ((dense + f32_experts) + (dense + local_experts) + shards + dense + largest));
   // The expert weights as the QAT mode presents them to the GMMs (codes, a
-  // BF16 copy, scales: at most 4 bytes an element, every layer), and the f32
-  // copies one layer's backward makes (8 bytes an element, one layer).
-  plan.expert_bytes = Saturate(4 * L * expert + 8 * expert);
+  // BF16 copy, scales: at most 4 bytes an element, every layer, this ring
+  // rank's experts), and the f32 copies one layer's backward makes (8 bytes
+  // an element, one layer).
+  plan.expert_bytes = Saturate((4 * experts + 8 * expert_layer) / Pe);
   // Activations kept for the backward, per layer: x, n1, x1, n2 [N, D];
   // inv1, inv2 [N]; qkv [N, 3HD]; attention probabilities [B, H, S, S];
   // attn [N, HD]; the MoE layer's router logits [N, E], routing tables (24
@@ -68,6 +77,8 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c) {
   const bool f32 = m.moe.dtype == DType::kF32 &&
                    PlanMoeQuantization(m.moe).mode == MoeQatMode::kNone;
   const U act = f32 ? 4 : 2;
+  // On more ranks: the whole global batch still (an upper bound for a
+  // rank's share, the ring's gathered tokens included).
   const U per_layer = 4 * (4 * N * D + 2 * N + 3 * N * HD + B * H * S * S + N * HD + N * E) +
                       24 * pairs + act * rows * (D + 2 * F + F + D);
   const U global = 4 * (5 * N * D + N + 2 * N * V + 4 * N * HD + S * Pos(m.head_dim)) +
@@ -94,11 +105,12 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c) {
   return plan;
 }
 
-Status CheckTrainMemory(const TrainConfig& c) {
-  const TrainMemoryPlan p = PlanTrainMemory(c);
+Status CheckTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expert) {
+  const TrainMemoryPlan p = PlanTrainMemory(c, fsdp, expert);
+  const int64_t ranks = std::max<int64_t>(fsdp, 1) * std::max<int64_t>(expert, 1);
   return CheckMemoryRequest(
-      "this training run (model " + std::to_string(ModelParamCount(c.model)) +
-          " parameters: weights, gradients, master and AdamW shards and the checkpoint buffer " +
+      "this training run (model " + std::to_string(ModelParamCount(c.model)) + " parameters" +
+          (ranks > 1 ? "; each of " + std::to_string(ranks) + " ranks holds" : "") + ": weights, gradients, master and AdamW shards and the checkpoint buffer " +
           FormatBytes(p.weights_bytes) + "; expert weights for the GMMs " +
           FormatBytes(p.expert_bytes) + "; activations of per_device_batch_size x "
           "max_target_length tokens " + FormatBytes(p.activation_bytes) + "; data " +

@@ -179,8 +179,11 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   // The whole run's memory against the cap, before a directory is created or
   // a byte allocated.
   FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(mc));
-  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c));
+  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c, layout.fsdp, layout.expert));
   TrainSummary sum;
+  sum.memory_plan_bytes =
+      static_cast<int64_t>(std::min<uint64_t>(PlanTrainMemory(c, layout.fsdp, layout.expert).total_bytes,
+                                              std::numeric_limits<int64_t>::max()));
   sum.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc.moe).mode));
   const fs::path run_dir = fs::path(c.base_output_directory) / c.run_name;
   const fs::path ckpt_dir = run_dir / "checkpoints";
@@ -604,6 +607,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
              {"quantization_mode", sum.quantization_mode},
              {"nonfinite_steps", sum.nonfinite_steps},
              {"peak_bytes", sum.peak_bytes},
+             {"memory_plan_bytes", sum.memory_plan_bytes},
              {"allocations_per_step", sum.allocations_per_step},
              {"wall_time_s", Now() - t_start},
              {"config", raw.ToYaml()}};

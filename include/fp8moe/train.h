@@ -67,8 +67,9 @@ struct TrainConfig {
 // named with its flag and fix in one InvalidArgument.
 Result<TrainConfig> TrainConfigFrom(const Config& config);
 
-// What a training run holds at its peak, from the config alone (bytes; each
-// saturates at UINT64_MAX).
+// What one rank of a training run holds at its peak, from the config and the
+// layout alone (bytes; each saturates at UINT64_MAX): `fsdp` x `expert`
+// ranks (ici_fsdp_parallelism x ici_expert_parallelism; 1 x 1: one rank).
 struct TrainMemoryPlan {
   uint64_t weights_bytes = 0;     // weights, gradients, FSDP shards, checkpoint buffer
   uint64_t expert_bytes = 0;      // expert weights as the QAT mode presents them
@@ -77,12 +78,12 @@ struct TrainMemoryPlan {
   uint64_t scratch_bytes = 0;     // the kernels' scratch, with a margin
   uint64_t total_bytes = 0;
 };
-TrainMemoryPlan PlanTrainMemory(const TrainConfig& config);
+TrainMemoryPlan PlanTrainMemory(const TrainConfig& config, int64_t fsdp = 1, int64_t expert = 1);
 
 // Checks the plan against the memory cap (CheckMemoryRequest): Train calls it
 // before it creates a directory or allocates anything. ResourceExhausted names
 // the bytes of each part, the total and the cap.
-Status CheckTrainMemory(const TrainConfig& config);
+Status CheckTrainMemory(const TrainConfig& config, int64_t fsdp = 1, int64_t expert = 1);
 
 // The learning rate of 0-based step `step`: linear warmup from lr/W to lr over
 // the first W = round(warmup_steps_fraction * steps) steps, then a cosine
@@ -112,7 +113,8 @@ struct TrainSummary {
   double tokens_per_s = 0;
   int64_t nonfinite_steps = 0;
   std::string quantization_mode;  // MoeQatModeName
-  int64_t peak_bytes = 0;         // library memory high-water mark
+  int64_t peak_bytes = 0;         // library memory high-water mark (after setup)
+  int64_t memory_plan_bytes = 0;  // what PlanTrainMemory allowed for this rank
   double allocations_per_step = 0;  // after this process's first step
 };
 
