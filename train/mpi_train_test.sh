@@ -20,8 +20,8 @@
 #    plan; a memory cap that refuses the model on one rank lets it train on
 #    RANKS;
 # 6. a layout that does not fit the job, experts that do not divide over
-#    ici_expert_parallelism, and flags that differ across ranks are errors on
-#    every rank, exit 2.
+#    ici_expert_parallelism, flags that differ across ranks, and a save that
+#    fails on rank 0 are errors on every rank, exit 2.
 set -euo pipefail
 ranks=$1 fp8moe=$2 mpiexec=$3
 shift 3
@@ -182,4 +182,12 @@ expect_error "num_experts=3, ici_expert_parallelism=$ranks" \
 expect_error "flags that differ across ranks" "config fingerprint" \
   bash -c 'exec "$0" train "$@" learning_rate=$((OMPI_COMM_WORLD_RANK + 1))e-3' \
   "$fp8moe" "${tiny[@]}" run_name=bad
+# A save that fails on rank 0 part way through the file (a 2 MiB file-size
+# limit on rank 0 alone, the checkpoint is 19 MB): rank 0 keeps gathering
+# the remaining tensors with the others, every rank exits 2 naming the save,
+# and no checkpoint or temporary file is left.
+expect_error "a save that fails on rank 0" "save the checkpoint of step 2" \
+  bash -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then trap "" XFSZ; ulimit -f 2048; fi
+           exec "$0" train "$@"' "$fp8moe" "${big[@]}" run_name=save_fails
+test -z "$(ls -A "$dir/save_fails/checkpoints")"
 echo "ok"
