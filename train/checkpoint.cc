@@ -220,6 +220,12 @@ void PruneCheckpoints(const std::string& dir, int keep) {
 Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
                       const std::vector<CheckpointTensor>& layout,
                       const CheckpointSource& source, const TrainState& state, bool write) {
+  // The checksum is streamed in name order: a layout in any other order
+  // would record a checksum that no load could match.
+  if (!std::is_sorted(layout.begin(), layout.end(),
+                      [](const auto& a, const auto& b) { return a.name < b.name; })) {
+    return Internal("SaveCheckpoint needs CheckpointLayout's order (tensors sorted by name)");
+  }
   size_t largest = 0;
   for (const CheckpointTensor& t : layout) largest = std::max(largest, t.num_elements());
   FP8MOE_ASSIGN_OR_RETURN(Tensor buffer,
