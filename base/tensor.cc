@@ -97,11 +97,13 @@ std::string ShapeToString(const Shape& shape) {
   return s + "]";
 }
 
-size_t TensorView::num_elements() const {
+size_t NumElements(const Shape& shape) {
   size_t n = 1;
   for (int64_t d : shape) n *= static_cast<size_t>(d);
   return n;
 }
+
+size_t TensorView::num_elements() const { return NumElements(shape); }
 
 void Tensor::Free::operator()(uint8_t* p) const {
   internal::TrackRelease(static_cast<int64_t>(bytes));

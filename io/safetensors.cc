@@ -715,11 +715,7 @@ Result<SafetensorsFile> ParseSafetensors(const uint8_t* data, size_t size) {
   });
 }
 
-uint64_t SafetensorsEntry::num_bytes() const {
-  uint64_t n = DTypeSize(dtype);
-  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
-  return n;
-}
+uint64_t SafetensorsEntry::num_bytes() const { return NumElements(shape) * DTypeSize(dtype); }
 
 // ---- SafetensorsReader ----
 

@@ -132,16 +132,6 @@ uint64_t ModelParamCount(const ModelConfig& c) {
                                                       : static_cast<uint64_t>(total);
 }
 
-namespace {
-
-size_t Count(const Shape& shape) {
-  size_t n = 1;
-  for (int64_t d : shape) n *= static_cast<size_t>(d);
-  return n;
-}
-
-}  // namespace
-
 std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
                                                        int64_t expert_rows) {
   const int64_t D = c.emb_dim, HD = c.num_heads * c.head_dim, E = c.moe.num_experts,
@@ -200,13 +190,13 @@ Status InitParams(const ModelConfig& c, uint64_t seed,
                   const std::function<void(size_t k, const float* data)>& sink) {
   const auto shapes = ParamShapes(c);
   size_t largest = 0;
-  for (const auto& [name, shape] : shapes) largest = std::max(largest, Count(shape));
+  for (const auto& [name, shape] : shapes) largest = std::max(largest, NumElements(shape));
   FP8MOE_ASSIGN_OR_RETURN(Tensor buffer, Tensor::Create(DType::kF32, {static_cast<int64_t>(largest)}));
   float* d = buffer.data_as<float>();
   Rng rng(seed);
   for (size_t k = 0; k < shapes.size(); ++k) {
     const auto& [name, shape] = shapes[k];
-    const size_t n = Count(shape);
+    const size_t n = NumElements(shape);
     if (shape.size() == 1) {  // norm gains
       std::fill(d, d + n, 1.0f);
     } else {
@@ -301,7 +291,7 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
 
 // This rank's experts of an expert tensor: rows [r E/P, (r+1) E/P) of a
 // whole one [E, ...] for ring rank r of P, all of one that holds only those
-// E/P rows, and for one that holds none (ResizeExperts to 0) a view of the
+// E/P rows, and for one that holds none (AllocateParams with 0) a view of the
 // E/P rows' shape without data, for the prepare and the shape checks of a
 // mode that never reads the master.
 TensorView ExpertRows(const ModelConfig& c, const Tensor& t, bool wo, const Communicator* ring) {
@@ -320,8 +310,8 @@ TensorView ExpertRows(const ModelConfig& c, const Tensor& t, bool wo, const Comm
   return v;
 }
 
-// An error unless every layer's wi / wo hold experts (not ResizeExperts to
-// 0): what reads or writes them needs them.
+// An error unless every layer's wi / wo hold experts (not AllocateParams
+// with 0): what reads or writes them needs them.
 Status NeedExperts(const ModelParams& p, const std::string& what, const std::string& why) {
   for (size_t l = 0; l < p.layers.size(); ++l) {
     if (p.layers[l].wi.rank() == 3 && p.layers[l].wi.dim(0) > 0 && p.layers[l].wo.rank() == 3 &&
@@ -329,7 +319,7 @@ Status NeedExperts(const ModelParams& p, const std::string& what, const std::str
       continue;
     }
     return InvalidArgument("layer " + std::to_string(l) + "'s expert weights in the " + what +
-                           " hold no experts (ResizeExperts to 0), but " + why);
+                           " hold no experts (AllocateParams with 0), but " + why);
   }
   return OkStatus();
 }

@@ -165,12 +165,6 @@ std::string CheckpointChecksum(const SafetensorsFile& f) {
   return c.Hex();
 }
 
-size_t CheckpointTensor::num_elements() const {
-  size_t n = 1;
-  for (int64_t d : shape) n *= static_cast<size_t>(d);
-  return n;
-}
-
 std::vector<CheckpointTensor> CheckpointLayout(
     const std::vector<std::pair<std::string, Shape>>& shapes) {
   std::vector<CheckpointTensor> out;

@@ -57,7 +57,7 @@ struct CheckpointTensor {
   size_t index = 0;
   std::string name;
   Shape shape;
-  size_t num_elements() const;
+  size_t num_elements() const { return NumElements(shape); }
 };
 
 // Every tensor of a checkpoint of the parameters `shapes` (ParamShapes:

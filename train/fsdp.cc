@@ -48,8 +48,7 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
   s->parts_.resize(shapes.size());
   for (size_t k = 0; k < shapes.size(); ++k) {
     const auto& [name, shape] = shapes[k];
-    int64_t elements = 1;
-    for (int64_t d : shape) elements *= d;
+    const auto elements = static_cast<int64_t>(NumElements(shape));
     s->names_.push_back(name);
     s->decay_.push_back(shape.size() >= 2);
     const bool expert =
@@ -84,9 +83,7 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
     }
     for (size_t i = 0; i < u.members.size(); ++i) {
       const int64_t lo = u.offsets[i];
-      int64_t elements = 1;
-      for (int64_t d : shapes[u.members[i]].second) elements *= d;
-      const int64_t hi = lo + elements;
+      const int64_t hi = lo + static_cast<int64_t>(NumElements(shapes[u.members[i]].second));
       const int64_t b = std::max(lo, u.range.begin), e = std::min(hi, u.range.end);
       Part& p = s->parts_[u.members[i]];
       p.begin = b - lo;

@@ -24,6 +24,10 @@ using Shape = std::vector<int64_t>;
 Result<size_t> CheckedNumElements(const Shape& shape, size_t elem_size,
                                   size_t max_bytes = SIZE_MAX / 2);
 
+// The product of `shape`'s dimensions, unchecked: for shapes that have
+// already passed CheckedNumElements (a tensor's, a validated config's).
+size_t NumElements(const Shape& shape);
+
 // "[2, 3, 4]".
 std::string ShapeToString(const Shape& shape);
 
