@@ -213,34 +213,37 @@ TEST(KernelPath, ReferenceBackendRunsTheReference) {
 
 // ---- Scratch: a repeated call allocates nothing ----------------------------------
 
-TEST(Scratch, RepeatedCallsAllocateNothing) {
-  FP8MOE_RANDOM_SEED(seed);
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  const int64_t e = 4, rows = 40, k = 96, n = 80, m = e * rows;
-  Tensor gs = Groups(e, rows);
-  Operand lhs = Random(rng, DType::kBF16, {m, k}), lhs32 = Random(rng, DType::kF32, {m, k});
-  Operand wb = Random(rng, DType::kBF16, {e, k, n}), wq = Random(rng, DType::kE4M3FN, {e, k, n});
-  Operand wi = Random(rng, DType::kI8, {e, k, n}), dout = Random(rng, DType::kBF16, {m, n});
-  Operand dout32 = Random(rng, DType::kF32, {m, n});
-  Tensor out = Make(DType::kBF16, {m, n / 2}), h = Make(DType::kF32, {m, n});
-  Tensor dl = Make(DType::kF32, {m, 2 * k}), hh = Make(DType::kF32, {m, 2 * k});
-  std::memset(hh.data(), 0, hh.num_bytes());
-  Tensor dw = Make(DType::kF32, {e, k, n});
-  TensorView hv = h.view(), hhv = hh.view();
-  Context ctx;
-  // Every pre-pass and scratch buffer the CPU backend has: SwiGLU with h
-  // (C tile, epilogue rows), fake QAT (the BF16 weight copy), native fp8 and
-  // int8 (activation codes), dLHS from codes with dSwiGLU, TGMM with the
-  // in-kernel gradient quantization (gradient codes, scales, row tiles).
-  // The views are made once: a TensorView holds its Shape (a vector), so
-  // making one allocates; the calls themselves must not.
-  const TensorView lhs_v = lhs.t.view(), lhs32_v = lhs32.t.view(), gs_v = gs.view();
-  const TensorView wb_v = wb.t.view(), wq_v = wq.t.view(), wi_v = wi.t.view();
-  const TensorView dout_v = dout.t.view(), dout32_v = dout32.t.view();
-  const TensorView out_v = out.view(), dl_v = dl.view(), dw_v = dw.view();
-  const TensorView* wq_scale = wq.scale_view();
-  const TensorView* wi_scale = wi.scale_view();
-  auto all = [&]() {
+// Every pre-pass and scratch buffer the CPU backend has, on one Context:
+// SwiGLU with h (C tile, epilogue rows), fake QAT (the BF16 weight copy),
+// native fp8 and int8 (activation codes), dLHS from codes with dSwiGLU, TGMM
+// with the in-kernel gradient quantization per tile and per group (gradient
+// codes, scales, row tiles). The views are made once: a TensorView holds its
+// Shape (a vector), so making one allocates; the calls themselves must not.
+struct EveryScratchUser {
+  static constexpr int64_t e = 4, rows = 40, k = 96, n = 80, m = e * rows;
+  explicit EveryScratchUser(std::mt19937& rng)
+      : lhs(Random(rng, DType::kBF16, {m, k})),
+        lhs32(Random(rng, DType::kF32, {m, k})),
+        wb(Random(rng, DType::kBF16, {e, k, n})),
+        wq(Random(rng, DType::kE4M3FN, {e, k, n})),
+        wi(Random(rng, DType::kI8, {e, k, n})),
+        dout(Random(rng, DType::kBF16, {m, n})),
+        dout32(Random(rng, DType::kF32, {m, n})),
+        out(Make(DType::kBF16, {m, n / 2})),
+        h(Make(DType::kF32, {m, n})),
+        dl(Make(DType::kF32, {m, 2 * k})),
+        hh(Make(DType::kF32, {m, 2 * k})),
+        dw(Make(DType::kF32, {e, k, n})) {
+    std::memset(hh.data(), 0, hh.num_bytes());
+    lhs_v = lhs.t.view(), lhs32_v = lhs32.t.view();
+    wb_v = wb.t.view(), wq_v = wq.t.view(), wi_v = wi.t.view();
+    dout_v = dout.t.view(), dout32_v = dout32.t.view();
+    out_v = out.view(), dl_v = dl.view(), dw_v = dw.view(), hv = h.view(), hhv = hh.view();
+    wq_scale = wq.scale_view();
+    wi_scale = wi.scale_view();
+  }
+  // Every call once with these group sizes.
+  void Run(Context& ctx, const TensorView& gs_v) {
     GmmOptions o;
     o.epilogue = GmmEpilogue::kSwiGlu;
     for (GmmMode mode : {GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8, GmmMode::kInt8}) {
@@ -256,16 +259,32 @@ TEST(Scratch, RepeatedCallsAllocateNothing) {
     ASSERT_TRUE(GmmDlhs(ctx, od, dout_v, wq_v, wq_scale, gs_v, dl_v, &hhv).ok());
     GmmOptions ot;
     ot.mode = GmmMode::kF32;
-    TgmmQuant q;
-    q.dout_dtype = QuantDType::kE5M2;
-    q.per_group = false;
-    ASSERT_TRUE(Tgmm(ctx, ot, q, lhs32_v, dout32_v, gs_v, dw_v).ok());
-  };
-  all();
+    for (bool per_group : {false, true}) {
+      TgmmQuant q;
+      q.dout_dtype = QuantDType::kE5M2;
+      q.per_group = per_group;
+      ASSERT_TRUE(Tgmm(ctx, ot, q, lhs32_v, dout32_v, gs_v, dw_v).ok());
+    }
+  }
+  Operand lhs, lhs32, wb, wq, wi, dout, dout32;
+  Tensor out, h, dl, hh, dw;
+  TensorView lhs_v, lhs32_v, wb_v, wq_v, wi_v, dout_v, dout32_v, out_v, dl_v, dw_v, hv, hhv;
+  const TensorView* wq_scale = nullptr;
+  const TensorView* wi_scale = nullptr;
+};
+
+TEST(Scratch, RepeatedCallsAllocateNothing) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  EveryScratchUser u(rng);
+  Tensor gs = Groups(u.e, u.rows);
+  const TensorView gs_v = gs.view();
+  Context ctx;
+  u.Run(ctx, gs_v);
   const MemoryStats before = GetMemoryStats();
   const int64_t heap_before = g_heap_allocations.load();
   EXPECT_GT(ctx.scratch().bytes(), 0u);
-  for (int rep = 0; rep < 3; ++rep) all();
+  for (int rep = 0; rep < 3; ++rep) u.Run(ctx, gs_v);
   const int64_t heap_after = g_heap_allocations.load();
   const MemoryStats after = GetMemoryStats();
   EXPECT_EQ(after.allocations, before.allocations) << "a repeated call allocated";
@@ -278,8 +297,46 @@ TEST(Scratch, RepeatedCallsAllocateNothing) {
   ctx.ReleaseScratch();
   EXPECT_EQ(ctx.scratch().bytes(), 0u);
   EXPECT_EQ(GetMemoryStats().in_use, after.in_use - static_cast<int64_t>(held));
-  all();
+  u.Run(ctx, gs_v);
   EXPECT_EQ(ctx.scratch().bytes(), held);
+}
+
+// A trainer calls with the same shapes and another routing each step: once
+// one call with rows has run, no group sizes of the same shapes allocate
+// (the buffers are sized by the shapes and tiles, never by the group sizes;
+// sizing the C tile by the largest group made the trainer's second step
+// allocate on AVX-512, where the tile is 12 rows).
+TEST(Scratch, OtherGroupSizesOfTheSameShapesAllocateNothing) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  EveryScratchUser u(rng);
+  const int64_t m = EveryScratchUser::m;
+  Tensor gs = Groups(u.e, 0);
+  int32_t* sizes = gs.data_as<int32_t>();
+  const TensorView gs_v = gs.view();
+  Context ctx;
+  sizes[0] = 1;  // the smallest call with rows: one row, three empty groups
+  u.Run(ctx, gs_v);
+  const std::vector<std::vector<int32_t>> routings = {
+      {static_cast<int32_t>(m), 0, 0, 0}, {0, 0, 0, 0}, {13, 1, 0, 7},
+      {40, 40, 40, 40}, {0, static_cast<int32_t>(m) - 1, 1, 0}};
+  const int64_t before = GetMemoryStats().allocations;
+  const int64_t heap_before = g_heap_allocations.load();
+  for (const auto& r : routings) {
+    std::copy(r.begin(), r.end(), sizes);
+    u.Run(ctx, gs_v);
+  }
+  std::uniform_int_distribution<int32_t> cut(0, static_cast<int32_t>(m));
+  for (int rep = 0; rep < 8; ++rep) {
+    int32_t a = cut(rng), b = cut(rng), c = cut(rng);  // random sizes, sum <= m
+    if (a > b) std::swap(a, b);
+    if (b > c) std::swap(b, c);
+    if (a > b) std::swap(a, b);
+    sizes[0] = a, sizes[1] = b - a, sizes[2] = c - b, sizes[3] = rep % 2 ? 0 : static_cast<int32_t>(m) - c;
+    u.Run(ctx, gs_v);
+  }
+  EXPECT_EQ(GetMemoryStats().allocations, before) << "other group sizes allocated";
+  EXPECT_EQ(g_heap_allocations.load(), heap_before) << "other group sizes allocated on the heap";
 }
 
 // The calls without a Context run on DefaultContext(): the same promise.

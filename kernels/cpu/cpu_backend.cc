@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "base/check.h"
 #include "base/scratch_arena.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
@@ -96,10 +97,15 @@ void ZeroRows(const TensorView& t, int64_t from) {
               static_cast<size_t>(rows - from) * row_bytes);
 }
 
-// Work items over the rows of each group x the output columns. Steps never
-// pass the end (m + rows <= r1), so no tile size can overflow the loop.
+// Work items over the rows of each group x the output columns, and the
+// call's item bounds (the tiles clamped to the shape, whatever the group
+// sizes). Steps never pass the end (m + rows <= r1), so no tile size can
+// overflow the loop.
 void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len, int64_t tile_m,
-                   int64_t tile_n, std::vector<WorkItem>* items) {
+                   int64_t tile_n, GemmCall* call) {
+  call->max_item_rows = std::min(tile_m, p.m);
+  call->max_item_cols = std::min(tile_n, cols);
+  std::vector<WorkItem>* items = &call->items;
   if (cols <= 0) return;
   for (int64_t g = 0; g < p.e; ++g) {
     const int64_t r0 = p.offsets[g], r1 = p.offsets[g + 1];
@@ -142,9 +148,11 @@ Result<const uint16_t*> DequantizeToBf16(Context& ctx, const TensorView& codes,
 Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int64_t block,
                    QuantDType dtype, const Calibration& calib, uint8_t** codes,
                    float** scales) {
+  // Sized by all m rows, not the valid ones, so that the routing of a step
+  // never grows them.
   const int64_t rows = p.valid_rows, nb = NumBlocks(p.k, block);
-  *codes = SharedArray<uint8_t>(ctx, SharedSlot::kLhsCodes, rows * p.k);
-  *scales = SharedArray<float>(ctx, SharedSlot::kLhsScales, rows * nb);
+  *codes = SharedArray<uint8_t>(ctx, SharedSlot::kLhsCodes, p.m * p.k);
+  *scales = SharedArray<float>(ctx, SharedSlot::kLhsScales, p.m * nb);
   if (*codes == nullptr || *scales == nullptr) {
     return ResourceExhausted("cannot allocate the activation codes of a GMM");
   }
@@ -267,7 +275,7 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
   }
   ZeroRows(out, p.valid_rows);
   RowGroupItems(p, cols, p.k, o.tiles.m.value_or(kDefaultTileM),
-                o.tiles.n.value_or(kDefaultTileN), &call.items);
+                o.tiles.n.value_or(kDefaultTileN), &call);
   return ExecuteGemm(ctx, call);
 }
 
@@ -299,7 +307,7 @@ Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
   }
   ZeroRows(out, p.valid_rows);
   RowGroupItems(p, p.k, p.n, o.tiles.m.value_or(kDefaultTileM),
-                o.tiles.n.value_or(kDefaultTileN), &call.items);
+                o.tiles.n.value_or(kDefaultTileN), &call);
   return ExecuteGemm(ctx, call);
 }
 
@@ -311,6 +319,12 @@ Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
   call.a = Plain(lhs, p.k);
   call.b = Plain(dout, p.n);
   int64_t quant_tile = quant.per_group ? 0 : o.tiles.m.value_or(kTgmmDefaultQuantTile);
+  // Bounds that do not depend on the group sizes, for the scratch below and
+  // the workers' reduction block: sum_g ceil(size_g / tile) <= m / tile + e,
+  // and the clamp below only lowers the tile to the largest group, which
+  // leaves that count as it is.
+  const int64_t max_tiles = quant_tile == 0 ? p.e : p.m / quant_tile + p.e;
+  call.max_reduction_step = std::min(quant_tile, p.m);
   if (quant_tile > 0) {
     // A tile at least as tall as the largest group cuts every group into one
     // tile, exactly as that largest size does; clamping keeps the reduction
@@ -323,12 +337,13 @@ Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     const int32_t* sizes = group_sizes.as<int32_t>();
     FP8MOE_ASSIGN_OR_RETURN(const int64_t tiles, NumGroupTiles(sizes, p.e, p.m, quant_tile));
     auto* qg = SharedArray<uint8_t>(ctx, SharedSlot::kGradCodes, p.m * p.n);
-    auto* sg = SharedArray<float>(ctx, SharedSlot::kGradScales, tiles * p.n);
-    auto* row_tile = SharedArray<int32_t>(ctx, SharedSlot::kRowTile, p.valid_rows);
+    FP8MOE_DCHECK(tiles <= max_tiles);
+    auto* sg = SharedArray<float>(ctx, SharedSlot::kGradScales, max_tiles * p.n);
+    auto* row_tile = SharedArray<int32_t>(ctx, SharedSlot::kRowTile, p.m);
     // The quantizer's own scratch too, so that a training step's TGMM
     // allocates nothing once the arena has grown.
     const int threads = ctx.threads();
-    auto* tile_rows = SharedArray<RowTile>(ctx, SharedSlot::kGradTiles, tiles);
+    auto* tile_rows = SharedArray<RowTile>(ctx, SharedSlot::kGradTiles, max_tiles);
     auto* amax = SharedArray<int32_t>(ctx, SharedSlot::kGradAmax, threads * p.n);
     auto* inv = SharedArray<float>(ctx, SharedSlot::kGradInv, threads * p.n);
     if (qg == nullptr || sg == nullptr || row_tile == nullptr || tile_rows == nullptr ||
@@ -356,13 +371,18 @@ Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     call.b_row_tile = row_tile;
     call.b_block = quant_tile;
   }
-  call.kc = ReductionBlock(o.tiles.m.value_or(kDefaultKc), p.valid_rows);
+  // By the rows of lhs, not the valid ones: the buffers it sizes then do not
+  // change with the routing (the bits do not depend on kc).
+  call.kc = ReductionBlock(o.tiles.m.value_or(kDefaultKc), p.m);
   call.epi.kind = Epilogue::Kind::kAccumulateF32;
   call.epi.out = drhs.data;
   call.epi.out_ld = p.n;
   call.out_group_stride = p.k * p.n;
   int64_t tile_k = o.tiles.k.value_or(kDefaultTgmmTileK);
   int64_t tile_n = o.tiles.n.value_or(kDefaultTgmmTileN);
+  // Before the halving below, which depends on how many groups have rows.
+  call.max_item_rows = std::min(tile_k, p.k);
+  call.max_item_cols = std::min(tile_n, p.n);
   if (!o.tiles.k && !o.tiles.n) {
     int64_t busy = 0;  // groups with rows
     for (int64_t g = 0; g < p.e; ++g) busy += p.offsets[g + 1] > p.offsets[g] ? 1 : 0;

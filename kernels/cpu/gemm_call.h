@@ -109,6 +109,11 @@ struct GemmCall {
   int64_t out_group_stride = 0;
   int64_t kc = 256;  // reduction block (even)
   std::vector<WorkItem> items;
+  // Bounds on every item's rows and columns that depend on the shapes and
+  // tiles only, never on the group sizes: the workers' buffers are sized by
+  // them, so a trainer's steps (the same shapes, other routings) find their
+  // buffers allocated by the first step. 0: the items' own largest.
+  int64_t max_item_rows = 0, max_item_cols = 0, max_reduction_step = 0;
 
   // The reduction block the executor steps by: the K-block of block-scaled
   // activations, the gradient's quantization tile, or kc.

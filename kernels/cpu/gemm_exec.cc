@@ -101,8 +101,8 @@ struct WorkerSizes {
 WorkerSizes SizeWorkers(const GemmCall& call, PanelKind kind) {
   WorkerSizes s;
   const int64_t nr = static_cast<int64_t>(KernelNR());
-  s.kc = call.ReductionStep();
-  int64_t max_rows = 0, max_cols = 0;
+  s.kc = std::max(call.ReductionStep(), call.max_reduction_step);
+  int64_t max_rows = call.max_item_rows, max_cols = call.max_item_cols;
   for (const WorkItem& it : call.items) {
     max_rows = std::max(max_rows, it.rows);
     max_cols = std::max(max_cols, it.cols);
