@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -28,18 +29,46 @@ class CapGuard {
   std::string source_;
 };
 
-// Runs fn once per Highway target that this CPU supports and the library was
-// compiled for, with dispatch forced to that target, then restores normal
-// dispatch.
+// A SIMD target the tests run: a Highway target, and on a CPU with
+// AVX512-BF16 its AVX3 twice, as plain AVX3 (the extensions off: a
+// Skylake-X's kernels) and as AVX3_SPR (numerics.h).
+struct SimdTarget {
+  int64_t hwy = 0;
+  bool extensions = true;
+  std::string name;
+};
+
+// Every target this CPU supports and the library was compiled for, best first.
+inline std::vector<SimdTarget> SimdTargets() {
+  std::vector<SimdTarget> out;
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    if (t == HWY_AVX3 && CpuHasAvx512Bf16Dot()) out.push_back({t, true, "AVX3_SPR"});
+    out.push_back({t, t != HWY_AVX3, hwy::TargetName(t)});
+  }
+  return out;
+}
+
+// Forces dispatch to t (UseDefaultSimd undoes it).
+inline void UseSimdTarget(const SimdTarget& t) {
+  hwy::SetSupportedTargetsForTest(t.hwy);
+  internal::SetAvx512ExtensionsEnabled(t.extensions);
+}
+inline void UseDefaultSimd() {
+  hwy::SetSupportedTargetsForTest(0);
+  internal::SetAvx512ExtensionsEnabled(true);
+}
+
+// Runs fn once per SimdTargets() entry with dispatch forced to it, then
+// restores normal dispatch.
 template <class Fn>
 void ForEachTarget(const Fn& fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    ASSERT_STREQ(SimdTargetName(), hwy::TargetName(target));
+  for (const SimdTarget& t : SimdTargets()) {
+    UseSimdTarget(t);
+    SCOPED_TRACE(t.name);
+    ASSERT_EQ(std::string(SimdTargetName()), t.name);
     fn();
   }
-  hwy::SetSupportedTargetsForTest(0);
+  UseDefaultSimd();
 }
 
 }  // namespace fp8moe::test

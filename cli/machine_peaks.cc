@@ -20,6 +20,7 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cli/machine_peaks.cc"
+#include "fp8moe/numerics.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
@@ -240,11 +241,14 @@ FP8MOE_PEAK_AVXVNNI HWY_NOINLINE uint64_t Int8VnniLoop(int64_t iters) {
 #define FP8MOE_VREG "xmm"
 #endif
 
-const char* PeakTargetName() { return hwy::TargetName(HWY_TARGET); }
+// The kernels take their raw AVX-512 paths (vdpbf16ps, vpdpwssd) on the
+// AVX3_SPR target only: Highway's AVX3 with the extensions enabled
+// (kernels/cpu/gemm_exec.cc, numerics.h).
+bool KernelsRawAvx512() { return HWY_TARGET == HWY_AVX3 && Avx512ExtensionsEnabled(); }
 
-// The kernels take their raw AVX-512 paths on the AVX3 target only
-// (kernels/cpu/gemm_exec.cc).
-constexpr bool kKernelsRawAvx512 = HWY_TARGET == HWY_AVX3;
+const char* PeakTargetName() {
+  return HWY_TARGET == HWY_AVX3 ? SimdTargetName() : hwy::TargetName(HWY_TARGET);
+}
 
 PeakLoop GetPeakLoop(int kind) {
   const hn::ScalableTag<float> df;
@@ -283,13 +287,13 @@ PeakLoop GetPeakLoop(int kind) {
       // The int8 kernel's instructions wherever it does not use vpdpwssd.
       p.kernels_use = true;
 #if defined(FP8MOE_PEAK_AVX3)
-      p.kernels_use = !(kKernelsRawAvx512 && __builtin_cpu_supports("avx512vnni"));
+      p.kernels_use = !(KernelsRawAvx512() && __builtin_cpu_supports("avx512vnni"));
 #endif
       return p;
     case PeakKind::kBf16Dot:
 #if defined(FP8MOE_PEAK_AVX3)
       p.available = __builtin_cpu_supports("avx512bf16");
-      p.kernels_use = kKernelsRawAvx512 && p.available;
+      p.kernels_use = KernelsRawAvx512() && p.available;
       p.ops_per_instr = 4.0 * lanes;  // 2 bf16 products + 2 adds per f32 lane
       p.run = &Bf16DotLoop;
       p.instr = "vdpbf16ps zmm";
@@ -298,7 +302,7 @@ PeakLoop GetPeakLoop(int kind) {
     case PeakKind::kInt16Vnni:
 #if defined(FP8MOE_PEAK_AVX3)
       p.available = __builtin_cpu_supports("avx512vnni");
-      p.kernels_use = kKernelsRawAvx512 && p.available;
+      p.kernels_use = KernelsRawAvx512() && p.available;
       p.ops_per_instr = 4.0 * lanes;
       p.run = &Int16VnniLoop;
       p.instr = "vpdpwssd zmm";

@@ -16,6 +16,7 @@
 
 #include "base/scratch_arena.h"
 #include "base/test_seed.h"
+#include "base/test_util.h"
 #include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/memory.h"
@@ -103,12 +104,13 @@ struct Features {
   bool avx3 = false, bf16 = false, vnni = false, vbmi = false;
 };
 
-Features FeaturesOf(int64_t target) {
+Features FeaturesOf(const test::SimdTarget& target) {
   Features f;
-  f.avx3 = target == HWY_AVX3;
-  f.bf16 = f.avx3 && __builtin_cpu_supports("avx512bf16");
-  f.vnni = f.avx3 && __builtin_cpu_supports("avx512vnni");
-  f.vbmi = f.avx3 && __builtin_cpu_supports("avx512vbmi");
+  f.avx3 = target.hwy == HWY_AVX3;
+  const bool ext = f.avx3 && target.extensions;  // AVX3_SPR, not plain AVX3
+  f.bf16 = ext && __builtin_cpu_supports("avx512bf16");
+  f.vnni = ext && __builtin_cpu_supports("avx512vnni");
+  f.vbmi = ext && __builtin_cpu_supports("avx512vbmi");
   return f;
 }
 
@@ -176,11 +178,11 @@ Status RunCase(Context& ctx, const PathCase& c, std::mt19937& rng) {
 TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
   FP8MOE_RANDOM_SEED(seed);
   std::mt19937 rng(static_cast<uint32_t>(seed));
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
     const Features f = FeaturesOf(target);
     for (const PathCase& c : PathCases()) {
-      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + c.name);
+      SCOPED_TRACE(target.name + " " + c.name);
       Context ctx;
       ASSERT_TRUE(RunCase(ctx, c, rng).ok());
       const KernelPath want = ExpectedPath(c, f);
@@ -194,7 +196,7 @@ TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // A context on the reference backend runs the plain loops (and counts them).

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "base/test_util.h"
 #include "fp8moe/gmm.h"
 #include "hwy/targets.h"
 #include "kernels/gmm_test_util.h"
@@ -67,12 +68,12 @@ const std::vector<EdgeMode>& EdgeModes() {
 // SIMD target, 1 and 9 rows (the direct and the packed kernels).
 TEST(Gmm, SwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
   const std::vector<float> w = {-60, -200, -533, 2, 2, 2};
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
     for (const EdgeMode& em : EdgeModes()) {
       for (int64_t m : {1, 9}) {
         for (DType out_dtype : {DType::kF32, DType::kBF16}) {
-          SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " +
+          SCOPED_TRACE(target.name + " " +
                        std::string(GmmModeName(em.mode)) + " rows " + std::to_string(m) +
                        " out " + std::string(DTypeName(out_dtype)));
           Tensor lf = Make(DType::kF32, {m, 1});
@@ -107,7 +108,7 @@ TEST(Gmm, SwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // dSwiGLU at the same gates: h = [[-60, -200, -533 | 2, 2, 2]], da = 1.
@@ -117,14 +118,14 @@ TEST(GmmDlhs, DSwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
     GmmMode mode;
     DType dout, rhs;
   };
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
     for (const Case& c : {Case{GmmMode::kF32, DType::kF32, DType::kF32},
                           Case{GmmMode::kBf16, DType::kBF16, DType::kBF16},
                           Case{GmmMode::kBf16, DType::kBF16, DType::kE4M3FN},
                           Case{GmmMode::kFakeQat, DType::kBF16, DType::kE4M3FN}}) {
       for (int64_t m : {1, 9}) {
-        SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + std::string(GmmModeName(c.mode)) +
+        SCOPED_TRACE(target.name + " " + std::string(GmmModeName(c.mode)) +
                      " rhs " + std::string(DTypeName(c.rhs)) + " rows " + std::to_string(m));
         // dout [m, 1] = 1, rhs [1, 3, 1] = 1: da [m, 3] = 1 exactly.
         Tensor df = Make(DType::kF32, {m, 1});
@@ -165,7 +166,7 @@ TEST(GmmDlhs, DSwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // Through the public API, gates over the whole f32 range (+-0, subnormals,
@@ -191,10 +192,10 @@ TEST(Gmm, SwiGluOverTheWholeF32RangeMatchesReference) {
     w[static_cast<size_t>(j)] = gates[static_cast<size_t>(j)];
     w[static_cast<size_t>(f + j)] = r.Normal();
   }
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
     for (int64_t m : {2, 20}) {
-      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " rows " + std::to_string(m));
+      SCOPED_TRACE(target.name + " rows " + std::to_string(m));
       Tensor lhs = Make(DType::kF32, {m, 1});
       for (int64_t i = 0; i < m; ++i) lhs.data_as<float>()[i] = 1.0f;
       Weight wt = WeightFromValues(DType::kF32, w, 1, 2 * f);
@@ -228,7 +229,7 @@ TEST(Gmm, SwiGluOverTheWholeF32RangeMatchesReference) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // The quantized forward's promise near FLT_MAX (docs/numerics.md): it computes
@@ -241,14 +242,14 @@ TEST(Gmm, SwiGluOverTheWholeF32RangeMatchesReference) {
 // twin (double, rounded once) gives the finite value; op_fuzz skips such rows.
 TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
   const float big = std::numeric_limits<float>::max();
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
     for (const EdgeMode& em : EdgeModes()) {
       if (em.mode != GmmMode::kNativeFp8 && em.mode != GmmMode::kInt8) continue;
       for (int64_t block : {0, 128}) {
         if (block > 0 && em.mode == GmmMode::kInt8) continue;
         for (int64_t m : {1, 9}) {
-          SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " +
+          SCOPED_TRACE(target.name + " " +
                        std::string(GmmModeName(em.mode)) + " " +
                        std::string(QuantDTypeName(em.fp8)) + " block " + std::to_string(block) +
                        " rows " + std::to_string(m));
@@ -277,7 +278,7 @@ TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // The in-kernel quantization of lhs (native fp8, int8) in scale_arithmetic
@@ -319,9 +320,9 @@ TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
       o.lhs_calibration = Calibration::AbsMax().With(a);
       Tensor ref = Poisoned(DType::kF32, {3, k});
       ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), ref.view()).ok());
-      for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-        hwy::SetSupportedTargetsForTest(target);
-        SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " +
+      for (const test::SimdTarget& target : test::SimdTargets()) {
+        test::UseSimdTarget(target);
+        SCOPED_TRACE(target.name + " " +
                      std::string(GmmModeName(em.mode)) + " " +
                      std::string(QuantDTypeName(qd)) + " " + std::string(ScaleArithmeticName(a)));
         Tensor out = Poisoned(DType::kF32, {3, k});
@@ -333,7 +334,7 @@ TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
               << ", reference " << w;
         }
       }
-      hwy::SetSupportedTargetsForTest(0);
+      test::UseDefaultSimd();
       refs.push_back(std::move(ref));
     }
     int differ = 0;
@@ -387,9 +388,9 @@ TEST(Tgmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
       q.calibration = Calibration::AbsMax().With(a);
       Tensor ref = Poisoned(DType::kF32, {2, m, n});
       ASSERT_TRUE(reference::Tgmm(o, q, lhs.view(), dout.view(), gs.view(), ref.view()).ok());
-      for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-        hwy::SetSupportedTargetsForTest(target);
-        SCOPED_TRACE(std::string(hwy::TargetName(target)) + (per_group ? " per group " : " per tile ") +
+      for (const test::SimdTarget& target : test::SimdTargets()) {
+        test::UseSimdTarget(target);
+        SCOPED_TRACE(target.name + (per_group ? " per group " : " per tile ") +
                      std::string(ScaleArithmeticName(a)));
         Tensor got = Poisoned(DType::kF32, {2, m, n});
         ASSERT_TRUE(Tgmm(o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());
@@ -399,7 +400,7 @@ TEST(Tgmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
               << "element " << i << ": fast " << f << ", reference " << w;
         }
       }
-      hwy::SetSupportedTargetsForTest(0);
+      test::UseDefaultSimd();
       refs.push_back(std::move(ref));
     }
     int differ = 0;

@@ -22,6 +22,7 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "base/test_util.h"
 #include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
@@ -454,8 +455,8 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
   // Every SIMD target: AVX512-BF16 runs the pair kernels straight from the
   // weight, every other target (and f32 everywhere) MicroF32Direct; int8 on
   // AVX512-VNNI MicroI8PairsDirectVnni, elsewhere the packed kernel.
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-  hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+  test::UseSimdTarget(target);
   for (const Case& c : {Case{GmmMode::kF32, DType::kF32, 0}, Case{GmmMode::kBf16, DType::kBF16, 0},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FN, 0},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FN, 128},
@@ -463,7 +464,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
                         Case{GmmMode::kInt8, DType::kI8, 0}}) {
     for (bool swiglu : {false, true}) {
       const GmmMode mode = c.mode;
-      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + std::string(GmmModeName(mode)) +
+      SCOPED_TRACE(target.name + " " + std::string(GmmModeName(mode)) +
                    " " + std::string(DTypeName(c.wdtype)) + " block " + std::to_string(c.block) +
                    (swiglu ? " swiglu" : ""));
       Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
@@ -493,7 +494,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
     }
   }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // A NaN weight code makes its output column NaN for every row of the group,
@@ -507,10 +508,10 @@ TEST(Gmm, NaNWeightCodesGiveNaNColumnsOnEveryPath) {
   std::vector<int32_t> sizes = {17, 23};
   Tensor gs = Make(DType::kI32, {e});
   std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
     for (DType wd : {DType::kE4M3FN, DType::kE4M3FNUZ}) {
-      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + std::string(DTypeName(wd)));
+      SCOPED_TRACE(target.name + " " + std::string(DTypeName(wd)));
       const bool fnuz = wd == DType::kE4M3FNUZ;
       Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
       Weight w = MakeWeight(r, wd, e, k, n);
@@ -549,7 +550,7 @@ TEST(Gmm, NaNWeightCodesGiveNaNColumnsOnEveryPath) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // The kernels of every SIMD target this CPU runs (AVX-512 with or without
@@ -558,9 +559,9 @@ TEST(Gmm, EveryTargetMatchesReference) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   Context ctx;
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    SCOPED_TRACE(target.name);
     for (const FwdCase& c : AllFwdCases()) CheckFwd(ctx, r, c, 45, 70, 40, 3);
     CheckDlhs(ctx, r, {GmmMode::kBf16, DType::kE4M3FN, DType::kF32, true}, 50, 40, 70, 3);
     CheckDlhs(ctx, r, {GmmMode::kF32, DType::kF32}, 50, 40, 70, 3);
@@ -571,7 +572,7 @@ TEST(Gmm, EveryTargetMatchesReference) {
     CheckTgmm(ctx, r, {GmmMode::kF32, DType::kE4M3FN, QuantDType::kE4M3FN, false, true}, 90, 40,
               50, 3, GmmTiles{16, {}, {}});
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 // ---- Determinism: threads and tiles ------------------------------------------

@@ -1,4 +1,5 @@
 // Run-time dispatch and threading for the span conversions in convert-inl.h.
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -179,14 +180,49 @@ void Bf16ToF32Span(const uint16_t* bits, float* out, size_t n) {
   });
 }
 
-const char* SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+namespace {
+// Off only after RestrictSimdTarget("AVX3") (or a test) asked for plain
+// AVX-512.
+std::atomic<bool> g_avx512_extensions{true};
+constexpr const char* kAvx3Spr = "AVX3_SPR";
+}  // namespace
+
+bool CpuHasAvx512Bf16Dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+bool Avx512ExtensionsEnabled() { return g_avx512_extensions.load(std::memory_order_relaxed); }
+
+namespace internal {
+void SetAvx512ExtensionsEnabled(bool on) { g_avx512_extensions.store(on); }
+}  // namespace internal
+
+const char* SimdTargetName() {
+  const char* name = HWY_DYNAMIC_DISPATCH(TargetName)();
+  if (std::strcmp(name, "AVX3") == 0 && CpuHasAvx512Bf16Dot() && Avx512ExtensionsEnabled()) {
+    return kAvx3Spr;
+  }
+  return name;
+}
 
 Status RestrictSimdTarget(std::string_view name) {
   std::string names;
   for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    const bool avx3 = t == HWY_AVX3;
+    // AVX3_SPR is Highway's AVX3 with this CPU's AVX-512 extensions, AVX3
+    // without them: a Skylake-X's kernels on this machine.
+    if (avx3 && CpuHasAvx512Bf16Dot()) {
+      if (name == kAvx3Spr) {
+        hwy::DisableTargets(t - 1);  // smaller bits are better targets
+        internal::SetAvx512ExtensionsEnabled(true);
+        return OkStatus();
+      }
+      names += (names.empty() ? "" : ", ") + std::string(kAvx3Spr);
+    }
     if (name == hwy::TargetName(t)) {
-      // Smaller bits are better targets: disable every one better than t.
       hwy::DisableTargets(t - 1);
+      internal::SetAvx512ExtensionsEnabled(!avx3);
       return OkStatus();
     }
     names += (names.empty() ? "" : ", ") + std::string(hwy::TargetName(t));

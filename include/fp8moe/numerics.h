@@ -81,14 +81,29 @@ void F32ToBf16Span(const float* x, uint16_t* out, size_t n);
 // bf16 bits[n] -> out[n]
 void Bf16ToF32Span(const uint16_t* bits, float* out, size_t n);
 
-// Name of the SIMD target the span functions dispatch to on this CPU,
-// e.g. "AVX2".
+// Name of the SIMD target the kernels dispatch to on this CPU, e.g. "AVX2".
+// "AVX3_SPR" is Highway's AVX3 with the AVX-512 extensions the kernels use
+// where the CPU has them (BF16 dot products, VNNI, VBMI: Sapphire Rapids,
+// Zen 4); "AVX3" is plain AVX-512 (Skylake-X).
 const char* SimdTargetName();
 
 // Restricts run-time dispatch (of every fp8moe kernel) to the named target
 // and the ones below it, e.g. "AVX2" on an AVX-512 machine to measure or test
-// the AVX2 path. An error names the targets this CPU and build support.
+// the AVX2 path, or "AVX3" on a CPU with AVX512-BF16 for plain AVX-512
+// kernels. An error names the targets this CPU and build support.
 Status RestrictSimdTarget(std::string_view name);
+
+// Whether this CPU has AVX512-BF16 dot products (vdpbf16ps).
+bool CpuHasAvx512Bf16Dot();
+
+// Whether the AVX-512 kernels may use the CPU's extensions (off after
+// RestrictSimdTarget("AVX3")).
+bool Avx512ExtensionsEnabled();
+
+namespace internal {
+// For tests that run every target: turns the AVX-512 extensions off or on.
+void SetAvx512ExtensionsEnabled(bool on);
+}  // namespace internal
 
 }  // namespace fp8moe
 

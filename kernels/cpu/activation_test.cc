@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "base/test_util.h"
 #include "fp8moe/numerics.h"
 #include "hwy/targets.h"
 #include "kernels/gmm_problem.h"
@@ -66,17 +67,7 @@ std::vector<float> Inputs(uint64_t seed) {
   return v;
 }
 
-// Runs fn once per SIMD target this CPU supports and the library was built
-// for, with dispatch forced to it.
-template <class Fn>
-void ForEachTarget(const Fn& fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    fn();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
+using test::ForEachTarget;  // every target, AVX3 and AVX3_SPR apart
 
 // got against the double reference want: NaN exactly where want is NaN, the
 // same infinity, a zero of the same sign where want rounds to zero, else

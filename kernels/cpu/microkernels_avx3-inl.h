@@ -35,10 +35,11 @@ using internal::DirectPrefetch;
 // ---- bf16 pairs (AVX512-BF16) --------------------------------------------
 
 #if HWY_TARGET == HWY_AVX3
-// Whether this CPU has vdpbf16ps (checked once).
+// Whether this CPU has vdpbf16ps (checked once) and the target is
+// AVX3_SPR, not plain AVX3 (numerics.h).
 inline bool CpuHasAvx512Bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
+  return has && Avx512ExtensionsEnabled();
 }
 
 // ap: kc/2 x MR u32 (bf16 pairs); bp: kc/2 x 32 u32 pairs (NR = 32).
@@ -261,7 +262,7 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
 
 inline bool CpuHasAvx512Vbmi() {
   static const bool has = __builtin_cpu_supports("avx512vbmi");
-  return has;
+  return has && Avx512ExtensionsEnabled();
 }
 
 // Low and high bytes of bf16(decode(m)) for the 128 magnitudes m.
@@ -326,7 +327,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
 // Whether this CPU has vpdpwssd (AVX512-VNNI).
 inline bool CpuHasAvx512Vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni");
-  return has;
+  return has && Avx512ExtensionsEnabled();
 }
 
 // The I16 kernel with vpdpwssd: the pair multiply-add and the accumulate in

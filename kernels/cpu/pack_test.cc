@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "base/test_util.h"
 #include "fp8moe/numerics.h"
 #include "hwy/targets.h"
 
@@ -130,8 +131,8 @@ constexpr uint8_t kCanary = 0xA5;
 TEST(Pack, PanelsMatchPlainLoopsOnEveryTarget) {
   FP8MOE_RANDOM_SEED(seed);
   std::mt19937 rng(static_cast<uint32_t>(seed));
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
     for (const Kinds& k : AllKinds()) {
       for (bool transposed : {false, true}) {
         // (MR, NR, kc): the register tiles of AVX2, AVX3, the direct kernels,
@@ -139,7 +140,7 @@ TEST(Pack, PanelsMatchPlainLoopsOnEveryTarget) {
         // time), with odd and even reduction blocks.
         for (const auto& [mr, nr, kc] : {std::tuple<int64_t, int64_t, int64_t>{6, 16, 37},
                                          {12, 32, 5}, {8, 16, 64}, {6, 8, 256}, {4, 2, 1}}) {
-          SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + k.name +
+          SCOPED_TRACE(target.name + " " + k.name +
                        (transposed ? " transposed" : "") + " mr " + std::to_string(mr) + " nr " + std::to_string(nr) +
                        " kc " + std::to_string(kc));
           // Per group; room for every reduction block read below.
@@ -221,7 +222,7 @@ TEST(Pack, PanelsMatchPlainLoopsOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::UseDefaultSimd();
 }
 
 }  // namespace
