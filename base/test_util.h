@@ -30,20 +30,28 @@ class CapGuard {
 };
 
 // A SIMD target the tests run: a Highway target, and on a CPU with
-// AVX512-BF16 its AVX3 twice, as plain AVX3 (the extensions off: a
-// Skylake-X's kernels) and as AVX3_SPR (numerics.h).
+// AVX512-BF16 its AVX3 as plain AVX3 (the extensions off: a Skylake-X's
+// kernels) and as AVX3_SPR (numerics.h), the latter with and without the
+// bf16 dot-product kernels (the CPU's default choice and the other one), so
+// that every kernel this machine can run is tested.
 struct SimdTarget {
   int64_t hwy = 0;
   bool extensions = true;
-  std::string name;
+  int bf16_dot = -1;  // internal::SetBf16DotProducts
+  std::string name;   // SimdTargetName() under it
+  std::string label;  // for traces
 };
 
 // Every target this CPU supports and the library was compiled for, best first.
 inline std::vector<SimdTarget> SimdTargets() {
   std::vector<SimdTarget> out;
   for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
-    if (t == HWY_AVX3 && CpuHasAvx512Bf16Dot()) out.push_back({t, true, "AVX3_SPR"});
-    out.push_back({t, t != HWY_AVX3, hwy::TargetName(t)});
+    if (t == HWY_AVX3 && CpuHasAvx512Bf16Dot()) {
+      out.push_back({t, true, 1, "AVX3_SPR", "AVX3_SPR, bf16 dot products"});
+      out.push_back({t, true, 0, "AVX3_SPR", "AVX3_SPR, f32 FMA"});
+    }
+    const std::string name = hwy::TargetName(t);
+    out.push_back({t, t != HWY_AVX3, -1, name, name});
   }
   return out;
 }
@@ -52,10 +60,12 @@ inline std::vector<SimdTarget> SimdTargets() {
 inline void UseSimdTarget(const SimdTarget& t) {
   hwy::SetSupportedTargetsForTest(t.hwy);
   internal::SetAvx512ExtensionsEnabled(t.extensions);
+  internal::SetBf16DotProducts(t.bf16_dot);
 }
 inline void UseDefaultSimd() {
   hwy::SetSupportedTargetsForTest(0);
   internal::SetAvx512ExtensionsEnabled(true);
+  internal::SetBf16DotProducts(-1);
 }
 
 // Runs fn once per SimdTargets() entry with dispatch forced to it, then
@@ -64,7 +74,7 @@ template <class Fn>
 void ForEachTarget(const Fn& fn) {
   for (const SimdTarget& t : SimdTargets()) {
     UseSimdTarget(t);
-    SCOPED_TRACE(t.name);
+    SCOPED_TRACE(t.label);
     ASSERT_EQ(std::string(SimdTargetName()), t.name);
     fn();
   }

@@ -108,7 +108,7 @@ Features FeaturesOf(const test::SimdTarget& target) {
   Features f;
   f.avx3 = target.hwy == HWY_AVX3;
   const bool ext = f.avx3 && target.extensions;  // AVX3_SPR, not plain AVX3
-  f.bf16 = ext && __builtin_cpu_supports("avx512bf16");
+  f.bf16 = ext && UseBf16DotProducts();  // the CPU has them and they are chosen
   f.vnni = ext && __builtin_cpu_supports("avx512vnni");
   f.vbmi = ext && __builtin_cpu_supports("avx512vbmi");
   return f;
@@ -182,7 +182,7 @@ TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
     test::UseSimdTarget(target);
     const Features f = FeaturesOf(target);
     for (const PathCase& c : PathCases()) {
-      SCOPED_TRACE(target.name + " " + c.name);
+      SCOPED_TRACE(target.label + " " + c.name);
       Context ctx;
       ASSERT_TRUE(RunCase(ctx, c, rng).ok());
       const KernelPath want = ExpectedPath(c, f);

@@ -73,7 +73,7 @@ TEST(Gmm, SwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
     for (const EdgeMode& em : EdgeModes()) {
       for (int64_t m : {1, 9}) {
         for (DType out_dtype : {DType::kF32, DType::kBF16}) {
-          SCOPED_TRACE(target.name + " " +
+          SCOPED_TRACE(target.label + " " +
                        std::string(GmmModeName(em.mode)) + " rows " + std::to_string(m) +
                        " out " + std::string(DTypeName(out_dtype)));
           Tensor lf = Make(DType::kF32, {m, 1});
@@ -125,7 +125,7 @@ TEST(GmmDlhs, DSwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
                           Case{GmmMode::kBf16, DType::kBF16, DType::kE4M3FN},
                           Case{GmmMode::kFakeQat, DType::kBF16, DType::kE4M3FN}}) {
       for (int64_t m : {1, 9}) {
-        SCOPED_TRACE(target.name + " " + std::string(GmmModeName(c.mode)) +
+        SCOPED_TRACE(target.label + " " + std::string(GmmModeName(c.mode)) +
                      " rhs " + std::string(DTypeName(c.rhs)) + " rows " + std::to_string(m));
         // dout [m, 1] = 1, rhs [1, 3, 1] = 1: da [m, 3] = 1 exactly.
         Tensor df = Make(DType::kF32, {m, 1});
@@ -195,7 +195,7 @@ TEST(Gmm, SwiGluOverTheWholeF32RangeMatchesReference) {
   for (const test::SimdTarget& target : test::SimdTargets()) {
     test::UseSimdTarget(target);
     for (int64_t m : {2, 20}) {
-      SCOPED_TRACE(target.name + " rows " + std::to_string(m));
+      SCOPED_TRACE(target.label + " rows " + std::to_string(m));
       Tensor lhs = Make(DType::kF32, {m, 1});
       for (int64_t i = 0; i < m; ++i) lhs.data_as<float>()[i] = 1.0f;
       Weight wt = WeightFromValues(DType::kF32, w, 1, 2 * f);
@@ -249,7 +249,7 @@ TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
       for (int64_t block : {0, 128}) {
         if (block > 0 && em.mode == GmmMode::kInt8) continue;
         for (int64_t m : {1, 9}) {
-          SCOPED_TRACE(target.name + " " +
+          SCOPED_TRACE(target.label + " " +
                        std::string(GmmModeName(em.mode)) + " " +
                        std::string(QuantDTypeName(em.fp8)) + " block " + std::to_string(block) +
                        " rows " + std::to_string(m));
@@ -322,7 +322,7 @@ TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
       ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), ref.view()).ok());
       for (const test::SimdTarget& target : test::SimdTargets()) {
         test::UseSimdTarget(target);
-        SCOPED_TRACE(target.name + " " +
+        SCOPED_TRACE(target.label + " " +
                      std::string(GmmModeName(em.mode)) + " " +
                      std::string(QuantDTypeName(qd)) + " " + std::string(ScaleArithmeticName(a)));
         Tensor out = Poisoned(DType::kF32, {3, k});
@@ -390,7 +390,7 @@ TEST(Tgmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
       ASSERT_TRUE(reference::Tgmm(o, q, lhs.view(), dout.view(), gs.view(), ref.view()).ok());
       for (const test::SimdTarget& target : test::SimdTargets()) {
         test::UseSimdTarget(target);
-        SCOPED_TRACE(target.name + (per_group ? " per group " : " per tile ") +
+        SCOPED_TRACE(target.label + (per_group ? " per group " : " per tile ") +
                      std::string(ScaleArithmeticName(a)));
         Tensor got = Poisoned(DType::kF32, {2, m, n});
         ASSERT_TRUE(Tgmm(o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());

@@ -464,7 +464,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
                         Case{GmmMode::kInt8, DType::kI8, 0}}) {
     for (bool swiglu : {false, true}) {
       const GmmMode mode = c.mode;
-      SCOPED_TRACE(target.name + " " + std::string(GmmModeName(mode)) +
+      SCOPED_TRACE(target.label + " " + std::string(GmmModeName(mode)) +
                    " " + std::string(DTypeName(c.wdtype)) + " block " + std::to_string(c.block) +
                    (swiglu ? " swiglu" : ""));
       Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
@@ -511,7 +511,7 @@ TEST(Gmm, NaNWeightCodesGiveNaNColumnsOnEveryPath) {
   for (const test::SimdTarget& target : test::SimdTargets()) {
     test::UseSimdTarget(target);
     for (DType wd : {DType::kE4M3FN, DType::kE4M3FNUZ}) {
-      SCOPED_TRACE(target.name + " " + std::string(DTypeName(wd)));
+      SCOPED_TRACE(target.label + " " + std::string(DTypeName(wd)));
       const bool fnuz = wd == DType::kE4M3FNUZ;
       Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
       Weight w = MakeWeight(r, wd, e, k, n);
@@ -561,7 +561,7 @@ TEST(Gmm, EveryTargetMatchesReference) {
   Context ctx;
   for (const test::SimdTarget& target : test::SimdTargets()) {
     test::UseSimdTarget(target);
-    SCOPED_TRACE(target.name);
+    SCOPED_TRACE(target.label);
     for (const FwdCase& c : AllFwdCases()) CheckFwd(ctx, r, c, 45, 70, 40, 3);
     CheckDlhs(ctx, r, {GmmMode::kBf16, DType::kE4M3FN, DType::kF32, true}, 50, 40, 70, 3);
     CheckDlhs(ctx, r, {GmmMode::kF32, DType::kF32}, 50, 40, 70, 3);

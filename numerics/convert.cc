@@ -1,6 +1,8 @@
 // Run-time dispatch and threading for the span conversions in convert-inl.h.
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -194,8 +196,34 @@ bool CpuHasAvx512Bf16Dot() {
 
 bool Avx512ExtensionsEnabled() { return g_avx512_extensions.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<int> g_bf16_dot_override{-1};
+
+// FP8MOE_BF16_DOT, else the CPU's vendor: Intel's vdpbf16ps zmm ran at
+// 0.46-0.50 instructions per cycle against two FMAs per cycle (Sapphire
+// Rapids, 2026-12-01), AMD's Zen 4 at two FMAs' flops.
+bool DefaultBf16DotProducts() {
+  static const bool use = [] {
+    if (const char* env = std::getenv("FP8MOE_BF16_DOT")) {
+      if (std::strcmp(env, "on") == 0) return true;
+      if (std::strcmp(env, "off") == 0) return false;
+      std::fprintf(stderr, "fp8moe: FP8MOE_BF16_DOT=%s is neither on nor off; ignored\n", env);
+    }
+    return !__builtin_cpu_is("intel");
+  }();
+  return use;
+}
+}  // namespace
+
+bool UseBf16DotProducts() {
+  if (!CpuHasAvx512Bf16Dot() || !Avx512ExtensionsEnabled()) return false;
+  const int o = g_bf16_dot_override.load(std::memory_order_relaxed);
+  return o < 0 ? DefaultBf16DotProducts() : o == 1;
+}
+
 namespace internal {
 void SetAvx512ExtensionsEnabled(bool on) { g_avx512_extensions.store(on); }
+void SetBf16DotProducts(int use) { g_bf16_dot_override.store(use < 0 ? -1 : use != 0); }
 }  // namespace internal
 
 const char* SimdTargetName() {

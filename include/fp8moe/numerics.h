@@ -100,9 +100,21 @@ bool CpuHasAvx512Bf16Dot();
 // RestrictSimdTarget("AVX3")).
 bool Avx512ExtensionsEnabled();
 
+// Whether the GMM kernels use AVX512-BF16 dot products (vdpbf16ps) for bf16
+// and fp8 operands: on AVX3_SPR, where they are faster than f32 FMAs on the
+// same operands. Zen 4 runs vdpbf16ps zmm at twice the flops of its FMAs,
+// Sapphire Rapids at half (measured, docs/kernels.md), so on Intel CPUs the
+// f32 kernels are used. FP8MOE_BF16_DOT=on or off (read once) overrides the
+// choice. The choice changes the bits within the stated error bounds, never
+// between runs on one machine with one setting.
+bool UseBf16DotProducts();
+
 namespace internal {
 // For tests that run every target: turns the AVX-512 extensions off or on.
 void SetAvx512ExtensionsEnabled(bool on);
+// For tests: 1 uses bf16 dot products where the CPU has them, 0 does not,
+// -1 restores the default choice.
+void SetBf16DotProducts(int use);
 }  // namespace internal
 
 }  // namespace fp8moe

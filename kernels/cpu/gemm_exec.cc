@@ -79,7 +79,7 @@ PanelKind ChooseKind(const GemmCall& call) {
     if (s.kind != internal::SrcKind::kFp8) return false;
     return s.round_bf16 || s.col_scale == nullptr;
   };
-  if (CpuHasAvx512Bf16() && bf16_exact(call.a) && bf16_exact(call.b)) {
+  if (UseBf16Pairs() && bf16_exact(call.a) && bf16_exact(call.b)) {
     return PanelKind::kBf16Pairs;
   }
   return PanelKind::kF32;

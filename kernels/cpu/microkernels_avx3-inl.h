@@ -35,12 +35,9 @@ using internal::DirectPrefetch;
 // ---- bf16 pairs (AVX512-BF16) --------------------------------------------
 
 #if HWY_TARGET == HWY_AVX3
-// Whether this CPU has vdpbf16ps (checked once) and the target is
-// AVX3_SPR, not plain AVX3 (numerics.h).
-inline bool CpuHasAvx512Bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has && Avx512ExtensionsEnabled();
-}
+// Whether the kernels use vdpbf16ps: the CPU has it, the target is AVX3_SPR,
+// not plain AVX3, and its dot products beat f32 FMA here (numerics.h).
+inline bool UseBf16Pairs() { return UseBf16DotProducts(); }
 
 // ap: kc/2 x MR u32 (bf16 pairs); bp: kc/2 x 32 u32 pairs (NR = 32).
 // vdpbf16ps adds both products of a pair into the f32 lane; for operands
@@ -408,7 +405,7 @@ MicroI8PairsDirectVnni(size_t kc, const uint32_t* HWY_RESTRICT ap,
   }
 }
 #else
-inline bool CpuHasAvx512Bf16() { return false; }
+inline bool UseBf16Pairs() { return false; }
 inline bool CpuHasAvx512Vnni() { return false; }
 #endif
 

@@ -140,7 +140,7 @@ TEST(Pack, PanelsMatchPlainLoopsOnEveryTarget) {
         // time), with odd and even reduction blocks.
         for (const auto& [mr, nr, kc] : {std::tuple<int64_t, int64_t, int64_t>{6, 16, 37},
                                          {12, 32, 5}, {8, 16, 64}, {6, 8, 256}, {4, 2, 1}}) {
-          SCOPED_TRACE(target.name + " " + k.name +
+          SCOPED_TRACE(target.label + " " + k.name +
                        (transposed ? " transposed" : "") + " mr " + std::to_string(mr) + " nr " + std::to_string(nr) +
                        " kc " + std::to_string(kc));
           // Per group; room for every reduction block read below.
