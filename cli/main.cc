@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "error: --simd: %s\n", s.message().c_str());
       return 2;
     }
+  }
+  // Nor is a FP8MOE_BF16_DOT that is neither on nor off (the library would
+  // warn and keep its default choice of kernels).
+  if (const char* env = std::getenv("FP8MOE_BF16_DOT");
+      env != nullptr && std::strcmp(env, "on") != 0 && std::strcmp(env, "off") != 0) {
+    std::fprintf(stderr, "error: FP8MOE_BF16_DOT=%s: write on or off (or unset it for the "
+                 "CPU's default, docs/kernels.md)\n", env);
+    return 2;
   }
   // A malformed FP8MOE_MEMORY_CAP is a bad request, not a silent default.
   if (const char* env = std::getenv("FP8MOE_MEMORY_CAP"); env != nullptr && *env != '\0') {

@@ -81,6 +81,19 @@ CpuIsa DetectCpuIsa() {
   return isa;
 }
 
+CpuIsa CapToSimdTarget(CpuIsa isa, std::string_view target) {
+  const IsaTier before = TierOf(isa);
+  if (target != "AVX3_SPR") isa.avx512bf16 = false;
+  if (target != "AVX3_SPR" && target != "AVX3") {
+    isa.avx512f = isa.avx512bw = isa.avx512dq = isa.avx512vl = false;
+  }
+  if (target != "AVX3_SPR" && target != "AVX3" && target != "AVX2") {
+    isa.avx = isa.avx2 = isa.fma = false;
+  }
+  if (TierOf(isa) != before) isa.target = std::string(target);
+  return isa;
+}
+
 IsaTier TierOf(const CpuIsa& isa) {
   if (isa.avx512f && isa.avx512bw && isa.avx512dq && isa.avx512vl) return IsaTier::kAvx512;
   if (isa.avx2 && isa.fma) return IsaTier::kAvx2;
@@ -109,7 +122,8 @@ std::string KnownCoreNames() {
 CoreAdvice AdviseCore(std::string_view corename, const CpuIsa& isa) {
   const IsaTier cpu = TierOf(isa);
   const std::string core(corename);
-  const std::string cpu_name(IsaTierName(cpu));
+  const std::string cpu_name =
+      std::string(IsaTierName(cpu)) + (isa.target.empty() ? "" : " (--simd " + isa.target + ")");
   CoreAdvice a;
   IsaTier tier;
   if (!CoreTier(corename, &tier)) {

@@ -38,8 +38,14 @@ struct CpuIsa {
   bool avx = false, avx2 = false, fma = false;
   bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false;
   bool avx512bf16 = false;
+  // Non-empty when a SIMD target below the CPU capped these (CapToSimdTarget).
+  std::string target;
 };
 CpuIsa DetectCpuIsa();  // this CPU, as the OS lets programs use it
+// isa as fp8moe's SIMD target (SimdTargetName) sees it: a target below the
+// CPU caps its class, so `--simd AVX2` on an AVX-512 CPU is compared with
+// OpenBLAS's AVX2 kernels, not with twice its own peak.
+CpuIsa CapToSimdTarget(CpuIsa isa, std::string_view target);
 // avx512 needs F, BW, DQ and VL (what OpenBLAS's SkylakeX kernels use);
 // avx2 needs AVX2 and FMA.
 IsaTier TierOf(const CpuIsa& isa);

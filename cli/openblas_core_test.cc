@@ -119,6 +119,35 @@ TEST(OpenBlasCore, AdviceTable) {
   }
 }
 
+// Under --simd below the CPU the ceiling is OpenBLAS's kernels of that
+// class: the loaded AVX-512 core is then above the target and a child runs
+// the target's cores.
+TEST(OpenBlasCore, SimdTargetBelowTheCpuCapsItsClass) {
+  const CpuIsa spr_avx2 = CapToSimdTarget(Spr(), "AVX2");
+  EXPECT_EQ(TierOf(spr_avx2), IsaTier::kAvx2);
+  EXPECT_EQ(spr_avx2.target, "AVX2");
+  const CoreAdvice a = AdviseCore("SkylakeX", spr_avx2);
+  EXPECT_TRUE(a.fallback);
+  EXPECT_EQ(a.coretypes, std::vector<std::string>{"Haswell"});
+  EXPECT_NE(a.why.find("--simd AVX2"), std::string::npos) << a.why;
+  EXPECT_FALSE(AdviseCore("Haswell", spr_avx2).fallback);
+  EXPECT_EQ(AdviseCore("Prescott", CapToSimdTarget(Zen4(), "AVX2")).coretypes,
+            (std::vector<std::string>{"Zen", "Haswell"}));
+  // AVX3 keeps AVX-512 (SkylakeX only); AVX3_SPR and the CPU's own class cap nothing.
+  const CpuIsa spr_avx3 = CapToSimdTarget(Spr(), "AVX3");
+  EXPECT_EQ(TierOf(spr_avx3), IsaTier::kAvx512);
+  EXPECT_TRUE(spr_avx3.target.empty());
+  EXPECT_FALSE(AdviseCore("SkylakeX", spr_avx3).fallback);
+  EXPECT_TRUE(CapToSimdTarget(Spr(), "AVX3_SPR").target.empty());
+  EXPECT_TRUE(CapToSimdTarget(Zen3(), "AVX2").target.empty());
+  EXPECT_FALSE(AdviseCore("Zen", CapToSimdTarget(Zen3(), "AVX2")).fallback);
+  // SSE4 and below: no AVX core is a ceiling, and none is offered.
+  const CpuIsa sse = CapToSimdTarget(Zen3(), "SSE4");
+  EXPECT_EQ(TierOf(sse), IsaTier::kSse);
+  EXPECT_TRUE(AdviseCore("Zen", sse).fallback);
+  EXPECT_TRUE(AdviseCore("Zen", sse).coretypes.empty());
+}
+
 // Every advised core runs kernels of the CPU's own tier.
 TEST(OpenBlasCore, AdvisedCoresMatchTheCpu) {
   for (const CpuIsa& cpu : {Sse(), Avx(), IntelAvx2(), Zen3(), Knl(), Skx(), Spr(), Zen4()}) {

@@ -19,6 +19,7 @@
 #include "cli/bench.h"
 #include "cli/bench_util.h"
 #include "cli/openblas_core.h"
+#include "fp8moe/numerics.h"
 #include "fp8moe/tensor.h"
 
 extern char** environ;
@@ -178,7 +179,8 @@ SgemmCeiling MeasureSgemmCeiling(const std::vector<SgemmShape>& shapes, int thre
   SgemmCeiling c;
   c.loaded_core = openblas_get_corename();
   c.loaded_config = openblas_get_config();
-  const CpuIsa isa = DetectCpuIsa();
+  // The SIMD target's class, not the CPU's, under --simd below the CPU.
+  const CpuIsa isa = CapToSimdTarget(DetectCpuIsa(), SimdTargetName());
   const CoreAdvice advice = AdviseCore(c.loaded_core, isa);
   c.loaded_fallback = advice.fallback;
   c.advice = advice.why;
@@ -265,7 +267,7 @@ nlohmann::json SgemmJson(const SgemmCeiling& c, const std::vector<SgemmShape>& s
   return {{"loaded_core", c.loaded_core}, {"loaded_config", c.loaded_config},
           {"loaded_fallback", c.loaded_fallback}, {"advice", c.advice}, {"core", c.core},
           {"config", c.config}, {"coretype_env", c.coretype_env}, {"trusted", c.trusted},
-          {"cpu_isa", std::string(IsaTierName(TierOf(DetectCpuIsa())))},
+          {"cpu_isa", std::string(IsaTierName(TierOf(CapToSimdTarget(DetectCpuIsa(), SimdTargetName()))))},
           {"attempts", c.attempts}, {"shapes", rows}};
 }
 

@@ -281,6 +281,16 @@ def test_bad_memory_cap_is_exit_2(op):
     assert code == 2 and "FP8MOE_MEMORY_CAP" in err and "'8X'" in err, err
 
 
+def test_bad_bf16_dot_setting_is_exit_2(op):
+    # FP8MOE_BF16_DOT picks the GMM kernels (docs/kernels.md): a typo must not
+    # leave the default in place silently.
+    code, _, err = op("cast", arrays(x=np.zeros(4, np.float32)), env={"FP8MOE_BF16_DOT": "yes"})
+    assert code == 2 and "FP8MOE_BF16_DOT=yes" in err and "on or off" in err, err
+    for ok in ("on", "off"):
+        code, _, err = op("cast", arrays(x=np.zeros(4, np.float32)), env={"FP8MOE_BF16_DOT": ok})
+        assert code == 0, err
+
+
 def test_moe_tokens_past_int32_rows_are_refused(op):
     code, _, err = op("moe_forward", raw({"x": ("F32", [2**31, 0], b""),
                                           "router": ("F32", [0, 2], b""),
