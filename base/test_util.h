@@ -51,7 +51,8 @@ inline std::vector<SimdTarget> SimdTargets() {
       out.push_back({t, true, 0, "AVX3_SPR", "AVX3_SPR, f32 FMA"});
     }
     const std::string name = hwy::TargetName(t);
-    out.push_back({t, t != HWY_AVX3, -1, name, name});
+    const bool plain_avx3 = t == HWY_AVX3 && CpuHasAvx512Bf16Dot();
+    out.push_back({t, !plain_avx3, -1, name, name});
   }
   return out;
 }

@@ -184,20 +184,10 @@ void Bf16ToF32Span(const uint16_t* bits, float* out, size_t n) {
 
 namespace {
 // Off only after RestrictSimdTarget("AVX3") (or a test) asked for plain
-// AVX-512.
+// AVX-512 on a CPU that has AVX3_SPR.
 std::atomic<bool> g_avx512_extensions{true};
-constexpr const char* kAvx3Spr = "AVX3_SPR";
-}  // namespace
-
-bool CpuHasAvx512Bf16Dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
-bool Avx512ExtensionsEnabled() { return g_avx512_extensions.load(std::memory_order_relaxed); }
-
-namespace {
 std::atomic<int> g_bf16_dot_override{-1};
+constexpr const char* kAvx3Spr = "AVX3_SPR";
 
 // FP8MOE_BF16_DOT, else the CPU's vendor: Intel's vdpbf16ps zmm ran at
 // 0.46-0.50 instructions per cycle against two FMAs per cycle (Sapphire
@@ -214,6 +204,13 @@ bool DefaultBf16DotProducts() {
   return use;
 }
 }  // namespace
+
+bool CpuHasAvx512Bf16Dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+bool Avx512ExtensionsEnabled() { return g_avx512_extensions.load(std::memory_order_relaxed); }
 
 bool UseBf16DotProducts() {
   if (!CpuHasAvx512Bf16Dot() || !Avx512ExtensionsEnabled()) return false;
@@ -240,7 +237,8 @@ Status RestrictSimdTarget(std::string_view name) {
     const bool avx3 = t == HWY_AVX3;
     // AVX3_SPR is Highway's AVX3 with this CPU's AVX-512 extensions, AVX3
     // without them: a Skylake-X's kernels on this machine.
-    if (avx3 && CpuHasAvx512Bf16Dot()) {
+    const bool spr = avx3 && CpuHasAvx512Bf16Dot();
+    if (spr) {
       if (name == kAvx3Spr) {
         hwy::DisableTargets(t - 1);  // smaller bits are better targets
         internal::SetAvx512ExtensionsEnabled(true);
@@ -250,7 +248,7 @@ Status RestrictSimdTarget(std::string_view name) {
     }
     if (name == hwy::TargetName(t)) {
       hwy::DisableTargets(t - 1);
-      internal::SetAvx512ExtensionsEnabled(!avx3);
+      internal::SetAvx512ExtensionsEnabled(!spr);  // elsewhere AVX3 keeps e.g. VNNI
       return OkStatus();
     }
     names += (names.empty() ? "" : ", ") + std::string(hwy::TargetName(t));

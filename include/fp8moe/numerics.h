@@ -84,7 +84,8 @@ void Bf16ToF32Span(const uint16_t* bits, float* out, size_t n);
 // Name of the SIMD target the kernels dispatch to on this CPU, e.g. "AVX2".
 // "AVX3_SPR" is Highway's AVX3 with the AVX-512 extensions the kernels use
 // where the CPU has them (BF16 dot products, VNNI, VBMI: Sapphire Rapids,
-// Zen 4); "AVX3" is plain AVX-512 (Skylake-X).
+// Zen 4); on such a CPU "AVX3" is plain AVX-512 (a Skylake-X's kernels),
+// elsewhere AVX3 with whatever extensions the CPU has (VNNI on Cascade Lake).
 const char* SimdTargetName();
 
 // Restricts run-time dispatch (of every fp8moe kernel) to the named target
