@@ -1,10 +1,20 @@
 import os
 import pathlib
+import signal
 import subprocess
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# A suite started in the background by a non-interactive shell (`cmd &` in a
+# script, nohup) inherits SIGINT ignored, and so does every fp8moe it starts;
+# fp8moe keeps an ignored SIGINT ignored (nohup's contract, tested in
+# test_robustness.py), so the tests that interrupt it would hang. Catching
+# SIGINT here gives the children the default action again (exec resets caught
+# signals, not ignored ones), as when the suite runs in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -429,6 +429,28 @@ def test_signal_during_a_long_op_leaves_no_file(fp8moe_bin, tmp_path, sig):
     _no_partial_files(tmp_path, {"in.safetensors"})
 
 
+def test_an_inherited_ignored_sigint_stays_ignored(fp8moe_bin, tmp_path):
+    # nohup and `cmd &` in a script start the command with SIGINT ignored; it
+    # must stay ignored (only SIGTERM ends such a run), not be replaced by the
+    # temp-file cleanup handler.
+    rng = np.random.default_rng()
+    src = tmp_path / "in.safetensors"
+    st.write(src, {"lhs": rng.standard_normal((2048, 2048)).astype(np.float32),
+                   "rhs": rng.standard_normal((1, 2048, 2048)).astype(np.float32),
+                   "group_sizes": np.array([2048], np.int32)})
+    out = tmp_path / "out.safetensors"
+    p = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"', fp8moe_bin, "op", "gmm",
+                          "--in", str(src), "--out", str(out), "mode=f32", "reference=true"])
+    time.sleep(1.0)  # the reference twin takes many seconds on this shape
+    assert p.poll() is None, "the op finished before the signal"
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert p.poll() is None, "an ignored SIGINT ended the run"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=TIMEOUT) == -signal.SIGTERM
+    _no_partial_files(tmp_path, {"in.safetensors"})
+
+
 def test_signal_during_bench_exits_by_the_signal(fp8moe_bin, tmp_path):
     p = subprocess.Popen([fp8moe_bin, "bench", "gmm", "--reps", "1000"], cwd=tmp_path,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
