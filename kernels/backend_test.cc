@@ -22,6 +22,7 @@
 #include "fp8moe/memory.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
+#include "kernels/cpu/gemm_call.h"
 
 // Every operator new of this test binary counts here, so a test can show
 // that a call makes no heap allocation at all: the library's own accounting
@@ -168,6 +169,32 @@ Status RunCase(Context& ctx, const PathCase& c, std::mt19937& rng) {
   Operand dout = Random(rng, c.act, {m, c.n});
   Tensor out = Make(DType::kF32, {m, c.k});
   return GmmDlhs(ctx, o, dout.t.view(), w.t.view(), w.scale_view(), gs.view(), out.view());
+}
+
+// Without the byte tables (AVX512-BF16 CPUs without VBMI), native fp8
+// decode items take the u16 decode of the pair kernels.
+TEST(KernelPath, Fp8DecodeWithoutByteTablesTakesTheU16Decode) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  bool ran = false;
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    if (!FeaturesOf(target).bf16) continue;
+    internal::SetFp8ByteTableDecode(false);
+    for (int64_t rows : {1, 2, 4, 8, 12}) {
+      SCOPED_TRACE(target.label + " rows " + std::to_string(rows));
+      Context ctx;
+      const PathCase c{"decode native_fp8", Op::kFwd, GmmMode::kNativeFp8, DType::kBF16,
+                       DType::kE4M3FN, 8, rows, 256, 256};
+      ASSERT_TRUE(RunCase(ctx, c, rng).ok());
+      EXPECT_GT(ctx.KernelCount(KernelPath::kDirectBf16Pairs), 0);
+      EXPECT_EQ(ctx.KernelCount(KernelPath::kDirectFp8Vbmi), 0);
+    }
+    internal::SetFp8ByteTableDecode(true);
+    ran = true;
+  }
+  test::UseDefaultSimd();
+  if (!ran) GTEST_SKIP() << "this CPU has no AVX512-BF16 dot products in use";
 }
 
 // On every target this CPU runs, each representative case takes exactly the

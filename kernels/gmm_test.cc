@@ -28,6 +28,7 @@
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
+#include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/line_walk.h"
 #include "kernels/gmm_test_util.h"
 
@@ -440,7 +441,7 @@ TEST(Gmm, SmallGroupsMatchReference) {
 TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
-  const int64_t m = 120, k = 300, n = 128, e = 3;
+  const int64_t m = 120, k = 300, e = 3;
   std::vector<int32_t> sizes = {50, 0, 61};
   Tensor gs = Make(DType::kI32, {e});
   std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
@@ -455,8 +456,12 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
   // Every SIMD target: AVX512-BF16 runs the pair kernels straight from the
   // weight, every other target (and f32 everywhere) MicroF32Direct; int8 on
   // AVX512-VNNI MicroI8PairsDirectVnni, elsewhere the packed kernel.
+  // 128 and 96 columns: the direct strips of several blocks of columns and
+  // the one-block strips of what is left of a run (96 = 64 + 32; SwiGLU's
+  // 48-column runs take the packed kernel).
   for (const test::SimdTarget& target : test::SimdTargets()) {
   test::UseSimdTarget(target);
+  for (const int64_t n : {int64_t{128}, int64_t{96}}) {
   for (const Case& c : {Case{GmmMode::kF32, DType::kF32, 0}, Case{GmmMode::kBf16, DType::kBF16, 0},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FN, 0},
                         Case{GmmMode::kNativeFp8, DType::kE4M3FN, 128},
@@ -464,7 +469,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
                         Case{GmmMode::kInt8, DType::kI8, 0}}) {
     for (bool swiglu : {false, true}) {
       const GmmMode mode = c.mode;
-      SCOPED_TRACE(target.label + " " + std::string(GmmModeName(mode)) +
+      SCOPED_TRACE(target.label + " n " + std::to_string(n) + " " + std::string(GmmModeName(mode)) +
                    " " + std::string(DTypeName(c.wdtype)) + " block " + std::to_string(c.block) +
                    (swiglu ? " swiglu" : ""));
       Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
@@ -476,6 +481,10 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
       // 16 rows: packed; 1 to 12: the direct kernels' tile shapes.
       for (int64_t tile_m : {16, 1, 2, 3, 4, 8, 12}) {
         for (int64_t tile_k : {int64_t{0}, int64_t{64}}) {
+        // fp8 weights on bf16-pair CPUs: byte-table (VBMI) and u16 decode.
+        for (bool tables : {true, false}) {
+          if (!tables && !w.codes) continue;
+          internal::SetFp8ByteTableDecode(tables);
           GmmOptions o;
           o.mode = mode;
           o.fp8_dtype = c.wdtype == DType::kE4M3FNUZ ? QuantDType::kE4M3FNUZ : QuantDType::kE4M3FN;
@@ -486,12 +495,15 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
           outs.push_back(Make(DType::kF32, {m, oc}));
           ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
                           outs.back().view()).ok());
+          internal::SetFp8ByteTableDecode(true);
+        }
         }
       }
       for (size_t i = 1; i < outs.size(); ++i) {
         ASSERT_EQ(0, std::memcmp(outs[0].data(), outs[i].data(), outs[0].num_bytes())) << i;
       }
     }
+  }
   }
   }
   test::UseDefaultSimd();

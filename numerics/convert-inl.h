@@ -30,6 +30,16 @@
 #include "hwy/highway.h"
 #include "numerics/fp8_spec.h"
 
+#if HWY_TARGET == HWY_AVX3
+#include <immintrin.h>
+
+#include "fp8moe/numerics.h"
+#ifndef FP8MOE_AVX512VBMI
+#define FP8MOE_AVX512VBMI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+#endif
+#endif
+
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
 namespace HWY_NAMESPACE {
@@ -201,9 +211,91 @@ void DecodeFp8SpanT(const uint8_t* HWY_RESTRICT codes, float* HWY_RESTRICT out,
   if constexpr (kStream) hwy::FlushStream();
 }
 
+#if HWY_TARGET == HWY_AVX3
+// ---- fp8 -> bf16 by byte tables (AVX512-VBMI) ---------------------------
+//
+// Every fp8 value is a bf16 value, so a code's bf16 is a function of its 7
+// magnitude bits (two 128-entry byte tables: the low and the high byte,
+// looked up with one vpermi2b each) with the sign bit OR-ed into the high
+// byte; the fnuz formats' 0x80 is their NaN, not -0. About 10 instructions
+// per 64 codes, against ~4 per 16 codes through f32 lanes: the packing of
+// native fp8 operands spent ~8% of a forward GMM decoding.
+
+// Whether the byte-table decodes may run: the CPU has AVX512-VBMI and the
+// AVX-512 extensions are on (off under --simd AVX3).
+inline bool UseFp8ByteTables() {
+  static const bool has = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+  return has && Avx512ExtensionsEnabled();
+}
+
+// Low and high bytes of bf16(decode(m)) for the 128 magnitudes m.
+struct Fp8ByteTables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  explicit Fp8ByteTables(Fp8Format f) {
+    for (int m = 0; m < 128; ++m) {
+      const uint16_t b = F32ToBf16(DecodeFp8(static_cast<uint8_t>(m), f));
+      lo[m] = static_cast<uint8_t>(b & 0xFF);
+      hi[m] = static_cast<uint8_t>(b >> 8);
+    }
+  }
+};
+
+// The low (lo) and high (hi) bytes of the bf16 of 64 codes x, by the tables
+// t*0 | t*1 (magnitudes 0-63 | 64-127).
+template <Fp8Format kFormat>
+FP8MOE_AVX512VBMI HWY_INLINE void Fp8BytesToBf16Bytes(__m512i x, __m512i tlo0, __m512i tlo1,
+                                                      __m512i thi0, __m512i thi1, __m512i& lo,
+                                                      __m512i& hi) {
+  const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  lo = _mm512_permutex2var_epi8(tlo0, x, tlo1);
+  hi = _mm512_or_si512(_mm512_permutex2var_epi8(thi0, x, thi1), _mm512_and_si512(x, sign_bit));
+  if constexpr (SpecOf(kFormat).fnuz) {  // 0x80 is the NaN, not -0
+    const __mmask64 nan = _mm512_cmpeq_epi8_mask(x, sign_bit);
+    const uint16_t q = F32ToBf16(DecodeFp8(0x80, kFormat));
+    lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(q & 0xFF)));
+    hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(static_cast<char>(q >> 8)));
+  }
+}
+
+// Decodes the whole 64-code blocks of codes [0, n) into out; returns how
+// many codes it did (the caller does the rest).
+template <Fp8Format kFormat>
+FP8MOE_AVX512VBMI size_t DecodeFp8ToBf16Vbmi(const uint8_t* HWY_RESTRICT codes,
+                                             uint16_t* HWY_RESTRICT out, size_t n) {
+  static const Fp8ByteTables tables(kFormat);
+  const __m512i tlo0 = _mm512_load_si512(tables.lo), tlo1 = _mm512_load_si512(tables.lo + 64);
+  const __m512i thi0 = _mm512_load_si512(tables.hi), thi1 = _mm512_load_si512(tables.hi + 64);
+  // The in-lane byte unpacks of 128-bit lane j take its bytes 0-7 (unpacklo)
+  // and 8-15 (unpackhi); this order makes them codes 8j..8j+7 and
+  // 32+8j..32+8j+7, so both stores are in natural order.
+  alignas(64) static const uint8_t kOrder[64] = {
+      0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39,
+      8,  9,  10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
+      16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
+      24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
+  const __m512i order = _mm512_load_si512(kOrder);
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i x = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+    __m512i lo, hi;
+    Fp8BytesToBf16Bytes<kFormat>(x, tlo0, tlo1, thi0, thi1, lo, hi);
+    _mm512_storeu_si512(out + i, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_storeu_si512(out + i + 32, _mm512_unpackhi_epi8(lo, hi));
+  }
+  return i;
+}
+#endif
+
 template <Fp8Format kFormat>
 void DecodeFp8ToBf16SpanT(const uint8_t* HWY_RESTRICT codes,
                           uint16_t* HWY_RESTRICT out, size_t n) {
+#if HWY_TARGET == HWY_AVX3
+  if (n >= 64 && UseFp8ByteTables()) {
+    const size_t done = DecodeFp8ToBf16Vbmi<kFormat>(codes, out, n);
+    codes += done, out += done, n -= done;
+  }
+#endif
   const hn::ScalableTag<float> df;
   const hn::RebindToUnsigned<decltype(df)> du;
   const hn::RebindToSigned<decltype(df)> di;

@@ -3,7 +3,9 @@
 // it back) their kernels read the weight rows in place and convert them in
 // registers (microkernels-inl.h):
 //   kPairs  AVX512-BF16 CPUs, up to MR rows: MicroBf16PairsDirect, or
-//           MicroFp8PairsVbmi (byte tables) for fp8 with 8 rows on VBMI CPUs
+//           MicroFp8PairsVbmi (byte tables) for fp8 up to 8 rows on VBMI
+//           CPUs, in a tile of MR rows x NB blocks of 32 columns (1 x 4,
+//           2 x 2, 4 x 1, 8 x 1, MR x 1; DirectPairsShapeFor)
 //   kInt8   int8 weights on AVX512-VNNI CPUs, up to MR rows
 //   kF32    every other target (and f32 weights everywhere), up to 8 rows:
 //           MicroF32Direct in a tile of MR rows x NV vectors of columns with
@@ -111,7 +113,7 @@ inline KernelPath DirectPath(Direct d, const GemmCall& call, int64_t mr) {
     default: break;
   }
 #if HWY_TARGET == HWY_AVX3
-  if (b.kind == internal::SrcKind::kFp8 && mr == 8 && CpuHasAvx512Vbmi()) {
+  if (b.kind == internal::SrcKind::kFp8 && mr <= 8 && CpuHasAvx512Vbmi()) {
     return KernelPath::kDirectFp8Vbmi;
   }
 #endif
@@ -215,29 +217,71 @@ inline int64_t DirectF32StripWidth(const DirectF32Shape& s, int64_t vectors_left
   return vectors_left >= s.nv ? s.nv : static_cast<int64_t>(kNV);
 }
 
+// The pair direct kernels' tile for an item of `rows` rows: MR rows x NB
+// blocks of 32 columns, about 8 accumulators (PermutedTile says why); a strip
+// where NB blocks do not fit in what is left of a run takes 1.
+struct DirectPairsShape {
+  int64_t mr, nb;
+};
+inline DirectPairsShape DirectPairsShapeFor(int64_t rows) {
+  if (rows <= 1) return {1, 4};
+  if (rows <= 2) return {2, 2};
+  if (rows <= 4) return {4, 1};
+  if (rows <= 8) return {8, 1};
+  return {static_cast<int64_t>(kMR), 1};
+}
+
+// The strip width (in vectors) of a pair direct item of tile shape s: nb
+// blocks while they fit in what is left of a run, else one (runs hold whole
+// NR = kNV-vector panels).
+inline int64_t DirectPairsStripWidth(const DirectPairsShape& s, int64_t vectors_left) {
+  const int64_t nb_vectors = s.nb * static_cast<int64_t>(kNV);
+  return vectors_left >= nb_vectors ? nb_vectors : static_cast<int64_t>(kNV);
+}
+
 #if HWY_TARGET == HWY_AVX3
-template <size_t MR>
-void RunDirectPairs(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
-                    size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
-                    bool last, const DirectPrefetch& pf) {
+template <size_t MR, size_t NB>
+void RunDirectPairsT(const internal::Source& b, size_t kc, const uint32_t* ap, const uint8_t* src,
+                     size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
+                     bool last, const DirectPrefetch& pf) {
   if (b.kind == internal::SrcKind::kBf16) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c, row_scale,
-                                                      last, pf);
+    return MicroBf16PairsDirect<MR, NB, DirectSrc::kBf16>(kc, ap, src, ldb, c, ldc, load_c,
+                                                          row_scale, last, pf);
   }
-  if (MR == 8 && CpuHasAvx512Vbmi()) {  // byte-table decode; 8 rows leave room for the tables
-    if (b.fp8 == Fp8Format::kE4M3FN) {
-      return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c,
-                                                      row_scale, last, pf);
+  if constexpr (MR <= 8) {  // byte-table decode; up to 8 rows leave room for the tables
+    if (CpuHasAvx512Vbmi()) {
+      if (b.fp8 == Fp8Format::kE4M3FN) {
+        return MicroFp8PairsVbmi<MR, NB, Fp8Format::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c,
+                                                             row_scale, last, pf);
+      }
+      return MicroFp8PairsVbmi<MR, NB, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c,
+                                                             row_scale, last, pf);
     }
-    return MicroFp8PairsVbmi<8, Fp8Format::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c,
-                                                      row_scale, last, pf);
   }
   if (b.fp8 == Fp8Format::kE4M3FN) {
-    return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c,
-                                                        row_scale, last, pf);
+    return MicroBf16PairsDirect<MR, NB, DirectSrc::kE4M3FN>(kc, ap, src, ldb, c, ldc, load_c,
+                                                            row_scale, last, pf);
   }
-  return MicroBf16PairsDirect<MR, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c,
-                                                        row_scale, last, pf);
+  return MicroBf16PairsDirect<MR, NB, DirectSrc::kE4M3FNUZ>(kc, ap, src, ldb, c, ldc, load_c,
+                                                            row_scale, last, pf);
+}
+
+// The pair direct kernel of tile (mr, nb) (a DirectPairsShape, or nb 1).
+inline void RunDirectPairs(int64_t mr, int64_t nb, const internal::Source& b, size_t kc,
+                           const uint32_t* ap, const uint8_t* src, size_t ldb, float* c,
+                           size_t ldc, bool load_c, const float* row_scale, bool last,
+                           const DirectPrefetch& pf) {
+  switch (mr * 16 + nb) {
+    case 1 * 16 + 4: return RunDirectPairsT<1, 4>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+    case 1 * 16 + 1: return RunDirectPairsT<1, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+    case 2 * 16 + 2: return RunDirectPairsT<2, 2>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+    case 2 * 16 + 1: return RunDirectPairsT<2, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+    case 4 * 16 + 1: return RunDirectPairsT<4, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+    case 8 * 16 + 1: return RunDirectPairsT<8, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+    default:
+      FP8MOE_DCHECK(mr == static_cast<int64_t>(kMR) && nb == 1);
+      return RunDirectPairsT<kMR, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+  }
 }
 #endif
 
@@ -328,11 +372,9 @@ inline void RunDirectTile(const GemmCall& call, Direct kind, const WorkItem& it,
   }
 #if HWY_TARGET == HWY_AVX3
   const uint32_t* ap = reinterpret_cast<const uint32_t*>(apan);
-  if (kind == Direct::kPairs && mr == 8) {
-    return RunDirectPairs<8>(call.b, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, last, pf);
-  }
-  if (kind == Direct::kPairs) {
-    return RunDirectPairs<kMR>(call.b, ukc, ap, src, ldb, cf, uldc, load_c, row_scale, last, pf);
+  if (kind == Direct::kPairs) {  // width: nb blocks of 32 columns (kNV vectors each)
+    return RunDirectPairs(mr, width / static_cast<int64_t>(kNV), call.b, ukc, ap, src, ldb, cf,
+                          uldc, load_c, row_scale, last, pf);
   }
   int32_t* ci = static_cast<int32_t*>(c);
   if (mr == 8) return MicroI8PairsDirectVnni<8>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);

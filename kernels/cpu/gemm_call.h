@@ -124,6 +124,12 @@ struct GemmCall {
 // threads and worker scratch, counting each work item on its KernelPath.
 Status ExecuteGemm(Context& ctx, const GemmCall& call);
 
+// Whether the direct kernels may decode fp8 weights with byte tables on
+// AVX512-VBMI CPUs (default true). For tests: false runs the u16 decode that
+// AVX512-BF16 CPUs without VBMI (Cooper Lake) take.
+bool Fp8ByteTableDecode();
+void SetFp8ByteTableDecode(bool on);
+
 }  // namespace fp8moe::internal
 
 #endif  // FP8MOE_KERNELS_CPU_GEMM_CALL_H_

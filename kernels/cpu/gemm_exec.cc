@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "base/check.h"
@@ -161,6 +162,7 @@ struct ItemPlan {
   internal::ColumnRuns runs;  // SwiGLU: the gate and up column runs
   int64_t per_run;            // B panels per run
   DirectF32Shape f32_shape;   // the f32 direct kernel's tile (Direct::kF32)
+  DirectPairsShape pairs_shape;  // the pair direct kernels' tile (Direct::kPairs)
   bool raw_fp8;               // the f32 direct kernel decodes fp8 raw
   int64_t run_stride;         // C columns per run (whole panels)
   bool c_in_output;           // C is the f32 output itself (else scratch)
@@ -177,8 +179,10 @@ ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, cons
   // A panel as tall as the item: the f32 direct tile's rows, or 8 rows for
   // the pair kernels when that is enough.
   ip.f32_shape = DirectF32ShapeFor(it.rows);
+  ip.pairs_shape = DirectPairsShapeFor(it.rows);
   ip.raw_fp8 = ip.direct == Direct::kF32 && RawFp8(call);
   ip.mr = ip.direct == Direct::kF32                                   ? ip.f32_shape.mr
+          : ip.direct == Direct::kPairs                               ? ip.pairs_shape.mr
           : ip.direct != Direct::kNone && it.rows <= kDirectF32Rows ? kDirectF32Rows
                                                                       : static_cast<int64_t>(kMR);
   ip.runs.count = it.cols;
@@ -280,8 +284,9 @@ void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
   for (int run = 0; run < ip.runs.runs; ++run) {
     int64_t width = 0;
     for (int64_t v = 0; v < vectors_per_run; v += width) {
-      width = ip.direct == Direct::kF32 ? DirectF32StripWidth(ip.f32_shape, vectors_per_run - v)
-                                        : static_cast<int64_t>(kNV);
+      width = ip.direct == Direct::kF32     ? DirectF32StripWidth(ip.f32_shape, vectors_per_run - v)
+              : ip.direct == Direct::kPairs ? DirectPairsStripWidth(ip.pairs_shape, vectors_per_run - v)
+                                            : static_cast<int64_t>(kNV);
       const int64_t col = run * ip.run_stride + v * lanes;  // column in C
       const int64_t valid_c = std::min(width * lanes, it.cols - v * lanes);
       FP8MOE_DCHECK(ip.c_in_output ||
@@ -396,6 +401,12 @@ HWY_AFTER_NAMESPACE();
 namespace fp8moe::internal {
 
 HWY_EXPORT(ExecuteGemmT);
+
+namespace {
+std::atomic<bool> g_fp8_byte_tables{true};
+}  // namespace
+bool Fp8ByteTableDecode() { return g_fp8_byte_tables.load(std::memory_order_relaxed); }
+void SetFp8ByteTableDecode(bool on) { g_fp8_byte_tables.store(on); }
 
 Status ExecuteGemm(Context& ctx, const GemmCall& call) {
   bool out_of_memory = false;

@@ -81,11 +81,14 @@ struct DirectPrefetch {
   uint32_t cold_rows = 0;
 
   // One reduction step's prefetches (row: the step's first weight row, ldb
-  // bytes between rows; rows_per_step: 1, or 2 for the pair kernels).
-  inline void Step(const uint8_t* row, size_t ldb, size_t rows_per_step) {
+  // bytes between rows; rows_per_step: 1, or 2 for the pair kernels;
+  // row_bytes: the strip's width, one line per 64 bytes of it).
+  inline void Step(const uint8_t* row, size_t ldb, size_t rows_per_step, size_t row_bytes = 64) {
     if (cold_rows != 0) {
       for (size_t r = 0; r < rows_per_step; ++r) {
-        __builtin_prefetch(row + (cold_rows + r) * ldb, 0, 3);
+        for (size_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(row + (cold_rows + r) * ldb + off, 0, 3);
+        }
       }
     }
     for (uint32_t u = 0; u < per_step; ++u) {

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 
 #include "fp8moe/numerics.h"
+#include "kernels/cpu/gemm_call.h"
+#include "numerics/convert-inl.h"
 #include "numerics/fp8_spec.h"
 #ifndef FP8MOE_AVX512BF16
 #define FP8MOE_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -164,32 +166,45 @@ __attribute__((target("avx512f"))) HWY_INLINE void PermuteToNatural(__m512i& v0,
   v0 = n0;
 }
 
-// The C tile [MR x 32] of the direct kernels, held in the accumulator column
-// order the in-lane unpacks produce. Between the reduction chunks of a work
-// item C stays in that order in memory (nobody reads it until the item is
-// done), so only the item's last chunk permutes it to the natural order:
-// permutes share the shuffle pipes with the fp8 decode. Everything is inlined
-// and unrolled, so the arrays live in registers.
-template <size_t MR>
+// The C tile [MR x 32 NB] of the direct kernels (NB blocks of 32 columns),
+// held in the accumulator column order the in-lane unpacks produce. Between
+// the reduction chunks of a work item C stays in that order in memory (nobody
+// reads it until the item is done), so only the item's last chunk permutes it
+// to the natural order: permutes share the shuffle pipes with the fp8 decode.
+// Everything is inlined and unrolled, so the arrays live in registers.
+//
+// Why NB: every accumulator is a chain of dependent vdpbf16ps (latency ~5-6
+// cycles), so a tile needs about 8 accumulators to issue one per cycle. An
+// item of one row (decode with one token per expert) gets them from 4 blocks
+// of columns, not from 8 rows of which 7 would be padding: 8x fewer dot
+// products per weight byte, which is what bounded the decode shapes.
+template <size_t MR, size_t NB = 1>
 struct PermutedTile {
-  __m512 acc0[MR], acc1[MR];
+  __m512 acc[MR][2 * NB];
 
   // acc = C as a previous chunk left it (accumulator order), or zero.
   FP8MOE_AVX512BF16 HWY_INLINE void Load(const float* c, size_t ldc, bool from_c) {
     HWY_UNROLL(16)
     for (size_t i = 0; i < MR; ++i) {
-      acc0[i] = from_c ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-      acc1[i] = from_c ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+      HWY_UNROLL(8)
+      for (size_t v = 0; v < 2 * NB; ++v) {
+        acc[i][v] = from_c ? _mm512_loadu_ps(c + i * ldc + 16 * v) : _mm512_setzero_ps();
+      }
     }
   }
 
-  // acc[i] += pairs of A row i (a[i]) . the two B pair vectors.
-  FP8MOE_AVX512BF16 HWY_INLINE void Dot(const uint32_t* a, __m512bh b0, __m512bh b1) {
+  // acc[i] += pairs of A row i (a[i]) . the B pair vectors of every block
+  // (lo[j], hi[j]: block j's two accumulator halves).
+  FP8MOE_AVX512BF16 HWY_INLINE void Dot(const uint32_t* a, const __m512bh* lo,
+                                        const __m512bh* hi) {
     HWY_UNROLL(16)
     for (size_t i = 0; i < MR; ++i) {
       const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i]));
-      acc0[i] = _mm512_dpbf16_ps(acc0[i], av, b0);
-      acc1[i] = _mm512_dpbf16_ps(acc1[i], av, b1);
+      HWY_UNROLL(4)
+      for (size_t j = 0; j < NB; ++j) {
+        acc[i][2 * j] = _mm512_dpbf16_ps(acc[i][2 * j], av, lo[j]);
+        acc[i][2 * j + 1] = _mm512_dpbf16_ps(acc[i][2 * j + 1], av, hi[j]);
+      }
     }
   }
 
@@ -199,45 +214,58 @@ struct PermutedTile {
                                           const float* row_scale, bool last) {
     HWY_UNROLL(16)
     for (size_t i = 0; i < MR; ++i) {
-      float* p = c + i * ldc;
-      __m512 v0 = acc0[i], v1 = acc1[i];
-      if (row_scale != nullptr) {
-        const __m512 s = _mm512_set1_ps(row_scale[i]);
-        v0 = load_c ? _mm512_fmadd_ps(s, v0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, v0);
-        v1 = load_c ? _mm512_fmadd_ps(s, v1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, v1);
+      HWY_UNROLL(4)
+      for (size_t j = 0; j < NB; ++j) {
+        float* p = c + i * ldc + 32 * j;
+        __m512 v0 = acc[i][2 * j], v1 = acc[i][2 * j + 1];
+        if (row_scale != nullptr) {
+          const __m512 s = _mm512_set1_ps(row_scale[i]);
+          v0 = load_c ? _mm512_fmadd_ps(s, v0, _mm512_loadu_ps(p)) : _mm512_mul_ps(s, v0);
+          v1 = load_c ? _mm512_fmadd_ps(s, v1, _mm512_loadu_ps(p + 16)) : _mm512_mul_ps(s, v1);
+        }
+        __m512i b0 = _mm512_castps_si512(v0), b1 = _mm512_castps_si512(v1);
+        if (last) PermuteToNatural(b0, b1);
+        _mm512_storeu_si512(p, b0);
+        _mm512_storeu_si512(p + 16, b1);
       }
-      __m512i b0 = _mm512_castps_si512(v0), b1 = _mm512_castps_si512(v1);
-      if (last) PermuteToNatural(b0, b1);
-      _mm512_storeu_si512(p, b0);
-      _mm512_storeu_si512(p + 16, b1);
     }
   }
 };
 
-// C[MR x 32] (+)= A panel (kc2 x MR pairs) x B rows [r, r + 2*kc2) of the
-// source at b (ldb bytes per row), columns [0, 32). kc odd: the last pair's
-// second row is not read (zero).
-template <size_t MR, DirectSrc kSrc>
+// C[MR x 32 NB] (+)= A panel (kc2 x MR pairs) x B rows [r, r + 2*kc2) of
+// the source at b (ldb bytes per row), columns [0, 32 NB). kc odd: the last
+// pair's second row is not read (zero).
+template <size_t MR, size_t NB, DirectSrc kSrc>
 FP8MOE_AVX512BF16 HWY_NOINLINE void
 MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
                      const uint8_t* HWY_RESTRICT b, size_t ldb,
                      float* HWY_RESTRICT c, size_t ldc, bool load_c,
                      const float* HWY_RESTRICT row_scale, bool last, DirectPrefetch pf) {
-  PermutedTile<MR> tile;
+  constexpr size_t kBlockBytes = kSrc == DirectSrc::kBf16 ? 64 : 32;  // 32 columns
+  PermutedTile<MR, NB> tile;
   tile.Load(c, ldc, load_c && row_scale == nullptr);
-  auto step = [&](const uint32_t* a, __m512i lo, __m512i hi) FP8MOE_AVX512BF16 {
-    tile.Dot(a, (__m512bh)_mm512_unpacklo_epi16(lo, hi), (__m512bh)_mm512_unpackhi_epi16(lo, hi));
+  // Rows (row0, row1) of every block into (k, k+1) pairs, then the dots.
+  auto step = [&](const uint32_t* a, const uint8_t* row0, const uint8_t* row1)
+                  FP8MOE_AVX512BF16 {
+    __m512bh lo[NB], hi[NB];
+    HWY_UNROLL(4)
+    for (size_t j = 0; j < NB; ++j) {
+      const __m512i x0 = LoadBf16x32<kSrc>(row0 + j * kBlockBytes);
+      const __m512i x1 =
+          row1 != nullptr ? LoadBf16x32<kSrc>(row1 + j * kBlockBytes) : _mm512_setzero_si512();
+      lo[j] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+      hi[j] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    }
+    tile.Dot(a, lo, hi);
   };
   const size_t kc2 = kc / 2;
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
-    pf.Step(row, ldb, 2);
-    step(ap + k * MR, LoadBf16x32<kSrc>(row), LoadBf16x32<kSrc>(row + ldb));
+    pf.Step(row, ldb, 2, NB * kBlockBytes);
+    step(ap + k * MR, row, row + ldb);
   }
-  if (kc % 2 != 0) {
-    step(ap + kc2 * MR, LoadBf16x32<kSrc>(b + 2 * kc2 * ldb), _mm512_setzero_si512());
-  }
+  if (kc % 2 != 0) step(ap + kc2 * MR, b + 2 * kc2 * ldb, nullptr);
   tile.Store(c, ldc, load_c, row_scale, last);
 }
 
@@ -252,30 +280,14 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
 // bf16(a1), ..., i.e. exactly the (k, k+1) pairs, in the same lane order as
 // the u16 path. About 8 ops per 64 codes.
 
-#ifndef FP8MOE_AVX512VBMI
-#define FP8MOE_AVX512VBMI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
-#endif
-
+// Whether the direct kernels decode fp8 with byte tables (convert-inl.h):
+// the CPU has AVX512-VBMI, the extensions are on, and no test turned the
+// tables off.
 inline bool CpuHasAvx512Vbmi() {
-  static const bool has = __builtin_cpu_supports("avx512vbmi");
-  return has && Avx512ExtensionsEnabled();
+  return UseFp8ByteTables() && internal::Fp8ByteTableDecode();
 }
 
-// Low and high bytes of bf16(decode(m)) for the 128 magnitudes m.
-struct Fp8ByteTables {
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi[128];
-  explicit Fp8ByteTables(Fp8Format f) {
-    for (int m = 0; m < 128; ++m) {
-      const uint16_t b = F32ToBf16(DecodeFp8(static_cast<uint8_t>(m), f));
-      lo[m] = static_cast<uint8_t>(b & 0xFF);
-      hi[m] = static_cast<uint8_t>(b >> 8);
-    }
-  }
-};
-
-template <size_t MR, Fp8Format kFormat>
+template <size_t MR, size_t NB, Fp8Format kFormat>
 FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
     size_t kc, const uint32_t* HWY_RESTRICT ap, const uint8_t* HWY_RESTRICT b,
     size_t ldb, float* HWY_RESTRICT c, size_t ldc, bool load_c,
@@ -289,35 +301,36 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
       16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i interleave = _mm512_load_si512(kInterleave);
-  const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
-  PermutedTile<MR> tile;
+  PermutedTile<MR, NB> tile;
   tile.Load(c, ldc, load_c && row_scale == nullptr);
-  auto step = [&](const uint32_t* a, __m256i row0, __m256i row1) FP8MOE_AVX512VBMI {
-    __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(row0), row1, 1);
-    x = _mm512_permutexvar_epi8(interleave, x);
-    __m512i lo = _mm512_permutex2var_epi8(tlo0, x, tlo1);
-    __m512i hi = _mm512_permutex2var_epi8(thi0, x, thi1);
-    hi = _mm512_or_si512(hi, _mm512_and_si512(x, sign_bit));
-    if constexpr (SpecOf(kFormat).fnuz) {  // 0x80 is the NaN, not -0
-      const __mmask64 nan = _mm512_cmpeq_epi8_mask(x, sign_bit);
-      lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8(static_cast<char>(0xC0)));
-      hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(static_cast<char>(0xFF)));
+  // 32 codes of rows (row0, row1) per block -> (k, k+1) bf16 pairs; row1
+  // nullptr: code 0 (the odd tail).
+  auto step = [&](const uint32_t* a, const uint8_t* row0, const uint8_t* row1)
+                  FP8MOE_AVX512VBMI {
+    __m512bh lo_pairs[NB], hi_pairs[NB];
+    HWY_UNROLL(4)
+    for (size_t j = 0; j < NB; ++j) {
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + 32 * j));
+      const __m256i r1 = row1 != nullptr
+                             ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1 + 32 * j))
+                             : _mm256_setzero_si256();
+      __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+      x = _mm512_permutexvar_epi8(interleave, x);
+      __m512i lo, hi;
+      Fp8BytesToBf16Bytes<kFormat>(x, tlo0, tlo1, thi0, thi1, lo, hi);
+      lo_pairs[j] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+      hi_pairs[j] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
     }
-    tile.Dot(a, (__m512bh)_mm512_unpacklo_epi8(lo, hi), (__m512bh)_mm512_unpackhi_epi8(lo, hi));
+    tile.Dot(a, lo_pairs, hi_pairs);
   };
   const size_t kc2 = kc / 2;
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
-    pf.Step(row, ldb, 2);
-    step(ap + k * MR, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)),
-         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + ldb)));
+    pf.Step(row, ldb, 2, NB * 32);
+    step(ap + k * MR, row, row + ldb);
   }
-  if (kc % 2 != 0) {  // the last pair's second row is zero (code 0)
-    step(ap + kc2 * MR,
-         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * kc2 * ldb)),
-         _mm256_setzero_si256());
-  }
+  if (kc % 2 != 0) step(ap + kc2 * MR, b + 2 * kc2 * ldb, nullptr);  // second row: code 0
   tile.Store(c, ldc, load_c, row_scale, last);
 }
 
