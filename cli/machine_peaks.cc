@@ -292,7 +292,7 @@ PeakLoop GetPeakLoop(int kind) {
       return p;
     case PeakKind::kBf16Dot:
 #if defined(FP8MOE_PEAK_AVX3)
-      p.available = __builtin_cpu_supports("avx512bf16");
+      p.available = CpuHasAvx512Bf16Dot();
       p.kernels_use = KernelsRawAvx512() && UseBf16DotProducts();
       p.ops_per_instr = 4.0 * lanes;  // 2 bf16 products + 2 adds per f32 lane
       p.run = &Bf16DotLoop;

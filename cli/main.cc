@@ -140,10 +140,8 @@ int main(int argc, char** argv) {
   }
   // Nor is a FP8MOE_BF16_DOT that is neither on nor off (the library would
   // warn and keep its default choice of kernels).
-  if (const char* env = std::getenv("FP8MOE_BF16_DOT");
-      env != nullptr && std::strcmp(env, "on") != 0 && std::strcmp(env, "off") != 0) {
-    std::fprintf(stderr, "error: FP8MOE_BF16_DOT=%s: write on or off (or unset it for the "
-                 "CPU's default, docs/kernels.md)\n", env);
+  if (const auto setting = fp8moe::Bf16DotSetting(); !setting.ok()) {
+    std::fprintf(stderr, "error: %s\n", setting.status().message().c_str());
     return 2;
   }
   // A malformed FP8MOE_MEMORY_CAP is a bad request, not a silent default.

@@ -2,6 +2,8 @@
 
 #include <strings.h>
 
+#include "fp8moe/numerics.h"
+
 namespace fp8moe::bench {
 namespace {
 
@@ -76,7 +78,7 @@ CpuIsa DetectCpuIsa() {
   isa.avx512bw = __builtin_cpu_supports("avx512bw");
   isa.avx512dq = __builtin_cpu_supports("avx512dq");
   isa.avx512vl = __builtin_cpu_supports("avx512vl");
-  isa.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+  isa.avx512bf16 = CpuHasAvx512Bf16Dot();
 #endif
   return isa;
 }

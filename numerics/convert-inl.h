@@ -34,9 +34,8 @@
 #include <immintrin.h>
 
 #include "fp8moe/numerics.h"
-#ifndef FP8MOE_AVX512VBMI
-#define FP8MOE_AVX512VBMI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+#ifndef FP8MOE_VBMI_TARGET
+#define FP8MOE_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi")))
 #endif
 #endif
 
@@ -224,7 +223,7 @@ void DecodeFp8SpanT(const uint8_t* HWY_RESTRICT codes, float* HWY_RESTRICT out,
 // Whether the byte-table decodes may run: the CPU has AVX512-VBMI and the
 // AVX-512 extensions are on (off under --simd AVX3).
 inline bool UseFp8ByteTables() {
-  static const bool has = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+  static const bool has = __builtin_cpu_supports("avx512vbmi");
   return has && Avx512ExtensionsEnabled();
 }
 
@@ -244,7 +243,7 @@ struct Fp8ByteTables {
 // The low (lo) and high (hi) bytes of the bf16 of 64 codes x, by the tables
 // t*0 | t*1 (magnitudes 0-63 | 64-127).
 template <Fp8Format kFormat>
-FP8MOE_AVX512VBMI HWY_INLINE void Fp8BytesToBf16Bytes(__m512i x, __m512i tlo0, __m512i tlo1,
+FP8MOE_VBMI_TARGET HWY_INLINE void Fp8BytesToBf16Bytes(__m512i x, __m512i tlo0, __m512i tlo1,
                                                       __m512i thi0, __m512i thi1, __m512i& lo,
                                                       __m512i& hi) {
   const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -261,7 +260,7 @@ FP8MOE_AVX512VBMI HWY_INLINE void Fp8BytesToBf16Bytes(__m512i x, __m512i tlo0, _
 // Decodes the whole 64-code blocks of codes [0, n) into out; returns how
 // many codes it did (the caller does the rest).
 template <Fp8Format kFormat>
-FP8MOE_AVX512VBMI size_t DecodeFp8ToBf16Vbmi(const uint8_t* HWY_RESTRICT codes,
+FP8MOE_VBMI_TARGET size_t DecodeFp8ToBf16Vbmi(const uint8_t* HWY_RESTRICT codes,
                                              uint16_t* HWY_RESTRICT out, size_t n) {
   static const Fp8ByteTables tables(kFormat);
   const __m512i tlo0 = _mm512_load_si512(tables.lo), tlo1 = _mm512_load_si512(tables.lo + 64);

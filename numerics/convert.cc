@@ -194,16 +194,27 @@ constexpr const char* kAvx3Spr = "AVX3_SPR";
 // Rapids, 2026-12-01), AMD's Zen 4 at two FMAs' flops.
 bool DefaultBf16DotProducts() {
   static const bool use = [] {
-    if (const char* env = std::getenv("FP8MOE_BF16_DOT")) {
-      if (std::strcmp(env, "on") == 0) return true;
-      if (std::strcmp(env, "off") == 0) return false;
-      std::fprintf(stderr, "fp8moe: FP8MOE_BF16_DOT=%s is neither on nor off; ignored\n", env);
+    const Result<int> setting = Bf16DotSetting();
+    if (!setting.ok()) {
+      std::fprintf(stderr, "fp8moe: %s; ignored\n", setting.status().message().c_str());
+    } else if (*setting >= 0) {
+      return *setting == 1;
     }
     return !__builtin_cpu_is("intel");
   }();
   return use;
 }
 }  // namespace
+
+Result<int> Bf16DotSetting() {
+  const char* env = std::getenv("FP8MOE_BF16_DOT");
+  if (env == nullptr) return -1;
+  if (std::strcmp(env, "on") == 0) return 1;
+  if (std::strcmp(env, "off") == 0) return 0;
+  return InvalidArgument("FP8MOE_BF16_DOT=" + std::string(env) +
+                         ": write on or off (or unset it for the CPU's default, "
+                         "docs/kernels.md)");
+}
 
 bool CpuHasAvx512Bf16Dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");

@@ -110,6 +110,11 @@ bool Avx512ExtensionsEnabled();
 // between runs on one machine with one setting.
 bool UseBf16DotProducts();
 
+// FP8MOE_BF16_DOT as set in the environment: 1 (on), 0 (off) or -1 (unset);
+// any other value is an InvalidArgument naming it (UseBf16DotProducts then
+// keeps the CPU's default and warns once on stderr).
+Result<int> Bf16DotSetting();
+
 namespace internal {
 // For tests that run every target: turns the AVX-512 extensions off or on.
 void SetAvx512ExtensionsEnabled(bool on);

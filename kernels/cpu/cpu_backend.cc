@@ -319,20 +319,15 @@ Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
   call.a = Plain(lhs, p.k);
   call.b = Plain(dout, p.n);
   int64_t quant_tile = quant.per_group ? 0 : o.tiles.m.value_or(kTgmmDefaultQuantTile);
-  // Bounds that do not depend on the group sizes, for the scratch below and
-  // the workers' reduction block: sum_g ceil(size_g / tile) <= m / tile + e,
-  // and the clamp below only lowers the tile to the largest group, which
-  // leaves that count as it is.
+  // A tile taller than m cuts every group into one tile, as m does, so it is
+  // clamped to m: the reduction block (the tile) then never sizes the packing
+  // buffers past the data. Like every bound here it depends on the shapes
+  // only, never on the group sizes (sum_g ceil(size_g / tile) <= m / tile + e),
+  // so a trainer's steps, other routings of the same shapes, find their
+  // scratch allocated by the first step.
+  if (quant_tile > 0) quant_tile = std::min(quant_tile, std::max<int64_t>(p.m, 1));
   const int64_t max_tiles = quant_tile == 0 ? p.e : p.m / quant_tile + p.e;
-  call.max_reduction_step = std::min(quant_tile, p.m);
-  if (quant_tile > 0) {
-    // A tile at least as tall as the largest group cuts every group into one
-    // tile, exactly as that largest size does; clamping keeps the reduction
-    // block (the tile) from sizing packing buffers past the data.
-    int64_t largest = 1;
-    for (int64_t g = 0; g < p.e; ++g) largest = std::max(largest, p.offsets[g + 1] - p.offsets[g]);
-    quant_tile = std::min(quant_tile, largest);
-  }
+  call.max_reduction_step = quant_tile;
   if (quant.dout_dtype) {
     const int32_t* sizes = group_sizes.as<int32_t>();
     FP8MOE_ASSIGN_OR_RETURN(const int64_t tiles, NumGroupTiles(sizes, p.e, p.m, quant_tile));

@@ -280,6 +280,11 @@ MicroBf16PairsDirect(size_t kc, const uint32_t* HWY_RESTRICT ap,
 // bf16(a1), ..., i.e. exactly the (k, k+1) pairs, in the same lane order as
 // the u16 path. About 8 ops per 64 codes.
 
+#ifndef FP8MOE_AVX512VBMI
+#define FP8MOE_AVX512VBMI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+#endif
+
 // Whether the direct kernels decode fp8 with byte tables (convert-inl.h):
 // the CPU has AVX512-VBMI, the extensions are on, and no test turned the
 // tables off.
