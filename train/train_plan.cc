@@ -65,24 +65,45 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   // Activations kept for the backward, per layer: x, n1, x1, n2 [N, D];
   // inv1, inv2 [N]; qkv [N, 3HD]; attention probabilities [B, H, S, S];
   // attn [N, HD]; the MoE layer's router logits [N, E], routing tables (24
-  // bytes a routed pair) and sorted buffers x_sorted, h, a, y_sorted.
-  // Then the final norm, logits and their gradient, the backward's
-  // gradients (dy_sorted, dh, dx_sorted of one layer) and the token ids.
-  const U pairs = N * k;
+  // bytes a routed pair) and sorted buffers x_sorted, h, a, y_sorted, and
+  // its backward's buffers, which every layer's workspace keeps from step
+  // to step (dy_sorted, dh [rows, D + 2F] in the activation dtype, dx_sorted
+  // [rows, D] f32, dlogits [N, E], the pairs' weight gradients). Then the
+  // final norm, logits and their gradient, the model's backward buffers and
+  // the token ids.
+  //
+  // Per rank: each of the ranks runs its slice of the batch, Bl sequences
+  // (Nl tokens; train/trainer.cc); the MoE layer of a ring rank works on the
+  // Pe slices its ring gathers (Ng tokens, all of whose pairs may route to
+  // this rank's experts) and keeps the ring's buffers (moe_workspace.h: the
+  // gathered tokens, the partial outputs and their gradients, f32, and the
+  // codes of a quantized gather: at most 28 bytes a gathered token and model
+  // dimension; the gathered routing, 24 bytes a pair). One rank: Nl = Ng = N.
+  const U Bl = (B + ranks - 1) / ranks, Nl = Bl * S, Ng = std::min(N, Pe * Nl);
+  const U pairs = Ng * k;
   U rows = pairs;
   if (m.moe.ragged_buffer_factor > 0) {  // validated <= kMaxRaggedBufferFactor
     rows = std::max<U>(pairs, static_cast<U>(std::ceil(m.moe.ragged_buffer_factor *
                                                         static_cast<double>(pairs))));
   }
-  const bool f32 = m.moe.dtype == DType::kF32 &&
-                   PlanMoeQuantization(m.moe).mode == MoeQatMode::kNone;
+  const MoeQuantPlan qp = PlanMoeQuantization(m.moe);
+  const bool f32 = m.moe.dtype == DType::kF32 && qp.mode == MoeQatMode::kNone;
   const U act = f32 ? 4 : 2;
-  // On more ranks: the whole global batch still (an upper bound for a
-  // rank's share, the ring's gathered tokens included).
-  const U per_layer = 4 * (4 * N * D + 2 * N + 3 * N * HD + B * H * S * S + N * HD + N * E) +
-                      24 * pairs + act * rows * (D + 2 * F + F + D);
-  const U global = 4 * (5 * N * D + N + 2 * N * V + 4 * N * HD + S * Pos(m.head_dim)) +
-                   act * rows * (D + 2 * F) + 4 * rows * D + 8 * N;
+  const U ring = Pe > 1 ? 28 * Ng * D + 24 * pairs : 0;
+  // Also kept per layer: fp8_full's backward operands (moe_stages.cc: the
+  // scaled gradient in f32 and as codes [rows, max(2F, D)], the activation
+  // likewise [rows, max(D, F)], row scales), and where the forward GMMs
+  // quantize activations, their FP8 health at log steps (moe_prepare.cc:
+  // f32, codes and block scales of [rows, max(D, F)]).
+  const U C = std::max(D, F), G = std::max(2 * F, D);
+  const U recipe = qp.mode == MoeQatMode::kRecipeFp8Full ? rows * (5 * G + 5 * C + 8) : 0;
+  const U health = qp.fwd.lhs.has_value() ? rows * (5 * C + 4 * (C / 128 + 1)) : 0;
+  const U per_layer = 4 * (4 * Nl * D + 2 * Nl + 3 * Nl * HD + Bl * H * S * S + Nl * HD + Nl * E) +
+                      24 * pairs + act * rows * (D + 2 * F + F + D) + ring +
+                      act * rows * (D + 2 * F) + 4 * rows * D + 4 * (Nl * E + pairs) + recipe +
+                      health;
+  // The token ids of the whole global batch (every rank reads it).
+  const U global = 4 * (5 * Nl * D + Nl + 2 * Nl * V + 4 * Nl * HD + S * Pos(m.head_dim)) + 8 * N;
   plan.activation_bytes = Saturate(L * per_layer + global);
   // The data: the synthetic corpus's transition tables (doubles), or the
   // whole text file.
@@ -112,8 +133,9 @@ Status CheckTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expert) {
       "this training run (model " + std::to_string(ModelParamCount(c.model)) + " parameters" +
           (ranks > 1 ? "; each of " + std::to_string(ranks) + " ranks holds" : "") + ": weights, gradients, master and AdamW shards and the checkpoint buffer " +
           FormatBytes(p.weights_bytes) + "; expert weights for the GMMs " +
-          FormatBytes(p.expert_bytes) + "; activations of per_device_batch_size x "
-          "max_target_length tokens " + FormatBytes(p.activation_bytes) + "; data " +
+          FormatBytes(p.expert_bytes) + "; activations of " +
+          (ranks > 1 ? "this rank's 1/" + std::to_string(ranks) + " of " : std::string()) +
+          "per_device_batch_size x max_target_length tokens " + FormatBytes(p.activation_bytes) + "; data " +
           FormatBytes(p.data_bytes) + "; kernel scratch " +
           FormatBytes(p.scratch_bytes) + ")",
       p.total_bytes);

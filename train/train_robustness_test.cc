@@ -89,6 +89,22 @@ TEST(TrainRobustness, ThePlanCoversWhatARunAllocates) {
   variants[4].insert(variants[4].end(), {"quantization=fp8_full", "use_qwix_quantization=true",
                                          "moe_bwd_inkernel_quant=true"});
   variants[5].push_back("ragged_buffer_factor=2");
+  // Activation-heavy shapes (512 tokens a step, 1024 routed rows), where
+  // what every layer's MoE workspace keeps between steps
+  // dominates: the backward's buffers, fp8_full's recipe operands, the FP8
+  // health buffers (an fp8_full run peaked at 1.16x a plan that counted one
+  // layer's backward and no recipe operands).
+  const std::vector<std::string> wide = {"base_emb_dim=64",  "head_dim=32",
+                                         "base_moe_mlp_dim=128", "num_experts=4",
+                                         "vocab_size=64",   "max_target_length=64",
+                                         "per_device_batch_size=8"};
+  for (int w = 0; w < 3; ++w) {
+    std::vector<std::string> v = w == 0 ? std::vector<std::string>{} : off;
+    if (w == 1) v.insert(v.end(), {"quantization=fp8_full", "use_qwix_quantization=true"});
+    if (w == 2) v.push_back("dtype=float32");
+    v.insert(v.end(), wide.begin(), wide.end());
+    variants.push_back(v);
+  }
   for (size_t i = 0; i < variants.size(); ++i) {
     std::vector<std::string> f = Tiny("plan");
     f.insert(f.end(), variants[i].begin(), variants[i].end());
