@@ -6,7 +6,7 @@
 //           MicroFp8PairsVbmi (byte tables) for fp8 up to 8 rows on VBMI
 //           CPUs, in a tile of MR rows x NB blocks of 32 columns (1 x 4,
 //           2 x 2, 4 x 1, 8 x 1, MR x 1; DirectPairsShapeFor)
-//   kInt8   int8 weights on AVX512-VNNI CPUs, up to MR rows
+//   kInt8   int8 weights on AVX512-VNNI CPUs, up to MR rows (the same tiles)
 //   kF32    every other target (and f32 weights everywhere), up to 8 rows:
 //           MicroF32Direct in a tile of MR rows x NV vectors of columns with
 //           MR x NV = 8 (1 row x 8 vectors ... 8 rows x 1 vector); native
@@ -377,8 +377,17 @@ inline void RunDirectTile(const GemmCall& call, Direct kind, const WorkItem& it,
                           uldc, load_c, row_scale, last, pf);
   }
   int32_t* ci = static_cast<int32_t*>(c);
-  if (mr == 8) return MicroI8PairsDirectVnni<8>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-  return MicroI8PairsDirectVnni<kMR>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+  switch (mr * 16 + width / static_cast<int64_t>(kNV)) {  // the DirectPairsShape tiles
+    case 1 * 16 + 4: return MicroI8PairsDirectVnni<1, 4>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+    case 1 * 16 + 1: return MicroI8PairsDirectVnni<1, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+    case 2 * 16 + 2: return MicroI8PairsDirectVnni<2, 2>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+    case 2 * 16 + 1: return MicroI8PairsDirectVnni<2, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+    case 4 * 16 + 1: return MicroI8PairsDirectVnni<4, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+    case 8 * 16 + 1: return MicroI8PairsDirectVnni<8, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+    default:
+      FP8MOE_DCHECK(mr == static_cast<int64_t>(kMR) && width == static_cast<int64_t>(kNV));
+      return MicroI8PairsDirectVnni<kMR, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
+  }
 #else
   (void)last, (void)post;  // kPairs and kInt8 exist on AVX3 only (ChooseDirect)
 #endif

@@ -162,7 +162,7 @@ struct ItemPlan {
   internal::ColumnRuns runs;  // SwiGLU: the gate and up column runs
   int64_t per_run;            // B panels per run
   DirectF32Shape f32_shape;   // the f32 direct kernel's tile (Direct::kF32)
-  DirectPairsShape pairs_shape;  // the pair direct kernels' tile (Direct::kPairs)
+  DirectPairsShape pairs_shape;  // the pair direct kernels' tile (kPairs, kInt8)
   bool raw_fp8;               // the f32 direct kernel decodes fp8 raw
   int64_t run_stride;         // C columns per run (whole panels)
   bool c_in_output;           // C is the f32 output itself (else scratch)
@@ -182,9 +182,8 @@ ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, cons
   ip.pairs_shape = DirectPairsShapeFor(it.rows);
   ip.raw_fp8 = ip.direct == Direct::kF32 && RawFp8(call);
   ip.mr = ip.direct == Direct::kF32                                   ? ip.f32_shape.mr
-          : ip.direct == Direct::kPairs                               ? ip.pairs_shape.mr
-          : ip.direct != Direct::kNone && it.rows <= kDirectF32Rows ? kDirectF32Rows
-                                                                      : static_cast<int64_t>(kMR);
+          : ip.direct != Direct::kNone ? ip.pairs_shape.mr  // kPairs, kInt8
+                                       : static_cast<int64_t>(kMR);
   ip.runs.count = it.cols;
   ip.runs.start[0] = it.col0;
   if (call.epi.kind == Epilogue::Kind::kSwiGlu) {
@@ -285,8 +284,7 @@ void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
     int64_t width = 0;
     for (int64_t v = 0; v < vectors_per_run; v += width) {
       width = ip.direct == Direct::kF32     ? DirectF32StripWidth(ip.f32_shape, vectors_per_run - v)
-              : ip.direct == Direct::kPairs ? DirectPairsStripWidth(ip.pairs_shape, vectors_per_run - v)
-                                            : static_cast<int64_t>(kNV);
+              : DirectPairsStripWidth(ip.pairs_shape, vectors_per_run - v);  // kPairs, kInt8
       const int64_t col = run * ip.run_stride + v * lanes;  // column in C
       const int64_t valid_c = std::min(width * lanes, it.cols - v * lanes);
       FP8MOE_DCHECK(ip.c_in_output ||

@@ -377,49 +377,67 @@ MicroI16Vnni(size_t kc2, const uint32_t* HWY_RESTRICT ap,
   }
 }
 // int8 weights of items of at most MR rows, read straight from the weight
-// (int8 decode): 32 columns of rows k and k+1 sign-extended to int16 and
-// interleaved into pairs in registers, vpdpwssd against the packed int16 A
-// pairs. The same exact int32 sums as MicroI16Vnni on packed panels. C is an
-// int32 tile, kept in the unpacks' column order between reduction chunks like
-// PermutedTile's and put in natural order by the last chunk.
-template <size_t MR>
+// (int8 decode): 32 columns of rows k and k+1 per block sign-extended to
+// int16 and interleaved into pairs in registers, vpdpwssd against the packed
+// int16 A pairs. The same exact int32 sums as MicroI16Vnni on packed panels.
+// C is an int32 tile [MR x 32 NB] (NB blocks: PermutedTile says why), kept
+// in the unpacks' column order between reduction chunks like PermutedTile's
+// and put in natural order by the last chunk.
+template <size_t MR, size_t NB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) HWY_NOINLINE void
 MicroI8PairsDirectVnni(size_t kc, const uint32_t* HWY_RESTRICT ap,
                        const uint8_t* HWY_RESTRICT b, size_t ldb, int32_t* HWY_RESTRICT c,
                        size_t ldc, bool load_c, bool last, DirectPrefetch pf) {
-  __m512i acc0[MR], acc1[MR];
+  __m512i acc[MR][2 * NB];
   HWY_UNROLL(16)
   for (size_t i = 0; i < MR; ++i) {
-    acc0[i] = load_c ? _mm512_loadu_si512(c + i * ldc) : _mm512_setzero_si512();
-    acc1[i] = load_c ? _mm512_loadu_si512(c + i * ldc + 16) : _mm512_setzero_si512();
+    HWY_UNROLL(8)
+    for (size_t v = 0; v < 2 * NB; ++v) {
+      acc[i][v] = load_c ? _mm512_loadu_si512(c + i * ldc + 16 * v) : _mm512_setzero_si512();
+    }
   }
-  auto step = [&](const uint32_t* a, __m512i lo, __m512i hi)
+  auto row16 = [](const uint8_t* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  // Rows (row0, row1; row1 nullptr: zero, the odd tail) of every block into
+  // pairs, then the dot products.
+  auto step = [&](const uint32_t* a, const uint8_t* row0, const uint8_t* row1)
                   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) {
-    const __m512i b0 = _mm512_unpacklo_epi16(lo, hi), b1 = _mm512_unpackhi_epi16(lo, hi);
+    __m512i lo[NB], hi[NB];
+    HWY_UNROLL(4)
+    for (size_t j = 0; j < NB; ++j) {
+      const __m512i x0 = row16(row0 + 32 * j);
+      const __m512i x1 = row1 != nullptr ? row16(row1 + 32 * j) : _mm512_setzero_si512();
+      lo[j] = _mm512_unpacklo_epi16(x0, x1);
+      hi[j] = _mm512_unpackhi_epi16(x0, x1);
+    }
     HWY_UNROLL(16)
     for (size_t i = 0; i < MR; ++i) {
       const __m512i av = _mm512_set1_epi32(static_cast<int>(a[i]));
-      acc0[i] = _mm512_dpwssd_epi32(acc0[i], av, b0);
-      acc1[i] = _mm512_dpwssd_epi32(acc1[i], av, b1);
+      HWY_UNROLL(4)
+      for (size_t j = 0; j < NB; ++j) {
+        acc[i][2 * j] = _mm512_dpwssd_epi32(acc[i][2 * j], av, lo[j]);
+        acc[i][2 * j + 1] = _mm512_dpwssd_epi32(acc[i][2 * j + 1], av, hi[j]);
+      }
     }
-  };
-  auto row16 = [](const uint8_t* p) __attribute__((target("avx512f,avx512bw,avx512vl"))) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   };
   const size_t kc2 = kc / 2;
   HWY_UNROLL(2)
   for (size_t k = 0; k < kc2; ++k) {
     const uint8_t* row = b + 2 * k * ldb;
-    pf.Step(row, ldb, 2);
-    step(ap + k * MR, row16(row), row16(row + ldb));
+    pf.Step(row, ldb, 2, NB * 32);
+    step(ap + k * MR, row, row + ldb);
   }
-  if (kc % 2 != 0) step(ap + kc2 * MR, row16(b + 2 * kc2 * ldb), _mm512_setzero_si512());
+  if (kc % 2 != 0) step(ap + kc2 * MR, b + 2 * kc2 * ldb, nullptr);
   HWY_UNROLL(16)
   for (size_t i = 0; i < MR; ++i) {
-    __m512i v0 = acc0[i], v1 = acc1[i];
-    if (last) PermuteToNatural(v0, v1);
-    _mm512_storeu_si512(c + i * ldc, v0);
-    _mm512_storeu_si512(c + i * ldc + 16, v1);
+    HWY_UNROLL(4)
+    for (size_t j = 0; j < NB; ++j) {
+      __m512i v0 = acc[i][2 * j], v1 = acc[i][2 * j + 1];
+      if (last) PermuteToNatural(v0, v1);
+      _mm512_storeu_si512(c + i * ldc + 32 * j, v0);
+      _mm512_storeu_si512(c + i * ldc + 32 * j + 16, v1);
+    }
   }
 }
 #else
