@@ -240,15 +240,25 @@ struct Fp8ByteTables {
   }
 };
 
-// The low (lo) and high (hi) bytes of the bf16 of 64 codes x, by the tables
-// t*0 | t*1 (magnitudes 0-63 | 64-127).
+// kFormat's byte tables in registers: magnitudes 0-63 | 64-127 of the low
+// and of the high bytes.
+struct Fp8TableRegs {
+  __m512i lo0, lo1, hi0, hi1;
+};
 template <Fp8Format kFormat>
-FP8MOE_VBMI_TARGET HWY_INLINE void Fp8BytesToBf16Bytes(__m512i x, __m512i tlo0, __m512i tlo1,
-                                                      __m512i thi0, __m512i thi1, __m512i& lo,
-                                                      __m512i& hi) {
+FP8MOE_VBMI_TARGET HWY_INLINE Fp8TableRegs LoadFp8Tables() {
+  static const Fp8ByteTables tables(kFormat);
+  return {_mm512_load_si512(tables.lo), _mm512_load_si512(tables.lo + 64),
+          _mm512_load_si512(tables.hi), _mm512_load_si512(tables.hi + 64)};
+}
+
+// The low (lo) and high (hi) bytes of the bf16 of 64 codes x.
+template <Fp8Format kFormat>
+FP8MOE_VBMI_TARGET HWY_INLINE void Fp8BytesToBf16Bytes(__m512i x, const Fp8TableRegs& t,
+                                                      __m512i& lo, __m512i& hi) {
   const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
-  lo = _mm512_permutex2var_epi8(tlo0, x, tlo1);
-  hi = _mm512_or_si512(_mm512_permutex2var_epi8(thi0, x, thi1), _mm512_and_si512(x, sign_bit));
+  lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);
+  hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), _mm512_and_si512(x, sign_bit));
   if constexpr (SpecOf(kFormat).fnuz) {  // 0x80 is the NaN, not -0
     const __mmask64 nan = _mm512_cmpeq_epi8_mask(x, sign_bit);
     const uint16_t q = F32ToBf16(DecodeFp8(0x80, kFormat));
@@ -262,9 +272,7 @@ FP8MOE_VBMI_TARGET HWY_INLINE void Fp8BytesToBf16Bytes(__m512i x, __m512i tlo0, 
 template <Fp8Format kFormat>
 FP8MOE_VBMI_TARGET size_t DecodeFp8ToBf16Vbmi(const uint8_t* HWY_RESTRICT codes,
                                              uint16_t* HWY_RESTRICT out, size_t n) {
-  static const Fp8ByteTables tables(kFormat);
-  const __m512i tlo0 = _mm512_load_si512(tables.lo), tlo1 = _mm512_load_si512(tables.lo + 64);
-  const __m512i thi0 = _mm512_load_si512(tables.hi), thi1 = _mm512_load_si512(tables.hi + 64);
+  const Fp8TableRegs t = LoadFp8Tables<kFormat>();
   // The in-lane byte unpacks of 128-bit lane j take its bytes 0-7 (unpacklo)
   // and 8-15 (unpackhi); this order makes them codes 8j..8j+7 and
   // 32+8j..32+8j+7, so both stores are in natural order.
@@ -278,7 +286,7 @@ FP8MOE_VBMI_TARGET size_t DecodeFp8ToBf16Vbmi(const uint8_t* HWY_RESTRICT codes,
   for (; i + 64 <= n; i += 64) {
     const __m512i x = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
     __m512i lo, hi;
-    Fp8BytesToBf16Bytes<kFormat>(x, tlo0, tlo1, thi0, thi1, lo, hi);
+    Fp8BytesToBf16Bytes<kFormat>(x, t, lo, hi);
     _mm512_storeu_si512(out + i, _mm512_unpacklo_epi8(lo, hi));
     _mm512_storeu_si512(out + i + 32, _mm512_unpackhi_epi8(lo, hi));
   }

@@ -297,9 +297,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
     size_t kc, const uint32_t* HWY_RESTRICT ap, const uint8_t* HWY_RESTRICT b,
     size_t ldb, float* HWY_RESTRICT c, size_t ldc, bool load_c,
     const float* HWY_RESTRICT row_scale, bool last, DirectPrefetch pf) {
-  static const Fp8ByteTables tables(kFormat);
-  const __m512i tlo0 = _mm512_load_si512(tables.lo), tlo1 = _mm512_load_si512(tables.lo + 64);
-  const __m512i thi0 = _mm512_load_si512(tables.hi), thi1 = _mm512_load_si512(tables.hi + 64);
+  const Fp8TableRegs t = LoadFp8Tables<kFormat>();
   alignas(64) static const uint8_t kInterleave[64] = {
       0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
       8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
@@ -322,7 +320,7 @@ FP8MOE_AVX512VBMI HWY_NOINLINE void MicroFp8PairsVbmi(
       __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
       x = _mm512_permutexvar_epi8(interleave, x);
       __m512i lo, hi;
-      Fp8BytesToBf16Bytes<kFormat>(x, tlo0, tlo1, thi0, thi1, lo, hi);
+      Fp8BytesToBf16Bytes<kFormat>(x, t, lo, hi);
       lo_pairs[j] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
       hi_pairs[j] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
     }

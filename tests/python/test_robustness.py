@@ -412,17 +412,21 @@ def test_signal_while_writing_leaves_no_partial_file(fp8moe_bin, tmp_path, sig):
     pytest.fail("the temp file of --out was never seen; the output is too small to catch")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_during_a_long_op_leaves_no_file(fp8moe_bin, tmp_path, sig):
+def _long_op_args(fp8moe_bin, tmp_path):
+    """`fp8moe op gmm` on the reference twin and a shape it takes many seconds on."""
     rng = np.random.default_rng()
     src = tmp_path / "in.safetensors"
     st.write(src, {"lhs": rng.standard_normal((2048, 2048)).astype(np.float32),
                    "rhs": rng.standard_normal((1, 2048, 2048)).astype(np.float32),
                    "group_sizes": np.array([2048], np.int32)})
-    out = tmp_path / "out.safetensors"
-    p = subprocess.Popen([fp8moe_bin, "op", "gmm", "--in", str(src), "--out", str(out),
-                          "mode=f32", "reference=true"])
-    time.sleep(1.0)  # the reference twin takes many seconds on this shape
+    return [fp8moe_bin, "op", "gmm", "--in", str(src), "--out",
+            str(tmp_path / "out.safetensors"), "mode=f32", "reference=true"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_a_long_op_leaves_no_file(fp8moe_bin, tmp_path, sig):
+    p = subprocess.Popen(_long_op_args(fp8moe_bin, tmp_path))
+    time.sleep(1.0)
     assert p.poll() is None, "the op finished before the signal"
     p.send_signal(sig)
     assert p.wait(timeout=TIMEOUT) == -sig
@@ -433,15 +437,9 @@ def test_an_inherited_ignored_sigint_stays_ignored(fp8moe_bin, tmp_path):
     # nohup and `cmd &` in a script start the command with SIGINT ignored; it
     # must stay ignored (only SIGTERM ends such a run), not be replaced by the
     # temp-file cleanup handler.
-    rng = np.random.default_rng()
-    src = tmp_path / "in.safetensors"
-    st.write(src, {"lhs": rng.standard_normal((2048, 2048)).astype(np.float32),
-                   "rhs": rng.standard_normal((1, 2048, 2048)).astype(np.float32),
-                   "group_sizes": np.array([2048], np.int32)})
-    out = tmp_path / "out.safetensors"
-    p = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"', fp8moe_bin, "op", "gmm",
-                          "--in", str(src), "--out", str(out), "mode=f32", "reference=true"])
-    time.sleep(1.0)  # the reference twin takes many seconds on this shape
+    p = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"',
+                          *_long_op_args(fp8moe_bin, tmp_path)])
+    time.sleep(1.0)
     assert p.poll() is None, "the op finished before the signal"
     p.send_signal(signal.SIGINT)
     time.sleep(0.5)
