@@ -176,8 +176,9 @@ ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, cons
   ip.kind = kind;
   ip.nr = static_cast<int64_t>(KernelNR());
   ip.direct = ChooseDirect(call, kind, it, ip.nr);
-  // A panel as tall as the item: the f32 direct tile's rows, or 8 rows for
-  // the pair kernels when that is enough.
+  // A panel as tall as the item's direct tile: the f32 direct kernel's rows
+  // (DirectF32Shape), the pair and int8 direct kernels' (DirectPairsShape);
+  // packed items take the microkernel's MR.
   ip.f32_shape = DirectF32ShapeFor(it.rows);
   ip.pairs_shape = DirectPairsShapeFor(it.rows);
   ip.raw_fp8 = ip.direct == Direct::kF32 && RawFp8(call);
