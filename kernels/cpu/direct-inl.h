@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "base/check.h"
 #include "fp8moe/context.h"
@@ -266,21 +267,22 @@ void RunDirectPairsT(const internal::Source& b, size_t kc, const uint32_t* ap, c
                                                             row_scale, last, pf);
 }
 
-// The pair direct kernel of tile (mr, nb) (a DirectPairsShape, or nb 1).
-inline void RunDirectPairs(int64_t mr, int64_t nb, const internal::Source& b, size_t kc,
-                           const uint32_t* ap, const uint8_t* src, size_t ldb, float* c,
-                           size_t ldc, bool load_c, const float* row_scale, bool last,
-                           const DirectPrefetch& pf) {
+// Calls f(MR, NB) with the tile (mr, nb) as integral constants: a
+// DirectPairsShape, or nb 1 (a one-block strip). The one list of the tiles
+// the pair and the int8 direct kernels are instantiated for.
+template <class F>
+HWY_INLINE void WithDirectPairsTile(int64_t mr, int64_t nb, const F& f) {
+  using std::integral_constant;
   switch (mr * 16 + nb) {
-    case 1 * 16 + 4: return RunDirectPairsT<1, 4>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-    case 1 * 16 + 1: return RunDirectPairsT<1, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-    case 2 * 16 + 2: return RunDirectPairsT<2, 2>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-    case 2 * 16 + 1: return RunDirectPairsT<2, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-    case 4 * 16 + 1: return RunDirectPairsT<4, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
-    case 8 * 16 + 1: return RunDirectPairsT<8, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+    case 1 * 16 + 4: return f(integral_constant<size_t, 1>{}, integral_constant<size_t, 4>{});
+    case 1 * 16 + 1: return f(integral_constant<size_t, 1>{}, integral_constant<size_t, 1>{});
+    case 2 * 16 + 2: return f(integral_constant<size_t, 2>{}, integral_constant<size_t, 2>{});
+    case 2 * 16 + 1: return f(integral_constant<size_t, 2>{}, integral_constant<size_t, 1>{});
+    case 4 * 16 + 1: return f(integral_constant<size_t, 4>{}, integral_constant<size_t, 1>{});
+    case 8 * 16 + 1: return f(integral_constant<size_t, 8>{}, integral_constant<size_t, 1>{});
     default:
       FP8MOE_DCHECK(mr == static_cast<int64_t>(kMR) && nb == 1);
-      return RunDirectPairsT<kMR, 1>(b, kc, ap, src, ldb, c, ldc, load_c, row_scale, last, pf);
+      return f(integral_constant<size_t, kMR>{}, integral_constant<size_t, 1>{});
   }
 }
 #endif
@@ -372,22 +374,18 @@ inline void RunDirectTile(const GemmCall& call, Direct kind, const WorkItem& it,
   }
 #if HWY_TARGET == HWY_AVX3
   const uint32_t* ap = reinterpret_cast<const uint32_t*>(apan);
-  if (kind == Direct::kPairs) {  // width: nb blocks of 32 columns (kNV vectors each)
-    return RunDirectPairs(mr, width / static_cast<int64_t>(kNV), call.b, ukc, ap, src, ldb, cf,
-                          uldc, load_c, row_scale, last, pf);
+  const int64_t nb = width / static_cast<int64_t>(kNV);  // blocks of 32 columns
+  if (kind == Direct::kPairs) {
+    return WithDirectPairsTile(mr, nb, [&](auto MR, auto NB) {
+      RunDirectPairsT<decltype(MR)::value, decltype(NB)::value>(call.b, ukc, ap, src, ldb, cf,
+                                                                uldc, load_c, row_scale, last, pf);
+    });
   }
   int32_t* ci = static_cast<int32_t*>(c);
-  switch (mr * 16 + width / static_cast<int64_t>(kNV)) {  // the DirectPairsShape tiles
-    case 1 * 16 + 4: return MicroI8PairsDirectVnni<1, 4>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-    case 1 * 16 + 1: return MicroI8PairsDirectVnni<1, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-    case 2 * 16 + 2: return MicroI8PairsDirectVnni<2, 2>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-    case 2 * 16 + 1: return MicroI8PairsDirectVnni<2, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-    case 4 * 16 + 1: return MicroI8PairsDirectVnni<4, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-    case 8 * 16 + 1: return MicroI8PairsDirectVnni<8, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-    default:
-      FP8MOE_DCHECK(mr == static_cast<int64_t>(kMR) && width == static_cast<int64_t>(kNV));
-      return MicroI8PairsDirectVnni<kMR, 1>(ukc, ap, src, ldb, ci, uldc, load_c, last, pf);
-  }
+  return WithDirectPairsTile(mr, nb, [&](auto MR, auto NB) {
+    MicroI8PairsDirectVnni<decltype(MR)::value, decltype(NB)::value>(ukc, ap, src, ldb, ci, uldc,
+                                                                      load_c, last, pf);
+  });
 #else
   (void)last, (void)post;  // kPairs and kInt8 exist on AVX3 only (ChooseDirect)
 #endif
