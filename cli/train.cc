@@ -1,7 +1,6 @@
 // `fp8moe train [config.yml] [key=value ...]`.
 #include "cli/train.h"
 
-#include <omp.h>
 
 #include <csignal>
 #include <cstdio>
@@ -32,12 +31,16 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   // checkpoint writer reports, instead of killing the process mid-save.
   std::signal(SIGXFSZ, SIG_IGN);
   // The default model's matmuls are small, and on a machine that is busy
-  // with other work a second OpenMP thread waiting at every barrier costs
-  // far more than it gains (measured: 0.9 s per step with two threads
-  // against 0.5 s with one at a load of 16 on 2 cores). With dynamic
-  // threads OpenMP uses fewer threads while the machine's load is high. The
-  // bits do not depend on the thread count. OMP_DYNAMIC, when set, decides.
-  if (std::getenv("OMP_DYNAMIC") == nullptr) omp_set_dynamic(1);
+  // with other work a thread that waits at every barrier for a core held by
+  // another process costs more than it gains (measured on 2 cores with one
+  // other busy process: 0.050 s per step with two threads, 0.028 s with
+  // one; idle: 0.019 s with two). So the trainer's threads follow the load
+  // the other processes put on the cores (base/core_share.h), unless
+  // OMP_DYNAMIC is set, which then decides as OpenMP defines it. OpenMP's
+  // own dynamic threads count this process's threads as load and so ran it
+  // on one thread even on an idle machine. The bits do not depend on the
+  // thread count.
+  const bool threads_follow_load = std::getenv("OMP_DYNAMIC") == nullptr;
   std::string yaml;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -91,6 +94,7 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   if (Status s = CheckTrainLayout(*cfg, *layout, comm.size()); !s.ok()) return fail(s, 2);
   TrainOptions options;
   options.comm = &comm;
+  options.threads_follow_load = threads_follow_load;
   auto summary = Train(*cfg, *raw, options);
   if (!summary.ok()) {
     if (comm.size() > 1) {

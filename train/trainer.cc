@@ -15,7 +15,9 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <omp.h>
 
+#include "base/core_share.h"
 #include "fp8moe/data.h"
 #include "fp8moe/dist.h"
 #include "fp8moe/memory.h"
@@ -410,8 +412,20 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     return b;
   };
   int64_t completed = state.step;
+  // threads_follow_load: the team shrinks while other processes keep cores
+  // busy and grows back when they stop (see base/core_share.h).
+  internal::CoreShare core_share(omp_get_max_threads());
+  struct RestoreThreads {  // the caller's OpenMP thread count, however Train returns
+    int n = omp_get_max_threads();
+    ~RestoreThreads() { omp_set_num_threads(n); }
+  } restore_threads;
+  int threads_min = 0, threads_max = 0;
   for (int64_t s = state.step; s < c.steps; ++s) {
     completed = s + 1;
+    if (opt.threads_follow_load) omp_set_num_threads(core_share.Update());
+    const int threads = omp_get_max_threads();
+    threads_min = threads_min == 0 ? threads : std::min(threads_min, threads);
+    threads_max = std::max(threads_max, threads);
     const int64_t allocs0 = GetMemoryStats().allocations;
     const int64_t sent0 = bytes_sent(), expert0 = fsdp->expert_gather_bytes();
     const double t0 = Now();
@@ -483,6 +497,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     rep.comm_bytes = bytes_sent() - sent0;
     rep.expert_gather_bytes = fsdp->expert_gather_bytes() - expert0;
     rep.allocations = GetMemoryStats().allocations - allocs0;
+    rep.threads = threads;
     if (ran > 0) {
       time_sum += rep.step_time_s;
       allocs_after_first += rep.allocations;
@@ -499,6 +514,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
               {"tokens_per_s", static_cast<double>(N) / rep.step_time_s},
               {"dropless_reruns", info.dropless_reruns},
               {"dropped_tokens", 0},
+              {"threads", threads},
               {"nonfinite_steps", state.nonfinite_steps}};
     if (comm->size() > 1) {
       j["comm_bytes"] = rep.comm_bytes;  // rank 0's
@@ -596,6 +612,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   sum.peak_bytes = GetMemoryStats().peak;
   sum.allocations_per_step =
       timed > 0 ? static_cast<double>(allocs_after_first) / static_cast<double>(timed) : 0.0;
+  sum.threads_min = threads_min;
+  sum.threads_max = threads_max;
 
   json sj = {{"steps", sum.steps},
              {"resumed_from", sum.resumed_from},
@@ -609,6 +627,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
              {"peak_bytes", sum.peak_bytes},
              {"memory_plan_bytes", sum.memory_plan_bytes},
              {"allocations_per_step", sum.allocations_per_step},
+             {"threads_min", sum.threads_min},
+             {"threads_max", sum.threads_max},
              {"wall_time_s", Now() - t_start},
              {"config", raw.ToYaml()}};
   if (lead) {
@@ -635,6 +655,12 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     std::printf("  step time        %.4f s mean, %s tokens/s\n", sum.mean_step_time_s,
                 Rate(sum.tokens_per_s).c_str());
     std::printf("  wall time        %s\n", Duration(Now() - t_start).c_str());
+    if (sum.threads_min != sum.threads_max) {
+      std::printf("  threads          %d-%d (fewer while other processes kept cores busy)\n",
+                  sum.threads_min, sum.threads_max);
+    } else if (sum.threads_max > 0) {
+      std::printf("  threads          %d\n", sum.threads_max);
+    }
     if (sum.nonfinite_steps > 0) {
       std::printf("  skipped steps    %lld (non-finite)\n", static_cast<long long>(sum.nonfinite_steps));
     }

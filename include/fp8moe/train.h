@@ -100,6 +100,7 @@ struct StepReport {
   // Bytes this rank sent during the step (0 on one rank), and of them the
   // expert weights' gathers (gather8: codes + amax all-reduce; bf16).
   int64_t comm_bytes = 0, expert_gather_bytes = 0;
+  int threads = 0;               // OpenMP threads of this rank during the step
 };
 
 struct TrainSummary {
@@ -116,11 +117,16 @@ struct TrainSummary {
   int64_t peak_bytes = 0;         // library memory high-water mark (after setup)
   int64_t memory_plan_bytes = 0;  // what PlanTrainMemory allowed for this rank
   double allocations_per_step = 0;  // after this process's first step
+  int threads_min = 0, threads_max = 0;  // this rank's threads over its steps
 };
 
 struct TrainOptions {
   bool quiet = false;     // no progress, log lines or final summary on the terminal
   std::function<void(const StepReport&)> on_step;
+  // Run as many threads as the cores other processes leave free, measured
+  // every half second (base/core_share.h), between 1 and OpenMP's maximum;
+  // false: OpenMP's thread count throughout. The bits do not change.
+  bool threads_follow_load = false;
   // Tests: stop (as if killed) right after this many steps of this process.
   int64_t stop_after_steps = 0;
   // The ranks of the job (every rank calls Train with the same config);

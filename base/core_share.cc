@@ -1,0 +1,102 @@
+#include "base/core_share.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#if defined(__linux__)
+#include <sched.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+#endif
+
+namespace fp8moe::internal {
+
+int ThreadsForFreeCores(int cores, double other_cores, int max_threads) {
+  const int hi = std::max(1, max_threads);
+  if (!(other_cores >= 0)) other_cores = 0;  // NaN or a negative rounding residue
+  const double free = static_cast<double>(cores) - other_cores;
+  const double rounded = std::floor(free + 0.5);
+  if (rounded <= 1) return 1;
+  return rounded >= hi ? hi : static_cast<int>(rounded);
+}
+
+CoreShare::CoreShare(int max_threads, double window_seconds)
+    : max_threads_(std::max(1, max_threads)),
+      threads_(std::max(1, max_threads)),
+      window_seconds_(window_seconds) {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return;
+  int n = 0;
+  for (int c = 0; c < 1024 && c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) {
+      cpu_mask_[c / 64] |= uint64_t{1} << (c % 64);
+      ++n;
+    }
+  }
+  if (n == 0) return;
+  cores_ = n;
+  available_ = Take(&last_);
+#endif
+}
+
+bool CoreShare::Take(Sample* s) const {
+#if defined(__linux__)
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  s->wall = static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+  rusage ru{};
+  if (getrusage(RUSAGE_SELF, &ru) != 0) return false;
+  s->self = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+            1e-6 * static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+  const long tick = sysconf(_SC_CLK_TCK);
+  if (tick <= 0) return false;
+  std::FILE* f = std::fopen("/proc/stat", "r");
+  if (f == nullptr) return false;
+  // Lines "cpuN user nice system idle iowait irq softirq steal ...", in
+  // ticks; busy is everything but idle and iowait (steal included: time the
+  // hypervisor gave someone else is not ours to use).
+  char line[512];
+  unsigned long long busy = 0;
+  bool any = false;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::strncmp(line, "cpu", 3) != 0) break;  // the cpu lines come first
+    if (line[3] < '0' || line[3] > '9') continue;  // the "cpu " total line
+    int cpu = -1;
+    unsigned long long v[8] = {};
+    if (std::sscanf(line, "cpu%d %llu %llu %llu %llu %llu %llu %llu %llu", &cpu, &v[0], &v[1],
+                    &v[2], &v[3], &v[4], &v[5], &v[6], &v[7]) < 5) {
+      continue;  // a short line
+    }
+    if (cpu < 0 || cpu >= 1024 || (cpu_mask_[cpu / 64] >> (cpu % 64) & 1) == 0) continue;
+    busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+    any = true;
+  }
+  std::fclose(f);
+  if (!any) return false;
+  s->busy = static_cast<double>(busy) / static_cast<double>(tick);
+  return true;
+#else
+  (void)s;
+  return false;
+#endif
+}
+
+int CoreShare::Update() {
+  if (!available_) return threads_;
+  Sample now;
+  if (!Take(&now)) return threads_;
+  const double wall = now.wall - last_.wall;
+  if (wall < window_seconds_) return threads_;
+  self_cores_ = (now.self - last_.self) / wall;
+  other_cores_ = std::max(0.0, (now.busy - last_.busy) - (now.self - last_.self)) / wall;
+  last_ = now;
+  threads_ = ThreadsForFreeCores(cores_, other_cores_, max_threads_);
+  return threads_;
+}
+
+}  // namespace fp8moe::internal
