@@ -2,14 +2,19 @@
 // forward values, and gradients against central finite differences of the
 // twins' scalar loss sum(out * dout). Inputs are fresh normal draws
 // (FP8MOE_TEST_SEED replays a case).
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "base/test_seed.h"
+#include "base/test_util.h"
 #include "model/layers.h"
 #include "model/reference/layers_reference.h"
 
@@ -77,39 +82,120 @@ TEST(ModelLayers, RmsNormMatchesReferenceAndFiniteDifferences) {
   CheckGrad(&g, dg, loss, 1e-5, "dg");
 }
 
+// Rope + attention forward against the float64 twins, and the backward by
+// central differences, on every SIMD target: a head width below one vector
+// (hd 4) and one with a scalar tail after whole vectors (hd 20).
 TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
-  std::mt19937 rng(Seed(2));
-  const int64_t B = 2, S = 7, H = 3, hd = 4, W = 3 * H * hd;
-  const double theta = 10000.0;
-  auto qkv = Normal(rng, B * S * W), dout = Normal(rng, B * S * H * hd);
-  Context ctx;
-  std::vector<float> cos(S * hd / 2), sin(S * hd / 2);
-  internal::RopeTables(S, hd, theta, cos.data(), sin.data());
-  std::vector<float> q = F32(qkv), probs(B * H * S * S), out(B * S * H * hd), dq(B * S * W);
-  internal::RopeApply(ctx, q.data(), B, S, H, hd, cos.data(), sin.data(), false);
-  internal::AttentionForward(ctx, q.data(), B, S, H, hd, probs.data(), out.data());
-  std::vector<double> rq, ro(out.size());
-  auto ref = [&] {
-    rq = qkv;
-    reference::Rope(rq.data(), B, S, H, hd, theta);
-    reference::Attention(rq.data(), B, S, H, hd, ro.data());
+  struct Shape {
+    int64_t B, S, H, hd;
   };
-  ref();
-  for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ro[i], 1e-5) << i;
-  // Causality: a row's probabilities above the diagonal are exactly zero.
-  for (int64_t i = 0; i < S; ++i) {
-    for (int64_t j = i + 1; j < S; ++j) EXPECT_EQ(probs[i * S + j], 0.0f);
+  // Listed before any is forced: SimdTargets() lists what dispatch allows.
+  const std::vector<test::SimdTarget> targets = test::SimdTargets();
+  for (const Shape& sh : {Shape{2, 7, 3, 4}, Shape{1, 19, 2, 20}}) {
+    for (const test::SimdTarget& target : targets) [&] {
+      test::UseSimdTarget(target);
+      const int64_t B = sh.B, S = sh.S, H = sh.H, hd = sh.hd, W = 3 * H * hd;
+      SCOPED_TRACE(target.label + " hd " + std::to_string(hd));
+      std::mt19937 rng(Seed(2));
+      const double theta = 10000.0;
+      auto qkv = Normal(rng, B * S * W), dout = Normal(rng, B * S * H * hd);
+      Context ctx;
+      std::vector<float> cos(S * hd / 2), sin(S * hd / 2);
+      internal::RopeTables(S, hd, theta, cos.data(), sin.data());
+      std::vector<float> q = F32(qkv), probs(B * H * S * S), out(B * S * H * hd), dq(B * S * W);
+      internal::RopeApply(ctx, q.data(), B, S, H, hd, cos.data(), sin.data(), false);
+      internal::AttentionForward(ctx, q.data(), B, S, H, hd, probs.data(), out.data());
+      std::vector<double> rq, ro(out.size());
+      auto ref = [&] {
+        rq = qkv;
+        reference::Rope(rq.data(), B, S, H, hd, theta);
+        reference::Attention(rq.data(), B, S, H, hd, ro.data());
+      };
+      ref();
+      for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ro[i], 1e-5) << i;
+      // Causality: a row's probabilities above the diagonal are exactly zero.
+      for (int64_t i = 0; i < S; ++i) {
+        for (int64_t j = i + 1; j < S; ++j) EXPECT_EQ(probs[i * S + j], 0.0f);
+      }
+      std::vector<float> doutf = F32(dout);
+      internal::AttentionBackward(ctx, q.data(), probs.data(), doutf.data(), B, S, H, hd,
+                                  dq.data());
+      internal::RopeApply(ctx, dq.data(), B, S, H, hd, cos.data(), sin.data(), /*inverse=*/true);
+      auto loss = [&] {
+        ref();
+        double s = 0;
+        for (size_t i = 0; i < ro.size(); ++i) s += ro[i] * dout[i];
+        return s;
+      };
+      CheckGrad(&qkv, dq, loss, 2e-5, "dqkv");
+    }();
   }
-  std::vector<float> doutf = F32(dout);
-  internal::AttentionBackward(ctx, q.data(), probs.data(), doutf.data(), B, S, H, hd, dq.data());
-  internal::RopeApply(ctx, dq.data(), B, S, H, hd, cos.data(), sin.data(), /*inverse=*/true);
-  auto loss = [&] {
-    ref();
-    double s = 0;
-    for (size_t i = 0; i < ro.size(); ++i) s += ro[i] * dout[i];
-    return s;
+  test::UseDefaultSimd();
+}
+
+// The vector attention (model/attention.cc) sums in one order per output
+// with FMA and a lane-wise exp, so every SIMD target with FMA (AVX2 and
+// wider) gives the same bits; the fallbacks without FMA (SSE4, scalar) round
+// each product and are only held to the float64 twin. Every output element
+// is written (outputs start NaN-poisoned). Shapes:
+// the default model's head (S 64, hd 16), a sequence one past whole vectors,
+// a single position, and a head width with a tail.
+TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
+  FP8MOE_RANDOM_SEED(seed);
+  struct Shape {
+    int64_t B, S, H, hd;
   };
-  CheckGrad(&qkv, dq, loss, 2e-5, "dqkv");
+  const std::vector<test::SimdTarget> targets = test::SimdTargets();
+  int compared = 0;  // targets held to the first one's bits
+  for (const Shape& sh : {Shape{2, 64, 2, 16}, Shape{1, 65, 3, 16}, Shape{2, 1, 1, 8},
+                          Shape{1, 33, 2, 12}}) {
+    const int64_t B = sh.B, S = sh.S, H = sh.H, hd = sh.hd, W = 3 * H * hd;
+    SCOPED_TRACE("B " + std::to_string(B) + " S " + std::to_string(S) + " H " +
+                 std::to_string(H) + " hd " + std::to_string(hd));
+    std::mt19937 rng(static_cast<unsigned>(seed));
+    const auto qkv = Normal(rng, B * S * W, 2.0), dout = Normal(rng, B * S * H * hd);
+    const std::vector<float> qf = F32(qkv), df = F32(dout);
+    std::vector<std::vector<float>> first;  // probs, out, dqkv of the first target
+    std::string first_label;
+    for (const test::SimdTarget& target : targets) [&] {
+      test::UseSimdTarget(target);
+      SCOPED_TRACE(target.label);
+      Context ctx;
+      std::vector<float> probs(B * H * S * S, NAN), out(B * S * H * hd, NAN), dq(B * S * W, NAN);
+      internal::AttentionForward(ctx, qf.data(), B, S, H, hd, probs.data(), out.data());
+      internal::AttentionBackward(ctx, qf.data(), probs.data(), df.data(), B, S, H, hd,
+                                  dq.data());
+      for (const auto* v : {&probs, &out, &dq}) {
+        for (size_t i = 0; i < v->size(); ++i) {
+          ASSERT_TRUE(std::isfinite((*v)[i])) << "element " << i << " not written";
+        }
+      }
+      std::vector<double> ro(out.size());
+      reference::Attention(qkv.data(), B, S, H, hd, ro.data());
+      for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ro[i], 2e-5) << i;
+      if (target.hwy > HWY_AVX2) return;  // no FMA: other bits, same tolerance
+      if (first.empty()) {
+        first = {probs, out, dq};
+        first_label = target.label;
+        return;
+      }
+      ++compared;
+      const char* names[] = {"probs", "out", "dqkv"};
+      const std::vector<float>* now[] = {&probs, &out, &dq};
+      for (int k = 0; k < 3; ++k) {
+        for (size_t i = 0; i < now[k]->size(); ++i) {
+          ASSERT_EQ(std::bit_cast<uint32_t>((*now[k])[i]), std::bit_cast<uint32_t>(first[k][i]))
+              << names[k] << "[" << i << "] differs from " << first_label;
+        }
+      }
+    }();
+  }
+  test::UseDefaultSimd();
+  // On an AVX2-only machine there is nothing to compare with; elsewhere the
+  // AVX3 targets were held to each other and to AVX2.
+  int fma_targets = 0;
+  for (const test::SimdTarget& t : targets) fma_targets += t.hwy <= HWY_AVX2;
+  EXPECT_EQ(compared, 4 * (fma_targets - 1));
 }
 
 TEST(ModelLayers, CrossEntropyMatchesReferenceAndFiniteDifferences) {

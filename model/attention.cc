@@ -1,0 +1,221 @@
+// Causal softmax attention (layers.h: AttentionForward, AttentionBackward),
+// vectorized per Highway target. The float64 twin is reference::Attention
+// (model/reference/layers_reference.h); layers_test compares the two on every
+// SIMD target and checks the backward by finite differences.
+//
+// qkv [B*S, 3*H*hd]: row s of batch b holds q | k | v; head h's columns start
+// at h*hd in each third. One (batch, head) runs on one thread, so the bits do
+// not depend on the thread count. They do not depend on the SIMD target
+// either, among the targets with FMA (AVX2 and wider): every sum runs in one
+// fixed order per output element, with FMA (vectors run over independent
+// outputs, never across a sum), the softmax denominator is a scalar sum in
+// double, and exp is Highway's lane-wise Exp (the same polynomial on every
+// target). The SSE4 and scalar fallbacks round products separately.
+//
+// Why vectors: at the default model's size (S 64, hd 16) the scalar loops
+// were a quarter of a training step (perf, 2 threads).
+//   scores  s_ij = scale * q_i . k_j, lanes over keys j: k is transposed once
+//           per head into kt [hd][Sp] (Sp: S rounded up to whole vectors,
+//           zero-padded), so each lane sums over t in order;
+//   output  o_i[t] = sum_j p_ij v_j[t], lanes over t, j in order;
+//   backward ds_ij = do_i . v_j (lanes over j, v transposed like k), then
+//           dv_j, dq_i, dk_j (lanes over t), each summed in i or j order.
+// A width hd that is not a multiple of the vector runs its last columns with
+// scalar std::fma: one rounding, like the vector FMA, so the same bits.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "model/layers.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "model/attention.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace fp8moe {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+namespace {
+
+// The transposed head columns [hd][sp] of rows [0, seq) at src (row stride
+// width), zero in columns [seq, sp).
+void Transpose(const float* src, int64_t width, int64_t seq, int64_t hd, int64_t sp,
+               float* dst) {
+  for (int64_t t = 0; t < hd; ++t) {
+    float* d = dst + t * sp;
+    for (int64_t j = 0; j < seq; ++j) d[j] = src[j * width + t];
+    std::fill(d + seq, d + sp, 0.0f);
+  }
+}
+
+// out[j] = sum over t in order of x[t] * mt[t*sp + j] (FMA), for j in
+// [0, n) rounded up to whole vectors (mt is padded to sp).
+void DotColumns(const float* x, const float* mt, int64_t hd, int64_t sp, int64_t n, float* out) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t j0 = 0; j0 < n; j0 += N) {
+    auto acc = hn::Zero(d);
+    for (int64_t t = 0; t < hd; ++t) {
+      acc = hn::MulAdd(hn::Set(d, x[t]), hn::LoadU(d, mt + t * sp + j0), acc);
+    }
+    hn::StoreU(acc, d, out + j0);
+  }
+}
+
+}  // namespace
+
+void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+                       int threads, float* probs, float* out) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t width = 3 * heads * hd, hw = heads * hd;
+  const int64_t sp = (seq + N - 1) / N * N;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+#pragma omp parallel num_threads(threads)
+  {
+    // Per thread, kept across calls: the transposed keys and a score row.
+    static thread_local std::vector<float> kt, row;
+    if (kt.size() < static_cast<size_t>(hd * sp)) kt.resize(static_cast<size_t>(hd * sp));
+    if (row.size() < static_cast<size_t>(sp)) row.resize(static_cast<size_t>(sp));
+    const int64_t tv = hd / N * N;  // columns t run as whole vectors below tv
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const float* base = qkv + b * seq * width;
+      const float* vbase = base + 2 * hw + h * hd;
+      Transpose(base + hw + h * hd, width, seq, hd, sp, kt.data());
+      for (int64_t i = 0; i < seq; ++i) {
+        const int64_t n = i + 1;  // keys 0..i
+        DotColumns(base + i * width + h * hd, kt.data(), hd, sp, n, row.data());
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] *= scale;
+          mx = std::max(mx, row[j]);
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += N) {  // args <= 0 where Exp is valid
+          hn::StoreU(hn::Exp(d, hn::Sub(hn::LoadU(d, row.data() + j0), hn::Set(d, mx))), d,
+                     row.data() + j0);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < n; ++j) sum += row[j];
+        const float inv = static_cast<float>(1.0 / sum);
+        float* p = probs + (bh * seq + i) * seq;
+        for (int64_t j = 0; j < n; ++j) p[j] = row[j] * inv;
+        std::fill(p + n, p + seq, 0.0f);
+        float* o = out + (b * seq + i) * hw + h * hd;
+        for (int64_t t0 = 0; t0 < tv; t0 += N) {
+          auto acc = hn::Zero(d);
+          for (int64_t j = 0; j < n; ++j) {
+            acc = hn::MulAdd(hn::Set(d, p[j]), hn::LoadU(d, vbase + j * width + t0), acc);
+          }
+          hn::StoreU(acc, d, o + t0);
+        }
+        for (int64_t t = tv; t < hd; ++t) {
+          float acc = 0.0f;
+          for (int64_t j = 0; j < n; ++j) acc = std::fma(p[j], vbase[j * width + t], acc);
+          o[t] = acc;
+        }
+      }
+    }
+  }
+}
+
+void AttentionBackwardT(const float* qkv, const float* probs, const float* dout, int64_t batch,
+                        int64_t seq, int64_t heads, int64_t hd, int threads, float* dqkv) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t width = 3 * heads * hd, hw = heads * hd;
+  const int64_t sp = (seq + N - 1) / N * N;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+#pragma omp parallel num_threads(threads)
+  {
+    // Per thread, kept across calls: the transposed values and a row of dS.
+    static thread_local std::vector<float> vt, ds;
+    if (vt.size() < static_cast<size_t>(hd * sp)) vt.resize(static_cast<size_t>(hd * sp));
+    if (ds.size() < static_cast<size_t>(sp)) ds.resize(static_cast<size_t>(sp));
+    const int64_t tv = hd / N * N;
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const float* base = qkv + b * seq * width;
+      float* dbase = dqkv + b * seq * width;
+      const float* kbase = base + hw + h * hd;
+      const float* vbase = base + 2 * hw + h * hd;
+      for (int64_t j = 0; j < seq; ++j) {
+        for (int64_t part = 0; part < 3; ++part) {
+          float* r = dbase + j * width + part * hw + h * hd;
+          std::fill(r, r + hd, 0.0f);
+        }
+      }
+      Transpose(vbase, width, seq, hd, sp, vt.data());
+      for (int64_t i = 0; i < seq; ++i) {
+        const int64_t n = i + 1;
+        const float* p = probs + (bh * seq + i) * seq;
+        const float* go = dout + (b * seq + i) * hw + h * hd;
+        const float* q = base + i * width + h * hd;
+        DotColumns(go, vt.data(), hd, sp, n, ds.data());  // dP_ij = do_i . v_j
+        double pd = 0;
+        for (int64_t j = 0; j < n; ++j) pd += static_cast<double>(p[j]) * ds[j];
+        // dS_ij = P_ij (dP_ij - sum_j P_ij dP_ij) * scale, in place.
+        for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - static_cast<float>(pd)) * scale;
+        float* dq = dbase + i * width + h * hd;
+        // dv_j += P_ij do_i; dk_j += dS_ij q_i; dq_i = sum_j dS_ij k_j.
+        for (int64_t t0 = 0; t0 < tv; t0 += N) {
+          const auto gov = hn::LoadU(d, go + t0), qv = hn::LoadU(d, q + t0);
+          auto dqv = hn::LoadU(d, dq + t0);
+          for (int64_t j = 0; j < n; ++j) {
+            float* dv = dbase + j * width + 2 * hw + h * hd + t0;
+            float* dk = dbase + j * width + hw + h * hd + t0;
+            hn::StoreU(hn::MulAdd(hn::Set(d, p[j]), gov, hn::LoadU(d, dv)), d, dv);
+            const auto s = hn::Set(d, ds[j]);
+            hn::StoreU(hn::MulAdd(s, qv, hn::LoadU(d, dk)), d, dk);
+            dqv = hn::MulAdd(s, hn::LoadU(d, kbase + j * width + t0), dqv);
+          }
+          hn::StoreU(dqv, d, dq + t0);
+        }
+        for (int64_t t = tv; t < hd; ++t) {
+          float dqt = dq[t];
+          for (int64_t j = 0; j < n; ++j) {
+            float* dv = dbase + j * width + 2 * hw + h * hd;
+            float* dk = dbase + j * width + hw + h * hd;
+            dv[t] = std::fma(p[j], go[t], dv[t]);
+            dk[t] = std::fma(ds[j], q[t], dk[t]);
+            dqt = std::fma(ds[j], kbase[j * width + t], dqt);
+          }
+          dq[t] = dqt;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fp8moe
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace fp8moe::internal {
+
+HWY_EXPORT(AttentionForwardT);
+HWY_EXPORT(AttentionBackwardT);
+
+void AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq, int64_t heads,
+                      int64_t hd, float* probs, float* out) {
+  HWY_DYNAMIC_DISPATCH(AttentionForwardT)(qkv, batch, seq, heads, hd, ctx.threads(), probs, out);
+}
+
+void AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
+                       int64_t batch, int64_t seq, int64_t heads, int64_t hd, float* dqkv) {
+  HWY_DYNAMIC_DISPATCH(AttentionBackwardT)(qkv, probs, dout, batch, seq, heads, hd,
+                                           ctx.threads(), dqkv);
+}
+
+}  // namespace fp8moe::internal
+#endif  // HWY_ONCE
