@@ -69,39 +69,65 @@ void DotColumns(const float* x, const float* mt, int64_t hd, int64_t sp, int64_t
   }
 }
 
+// The sizes every (batch, head) of a call shares.
+struct Geometry {
+  int64_t N;      // lanes
+  int64_t width;  // qkv row: 3 * heads * hd
+  int64_t hw;     // one third of it: heads * hd
+  int64_t sp;     // seq rounded up to whole vectors (the transposed rows)
+  int64_t tv;     // columns t below tv run as whole vectors, the rest scalar
+  float scale;    // 1 / sqrt(hd)
+};
+Geometry GeometryOf(int64_t seq, int64_t heads, int64_t hd) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  return {N, 3 * heads * hd, heads * hd, (seq + N - 1) / N * N, hd / N * N,
+          static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+}
+
+// This thread's buffers of a call: a transposed head [hd][sp] and a row
+// [sp], kept across calls (no allocation per step once grown).
+struct ThreadRows {
+  float* transposed;
+  float* row;
+};
+ThreadRows ThreadRowsFor(std::vector<float>& transposed, std::vector<float>& row, int64_t hd,
+                         int64_t sp) {
+  if (transposed.size() < static_cast<size_t>(hd * sp)) transposed.resize(static_cast<size_t>(hd * sp));
+  if (row.size() < static_cast<size_t>(sp)) row.resize(static_cast<size_t>(sp));
+  return {transposed.data(), row.data()};
+}
+
 }  // namespace
 
 void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
                        int threads, float* probs, float* out) {
   const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const int64_t width = 3 * heads * hd, hw = heads * hd;
-  const int64_t sp = (seq + N - 1) / N * N;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const Geometry g = GeometryOf(seq, heads, hd);
+  const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
+  const float scale = g.scale;
 #pragma omp parallel num_threads(threads)
   {
-    // Per thread, kept across calls: the transposed keys and a score row.
-    static thread_local std::vector<float> kt, row;
-    if (kt.size() < static_cast<size_t>(hd * sp)) kt.resize(static_cast<size_t>(hd * sp));
-    if (row.size() < static_cast<size_t>(sp)) row.resize(static_cast<size_t>(sp));
-    const int64_t tv = hd / N * N;  // columns t run as whole vectors below tv
+    static thread_local std::vector<float> kt_buf, row_buf;  // keys transposed, scores
+    const ThreadRows bufs = ThreadRowsFor(kt_buf, row_buf, hd, sp);
+    float* const kt = bufs.transposed;
+    float* const row = bufs.row;
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       const float* base = qkv + b * seq * width;
       const float* vbase = base + 2 * hw + h * hd;
-      Transpose(base + hw + h * hd, width, seq, hd, sp, kt.data());
+      Transpose(base + hw + h * hd, width, seq, hd, sp, kt);
       for (int64_t i = 0; i < seq; ++i) {
         const int64_t n = i + 1;  // keys 0..i
-        DotColumns(base + i * width + h * hd, kt.data(), hd, sp, n, row.data());
+        DotColumns(base + i * width + h * hd, kt, hd, sp, n, row);
         float mx = -INFINITY;
         for (int64_t j = 0; j < n; ++j) {
           row[j] *= scale;
           mx = std::max(mx, row[j]);
         }
         for (int64_t j0 = 0; j0 < n; j0 += N) {  // args <= 0 where Exp is valid
-          hn::StoreU(hn::Exp(d, hn::Sub(hn::LoadU(d, row.data() + j0), hn::Set(d, mx))), d,
-                     row.data() + j0);
+          hn::StoreU(hn::Exp(d, hn::Sub(hn::LoadU(d, row + j0), hn::Set(d, mx))), d,
+                     row + j0);
         }
         double sum = 0;
         for (int64_t j = 0; j < n; ++j) sum += row[j];
@@ -130,17 +156,15 @@ void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t hea
 void AttentionBackwardT(const float* qkv, const float* probs, const float* dout, int64_t batch,
                         int64_t seq, int64_t heads, int64_t hd, int threads, float* dqkv) {
   const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const int64_t width = 3 * heads * hd, hw = heads * hd;
-  const int64_t sp = (seq + N - 1) / N * N;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const Geometry g = GeometryOf(seq, heads, hd);
+  const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
+  const float scale = g.scale;
 #pragma omp parallel num_threads(threads)
   {
-    // Per thread, kept across calls: the transposed values and a row of dS.
-    static thread_local std::vector<float> vt, ds;
-    if (vt.size() < static_cast<size_t>(hd * sp)) vt.resize(static_cast<size_t>(hd * sp));
-    if (ds.size() < static_cast<size_t>(sp)) ds.resize(static_cast<size_t>(sp));
-    const int64_t tv = hd / N * N;
+    static thread_local std::vector<float> vt_buf, ds_buf;  // values transposed, a row of dS
+    const ThreadRows bufs = ThreadRowsFor(vt_buf, ds_buf, hd, sp);
+    float* const vt = bufs.transposed;
+    float* const ds = bufs.row;
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
@@ -154,13 +178,13 @@ void AttentionBackwardT(const float* qkv, const float* probs, const float* dout,
           std::fill(r, r + hd, 0.0f);
         }
       }
-      Transpose(vbase, width, seq, hd, sp, vt.data());
+      Transpose(vbase, width, seq, hd, sp, vt);
       for (int64_t i = 0; i < seq; ++i) {
         const int64_t n = i + 1;
         const float* p = probs + (bh * seq + i) * seq;
         const float* go = dout + (b * seq + i) * hw + h * hd;
         const float* q = base + i * width + h * hd;
-        DotColumns(go, vt.data(), hd, sp, n, ds.data());  // dP_ij = do_i . v_j
+        DotColumns(go, vt, hd, sp, n, ds);  // dP_ij = do_i . v_j
         double pd = 0;
         for (int64_t j = 0; j < n; ++j) pd += static_cast<double>(p[j]) * ds[j];
         // dS_ij = P_ij (dP_ij - sum_j P_ij dP_ij) * scale, in place.
