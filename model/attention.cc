@@ -11,6 +11,9 @@
 // outputs, never across a sum), the softmax denominator is a scalar sum in
 // double, and exp is Highway's lane-wise Exp (the same polynomial on every
 // target). The SSE4 and scalar fallbacks round products separately.
+// Non-finite inputs: a NaN in q, k or v, or a score that overflows to +inf,
+// makes the rows it reaches NaN (as the scalar std::exp loops did); the
+// trainer then skips the step.
 //
 // Why vectors: at the default model's size (S 64, hd 16) the scalar loops
 // were a quarter of a training step (perf, 2 threads).
@@ -125,9 +128,12 @@ void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t hea
           row[j] *= scale;
           mx = std::max(mx, row[j]);
         }
-        for (int64_t j0 = 0; j0 < n; j0 += N) {  // args <= 0 where Exp is valid
-          hn::StoreU(hn::Exp(d, hn::Sub(hn::LoadU(d, row + j0), hn::Set(d, mx))), d,
-                     row + j0);
+        // Arguments <= 0, where Exp is valid. Exp gives 0 for NaN (its lower
+        // bound test fails), so NaN lanes keep their NaN: a NaN score (from a
+        // NaN q or k) makes the row NaN, as std::exp did.
+        for (int64_t j0 = 0; j0 < n; j0 += N) {
+          const auto a = hn::Sub(hn::LoadU(d, row + j0), hn::Set(d, mx));
+          hn::StoreU(hn::IfThenElse(hn::IsNaN(a), a, hn::Exp(d, a)), d, row + j0);
         }
         double sum = 0;
         for (int64_t j = 0; j < n; ++j) sum += row[j];

@@ -198,6 +198,39 @@ TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
   EXPECT_EQ(compared, 4 * (fma_targets - 1));
 }
 
+// Non-finite inputs reach the rows they touch and no others, on every
+// target: a NaN in a query makes its row NaN, a NaN in a key every later row
+// of its head, a score that overflows f32 (1e30 * 1e30) its row. (The vector
+// exp returns 0 for NaN; attention.cc keeps the NaN.)
+TEST(ModelLayers, AttentionSpreadsNaNToTheRowsItReaches) {
+  const int64_t B = 1, S = 20, H = 2, hd = 16, W = 3 * H * hd;
+  const std::vector<test::SimdTarget> targets = test::SimdTargets();
+  for (const test::SimdTarget& target : targets) [&] {
+    test::UseSimdTarget(target);
+    SCOPED_TRACE(target.label);
+    std::mt19937 rng(Seed(4));
+    std::vector<float> qkv = F32(Normal(rng, B * S * W));
+    qkv[3 * W + 0] = NAN;                            // q of row 3, head 0
+    qkv[7 * W + H * hd + hd + 1] = NAN;              // k of row 7, head 1
+    for (int64_t t = 0; t < hd; ++t) qkv[11 * W + t] = 1e30f;       // q of row 11, head 0
+    for (int64_t t = 0; t < hd; ++t) qkv[2 * W + H * hd + t] = 1e30f;  // k of row 2, head 0
+    Context ctx;
+    std::vector<float> probs(B * H * S * S), out(B * S * H * hd);
+    internal::AttentionForward(ctx, qkv.data(), B, S, H, hd, probs.data(), out.data());
+    for (int64_t i = 0; i < S; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        const bool nan_row = (h == 0 && i == 3) || (h == 1 && i >= 7) || (h == 0 && i == 11);
+        for (int64_t t = 0; t < hd; ++t) {
+          const float o = out[(i * H + h) * hd + t];
+          ASSERT_EQ(std::isnan(o), nan_row) << "row " << i << " head " << h << " col " << t
+                                            << ": " << o;
+        }
+      }
+    }
+  }();
+  test::UseDefaultSimd();
+}
+
 TEST(ModelLayers, CrossEntropyMatchesReferenceAndFiniteDifferences) {
   std::mt19937 rng(Seed(3));
   const int64_t rows = 6, v = 11;
