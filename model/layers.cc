@@ -87,40 +87,7 @@ void RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t hea
 
 // AttentionForward and AttentionBackward: model/attention.cc (per SIMD target).
 
-Result<double> CrossEntropy(Context& ctx, const float* logits, const int32_t* targets,
-                            int64_t rows, int64_t v, float* dlogits) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (targets[r] < 0 || targets[r] >= v) {
-      return InvalidArgument("target token " + std::to_string(targets[r]) + " at row " +
-                             std::to_string(r) + " is outside the vocabulary [0, " +
-                             std::to_string(v) + ")");
-    }
-  }
-  static thread_local std::vector<double> row_loss;
-  if (row_loss.size() < static_cast<size_t>(rows)) row_loss.resize(static_cast<size_t>(rows));
-  double* losses = row_loss.data();
-  const double inv_rows = rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0;
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* l = logits + r * v;
-    float mx = l[0];
-    for (int64_t i = 1; i < v; ++i) mx = std::max(mx, l[i]);
-    double sum = 0;
-    for (int64_t i = 0; i < v; ++i) sum += std::exp(static_cast<double>(l[i]) - mx);
-    const double lse = mx + std::log(sum);
-    losses[r] = lse - l[targets[r]];
-    if (dlogits != nullptr) {
-      float* d = dlogits + r * v;
-      for (int64_t i = 0; i < v; ++i) {
-        d[i] = static_cast<float>(std::exp(static_cast<double>(l[i]) - lse) * inv_rows);
-      }
-      d[targets[r]] -= static_cast<float>(inv_rows);
-    }
-  }
-  double total = 0;
-  for (int64_t r = 0; r < rows; ++r) total += losses[r];
-  return total * inv_rows;
-}
+// CrossEntropy: model/cross_entropy.cc (per SIMD target).
 
 Status Linear(Context& ctx, const TensorView& group, const float* x, const float* w, int64_t m,
               int64_t k, int64_t n, float* out) {

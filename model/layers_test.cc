@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -248,6 +249,103 @@ TEST(ModelLayers, CrossEntropyMatchesReferenceAndFiniteDifferences) {
   auto bad = internal::CrossEntropy(ctx, lf.data(), targets.data(), rows, v, dl.data());
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("outside the vocabulary"), std::string::npos);
+}
+
+// The vector loss on every SIMD target: against the float64 twin (value and
+// finite-difference gradient) for a vocabulary of whole vectors and one with
+// a tail, the same bits on every target with FMA, every gradient element
+// written (NaN-poisoned first).
+TEST(ModelLayers, CrossEntropyOnEveryTargetMatchesTheTwinWithTheSameBits) {
+  FP8MOE_RANDOM_SEED(seed);
+  const std::vector<test::SimdTarget> targets = test::SimdTargets();
+  for (int64_t v : {256, 37}) {
+    const int64_t rows = 9;
+    std::mt19937 rng(static_cast<unsigned>(seed));
+    auto logits = Normal(rng, rows * v, 4.0);
+    std::vector<int32_t> tgt(rows);
+    for (auto& t : tgt) t = static_cast<int32_t>(rng() % v);
+    const std::vector<float> lf = F32(logits);
+    const double want = reference::CrossEntropy(logits.data(), tgt.data(), rows, v);
+    std::vector<float> first;
+    double first_loss = 0;
+    for (const test::SimdTarget& target : targets) [&] {
+      test::UseSimdTarget(target);
+      SCOPED_TRACE(target.label + " v " + std::to_string(v));
+      Context ctx;
+      std::vector<float> dl(rows * v, NAN);
+      auto loss = internal::CrossEntropy(ctx, lf.data(), tgt.data(), rows, v, dl.data());
+      ASSERT_TRUE(loss.ok());
+      EXPECT_NEAR(*loss, want, 1e-6 * std::fabs(want));
+      auto eval = internal::CrossEntropy(ctx, lf.data(), tgt.data(), rows, v, nullptr);
+      ASSERT_TRUE(eval.ok());
+      EXPECT_EQ(*eval, *loss) << "the loss without a gradient differs";
+      for (float g : dl) ASSERT_TRUE(std::isfinite(g));
+      if (target.hwy <= HWY_AVX2) {
+        if (first.empty()) {
+          first = dl;
+          first_loss = *loss;
+        } else {
+          EXPECT_EQ(*loss, first_loss);
+          for (size_t i = 0; i < dl.size(); ++i) {
+            ASSERT_EQ(std::bit_cast<uint32_t>(dl[i]), std::bit_cast<uint32_t>(first[i])) << i;
+          }
+        }
+      }
+      std::vector<double> x = logits;
+      CheckGrad(&x, dl, [&] { return reference::CrossEntropy(x.data(), tgt.data(), rows, v); },
+                1e-5, "dlogits");
+    }();
+  }
+  test::UseDefaultSimd();
+}
+
+// The loss at the edges of the f32 range, on every target: finite logits up
+// to +-FLT_MAX give a finite loss and gradient close to the twin's; a NaN or
+// +inf logit makes its row's loss NaN; a -inf logit adds nothing (and as the
+// target, makes the loss +inf).
+TEST(ModelLayers, CrossEntropyAtTheEdgesOfTheF32Range) {
+  const float kMax = std::numeric_limits<float>::max(), kInf = INFINITY;
+  const float sub = std::numeric_limits<float>::denorm_min();
+  const int64_t v = 5;
+  struct Row {
+    std::vector<float> l;
+    int32_t target;
+    const char* expect;  // "finite", "nan", "inf"
+  };
+  const std::vector<Row> cases = {
+      {{kMax, -kMax, 0.0f, -0.0f, sub}, 1, "finite"},
+      {{1e30f, -1e30f, 3.0f, -sub, kMax}, 4, "finite"},
+      {{-kInf, 1.0f, 2.0f, -kInf, 0.5f}, 2, "finite"},
+      {{-kInf, 1.0f, 2.0f, -kInf, 0.5f}, 0, "inf"},
+      {{1.0f, NAN, 2.0f, 3.0f, 4.0f}, 0, "nan"},
+      {{NAN, 1.0f, 2.0f, 3.0f, 4.0f}, 2, "nan"},
+      {{1.0f, 2.0f, kInf, 3.0f, 4.0f}, 0, "nan"},
+  };
+  const std::vector<test::SimdTarget> targets = test::SimdTargets();
+  for (const Row& row : cases) {
+    const std::vector<double> ld(row.l.begin(), row.l.end());
+    const double want = reference::CrossEntropy(ld.data(), &row.target, 1, v);
+    for (const test::SimdTarget& target : targets) [&] {
+      test::UseSimdTarget(target);
+      SCOPED_TRACE(target.label + " logits " + std::to_string(row.l[0]) + " ... target " +
+                   std::to_string(row.target));
+      Context ctx;
+      std::vector<float> dl(v, NAN);
+      auto loss = internal::CrossEntropy(ctx, row.l.data(), &row.target, 1, v, dl.data());
+      ASSERT_TRUE(loss.ok());
+      const std::string expect = row.expect;
+      if (expect == "finite") {
+        EXPECT_NEAR(*loss, want, 1e-6 * std::max(1.0, std::fabs(want)));
+        for (float g : dl) EXPECT_TRUE(std::isfinite(g));
+      } else if (expect == "inf") {
+        EXPECT_EQ(*loss, INFINITY);
+      } else {
+        EXPECT_TRUE(std::isnan(*loss)) << *loss;
+        for (float g : dl) EXPECT_TRUE(std::isnan(g)) << g;
+      }
+    }();
+  }
+  test::UseDefaultSimd();
 }
 
 TEST(ModelLayers, EdgeValuesStayFinite) {
