@@ -102,126 +102,142 @@ ThreadRows ThreadRowsFor(std::vector<float>& transposed, std::vector<float>& row
 
 }  // namespace
 
-void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
-                       int threads, float* probs, float* out) {
+// One (batch, head) of the forward: probs [S, S] and out rows of head h.
+// Called from the OpenMP region, not written inside it: clang 14 outlines a
+// parallel region into a function without the target's attributes, and
+// Highway code inlined there fails to compile (Exp on AVX2: "Do not know how
+// to split the result of this operator") or runs as SSE.
+HWY_NOINLINE void HeadForward(const float* qkv, int64_t bh, int64_t seq, int64_t heads,
+                              int64_t hd, float* kt, float* row, float* probs, float* out) {
   const hn::ScalableTag<float> d;
   const Geometry g = GeometryOf(seq, heads, hd);
   const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
   const float scale = g.scale;
+  const int64_t b = bh / heads, h = bh % heads;
+  const float* base = qkv + b * seq * width;
+  const float* vbase = base + 2 * hw + h * hd;
+  Transpose(base + hw + h * hd, width, seq, hd, sp, kt);
+  for (int64_t i = 0; i < seq; ++i) {
+    const int64_t n = i + 1;  // keys 0..i
+    DotColumns(base + i * width + h * hd, kt, hd, sp, n, row);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] *= scale;
+      mx = std::max(mx, row[j]);
+    }
+    // Arguments <= 0, where Exp is valid. Exp gives 0 for NaN (its lower
+    // bound test fails), so NaN lanes keep their NaN: a NaN score (from a
+    // NaN q or k) makes the row NaN, as std::exp did.
+    for (int64_t j0 = 0; j0 < n; j0 += N) {
+      const auto a = hn::Sub(hn::LoadU(d, row + j0), hn::Set(d, mx));
+      hn::StoreU(hn::IfThenElse(hn::IsNaN(a), a, hn::Exp(d, a)), d, row + j0);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += row[j];
+    const float inv = static_cast<float>(1.0 / sum);
+    float* p = probs + (bh * seq + i) * seq;
+    for (int64_t j = 0; j < n; ++j) p[j] = row[j] * inv;
+    std::fill(p + n, p + seq, 0.0f);
+    float* o = out + (b * seq + i) * hw + h * hd;
+    for (int64_t t0 = 0; t0 < tv; t0 += N) {
+      auto acc = hn::Zero(d);
+      for (int64_t j = 0; j < n; ++j) {
+        acc = hn::MulAdd(hn::Set(d, p[j]), hn::LoadU(d, vbase + j * width + t0), acc);
+      }
+      hn::StoreU(acc, d, o + t0);
+    }
+    for (int64_t t = tv; t < hd; ++t) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < n; ++j) acc = std::fma(p[j], vbase[j * width + t], acc);
+      o[t] = acc;
+    }
+  }
+}
+
+// One (batch, head) of the backward: its q, k and v columns of dqkv.
+// (Outside the OpenMP region: see HeadForward.)
+HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float* dout,
+                               int64_t bh, int64_t seq, int64_t heads, int64_t hd, float* vt,
+                               float* ds, float* dqkv) {
+  const hn::ScalableTag<float> d;
+  const Geometry g = GeometryOf(seq, heads, hd);
+  const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
+  const float scale = g.scale;
+  const int64_t b = bh / heads, h = bh % heads;
+  const float* base = qkv + b * seq * width;
+  float* dbase = dqkv + b * seq * width;
+  const float* kbase = base + hw + h * hd;
+  const float* vbase = base + 2 * hw + h * hd;
+  for (int64_t j = 0; j < seq; ++j) {
+    for (int64_t part = 0; part < 3; ++part) {
+      float* r = dbase + j * width + part * hw + h * hd;
+      std::fill(r, r + hd, 0.0f);
+    }
+  }
+  Transpose(vbase, width, seq, hd, sp, vt);
+  for (int64_t i = 0; i < seq; ++i) {
+    const int64_t n = i + 1;
+    const float* p = probs + (bh * seq + i) * seq;
+    const float* go = dout + (b * seq + i) * hw + h * hd;
+    const float* q = base + i * width + h * hd;
+    DotColumns(go, vt, hd, sp, n, ds);  // dP_ij = do_i . v_j
+    double pd = 0;
+    for (int64_t j = 0; j < n; ++j) pd += static_cast<double>(p[j]) * ds[j];
+    // dS_ij = P_ij (dP_ij - sum_j P_ij dP_ij) * scale, in place.
+    for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - static_cast<float>(pd)) * scale;
+    float* dq = dbase + i * width + h * hd;
+    // dv_j += P_ij do_i; dk_j += dS_ij q_i; dq_i = sum_j dS_ij k_j.
+    for (int64_t t0 = 0; t0 < tv; t0 += N) {
+      const auto gov = hn::LoadU(d, go + t0), qv = hn::LoadU(d, q + t0);
+      auto dqv = hn::LoadU(d, dq + t0);
+      for (int64_t j = 0; j < n; ++j) {
+        float* dv = dbase + j * width + 2 * hw + h * hd + t0;
+        float* dk = dbase + j * width + hw + h * hd + t0;
+        hn::StoreU(hn::MulAdd(hn::Set(d, p[j]), gov, hn::LoadU(d, dv)), d, dv);
+        const auto s = hn::Set(d, ds[j]);
+        hn::StoreU(hn::MulAdd(s, qv, hn::LoadU(d, dk)), d, dk);
+        dqv = hn::MulAdd(s, hn::LoadU(d, kbase + j * width + t0), dqv);
+      }
+      hn::StoreU(dqv, d, dq + t0);
+    }
+    for (int64_t t = tv; t < hd; ++t) {
+      float dqt = dq[t];
+      for (int64_t j = 0; j < n; ++j) {
+        float* dv = dbase + j * width + 2 * hw + h * hd;
+        float* dk = dbase + j * width + hw + h * hd;
+        dv[t] = std::fma(p[j], go[t], dv[t]);
+        dk[t] = std::fma(ds[j], q[t], dk[t]);
+        dqt = std::fma(ds[j], kbase[j * width + t], dqt);
+      }
+      dq[t] = dqt;
+    }
+  }
+}
+
+void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+                       int threads, float* probs, float* out) {
+  const int64_t sp = GeometryOf(seq, heads, hd).sp;
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> kt_buf, row_buf;  // keys transposed, scores
     const ThreadRows bufs = ThreadRowsFor(kt_buf, row_buf, hd, sp);
-    float* const kt = bufs.transposed;
-    float* const row = bufs.row;
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads;
-      const float* base = qkv + b * seq * width;
-      const float* vbase = base + 2 * hw + h * hd;
-      Transpose(base + hw + h * hd, width, seq, hd, sp, kt);
-      for (int64_t i = 0; i < seq; ++i) {
-        const int64_t n = i + 1;  // keys 0..i
-        DotColumns(base + i * width + h * hd, kt, hd, sp, n, row);
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          row[j] *= scale;
-          mx = std::max(mx, row[j]);
-        }
-        // Arguments <= 0, where Exp is valid. Exp gives 0 for NaN (its lower
-        // bound test fails), so NaN lanes keep their NaN: a NaN score (from a
-        // NaN q or k) makes the row NaN, as std::exp did.
-        for (int64_t j0 = 0; j0 < n; j0 += N) {
-          const auto a = hn::Sub(hn::LoadU(d, row + j0), hn::Set(d, mx));
-          hn::StoreU(hn::IfThenElse(hn::IsNaN(a), a, hn::Exp(d, a)), d, row + j0);
-        }
-        double sum = 0;
-        for (int64_t j = 0; j < n; ++j) sum += row[j];
-        const float inv = static_cast<float>(1.0 / sum);
-        float* p = probs + (bh * seq + i) * seq;
-        for (int64_t j = 0; j < n; ++j) p[j] = row[j] * inv;
-        std::fill(p + n, p + seq, 0.0f);
-        float* o = out + (b * seq + i) * hw + h * hd;
-        for (int64_t t0 = 0; t0 < tv; t0 += N) {
-          auto acc = hn::Zero(d);
-          for (int64_t j = 0; j < n; ++j) {
-            acc = hn::MulAdd(hn::Set(d, p[j]), hn::LoadU(d, vbase + j * width + t0), acc);
-          }
-          hn::StoreU(acc, d, o + t0);
-        }
-        for (int64_t t = tv; t < hd; ++t) {
-          float acc = 0.0f;
-          for (int64_t j = 0; j < n; ++j) acc = std::fma(p[j], vbase[j * width + t], acc);
-          o[t] = acc;
-        }
-      }
+      HeadForward(qkv, bh, seq, heads, hd, bufs.transposed, bufs.row, probs, out);
     }
   }
 }
 
 void AttentionBackwardT(const float* qkv, const float* probs, const float* dout, int64_t batch,
                         int64_t seq, int64_t heads, int64_t hd, int threads, float* dqkv) {
-  const hn::ScalableTag<float> d;
-  const Geometry g = GeometryOf(seq, heads, hd);
-  const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
-  const float scale = g.scale;
+  const int64_t sp = GeometryOf(seq, heads, hd).sp;
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> vt_buf, ds_buf;  // values transposed, a row of dS
     const ThreadRows bufs = ThreadRowsFor(vt_buf, ds_buf, hd, sp);
-    float* const vt = bufs.transposed;
-    float* const ds = bufs.row;
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads;
-      const float* base = qkv + b * seq * width;
-      float* dbase = dqkv + b * seq * width;
-      const float* kbase = base + hw + h * hd;
-      const float* vbase = base + 2 * hw + h * hd;
-      for (int64_t j = 0; j < seq; ++j) {
-        for (int64_t part = 0; part < 3; ++part) {
-          float* r = dbase + j * width + part * hw + h * hd;
-          std::fill(r, r + hd, 0.0f);
-        }
-      }
-      Transpose(vbase, width, seq, hd, sp, vt);
-      for (int64_t i = 0; i < seq; ++i) {
-        const int64_t n = i + 1;
-        const float* p = probs + (bh * seq + i) * seq;
-        const float* go = dout + (b * seq + i) * hw + h * hd;
-        const float* q = base + i * width + h * hd;
-        DotColumns(go, vt, hd, sp, n, ds);  // dP_ij = do_i . v_j
-        double pd = 0;
-        for (int64_t j = 0; j < n; ++j) pd += static_cast<double>(p[j]) * ds[j];
-        // dS_ij = P_ij (dP_ij - sum_j P_ij dP_ij) * scale, in place.
-        for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - static_cast<float>(pd)) * scale;
-        float* dq = dbase + i * width + h * hd;
-        // dv_j += P_ij do_i; dk_j += dS_ij q_i; dq_i = sum_j dS_ij k_j.
-        for (int64_t t0 = 0; t0 < tv; t0 += N) {
-          const auto gov = hn::LoadU(d, go + t0), qv = hn::LoadU(d, q + t0);
-          auto dqv = hn::LoadU(d, dq + t0);
-          for (int64_t j = 0; j < n; ++j) {
-            float* dv = dbase + j * width + 2 * hw + h * hd + t0;
-            float* dk = dbase + j * width + hw + h * hd + t0;
-            hn::StoreU(hn::MulAdd(hn::Set(d, p[j]), gov, hn::LoadU(d, dv)), d, dv);
-            const auto s = hn::Set(d, ds[j]);
-            hn::StoreU(hn::MulAdd(s, qv, hn::LoadU(d, dk)), d, dk);
-            dqv = hn::MulAdd(s, hn::LoadU(d, kbase + j * width + t0), dqv);
-          }
-          hn::StoreU(dqv, d, dq + t0);
-        }
-        for (int64_t t = tv; t < hd; ++t) {
-          float dqt = dq[t];
-          for (int64_t j = 0; j < n; ++j) {
-            float* dv = dbase + j * width + 2 * hw + h * hd;
-            float* dk = dbase + j * width + hw + h * hd;
-            dv[t] = std::fma(p[j], go[t], dv[t]);
-            dk[t] = std::fma(ds[j], q[t], dk[t]);
-            dqt = std::fma(ds[j], kbase[j * width + t], dqt);
-          }
-          dq[t] = dqt;
-        }
-      }
+      HeadBackward(qkv, probs, dout, bh, seq, heads, hd, bufs.transposed, bufs.row, dqkv);
     }
   }
 }
