@@ -17,10 +17,13 @@ namespace fp8moe::internal {
 int ThreadsForFreeCores(int cores, double other_cores, int max_threads) {
   const int hi = std::max(1, max_threads);
   if (!(other_cores >= 0)) other_cores = 0;  // NaN or a negative rounding residue
-  const double free = static_cast<double>(cores) - other_cores;
-  const double rounded = std::floor(free + 0.5);
-  if (rounded <= 1) return 1;
-  return rounded >= hi ? hi : static_cast<int>(rounded);
+  // A busy process that shares a core with one of our threads gets about
+  // half of it (pinned) to two thirds (free to move): measured at >= 0.45 of
+  // a core, it would take a whole one on its own.
+  const double busy = std::floor(other_cores + 0.55);
+  const double threads = static_cast<double>(cores) - busy;
+  if (threads <= 1) return 1;
+  return threads >= hi ? hi : static_cast<int>(threads);
 }
 
 CoreShare::CoreShare(int max_threads, double window_seconds)

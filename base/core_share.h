@@ -13,7 +13,7 @@
 // CoreShare measures what the other processes take: the busy time of the
 // CPUs this process may run on (/proc/stat) minus this process's own CPU time
 // (getrusage), over windows of at least `window_seconds`. The thread count is
-// the cores left free, rounded, between 1 and the maximum. The bits of every
+// the cores left free (ThreadsForFreeCores), between 1 and the maximum. The bits of every
 // kernel do not depend on the thread count, so following the load changes
 // only the time.
 #ifndef FP8MOE_BASE_CORE_SHARE_H_
@@ -25,7 +25,10 @@ namespace fp8moe::internal {
 
 // The thread count for `cores` CPUs of which other processes keep
 // `other_cores` busy (a mean over a window), capped to [1, max_threads]:
-// round(cores - other_cores). Pure, for the tests.
+// cores - floor(other_cores + 0.55). An other process measured at 0.45 of a
+// core or more counts as a whole one: while it shares a core with one of
+// this process's threads it gets only half of it (two thirds when it may
+// move). Pure, for the tests.
 int ThreadsForFreeCores(int cores, double other_cores, int max_threads);
 
 class CoreShare {

@@ -19,13 +19,15 @@
 namespace fp8moe::internal {
 namespace {
 
-TEST(CoreShare, ThreadsAreTheFreeCoresRoundedAndCapped) {
+TEST(CoreShare, ThreadsAreTheFreeCoresAndCapped) {
   EXPECT_EQ(ThreadsForFreeCores(2, 0.0, 2), 2);
-  EXPECT_EQ(ThreadsForFreeCores(2, 0.4, 2), 2);   // 1.6 free rounds to 2
-  EXPECT_EQ(ThreadsForFreeCores(2, 0.6, 2), 1);   // 1.4 free rounds to 1
+  EXPECT_EQ(ThreadsForFreeCores(2, 0.44, 2), 2);  // light background work
+  EXPECT_EQ(ThreadsForFreeCores(2, 0.45, 2), 1);  // a busy process sharing a core
+  EXPECT_EQ(ThreadsForFreeCores(2, 0.67, 2), 1);
   EXPECT_EQ(ThreadsForFreeCores(2, 1.0, 2), 1);
   EXPECT_EQ(ThreadsForFreeCores(2, 5.0, 2), 1);   // never below 1
   EXPECT_EQ(ThreadsForFreeCores(16, 3.2, 16), 13);
+  EXPECT_EQ(ThreadsForFreeCores(16, 3.5, 16), 12);
   EXPECT_EQ(ThreadsForFreeCores(16, 0.0, 4), 4);  // never above the maximum
   EXPECT_EQ(ThreadsForFreeCores(16, 3.2, 0), 1);  // a maximum below 1 means 1
   EXPECT_EQ(ThreadsForFreeCores(2, -0.01, 2), 2);
@@ -96,7 +98,9 @@ TEST(CoreShare, AnotherProcessSpinningIsSeen) {
   // The child had a core for most of the window (ctest may run one other
   // test beside this one, so it may have had less than all of it).
   EXPECT_GT(share.other_cores(), 0.5) << "a busy child process was not seen";
-  if (share.cores() == 2) EXPECT_EQ(share.threads(), 1);
+  if (share.cores() == 2) {
+    EXPECT_EQ(share.threads(), 1);
+  }
 }
 #endif
 

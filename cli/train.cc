@@ -1,7 +1,6 @@
 // `fp8moe train [config.yml] [key=value ...]`.
 #include "cli/train.h"
 
-
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>

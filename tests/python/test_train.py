@@ -3,6 +3,7 @@ SIGKILL (also in the middle of a save) gives the bits of an uninterrupted run;
 a full disk while saving, bad flags, bad data, a checkpoint of another model
 and a diverging run are clear errors with exit code 2; the report PNG is
 drawn. Checkpoints are read with tests/python/st.py, not fp8moe's reader."""
+import json
 import os
 import pathlib
 import random
@@ -155,3 +156,38 @@ def test_text_data_trains_and_report_draws_a_png(fp8moe_bin, tmp_path):
     r = subprocess.run([fp8moe_bin, "report", str(tmp_path / "nothing")], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "metrics.jsonl" in r.stderr
+
+
+def test_threads_follow_the_other_processes_load(fp8moe_bin, tmp_path):
+    """On two CPUs, one of them kept busy by another process, the trainer drops to one
+    thread once it has measured that (metrics.jsonl `threads`, summary.json
+    threads_min/max); with OMP_DYNAMIC set, OpenMP's count stays."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    assert len(cpus) == 2, "this test needs two CPUs"
+    busy = subprocess.Popen(["python3", "-c", "while True: pass"],
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
+    try:
+        runs = {}
+        for name, dynamic in (("follow", None), ("fixed", "false")):
+            env = dict(os.environ, OMP_NUM_THREADS="2")
+            env.pop("OMP_DYNAMIC", None)
+            if dynamic is not None:
+                env["OMP_DYNAMIC"] = dynamic
+            # The default model: ~1.5-3 s, several half-second windows.
+            cmd = [fp8moe_bin, "train", f"base_output_directory={tmp_path}", f"run_name={name}",
+                   "steps=80", "eval_interval=0", "eval_steps=1", "enable_checkpointing=false"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                               preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+            assert r.returncode == 0, r.stderr
+            steps = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            summary = json.loads((tmp_path / name / "summary.json").read_text())
+            runs[name] = ([s["threads"] for s in steps], summary, r.stdout)
+    finally:
+        busy.kill()
+        busy.wait()
+    threads, summary, out = runs["follow"]
+    assert threads[0] == 2 and summary["threads_max"] == 2, threads
+    assert summary["threads_min"] == 1 and threads[-1] == 1, threads
+    assert "threads          1-2" in out, out
+    threads, summary, out = runs["fixed"]
+    assert set(threads) == {2} and summary["threads_min"] == summary["threads_max"] == 2, threads
