@@ -164,8 +164,10 @@ def test_threads_follow_the_other_processes_load(fp8moe_bin, tmp_path):
     threads_min/max); with OMP_DYNAMIC set, OpenMP's count stays."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     assert len(cpus) == 2, "this test needs two CPUs"
-    busy = subprocess.Popen(["python3", "-c", "while True: pass"],
-                            preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
+    # taskset (util-linux), not preexec_fn: pytest has JAX's threads, and a
+    # fork that runs Python code before exec can deadlock.
+    pin = lambda cs: ["taskset", "-c", ",".join(str(c) for c in cs)]
+    busy = subprocess.Popen(pin(cpus[:1]) + ["python3", "-c", "while True: pass"])
     try:
         runs = {}
         for name, dynamic in (("follow", None), ("fixed", "false")):
@@ -176,8 +178,8 @@ def test_threads_follow_the_other_processes_load(fp8moe_bin, tmp_path):
             # The default model: ~1.5-3 s, several half-second windows.
             cmd = [fp8moe_bin, "train", f"base_output_directory={tmp_path}", f"run_name={name}",
                    "steps=80", "eval_interval=0", "eval_steps=1", "enable_checkpointing=false"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
-                               preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+            r = subprocess.run(pin(cpus) + cmd, capture_output=True, text=True, timeout=300,
+                               env=env)
             assert r.returncode == 0, r.stderr
             steps = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
             summary = json.loads((tmp_path / name / "summary.json").read_text())
