@@ -26,7 +26,7 @@ int ThreadsForFreeCores(int cores, double other_cores, int max_threads) {
   return threads >= hi ? hi : static_cast<int>(threads);
 }
 
-CoreShare::CoreShare(int max_threads, double window_seconds)
+CoreShare::CoreShare(int max_threads, double window_seconds, int sharing_processes)
     : max_threads_(std::max(1, max_threads)),
       threads_(std::max(1, max_threads)),
       window_seconds_(window_seconds) {
@@ -44,6 +44,14 @@ CoreShare::CoreShare(int max_threads, double window_seconds)
   if (n == 0) return;
   cores_ = n;
   available_ = Take(&last_);
+  // Processes that start together would otherwise each start with all the
+  // cores (4 ranks x 2 threads on 2 cores spin at every barrier until the
+  // first window ends).
+  if (available_ && sharing_processes > 1) {
+    threads_ = std::clamp(cores_ / sharing_processes, 1, max_threads_);
+  }
+#else
+  (void)sharing_processes;
 #endif
 }
 

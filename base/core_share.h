@@ -34,8 +34,11 @@ int ThreadsForFreeCores(int cores, double other_cores, int max_threads);
 class CoreShare {
  public:
   // `max_threads` >= 1: the most threads ever returned (the user's
-  // OMP_NUM_THREADS or the cores). Starts at max_threads.
-  explicit CoreShare(int max_threads, double window_seconds = 0.5);
+  // OMP_NUM_THREADS or the cores). `sharing_processes` (>= 1) that start
+  // together on these cores, e.g. the ranks of an mpirun on one machine,
+  // start at an equal share of them, at most max_threads; one process starts
+  // at max_threads. Until the first window has passed nothing is measured.
+  explicit CoreShare(int max_threads, double window_seconds = 0.5, int sharing_processes = 1);
 
   // False where /proc/stat or the affinity mask cannot be read (not Linux):
   // Update then always returns max_threads.

@@ -2,6 +2,7 @@
 // process's busy core but not this process's own threads.
 #include "base/core_share.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -40,6 +41,20 @@ TEST(CoreShare, StartsAtTheMaximumAndWaitsForAWindow) {
   EXPECT_EQ(share.Update(), 3);  // no window has passed
   EXPECT_EQ(share.other_cores(), 0.0);
   EXPECT_GE(share.cores(), 1);
+}
+
+TEST(CoreShare, ProcessesStartingTogetherStartAtAShareOfTheCores) {
+  CoreShare one(64, 3600.0, 1);
+  ASSERT_TRUE(one.available());
+  const int cores = one.cores();
+  EXPECT_EQ(one.threads(), 64);  // alone: the maximum (measured later)
+  CoreShare four(64, 3600.0, 4);
+  EXPECT_EQ(four.threads(), std::max(1, cores / 4));
+  CoreShare many(64, 3600.0, 4 * cores);
+  EXPECT_EQ(many.threads(), 1);
+  CoreShare capped(1, 3600.0, 1);
+  EXPECT_EQ(capped.threads(), 1);
+  EXPECT_EQ(CoreShare(2, 3600.0, 2).threads(), std::clamp(cores / 2, 1, 2));
 }
 
 #if defined(__linux__)

@@ -414,7 +414,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   int64_t completed = state.step;
   // threads_follow_load: the team shrinks while other processes keep cores
   // busy and grows back when they stop (see base/core_share.h).
-  internal::CoreShare core_share(omp_get_max_threads());
+  // The job's ranks start at an equal share of the cores (they may all be
+  // on this machine; where they are not, the first window grows the team).
+  internal::CoreShare core_share(omp_get_max_threads(), 0.5, comm->size());
   struct RestoreThreads {  // the caller's OpenMP thread count, however Train returns
     int n = omp_get_max_threads();
     ~RestoreThreads() { omp_set_num_threads(n); }
