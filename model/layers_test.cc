@@ -22,11 +22,6 @@
 namespace fp8moe {
 namespace {
 
-unsigned Seed(unsigned fallback) {
-  const char* s = std::getenv("FP8MOE_TEST_SEED");
-  return s != nullptr ? static_cast<unsigned>(std::strtoul(s, nullptr, 10)) : fallback;
-}
-
 std::vector<double> Normal(std::mt19937& rng, size_t n, double sd = 1.0) {
   std::normal_distribution<double> nd(0.0, sd);
   std::vector<double> v(n);
@@ -59,7 +54,8 @@ void CheckGrad(std::vector<double>* x, const std::vector<float>& grad,
 }
 
 TEST(ModelLayers, RmsNormMatchesReferenceAndFiniteDifferences) {
-  std::mt19937 rng(Seed(1));
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<unsigned>(seed));
   const int64_t rows = 5, d = 12;
   const double eps = 1e-6;
   auto x = Normal(rng, rows * d), g = Normal(rng, d), dy = Normal(rng, rows * d);
@@ -90,6 +86,7 @@ TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
   struct Shape {
     int64_t B, S, H, hd;
   };
+  FP8MOE_RANDOM_SEED(seed);
   // Listed before any is forced: SimdTargets() lists what dispatch allows.
   const std::vector<test::SimdTarget> targets = test::SimdTargets();
   for (const Shape& sh : {Shape{2, 7, 3, 4}, Shape{1, 19, 2, 20}}) {
@@ -97,7 +94,7 @@ TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
       test::UseSimdTarget(target);
       const int64_t B = sh.B, S = sh.S, H = sh.H, hd = sh.hd, W = 3 * H * hd;
       SCOPED_TRACE(target.label + " hd " + std::to_string(hd));
-      std::mt19937 rng(Seed(2));
+      std::mt19937 rng(static_cast<unsigned>(seed));
       const double theta = 10000.0;
       auto qkv = Normal(rng, B * S * W), dout = Normal(rng, B * S * H * hd);
       Context ctx;
@@ -205,11 +202,12 @@ TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
 // exp returns 0 for NaN; attention.cc keeps the NaN.)
 TEST(ModelLayers, AttentionSpreadsNaNToTheRowsItReaches) {
   const int64_t B = 1, S = 20, H = 2, hd = 16, W = 3 * H * hd;
+  FP8MOE_RANDOM_SEED(seed);
   const std::vector<test::SimdTarget> targets = test::SimdTargets();
   for (const test::SimdTarget& target : targets) [&] {
     test::UseSimdTarget(target);
     SCOPED_TRACE(target.label);
-    std::mt19937 rng(Seed(4));
+    std::mt19937 rng(static_cast<unsigned>(seed));
     std::vector<float> qkv = F32(Normal(rng, B * S * W));
     qkv[3 * W + 0] = NAN;                            // q of row 3, head 0
     qkv[7 * W + H * hd + hd + 1] = NAN;              // k of row 7, head 1
@@ -233,7 +231,8 @@ TEST(ModelLayers, AttentionSpreadsNaNToTheRowsItReaches) {
 }
 
 TEST(ModelLayers, CrossEntropyMatchesReferenceAndFiniteDifferences) {
-  std::mt19937 rng(Seed(3));
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<unsigned>(seed));
   const int64_t rows = 6, v = 11;
   auto logits = Normal(rng, rows * v, 3.0);
   std::vector<int32_t> targets(rows);
