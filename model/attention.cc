@@ -37,8 +37,8 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "model/attention.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "model/exp_shifted-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
@@ -125,13 +125,7 @@ HWY_NOINLINE void HeadForward(const float* qkv, int64_t bh, int64_t seq, int64_t
       row[j] *= scale;
       mx = std::max(mx, row[j]);
     }
-    // Arguments <= 0, where Exp is valid. Exp gives 0 for NaN (its lower
-    // bound test fails), so NaN lanes keep their NaN: a NaN score (from a
-    // NaN q or k) makes the row NaN, as std::exp did.
-    for (int64_t j0 = 0; j0 < n; j0 += N) {
-      const auto a = hn::Sub(hn::LoadU(d, row + j0), hn::Set(d, mx));
-      hn::StoreU(hn::IfThenElse(hn::IsNaN(a), a, hn::Exp(d, a)), d, row + j0);
-    }
+    ExpShifted(row, n, mx, row);  // NaN kept (exp_shifted-inl.h)
     double sum = 0;
     for (int64_t j = 0; j < n; ++j) sum += row[j];
     const float inv = static_cast<float>(1.0 / sum);

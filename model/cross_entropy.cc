@@ -29,35 +29,13 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "model/cross_entropy.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "model/exp_shifted-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-// e [v] = exp(l - m) lane-wise, NaN kept; the tail through a padded vector
-// (the same lane function, so the same bits as a whole vector).
-void ExpShifted(const float* l, int64_t v, float m, float* e) {
-  const hn::ScalableTag<float> d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const auto mv = hn::Set(d, m);
-  auto exp_keep_nan = [&](auto x) {
-    const auto a = hn::Sub(x, mv);
-    return hn::IfThenElse(hn::IsNaN(a), a, hn::Exp(d, a));
-  };
-  int64_t i = 0;
-  for (; i + N <= v; i += N) hn::StoreU(exp_keep_nan(hn::LoadU(d, l + i)), d, e + i);
-  if (i < v) {
-    HWY_ALIGN float in[hn::MaxLanes(d)];
-    HWY_ALIGN float out[hn::MaxLanes(d)];
-    std::fill(in, in + N, m);
-    std::copy(l + i, l + v, in);
-    hn::Store(exp_keep_nan(hn::Load(d, in)), d, out);
-    std::copy(out, out + (v - i), e + i);
-  }
-}
 
 // Rows' losses (losses[r]) and, with dlogits, their gradients / rows.
 void CrossEntropyRowsT(const float* logits, const int32_t* targets, int64_t rows, int64_t v,
