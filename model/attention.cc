@@ -108,11 +108,10 @@ ThreadRows ThreadRowsFor(std::vector<float>& transposed, std::vector<float>& row
 // Highway code inlined there fails to compile (Exp on AVX2: "Do not know how
 // to split the result of this operator") or runs as SSE.
 HWY_NOINLINE void HeadForward(const float* qkv, int64_t bh, int64_t seq, int64_t heads,
-                              int64_t hd, float* kt, float* row, float* probs, float* out) {
+                              int64_t hd, const Geometry& g, float* kt, float* row, float* probs,
+                              float* out) {
   const hn::ScalableTag<float> d;
-  const Geometry g = GeometryOf(seq, heads, hd);
   const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
-  const float scale = g.scale;
   const int64_t b = bh / heads, h = bh % heads;
   const float* base = qkv + b * seq * width;
   const float* vbase = base + 2 * hw + h * hd;
@@ -122,7 +121,7 @@ HWY_NOINLINE void HeadForward(const float* qkv, int64_t bh, int64_t seq, int64_t
     DotColumns(base + i * width + h * hd, kt, hd, sp, n, row);
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
-      row[j] *= scale;
+      row[j] *= g.scale;
       mx = std::max(mx, row[j]);
     }
     ExpShifted(row, n, mx, row);  // NaN kept (exp_shifted-inl.h)
@@ -151,12 +150,10 @@ HWY_NOINLINE void HeadForward(const float* qkv, int64_t bh, int64_t seq, int64_t
 // One (batch, head) of the backward: its q, k and v columns of dqkv.
 // (Outside the OpenMP region: see HeadForward.)
 HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float* dout,
-                               int64_t bh, int64_t seq, int64_t heads, int64_t hd, float* vt,
-                               float* ds, float* dqkv) {
+                               int64_t bh, int64_t seq, int64_t heads, int64_t hd,
+                               const Geometry& g, float* vt, float* ds, float* dqkv) {
   const hn::ScalableTag<float> d;
-  const Geometry g = GeometryOf(seq, heads, hd);
   const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
-  const float scale = g.scale;
   const int64_t b = bh / heads, h = bh % heads;
   const float* base = qkv + b * seq * width;
   float* dbase = dqkv + b * seq * width;
@@ -178,7 +175,7 @@ HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float
     double pd = 0;
     for (int64_t j = 0; j < n; ++j) pd += static_cast<double>(p[j]) * ds[j];
     // dS_ij = P_ij (dP_ij - sum_j P_ij dP_ij) * scale, in place.
-    for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - static_cast<float>(pd)) * scale;
+    for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - static_cast<float>(pd)) * g.scale;
     float* dq = dbase + i * width + h * hd;
     // dv_j += P_ij do_i; dk_j += dS_ij q_i; dq_i = sum_j dS_ij k_j.
     for (int64_t t0 = 0; t0 < tv; t0 += N) {
@@ -210,28 +207,28 @@ HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float
 
 void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
                        int threads, float* probs, float* out) {
-  const int64_t sp = GeometryOf(seq, heads, hd).sp;
+  const Geometry g = GeometryOf(seq, heads, hd);
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> kt_buf, row_buf;  // keys transposed, scores
-    const ThreadRows bufs = ThreadRowsFor(kt_buf, row_buf, hd, sp);
+    const ThreadRows bufs = ThreadRowsFor(kt_buf, row_buf, hd, g.sp);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      HeadForward(qkv, bh, seq, heads, hd, bufs.transposed, bufs.row, probs, out);
+      HeadForward(qkv, bh, seq, heads, hd, g, bufs.transposed, bufs.row, probs, out);
     }
   }
 }
 
 void AttentionBackwardT(const float* qkv, const float* probs, const float* dout, int64_t batch,
                         int64_t seq, int64_t heads, int64_t hd, int threads, float* dqkv) {
-  const int64_t sp = GeometryOf(seq, heads, hd).sp;
+  const Geometry g = GeometryOf(seq, heads, hd);
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> vt_buf, ds_buf;  // values transposed, a row of dS
-    const ThreadRows bufs = ThreadRowsFor(vt_buf, ds_buf, hd, sp);
+    const ThreadRows bufs = ThreadRowsFor(vt_buf, ds_buf, hd, g.sp);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      HeadBackward(qkv, probs, dout, bh, seq, heads, hd, bufs.transposed, bufs.row, dqkv);
+      HeadBackward(qkv, probs, dout, bh, seq, heads, hd, g, bufs.transposed, bufs.row, dqkv);
     }
   }
 }
