@@ -55,11 +55,23 @@ CoreShare::CoreShare(int max_threads, double window_seconds, int sharing_process
 #endif
 }
 
-bool CoreShare::Take(Sample* s) const {
+namespace {
+
+double MonotonicSeconds() {
 #if defined(__linux__)
   timespec now{};
   clock_gettime(CLOCK_MONOTONIC, &now);
-  s->wall = static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+bool CoreShare::Take(Sample* s) const {
+#if defined(__linux__)
+  s->wall = MonotonicSeconds();
   rusage ru{};
   if (getrusage(RUSAGE_SELF, &ru) != 0) return false;
   s->self = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
@@ -99,10 +111,11 @@ bool CoreShare::Take(Sample* s) const {
 
 int CoreShare::Update() {
   if (!available_) return threads_;
+  // Called every step: read /proc/stat only once a window has passed.
+  if (MonotonicSeconds() - last_.wall < window_seconds_) return threads_;
   Sample now;
   if (!Take(&now)) return threads_;
   const double wall = now.wall - last_.wall;
-  if (wall < window_seconds_) return threads_;
   self_cores_ = (now.self - last_.self) / wall;
   other_cores_ = std::max(0.0, (now.busy - last_.busy) - (now.self - last_.self)) / wall;
   last_ = now;
