@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "base/test_seed.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/model.h"
 
@@ -41,7 +42,7 @@ ModelConfig Tiny(std::vector<std::string> moe_flags = {"dtype=float32"}) {
 
 struct Tokens {
   std::vector<int32_t> in, tgt;
-  Tokens(const ModelConfig& c, unsigned seed) {
+  Tokens(const ModelConfig& c, uint64_t seed) {
     std::mt19937 rng(seed);
     in.resize(static_cast<size_t>(c.batch * c.seq_len));
     tgt.resize(in.size());
@@ -50,16 +51,15 @@ struct Tokens {
   }
 };
 
-unsigned Seed(unsigned fallback) {
-  const char* s = std::getenv("FP8MOE_TEST_SEED");
-  return s != nullptr ? static_cast<unsigned>(std::strtoul(s, nullptr, 10)) : fallback;
-}
-
-TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
-  const ModelConfig c = Tiny();
+// Checks 8 elements of every parameter tensor's gradient of one step against
+// central finite differences; *near_tie is set when a tensor had fewer than 4
+// elements whose perturbation kept the routing (two router logits of some
+// token are within a perturbation of a tie: the loss is not differentiable
+// there, and the caller draws another model).
+void CheckGradients(const ModelConfig& c, uint64_t seed, bool* near_tie) {
+  *near_tie = false;
   auto params = AllocateParams(c);
   ASSERT_TRUE(params.ok()) << params.status().ToString();
-  const unsigned seed = Seed(41);
   ASSERT_TRUE(InitParams(c, seed, &*params).ok());
   // Norm gains away from 1, so their gradients are not a special case.
   std::mt19937 rng(seed);
@@ -85,6 +85,10 @@ TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
 
   auto named_grads = grads->Named();
   auto named = params->Named();
+  // Each tensor: 8 elements checked. A perturbation that flips a top-k choice
+  // (the loss is not differentiable there) is retried with 10x and 100x
+  // smaller steps, then another element is drawn: a fresh seed can put two
+  // router logits within 1e-4 of a tie.
   int checked = 0, skipped = 0;
   for (size_t p = 0; p < named.size(); ++p) {
     Tensor* t = named[p].second;
@@ -94,38 +98,56 @@ TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
       scale = std::max(scale, std::fabs(static_cast<double>(g->data_as<float>()[i])));
     }
     ASSERT_GT(scale, 0) << named[p].first << " has an all-zero gradient";
-    for (int s = 0; s < 8; ++s) {
+    int checked_here = 0;
+    for (int draw = 0; draw < 32 && checked_here < 8; ++draw) {
       const size_t i = rng() % t->num_elements();
       float& v = t->data_as<float>()[i];
       const float v0 = v;
-      const float h = 1e-3f * std::max(1.0f, std::fabs(v0));
-      std::vector<int32_t> r_up, r_down;
-      v = v0 + h;
-      auto up = reference::ModelLoss(c, *params, tok.in.data(), tok.tgt.data(), &r_up);
-      v = v0 - h;
-      auto down = reference::ModelLoss(c, *params, tok.in.data(), tok.tgt.data(), &r_down);
-      const double step = static_cast<double>(v0 + h) - static_cast<double>(v0 - h);
-      v = v0;
-      if (r_up != routing0 || r_down != routing0) {  // a top-k flip: not differentiable
-        ++skipped;
-        continue;
+      bool done = false;
+      for (float rel : {1e-3f, 1e-4f, 1e-5f}) {
+        const float h = rel * std::max(1.0f, std::fabs(v0));
+        std::vector<int32_t> r_up, r_down;
+        v = v0 + h;
+        auto up = reference::ModelLoss(c, *params, tok.in.data(), tok.tgt.data(), &r_up);
+        v = v0 - h;
+        auto down = reference::ModelLoss(c, *params, tok.in.data(), tok.tgt.data(), &r_down);
+        const double step = static_cast<double>(v0 + h) - static_cast<double>(v0 - h);
+        v = v0;
+        if (r_up != routing0 || r_down != routing0) continue;  // a top-k flip
+        const double fd = (*up - *down) / step;
+        EXPECT_NEAR(g->data_as<float>()[i], fd, 2e-3 * scale + 1e-6)
+            << named[p].first << "[" << i << "], step " << h;
+        done = true;
+        break;
       }
-      ++checked;
-      const double fd = (*up - *down) / step;
-      EXPECT_NEAR(g->data_as<float>()[i], fd, 2e-3 * scale + 1e-6)
-          << named[p].first << "[" << i << "]";
+      done ? ++checked_here : ++skipped;
     }
+    if (checked_here < 4) *near_tie = true;
+    checked += checked_here;
   }
-  EXPECT_GT(checked, 100);
-  EXPECT_LT(skipped, checked / 4);
+  if (!*near_tie) {
+    EXPECT_GT(checked, 100) << skipped << " draws skipped";
+  }
+}
+
+TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
+  FP8MOE_RANDOM_SEED(seed);
+  const ModelConfig c = Tiny();
+  // About one seed in 5000 puts a routing tie within 1e-5 (measured).
+  for (uint64_t draw = 0; draw < 3; ++draw) {
+    bool near_tie = false;
+    CheckGradients(c, seed + draw * 1000003, &near_tie);
+    if (HasFatalFailure() || !near_tie) return;
+  }
+  ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
 }
 
 // Loss and every gradient of one step, as bytes.
-std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads) {
+std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads, uint64_t seed) {
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);
-  EXPECT_TRUE(InitParams(c, 5, &*params).ok());
-  const Tokens tok(c, 6);
+  EXPECT_TRUE(InitParams(c, seed, &*params).ok());
+  const Tokens tok(c, seed + 1);
   ContextOptions o;
   o.threads = threads;
   Context ctx(o);
@@ -145,6 +167,7 @@ std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads) {
 }
 
 TEST(Model, BitsDoNotDependOnTheThreadCount) {
+  FP8MOE_RANDOM_SEED(seed);
   const int saved = omp_get_max_threads();
   for (auto flags : {std::vector<std::string>{"dtype=float32"}, std::vector<std::string>{},
                      std::vector<std::string>{"fp8_moe_fake_quant=true",
@@ -156,7 +179,7 @@ TEST(Model, BitsDoNotDependOnTheThreadCount) {
     c.seq_len = 24;
     c.emb_dim = 32;
     c.mlp_dim = 48;
-    EXPECT_TRUE(StepBits(c, 1) == StepBits(c, 2)) << (flags.empty() ? "bf16" : flags[0]);
+    EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed)) << (flags.empty() ? "bf16" : flags[0]);
   }
   omp_set_num_threads(saved);
 }
@@ -166,8 +189,9 @@ TEST(Model, SteadyStateStepAllocatesNothing) {
                         "fp8_moe_native_fwd=true", "fp8_moe_native_bwd_dlhs=true"});
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);
-  ASSERT_TRUE(InitParams(c, 7, &*params).ok());
-  const Tokens tok(c, 8);
+  FP8MOE_RANDOM_SEED(seed);
+  ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+  const Tokens tok(c, seed + 1);
   Context ctx;
   Model model(c);
   std::vector<PreparedMoeWeights> prepared;
@@ -190,12 +214,13 @@ TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
   const ModelConfig c = Tiny();
   auto whole = AllocateParams(c);
   ASSERT_TRUE(whole.ok());
-  ASSERT_TRUE(InitParams(c, 11, &*whole).ok());
+  FP8MOE_RANDOM_SEED(seed);
+  ASSERT_TRUE(InitParams(c, seed, &*whole).ok());
   const auto named = whole->Named();
   const auto shapes = ParamShapes(c);
   ASSERT_EQ(shapes.size(), named.size());
   size_t seen = 0;
-  ASSERT_TRUE(InitParams(c, 11, [&](size_t k, const float* data) {
+  ASSERT_TRUE(InitParams(c, seed, [&](size_t k, const float* data) {
                 EXPECT_EQ(k, seen++);
                 ASSERT_LT(k, named.size());
                 EXPECT_EQ(shapes[k].first, named[k].first);
