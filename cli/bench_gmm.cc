@@ -116,6 +116,13 @@ int BenchGmm(const BenchOptions& opt) {
         keep.push_back(s);
       }
     }
+    if (keep.empty()) {
+      std::string names;
+      for (const auto& s : shapes) names += (names.empty() ? "'" : ", '") + s.name + "'";
+      std::fprintf(stderr, "error: --shape '%s' matches no shape of bench gmm; the shapes: %s\n",
+                   opt.shape.c_str(), names.c_str());
+      return 2;
+    }
     shapes = keep;
   }
   std::mt19937 rng(7);

@@ -9,6 +9,7 @@
 // FLOPs per step: forward 2 * T*k * (D*2F + F*D), backward twice that.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -64,6 +65,15 @@ int BenchMoe(const BenchOptions& opt) {
       {"fp8 (hand-crafted)", {"quantization=fp8"}},
       {"nanoo_fp8", {"quantization=nanoo_fp8"}},
   };
+  if (!opt.shape.empty() &&
+      std::none_of(modes.begin(), modes.end(),
+                   [&](const Mode& m) { return m.name.find(opt.shape) != std::string::npos; })) {
+    std::string names;
+    for (const Mode& m : modes) names += (names.empty() ? "'" : ", '") + m.name + "'";
+    std::fprintf(stderr, "error: --shape '%s' matches no mode of bench moe (there it picks "
+                 "modes by name); the modes: %s\n", opt.shape.c_str(), names.c_str());
+    return 2;
+  }
   const double flops = 3.0 * 2.0 * static_cast<double>(T * k) * (D * 2 * F + F * D);
   // Ceilings: the machine's peaks and bandwidths; sgemm of the step's
   // largest GEMM, [T*k, D] x [D, 2F], from a right core (else, loudly, the

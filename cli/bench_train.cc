@@ -59,11 +59,61 @@ std::string Slug(const std::string& name) {
   return s;
 }
 
+// The keys each mode sets itself: a user's value would make every mode the
+// same run (run_name: all six in one directory, each deleting the last).
+constexpr const char* kModeKeys[] = {"run_name", "fp8_moe_fake_quant", "fp8_fake_quant_hoist",
+                                     "fp8_moe_native_fwd", "fp8_moe_native_bwd_dlhs",
+                                     "quantization", "use_qwix_quantization"};
+
+// Written into every run directory the bench makes; a directory without it
+// is never deleted (it may be a user's run, checkpoints and all).
+constexpr const char* kMarker = ".fp8moe_bench_train";
+
+Status CheckKeys(const std::vector<std::string>& keys) {
+  for (const std::string& kv : keys) {
+    const std::string key = kv.substr(0, kv.find('='));
+    for (const char* own : kModeKeys) {
+      if (key == own) {
+        return InvalidArgument("bench train sets '" + key +
+                                    "' itself for each mode (its runs go to "
+                                    "<base_output_directory>/<mode>); drop '" + kv + "'");
+      }
+    }
+  }
+  return OkStatus();
+}
+
+// Refuses an existing `dir` that the bench did not make.
+Status CheckBenchRun(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::exists(dir / kMarker, ec)) {
+    return FailedPrecondition(
+        dir.string() + " exists and was not made by bench train (no " + kMarker +
+        " in it); it is left alone: pass another base_output_directory= or move it away");
+  }
+  return OkStatus();
+}
+
+// Empties `dir` for a fresh run when the bench made it; refuses any other
+// existing directory.
+Status ClearBenchRun(const fs::path& dir) {
+  FP8MOE_RETURN_IF_ERROR(CheckBenchRun(dir));
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return OkStatus();
+  fs::remove_all(dir, ec);
+  if (ec) return IoError("cannot remove " + dir.string() + ": " + ec.message());
+  return OkStatus();
+}
+
 }  // namespace
 
 int BenchTrain(const std::vector<std::string>& keys, bool json_out) {
   // The bench's own defaults, before the user's keys: a short schedule, no
   // checkpoints, its own output directory.
+  if (Status st = CheckKeys(keys); !st.ok()) {
+    std::fprintf(stderr, "error: %s\n", st.message().c_str());
+    return 2;
+  }
   std::vector<std::string> base = {"steps=400", "eval_interval=100", "enable_checkpointing=false",
                                    "base_output_directory=runs/bench_train"};
   base.insert(base.end(), keys.begin(), keys.end());
@@ -73,6 +123,20 @@ int BenchTrain(const std::vector<std::string>& keys, bool json_out) {
   };
   std::vector<Row> rows;
   std::vector<std::string> dirs;
+  // Every mode's directory is checked before the first run (minutes of
+  // training before a refusal would waste them).
+  for (const Mode& m : Modes()) {
+    std::vector<std::string> flags = base;
+    flags.insert(flags.begin(), "run_name=" + Slug(m.name));
+    auto raw = LoadConfig(TrainConfigSchema(), "", flags);
+    if (!raw.ok()) continue;  // reported by the loop below
+    auto cfg = TrainConfigFrom(*raw);
+    if (!cfg.ok()) continue;
+    if (Status st = CheckBenchRun(fs::path(cfg->base_output_directory) / cfg->run_name); !st.ok()) {
+      std::fprintf(stderr, "error: %s\n", st.message().c_str());
+      return 2;
+    }
+  }
   for (const Mode& m : Modes()) {
     std::vector<std::string> flags = base;
     flags.insert(flags.begin(), m.flags.begin(), m.flags.end());
@@ -87,8 +151,22 @@ int BenchTrain(const std::vector<std::string>& keys, bool json_out) {
       std::fprintf(stderr, "error: %s: %s\n", m.name, cfg.status().message().c_str());
       return 2;
     }
-    std::error_code ec;
-    fs::remove_all(fs::path(cfg->base_output_directory) / cfg->run_name, ec);
+    const fs::path dir = fs::path(cfg->base_output_directory) / cfg->run_name;
+    if (Status st = ClearBenchRun(dir); !st.ok()) {
+      std::fprintf(stderr, "error: %s\n", st.message().c_str());
+      return st.code() == StatusCode::kInternal ? 1 : 2;
+    }
+    {
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      std::FILE* f = ec ? nullptr : std::fopen((dir / kMarker).c_str(), "w");
+      if (f == nullptr) {
+        std::fprintf(stderr, "error: cannot write %s\n", (dir / kMarker).c_str());
+        return 2;
+      }
+      std::fputs("made by fp8moe bench train; the next bench train empties this directory\n", f);
+      std::fclose(f);
+    }
     if (!json_out) {
       std::fprintf(stderr, "  %-16s %lld steps ...", m.name, static_cast<long long>(cfg->steps));
       std::fflush(stderr);

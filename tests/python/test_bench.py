@@ -194,3 +194,53 @@ def test_bench_sgemm_and_bad_sizes(fp8moe_bin):
     p = subprocess.run([fp8moe_bin, "bench", "moe", "--sgemm-core", "Bogus"], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and "--sgemm-core" in p.stderr and "Haswell" in p.stderr, p.stderr
+
+
+def test_shape_that_matches_nothing_is_an_error(fp8moe_bin):
+    """A --shape that picks nothing used to print an empty table and exit 0."""
+    for args, names in ((["gmm", "--reps", "1"], "'decode e64'"),
+                        (["moe", "--reps", "1", "--tokens", "8"], "'native fwd+dlhs'")):
+        p = subprocess.run([fp8moe_bin, "bench", *args, "--shape", "nosuch"], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and "'nosuch' matches no" in p.stderr and names in p.stderr, p.stderr
+
+
+TINY_BENCH_TRAIN = ["steps=2", "base_emb_dim=16", "base_num_decoder_layers=1",
+                    "base_moe_mlp_dim=16", "max_target_length=16", "per_device_batch_size=4",
+                    "eval_steps=1", "eval_interval=1"]
+
+
+def test_bench_train_never_deletes_a_directory_it_did_not_make(fp8moe_bin, tmp_path):
+    """bench train empties <base>/<mode> before each run. It used to take a
+    user's run_name= (all six modes then ran in, and deleted, that one directory,
+    checkpoints and all) and to delete any directory of a mode's name."""
+    base = tmp_path / "runs"
+    keep = base / "mine" / "checkpoints"
+    keep.mkdir(parents=True)
+    (keep / "step_5.safetensors").write_bytes(b"x")
+
+    def bench(*extra):
+        return subprocess.run([fp8moe_bin, "bench", "train", *TINY_BENCH_TRAIN,
+                               f"base_output_directory={base}", *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    for key in ("run_name=mine", "quantization=int8", "fp8_moe_native_fwd=false"):
+        p = bench(key)
+        assert p.returncode == 2 and "sets '" + key.split("=")[0] + "' itself" in p.stderr, p.stderr
+    # A directory of a mode's name that the bench did not make: refused
+    # before any training, left as it was.
+    (base / "fake_QAT").mkdir()
+    (base / "fake_QAT" / "notes.txt").write_text("mine")
+    p = bench()
+    assert p.returncode == 2 and "was not made by bench train" in p.stderr, p.stderr
+    assert "steps ..." not in p.stderr and not (base / "none_bf16").exists()
+    assert (base / "fake_QAT" / "notes.txt").read_text() == "mine"
+    (base / "fake_QAT" / "notes.txt").unlink()
+    (base / "fake_QAT").rmdir()
+    # Its own directories it empties and reuses.
+    for _ in range(2):
+        p = bench()
+        assert p.returncode == 0, p.stderr
+        assert (base / "none_bf16" / ".fp8moe_bench_train").exists()
+        assert len((base / "int8" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (keep / "step_5.safetensors").read_bytes() == b"x"
