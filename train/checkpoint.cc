@@ -329,13 +329,26 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
                               "; set the flags the checkpoint was trained with, or use another "
                               "run_name to start a new run");
   }
-  const std::string mode(MoeQatModeName(PlanMoeQuantization(config.model.moe).mode));
+  const MoeQatMode qat = PlanMoeQuantization(config.model.moe).mode;
+  const std::string mode(MoeQatModeName(qat));
   if (meta("quantization_mode") != mode) {
     return FailedPrecondition("checkpoint '" + path + "' was trained in QAT mode " +
                               meta("quantization_mode") + " but this run's config selects " +
                               mode +
                               "; set the QAT flags the checkpoint was trained with, or use "
                               "another run_name to start a new run");
+  }
+  // The hand-crafted schemes (int8, fp8, nanoo_fp8) share one mode name.
+  if (qat == MoeQatMode::kHandCrafted) {
+    auto saved = LoadConfigText(TrainConfigSchema(), meta("config"), path + " (its config)", {});
+    const std::string now(MoeQuantizationName(config.model.moe.quantization));
+    if (saved.ok() && saved->GetString("quantization") != now) {
+      return FailedPrecondition("checkpoint '" + path + "' was trained with quantization=" +
+                                saved->GetString("quantization") + " but this run's config has "
+                                "quantization=" + now +
+                                "; set the QAT flags the checkpoint was trained with, or use "
+                                "another run_name to start a new run");
+    }
   }
   TrainState s;
   FP8MOE_ASSIGN_OR_RETURN(s.step, MetaInt(metadata, "step", path));
@@ -362,6 +375,7 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
   }
   std::copy(rng.begin(), rng.end(), s.rng.begin());
   FP8MOE_ASSIGN_OR_RETURN(s.data_position, SplitU64(meta("data_position"), "data_position", path));
+  s.config_yaml = meta("config");
   for (const CheckpointTensor& t : layout) {
     const SafetensorsEntry* e = reader.Find(t.name);
     if (e == nullptr) {
@@ -389,6 +403,59 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
   }
   *state = std::move(s);
   return OkStatus();
+}
+
+namespace {
+
+// A flag's value as text, in the form a `key=value` override takes.
+std::string ValueText(const Config& c, const FlagSpec& f) {
+  switch (f.type) {
+    case FlagType::kBool: return c.GetBool(f.name) ? "true" : "false";
+    case FlagType::kInt: return std::to_string(c.GetInt(f.name));
+    case FlagType::kFloat: {
+      // The shortest text that reads back to the same double.
+      std::string t;
+      for (int p = 1; p <= 17; ++p) {
+        std::ostringstream q;
+        q.precision(p);
+        q << c.GetFloat(f.name);
+        t = q.str();
+        if (std::strtod(t.c_str(), nullptr) == c.GetFloat(f.name)) break;
+      }
+      return t;
+    }
+    case FlagType::kString: return c.GetString(f.name);
+  }
+  return {};
+}
+
+bool IsBookkeeping(const std::string& key) {
+  static const char* const kKeys[] = {
+      "run_name", "base_output_directory", "enable_checkpointing", "checkpoint_period",
+      "log_period", "eval_interval", "eval_steps", "ici_fsdp_parallelism",
+      "ici_expert_parallelism", "ici_tensor_parallelism", "num_moe_token_chunks",
+      "remat_policy"};
+  for (const char* k : kKeys) {
+    if (key == k) return true;
+  }
+  // Tiles give the same bits (docs/kernels.md), the in-kernel quantization
+  // tile aside, which moe_bwd_inkernel_quant's users set on purpose.
+  return key.find("_tile_") != std::string::npos;
+}
+
+}  // namespace
+
+std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml, const Config& now) {
+  std::vector<ConfigChange> out;
+  const ConfigSchema schema = TrainConfigSchema();
+  auto saved = LoadConfigText(schema, saved_yaml, "the checkpoint's config", {});
+  if (!saved.ok()) return out;
+  for (const FlagSpec& f : schema.flags()) {
+    if (IsBookkeeping(f.name)) continue;
+    std::string a = ValueText(*saved, f), b = ValueText(now, f);
+    if (a != b) out.push_back({f.name, std::move(a), std::move(b)});
+  }
+  return out;
 }
 
 }  // namespace fp8moe::internal

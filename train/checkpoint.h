@@ -30,7 +30,19 @@ struct TrainState {
   Rng::State rng{};
   std::vector<uint64_t> data_position;
   int64_t nonfinite_steps = 0;
+  std::string config_yaml;  // the run's whole config when it was saved
 };
+
+// One setting that differs between a checkpoint's config and a resuming
+// run's: the flag and its two values as text.
+using ConfigChange = TrainSummary::ConfigChange;
+
+// The flags of `now` whose values differ from those in `saved_yaml` (a
+// checkpoint's "config" metadata), bookkeeping flags left out (run and
+// output names, checkpoint, log and eval periods, the rank layout, tiles,
+// token chunks, remat: none of them changes what is trained). Empty when
+// `saved_yaml` does not parse with this version's schema.
+std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml, const Config& now);
 
 // "V=256 D=64 L=2 H=4 hd=16 F=128 E=4 k=2": what the weights' shapes depend on.
 std::string ModelSignature(const ModelConfig& model);

@@ -187,6 +187,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       static_cast<int64_t>(std::min<uint64_t>(PlanTrainMemory(c, layout.fsdp, layout.expert).total_bytes,
                                               std::numeric_limits<int64_t>::max()));
   sum.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc.moe).mode));
+  if (PlanMoeQuantization(mc.moe).mode == MoeQatMode::kHandCrafted) {
+    sum.quantization_mode += " " + std::string(MoeQuantizationName(mc.moe.quantization));
+  }
   const fs::path run_dir = fs::path(c.base_output_directory) / c.run_name;
   const fs::path ckpt_dir = run_dir / "checkpoints";
   sum.run_dir = run_dir.string();
@@ -217,6 +220,17 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   // mpirun the writing rank (0) holds it for the job.
   RunLock lock;
   if (lead) FP8MOE_RETURN_IF_ERROR(lock.Acquire(run_dir / "train.lock"));
+  // Without checkpointing the run starts at step 0 and rewrites
+  // metrics.jsonl; over a run that has checkpoints that would lose its
+  // history, and a later resume would mix the two runs' metrics.
+  if (!c.enable_checkpointing) {
+    if (auto old = internal::LatestCheckpoint(ckpt_dir.string())) {
+      return FailedPrecondition(
+          "run directory '" + run_dir.string() + "' holds checkpoints (the newest '" + *old +
+          "') but enable_checkpointing=false would train it again from step 0 over its "
+          "metrics; resume it with enable_checkpointing=true, or use another run_name");
+    }
+  }
 
   ContextOptions co;
   co.seed = c.data_shuffle_seed;
@@ -253,6 +267,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     }
     ctx.rng().set_state(state.rng);
     sum.resumed_from = state.step;
+    sum.resume_changes = internal::ConfigChangesOnResume(state.config_yaml, raw);
   }
   // params: the weights the model reads, gathered each step; grads: this
   // rank's gradient. The expert weights reach the GMMs as gathered codes
@@ -317,6 +332,18 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       std::printf("  resumed from step %lld\n", static_cast<long long>(sum.resumed_from));
     }
     std::fflush(stdout);
+  }
+  if (lead && !sum.resume_changes.empty()) {
+    // Not an error (a longer schedule or a lower learning rate is a normal
+    // continuation), but no longer the run the checkpoint began.
+    std::fprintf(stderr, "warning: resuming %s with %zu setting%s changed since its checkpoint "
+                 "was saved:\n", run_dir.string().c_str(), sum.resume_changes.size(),
+                 sum.resume_changes.size() == 1 ? "" : "s");
+    for (const auto& ch : sum.resume_changes) {
+      std::fprintf(stderr, "  %s: %s -> %s%s\n", ch.key.c_str(), ch.saved.c_str(), ch.now.c_str(),
+                   ch.key == "steps" ? " (the learning-rate schedule follows the new steps)" : "");
+    }
+    std::fflush(stderr);
   }
 
   Model model(local_mc);
@@ -631,6 +658,13 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
              {"allocations_per_step", sum.allocations_per_step},
              {"threads_min", sum.threads_min},
              {"threads_max", sum.threads_max},
+             {"resume_changes", [&] {
+                json a = json::array();
+                for (const auto& ch : sum.resume_changes) {
+                  a.push_back({{"key", ch.key}, {"saved", ch.saved}, {"now", ch.now}});
+                }
+                return a;
+              }()},
              {"wall_time_s", Now() - t_start},
              {"config", raw.ToYaml()}};
   if (lead) {

@@ -113,11 +113,17 @@ struct TrainSummary {
   double mean_step_time_s = 0;   // over this process's steps after the first
   double tokens_per_s = 0;
   int64_t nonfinite_steps = 0;
-  std::string quantization_mode;  // MoeQatModeName
+  std::string quantization_mode;  // MoeQatModeName; hand_crafted adds the scheme ("hand_crafted int8")
   int64_t peak_bytes = 0;         // library memory high-water mark (after setup)
   int64_t memory_plan_bytes = 0;  // what PlanTrainMemory allowed for this rank
   double allocations_per_step = 0;  // after this process's first step
   int threads_min = 0, threads_max = 0;  // this rank's threads over its steps
+  // A resumed run: the settings that differ from the checkpoint's config
+  // (bookkeeping flags aside), also printed as a warning.
+  struct ConfigChange {
+    std::string key, saved, now;
+  };
+  std::vector<ConfigChange> resume_changes;
 };
 
 struct TrainOptions {

@@ -193,3 +193,55 @@ def test_threads_follow_the_other_processes_load(fp8moe_bin, tmp_path):
     assert "threads          1-2" in out, out
     threads, summary, out = runs["fixed"]
     assert set(threads) == {2} and summary["threads_min"] == summary["threads_max"] == 2, threads
+
+
+def test_resume_refuses_another_scheme_and_warns_of_changed_settings(fp8moe_bin, tmp_path):
+    """A resume is the run its checkpoint began: another QAT scheme is refused
+    (int8 and nanoo_fp8 share the mode name hand_crafted, and a resume used to
+    take one for the other); other changed settings are a warning naming each
+    (they used to pass without a word) and are listed in summary.json."""
+    off = ["fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=", "fp8_moe_native_fwd=false",
+           "fp8_moe_native_bwd_dlhs=false"]
+    p = train(fp8moe_bin, tmp_path, "r", "steps=10", "checkpoint_period=5", *off,
+              "quantization=int8")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["quantization_mode"] == "hand_crafted int8" and summary["resume_changes"] == []
+    before = (tmp_path / "r" / "metrics.jsonl").read_bytes()
+    p = train(fp8moe_bin, tmp_path, "r", "steps=12", *off, "quantization=nanoo_fp8")
+    assert p.returncode == 2, p.stderr
+    assert "quantization=int8" in p.stderr and "quantization=nanoo_fp8" in p.stderr, p.stderr
+    assert (tmp_path / "r" / "metrics.jsonl").read_bytes() == before
+    # Same scheme, other settings: resumes, and says what changed.
+    p = train(fp8moe_bin, tmp_path, "r", "steps=12", "checkpoint_period=5", *off,
+              "quantization=int8", "learning_rate=0.0005", "data_shuffle_seed=5",
+              "eval_interval=3")
+    assert p.returncode == 0, p.stderr
+    assert "resumed from step 10" in p.stdout
+    assert "warning: resuming" in p.stderr and "3 settings changed" in p.stderr, p.stderr
+    assert "steps: 10 -> 12 (the learning-rate schedule follows the new steps)" in p.stderr
+    assert "learning_rate: 0.003 -> 0.0005" in p.stderr and "data_shuffle_seed: 0 -> 5" in p.stderr
+    assert "eval_interval" not in p.stderr  # bookkeeping: not a change of what is trained
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert {c["key"] for c in summary["resume_changes"]} == {"steps", "learning_rate",
+                                                            "data_shuffle_seed"}
+
+
+def test_checkpointing_off_over_a_checkpointed_run_is_refused(fp8moe_bin, tmp_path):
+    """enable_checkpointing=false over a run with checkpoints used to train it
+    again from step 0 over its metrics.jsonl; the next resume then mixed the
+    two runs' lines."""
+    p = train(fp8moe_bin, tmp_path, "d", "steps=10", "checkpoint_period=5")
+    assert p.returncode == 0, p.stderr
+    before = {f.name: f.read_bytes() for f in (tmp_path / "d").rglob("*") if f.is_file()
+              and f.name != "train.lock"}
+    p = train(fp8moe_bin, tmp_path, "d", "steps=12", "enable_checkpointing=false")
+    assert p.returncode == 2 and "holds checkpoints" in p.stderr, p.stderr
+    assert "enable_checkpointing=true" in p.stderr and "another run_name" in p.stderr
+    after = {f.name: f.read_bytes() for f in (tmp_path / "d").rglob("*") if f.is_file()
+             and f.name != "train.lock"}
+    assert after == before
+    # A run that never saved a checkpoint may be run again without them.
+    for _ in range(2):
+        p = train(fp8moe_bin, tmp_path, "n", "steps=3", "enable_checkpointing=false")
+        assert p.returncode == 0, p.stderr
