@@ -357,6 +357,16 @@ def test_check_finite_on_every_op(op, opname, tensors):
     assert code == 2 and "check_finite" in err, err
 
 
+def test_check_finite_reads_u8_codes_in_their_format(op):
+    """U8 codes whose format comes from format= (not from the dtype) were not
+    checked at all: U8 has no NaN."""
+    y = {"y": np.array([0, 0x80, 1, 2], np.uint8)}  # 0x80: NaN in e4m3fnuz, -0 in e4m3fn
+    code, _, err = op("decode", arrays(**y), "check_finite=true", "format=e4m3fnuz")
+    assert code == 2 and "check_finite" in err and "index 1" in err, err
+    code, out, err = op("decode", arrays(**y), "check_finite=true", "format=e4m3fn")
+    assert code == 0 and list(out["x"]) == [0, 0, 2.0 ** -9, 2.0 ** -8], err
+
+
 # ---- concurrency and signals -------------------------------------------------------------
 
 def test_two_writers_of_one_out_leave_one_complete_file(fp8moe_bin, tmp_path):
