@@ -2,6 +2,7 @@
 // 1 runtime failure, 2 bad usage or input.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -124,6 +125,28 @@ int main(int argc, char** argv) {
   op->fallthrough();
   bench->fallthrough();
   train->fallthrough();
+  info->fallthrough();
+  report->fallthrough();
+
+  // The first word that is not an option (nor --simd's or --memory-cap's
+  // value) must name a subcommand; CLI11 would say only "A subcommand is
+  // required".
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--simd" || a == "--memory-cap") {
+      ++i;
+      continue;
+    }
+    if (a.starts_with("-")) continue;
+    std::vector<std::string> names;
+    for (const auto* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+    if (std::find(names.begin(), names.end(), a) != names.end()) break;
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    std::fprintf(stderr, "error: unknown subcommand '%s'; the subcommands: %s (fp8moe --help)\n",
+                 a.c_str(), list.c_str());
+    return 2;
+  }
 
   try {
     app.parse(argc, argv);

@@ -475,12 +475,22 @@ def test_signal_during_bench_exits_by_the_signal(fp8moe_bin, tmp_path):
     (["op"], "name"),                                   # no op name, no --in/--out
     (["op", "cast", "--in", "x", "--out", "y", "--bogus"], "--bogus"),
     (["--simd", "NOSUCH", "info"], "NOSUCH"),
-    (["frobnicate"], "subcommand"),
+    (["frobnicate"], "unknown subcommand 'frobnicate'; the subcommands: info, bench"),
+    (["--simd", "AVX2", "frobnicate"], "unknown subcommand 'frobnicate'"),
     (["bench", "gmm", "--threads", "0"], "--threads"),
 ])
 def test_bad_command_lines_exit_2(fp8moe_bin, args, needle):
     p = subprocess.run([fp8moe_bin, *args], capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 2 and needle in p.stderr, (p.returncode, p.stderr)
+
+
+def test_global_options_follow_every_subcommand(fp8moe_bin):
+    """docs/robustness.md: --memory-cap (and --simd) may come before or after the
+    subcommand; after `info` it was refused."""
+    for args in (["info", "--memory-cap", "1G"], ["info", "--simd", "AVX2"],
+                 ["--memory-cap", "1G", "info"]):
+        p = subprocess.run([fp8moe_bin, *args], capture_output=True, text=True, timeout=TIMEOUT)
+        assert p.returncode == 0 and "simd target" in p.stdout, (args, p.stderr)
 
 
 @pytest.mark.parametrize("keys,needle", [(["noequals"], "key=value"), (["=1"], "empty key"),
