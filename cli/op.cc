@@ -8,6 +8,7 @@
 #include "fp8moe/finite.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/numerics.h"
+#include "fp8moe/train.h"
 
 namespace fp8moe::cli {
 
@@ -150,6 +151,29 @@ int ExitCodeOf(const Status& s) {
   return 1;
 }
 
+namespace {
+
+// The op's keys from `keys`. A flag of the trainer that the op does not take
+// is named as such: the generic "unknown key" would point at
+// configs/base.yml, which lists it, or suggest a near name of another flag.
+Result<Config> LoadOpConfig(const OpDef& op, const std::vector<std::string>& keys) {
+  static const ConfigSchema train_schema = TrainConfigSchema();
+  for (const std::string& kv : keys) {
+    const std::string key = kv.substr(0, kv.find('='));
+    if (op.keys.Find(key) == nullptr && train_schema.Find(key) != nullptr) {
+      const bool moe = op.name.starts_with("moe_");
+      return InvalidArgument(
+          "'" + key + "' is a flag of fp8moe train that op " + op.name + " does not take (" +
+          (moe ? "the MoE ops take the MoE layer's flags of configs/base.yml, from dtype on"
+               : "it takes only its own keys") +
+          "); drop it. `fp8moe op --help` lists each op's keys");
+    }
+  }
+  return LoadConfig(op.keys, "", keys);
+}
+
+}  // namespace
+
 Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
                       const std::vector<std::string>& keys, SafetensorsFile* out) {
   const OpDef* op = nullptr;
@@ -166,7 +190,7 @@ Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
                     (close.empty() ? "" : "; did you mean '" + close + "'?") +
                     "; ops: " + list);
   }
-  auto config = LoadConfig(op->keys, "", keys);
+  auto config = LoadOpConfig(*op, keys);
   if (!config.ok()) {
     return Status(config.status().code(), "op " + name + ": " + config.status().message());
   }
@@ -199,7 +223,7 @@ int RunOp(const std::string& name, const std::string& in_path,
   }
   SafetensorsFile in;
   if (op != nullptr) {
-    if (auto c = LoadConfig(op->keys, "", keys); !c.ok()) {
+    if (auto c = LoadOpConfig(*op, keys); !c.ok()) {
       std::fprintf(stderr, "error: op %s: %s\n", name.c_str(), c.status().message().c_str());
       return 2;
     }

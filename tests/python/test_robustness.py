@@ -493,6 +493,19 @@ def test_global_options_follow_every_subcommand(fp8moe_bin):
         assert p.returncode == 0 and "simd target" in p.stdout, (args, p.stderr)
 
 
+def test_a_trainer_flag_given_to_an_op_is_named_as_such(op):
+    """`op moe_forward steps=5` said "unknown key ...; see configs/base.yml", which
+    lists steps; ici_expert_parallelism got "did you mean 'ici_tensor_parallelism'"."""
+    for opname, tensors, key in (("moe_forward", moe_inputs(), "steps=5"),
+                                 ("moe_forward", moe_inputs(), "ici_expert_parallelism=2"),
+                                 ("cast", {"x": np.zeros(2, np.float32)}, "learning_rate=1")):
+        code, _, err = op(opname, arrays(**tensors), key, "num_experts=2"
+                          if opname.startswith("moe") else "format=e4m3fn")
+        name = key.split("=")[0]
+        assert code == 2 and f"'{name}' is a flag of fp8moe train that op {opname}" in err, err
+        assert "did you mean" not in err, err
+
+
 @pytest.mark.parametrize("keys,needle", [(["noequals"], "key=value"), (["=1"], "empty key"),
                                          ([""], "empty setting"), (["format=e4m3fn=x"], "format")])
 def test_malformed_keys_exit_2(op, keys, needle):
