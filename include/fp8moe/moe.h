@@ -112,9 +112,12 @@ struct MoeStats {
                                 // ring: any rank's; all of them rerun)
 };
 
-// FP8 health of one quantized tensor: the fraction of its values whose code
-// sits at the format's largest magnitude (saturated), and the fraction of
-// non-zero values whose code is zero (flushed).
+// FP8 health of one quantized tensor, both fractions of all its values: those
+// whose code sits at the format's largest magnitude (saturated), and those
+// that are non-zero but got code zero (flushed). With absmax scaling each
+// scaling group's largest value lands at the max, so saturated has a floor
+// of (scaling groups) / (values), e.g. 1/K per channel; clipping (a fixed
+// calibration) shows as values above that floor.
 struct Fp8Health {
   double saturated = 0;
   double flushed = 0;
