@@ -23,6 +23,12 @@ int ExitCode(const Status& s) { return s.code() == StatusCode::kInternal ? 1 : 2
 
 int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   if (print_base_config) {
+    if (!args.empty()) {
+      std::fprintf(stderr, "error: --print-base-config prints the defaults and takes no config "
+                   "file or flags (got '%s'); drop them, or drop --print-base-config to train\n",
+                   args[0].c_str());
+      return 2;
+    }
     std::fputs(BaseConfigYaml().c_str(), stdout);
     return 0;
   }

@@ -267,7 +267,11 @@ Result<std::unique_ptr<Dataset>> OpenDataset(const DataConfig& c) {
                            std::to_string(c.vocab_size) + "; set vocab_size=256");
   }
   if (!(c.eval_fraction > 0 && c.eval_fraction < 1)) {
-    return InvalidArgument("eval_split_fraction must be between 0 and 1 (exclusive)");
+    char frac[32];
+    std::snprintf(frac, sizeof frac, "%g", c.eval_fraction);
+    return InvalidArgument(std::string("eval_split_fraction=") + frac +
+                           " must be between 0 and 1 (exclusive): the share of the text held "
+                           "out for eval");
   }
   // A regular file only: a directory, a FIFO or a device (/dev/zero never
   // ends) is refused before reading, and the file's size is checked against
@@ -303,13 +307,23 @@ Result<std::unique_ptr<Dataset>> OpenDataset(const DataConfig& c) {
   // Each split needs one window of S+1 bytes and room for a second start.
   const int64_t need = c.seq_len + 2;
   if (train < need || n - train < need) {
+    // The smallest size whose two splits both hold `need` bytes (the split
+    // rounds, so the closed form can be off by a few bytes either way).
+    auto fits = [&](int64_t m) {
+      const int64_t tr = m - static_cast<int64_t>(std::ceil(static_cast<double>(m) * c.eval_fraction));
+      return tr >= need && m - tr >= need;
+    };
+    int64_t least = std::max<int64_t>(
+        2 * need, static_cast<int64_t>(need / std::min(c.eval_fraction, 1 - c.eval_fraction)) - 4);
+    while (!fits(least)) ++least;
+    while (least > 2 * need && fits(least - 1)) --least;
+    char frac[32];
+    std::snprintf(frac, sizeof frac, "%g", c.eval_fraction);
     return InvalidArgument(
         "dataset_path '" + c.path + "' has " + std::to_string(n) +
         " bytes, shorter than one sequence per split: with max_target_length=" +
-        std::to_string(c.seq_len) + " and eval_split_fraction=" + std::to_string(c.eval_fraction) +
-        " it needs at least " +
-        std::to_string(static_cast<int64_t>(std::ceil(need / std::min(c.eval_fraction, 1 - c.eval_fraction)))) +
-        " bytes; use a longer file or a smaller max_target_length");
+        std::to_string(c.seq_len) + " and eval_split_fraction=" + frac + " it needs at least " +
+        std::to_string(least) + " bytes; use a longer file or a smaller max_target_length");
   }
   return std::unique_ptr<Dataset>(new TextDataset(c, std::move(bytes), train));
 }

@@ -13,6 +13,16 @@
 namespace fp8moe {
 namespace {
 
+// The shortest decimal text that reads back to `v`.
+std::string Shortest(double v) {
+  char buf[32];
+  for (int p = 1; p <= 17; ++p) {
+    std::snprintf(buf, sizeof buf, "%.*g", p, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
 // Batches of one evaluation: a million is already hours; more only looks
 // like a hang (and eval batch indices times the batch size stay in int64).
 constexpr int64_t kMaxEvalSteps = 1000000;
@@ -341,6 +351,12 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
            std::to_string(kMaxEvalSteps) + "] (batches per evaluation)");
   need(t.log_period >= 1, "log_period must be at least 1");
   need(t.max_nonfinite_steps >= 0, "max_nonfinite_steps must not be negative");
+  need(t.eval_split_fraction > 0 && t.eval_split_fraction < 1,
+       "eval_split_fraction=" + Shortest(t.eval_split_fraction) +
+           " must be between 0 and 1 (exclusive): the share of the data held out for eval");
+  need(t.dataset_type != "synthetic" || t.dataset_path.empty(),
+       "dataset_path='" + t.dataset_path + "' is set but dataset_type=synthetic does not read "
+       "it; set dataset_type=text to train on the file, or drop dataset_path");
   if (t.dataset_type == "synthetic") {
     // Before the memory plan, which sizes the corpus's tables from these
     // (OpenDataset checks the same and the work of building them).

@@ -112,6 +112,11 @@ def test_bad_input_is_a_clear_error_with_exit_code_2(fp8moe_bin, tmp_path):
         (["dataset_type=txt"], "did you mean 'text'?"),
         (["quantization=int8"], "both claim the expert GMMs"),
         (["head_dim=7"], "head_dim=7"),
+        # Silently ignored before: a text file with the synthetic data, an eval
+        # share outside (0, 1) with synthetic data.
+        ([f"dataset_path={tmp_path}/corpus.txt"], "dataset_type=synthetic does not read it"),
+        (["eval_split_fraction=2"], "eval_split_fraction=2 must be between 0 and 1"),
+        (["eval_split_fraction=-0.5"], "eval_split_fraction=-0.5 must be between 0 and 1"),
     ]
     short = tmp_path / "short.txt"
     short.write_text("a few bytes")
@@ -122,6 +127,23 @@ def test_bad_input_is_a_clear_error_with_exit_code_2(fp8moe_bin, tmp_path):
         assert p.returncode == 2, (flags, p.returncode, p.stderr)
         assert needle in p.stderr, (flags, p.stderr)
         assert "Traceback" not in p.stderr and "Aborted" not in p.stderr
+    # The shortest text the split takes is the size the refusal names (it
+    # named 180 bytes where 171 train, with S=16 and a 0.1 eval share).
+    text = (tmp_path / "corpus.txt")
+    text.write_bytes(b"abcdefghij" * 10)
+    p = train(fp8moe_bin, tmp_path, "short", "steps=1", "dataset_type=text", "vocab_size=256",
+              f"dataset_path={text}", "max_target_length=16", "eval_split_fraction=0.1")
+    assert p.returncode == 2 and "needs at least " in p.stderr, p.stderr
+    least = int(p.stderr.split("needs at least ")[1].split()[0])
+    for size, code in ((least - 1, 2), (least, 0)):
+        text.write_bytes((b"abcdefghij" * 40)[:size])
+        p = train(fp8moe_bin, tmp_path, f"short{size}", "steps=1", "dataset_type=text",
+                  "vocab_size=256", f"dataset_path={text}", "max_target_length=16",
+                  "eval_split_fraction=0.1")
+        assert p.returncode == code, (size, p.stderr)
+    p = subprocess.run([fp8moe_bin, "train", "--print-base-config", "steps=5"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "takes no config file or flags" in p.stderr, p.stderr
     # A checkpoint of another model shape.
     assert train(fp8moe_bin, tmp_path, "shape", "steps=2").returncode == 0
     p = train(fp8moe_bin, tmp_path, "shape", "steps=4", "base_moe_mlp_dim=24")
