@@ -164,6 +164,9 @@ Status Quantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile* 
 }
 
 Status Dequantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
+  // Checked only: a misspelled calibration is an error here as in quantize.
+  FP8MOE_RETURN_IF_ERROR(
+      ParseCalibrationKeys("dequantize", keys, "calibration", true, "").status());
   FP8MOE_ASSIGN_OR_RETURN(
       const Tensor* q,
       GetInput("dequantize", in, "q",
@@ -234,9 +237,9 @@ void RegisterNumericsOps(std::vector<OpDef>* ops) {
 
   OpDef dequantize{"dequantize", "q codes, scale F32 -> x F32", {}, Dequantize};
   AddQuantKeys(&dequantize.keys, false);
-  AddKey(&dequantize.keys, {"calibration", FlagType::kString, "absmax",
-                            "accepted so quantize's keys can be reused; the "
-                            "scales already hold the calibration"});
+  AddCalibrationKeys(&dequantize.keys, "calibration",
+                     "accepted and checked so quantize's keys can be reused; the scales "
+                     "already hold it");
   ops->push_back(std::move(dequantize));
 }
 

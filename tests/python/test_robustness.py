@@ -181,6 +181,17 @@ def test_quantize_row_zero_width_needs_a_scale_per_row(op):
     assert code == 2 and "'scale'" in err and "memory cap" in err, err
 
 
+def test_dequantize_checks_the_calibration_keys_it_accepts(op):
+    """dequantize takes quantize's calibration keys (the scales already hold
+    them) but did not check them: calibration=garbage passed."""
+    t = {"q": np.zeros((2, 3), ml_dtypes.float8_e4m3fn), "scale": np.ones((2, 1), np.float32)}
+    code, _, err = op("dequantize", arrays(**t), "granularity=row", "calibration=garbage")
+    assert code == 2 and "unknown calibration 'garbage'" in err, err
+    code, out, err = op("dequantize", arrays(**t), "granularity=row", "calibration=fixed,-1,1",
+                        "scale_arithmetic=xla_reciprocal")
+    assert code == 0 and (out["x"] == 0).all(), err
+
+
 def test_dequantize_zero_width_huge_height_returns(op):
     code, out, err = op("dequantize", raw({"q": ("F8_E4M3", [1, 2**40, 0], b""),
                                            "scale": ("F32", [1, 0], b"")}),
