@@ -97,8 +97,10 @@ int main(int argc, char** argv) {
                     "measure the sgemm ceiling in a child with OPENBLAS_CORETYPE=this (default: "
                     "the loaded core if right for the CPU, else a right one)");
   bench->add_option("--sizes", bopt.sgemm_sizes, "bench sgemm: MxKxN[,MxKxN...]");
-  bench->add_option("--elements", bopt.elements, "bench quant: elements per pass")
-      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 32));
+  bench->add_option("--elements", bopt.elements,
+                    "bench quant: elements per pass (rounded down to rows of 1024, at least 8 "
+                    "rows: 8192)")
+      ->check(CLI::Range(int64_t{8192}, int64_t{1} << 32));
 
   std::vector<std::string> train_args;
   bool print_base_config = false;

@@ -80,9 +80,12 @@ Result<Calibration> Calibration::Parse(std::string_view text) {
   float v[2];
   const std::string parts[2] = {rest.substr(0, comma), rest.substr(comma + 1)};
   for (int i = 0; i < 2; ++i) {
+    // Decimal only, like every other number of a config (strtof would also
+    // take hex, "inf", "nan" and leading blanks).
+    const bool decimal = parts[i].find_first_not_of("0123456789+-.eE") == std::string::npos;
     char* end = nullptr;
-    v[i] = std::strtof(parts[i].c_str(), &end);
-    if (parts[i].empty() || end != parts[i].c_str() + parts[i].size() ||
+    v[i] = decimal ? std::strtof(parts[i].c_str(), &end) : 0.0f;
+    if (!decimal || parts[i].empty() || end != parts[i].c_str() + parts[i].size() ||
         !std::isfinite(v[i])) {
       return InvalidArgument("calibration '" + std::string(text) +
                              "': '" + parts[i] + "' is not a finite number" +

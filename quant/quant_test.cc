@@ -197,7 +197,8 @@ TEST(Quant, ScaleFormulaAndFixedCalibration) {
   EXPECT_EQ(DequantizeValue(q[3], s, QuantDType::kE4M3FN), 224.0f);
   EXPECT_EQ(DequantizeValue(q[0], s, QuantDType::kE4M3FN), 1.0f);
   for (const char* bad : {"", "absmin", "fixed", "fixed,1", "fixed,a,2",
-                          "fixed,1,inf", "fixed,0,0", "fixed,1,2x"}) {
+                          "fixed,1,inf", "fixed,0,0", "fixed,1,2x", "fixed,0x10,1",
+                          "fixed, 1,2", "fixed,1,nan", "fixed,-inf,1"}) {
     EXPECT_FALSE(Calibration::Parse(bad).ok()) << bad;
   }
   EXPECT_TRUE(Calibration::Parse("absmax").ok());
