@@ -1,5 +1,6 @@
 #include "cli/op.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -128,9 +129,17 @@ Result<const Tensor*> GetInput(const std::string& op, const SafetensorsFile& in,
   for (DType d : dtypes) {
     if (t->dtype() == d) return t;
   }
+  std::string hint;
+  const bool fnuz = std::any_of(dtypes.begin(), dtypes.end(), [](DType d) {
+    return d == DType::kE4M3FNUZ || d == DType::kE5M2FNUZ;
+  });
+  if (t->dtype() == DType::kU8 && fnuz) {
+    hint = " (safetensors has no fnuz dtype: fnuz codes are U8 with the metadata entry \"" +
+           name + ".format\": \"e4m3fnuz\" or \"e5m2fnuz\")";
+  }
   return InvalidArgument("op " + op + ": tensor '" + name + "' has dtype " +
                          std::string(DTypeName(t->dtype())) + "; expected " +
-                         expected);
+                         expected + hint);
 }
 
 int ExitCodeOf(const Status& s) {

@@ -181,6 +181,13 @@ def test_quantize_row_zero_width_needs_a_scale_per_row(op):
     assert code == 2 and "'scale'" in err and "memory cap" in err, err
 
 
+def test_u8_codes_without_a_format_say_how_to_name_fnuz(op):
+    t = {"lhs": np.ones((2, 4), np.float32), "rhs_codes": np.zeros((1, 4, 3), np.uint8),
+         "rhs_scale": np.ones((1, 3), np.float32), "group_sizes": np.array([2], np.int32)}
+    code, _, err = op("gmm", arrays(**t), "mode=native_fp8", "fp8_dtype=e4m3fnuz")
+    assert code == 2 and '"rhs_codes.format": "e4m3fnuz"' in err, err
+
+
 def test_dequantize_checks_the_calibration_keys_it_accepts(op):
     """dequantize takes quantize's calibration keys (the scales already hold
     them) but did not check them: calibration=garbage passed."""
