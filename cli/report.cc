@@ -181,9 +181,13 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
      << "set multiplot layout 2,2 title " << Quote("fp8moe report: " + runs[0].name +
                                                     (runs.size() > 1 ? " and " + std::to_string(runs.size() - 1) + " more" : ""))
      << "\nset grid\nset key top right font ',9'\nset xlabel 'step'\n"
-     << "set title 'loss (nats/token)'\nset logscale y\n"
+     // A log axis spanning less than a decade gets one labelled tick by
+     // default; label the 1-2-5 steps of every decade instead.
+     << "set title 'loss (nats/token)'\nset logscale y\nset format y '%g'\n"
+     << "set ytics (0.1, 0.2, 0.5, 1, 1.5, 2, 3, 4, 5, 7, 10, 15, 20, 50, 100)\nset mytics 10\n"
      << (ymin > 0 && ymin < 1e300 ? "set yrange [" + std::to_string(0.95 * ymin) + ":*]\n" : "")
-     << "plot " << loss_plot << "\nunset logscale y\nset yrange [*:*]\n"
+     << "plot " << loss_plot << "\nunset logscale y\nset yrange [*:*]\nset ytics autofreq\n"
+     << "set mytics default\n"
      << "set title 'step time (s)'\nplot " << time_plot << "\n"
      << "set title " << Quote("router load, layer 0 of " + runs[0].name + " (fraction of token-expert pairs)")
      << "\n" << (load_plot.empty() ? "plot 0 notitle" : "plot " + load_plot) << "\n"
