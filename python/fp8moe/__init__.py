@@ -49,9 +49,44 @@ def simd_target() -> str:
     return _core.simd_target()
 
 
+def _int(name: str, v: Any, lo: int, hi: int) -> int:
+    """v as an int in [lo, hi], else ValueError naming it (not nanobind's
+    TypeError, which prints the binding's signature)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer; got {v!r}")
+    if not lo <= int(v) <= hi:
+        raise ValueError(f"{name}={int(v)} is out of range [{lo}, {hi}]")
+    return int(v)
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False; got {v!r}")
+    return bool(v)
+
+
+def _out_dtype(v: Any) -> str:
+    """'float32' or 'bfloat16' from a name or a dtype (np.float32, ml_dtypes.bfloat16)."""
+    try:
+        name = v if isinstance(v, str) else np.dtype(v).name
+    except TypeError:
+        name = repr(v)
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"out_dtype must be float32 or bfloat16; got {v!r}")
+    return name
+
+
+def _not_here(fn: str, given: dict[str, Any], applies: bool, where: str) -> None:
+    """A keyword that would be ignored (it applies only `where`) is an error,
+    as `fp8moe op` makes it."""
+    for key, value in given.items():
+        if value is not None and not applies:
+            raise ValueError(f"{fn}: {key} applies {where}; drop {key}={value!r}")
+
+
 def set_num_threads(n: int) -> None:
     """OpenMP threads (1 to 1024) for calls made from the calling Python thread."""
-    _core.set_num_threads(n)
+    _core.set_num_threads(_int("set_num_threads: n", n, -(1 << 31), (1 << 31) - 1))
 
 
 def cast(x: Any, format: Format, saturate: bool = False) -> np.ndarray:
@@ -61,7 +96,7 @@ def cast(x: Any, format: Format, saturate: bool = False) -> np.ndarray:
     ml_dtypes' astype (values past max become NaN, or inf for e5m2);
     saturate=True clips to the format's max first (what quantization uses).
     """
-    return out(_core.cast(*arg(x), format, saturate))
+    return out(_core.cast(*arg(x), format, _bool("cast: saturate", saturate)))
 
 
 def decode(y: Any) -> np.ndarray:
@@ -109,13 +144,14 @@ def _tiles(tiles: Tiles) -> tuple[Optional[int], Optional[int], Optional[int]]:
     t = tuple(tiles)
     if len(t) != 3:
         raise ValueError(f"tiles must be (m, k, n) with None for the per-shape default; got {tiles!r}")
-    return t  # type: ignore[return-value]
+    return tuple(None if v is None else _int(f"tiles[{i}]", v, 1, 1 << 20)  # type: ignore[return-value]
+                 for i, v in enumerate(t))
 
 
 def gmm(lhs: Any, rhs: Any, group_sizes: Any, mode: Mode = "bf16", *,
-        rhs_scale: Any = None, fp8_dtype: Literal["e4m3fn", "e4m3fnuz"] = "e4m3fn",
-        lhs_quant_block_size: int = 0, lhs_calibration: str = "absmax",
-        scale_arithmetic: ScaleArithmetic = "exact_divide",
+        rhs_scale: Any = None, fp8_dtype: Optional[Literal["e4m3fn", "e4m3fnuz"]] = None,
+        lhs_quant_block_size: int = 0, lhs_calibration: Optional[str] = None,
+        scale_arithmetic: Optional[ScaleArithmetic] = None,
         epilogue: Optional[Literal["swiglu"]] = None,
         out_dtype: Literal["float32", "bfloat16"] = "float32", return_h: bool = False,
         tiles: Tiles = None, reference: bool = False):
@@ -136,46 +172,70 @@ def gmm(lhs: Any, rhs: Any, group_sizes: Any, mode: Mode = "bf16", *,
     return_h also returns the pre-activation h [M, 2F] as (out, h).
     tiles: (m, k, n), None entries chosen per shape; any tile gives the same bits.
     reference: run the plain-loop twin instead of the fast kernel.
+    fp8_dtype (default e4m3fn) applies to fake_qat and native_fp8 only;
+    lhs_calibration (default absmax) and scale_arithmetic (default exact_divide)
+    to native_fp8 and int8 only: set in another mode they are an error.
     """
+    _not_here("gmm", {"fp8_dtype": fp8_dtype}, mode in ("fake_qat", "native_fp8"),
+              "to modes fake_qat and native_fp8 only")
+    _not_here("gmm", {"lhs_calibration": lhs_calibration, "scale_arithmetic": scale_arithmetic},
+              mode in ("native_fp8", "int8"),
+              "where lhs is quantized inside the call (modes native_fp8 and int8) only")
     o, h = _core.gmm(*arg(lhs), *arg(rhs), *opt(rhs_scale), *arg(group_sizes), mode,
-                     fp8_dtype, lhs_quant_block_size, lhs_calibration, scale_arithmetic,
-                     epilogue or "none", out_dtype, return_h, *_tiles(tiles), reference)
+                     fp8_dtype or "e4m3fn", _int("gmm: lhs_quant_block_size",
+                                                 lhs_quant_block_size, -(1 << 62), 1 << 62),
+                     lhs_calibration or "absmax", scale_arithmetic or "exact_divide",
+                     epilogue or "none", _out_dtype(out_dtype), _bool("gmm: return_h", return_h),
+                     *_tiles(tiles), _bool("gmm: reference", reference))
     return (out(o), out(h)) if return_h else out(o)
 
 
 def dlhs(dout: Any, rhs: Any, group_sizes: Any, mode: Mode = "bf16", *,
-         rhs_scale: Any = None, h: Any = None, fp8_dtype: str = "e4m3fn",
+         rhs_scale: Any = None, h: Any = None, fp8_dtype: Optional[str] = None,
          epilogue: Optional[Literal["dswiglu"]] = None,
          out_dtype: Literal["float32", "bfloat16"] = "float32", tiles: Tiles = None,
          reference: bool = False) -> np.ndarray:
     """Activation gradient: dlhs [M, K] = dout [M, N] x rhs[g]^T per group.
 
-      mode f32:      dout float32; rhs float32, or codes + rhs_scale used as f32(q) * s.
-      mode bf16:     dout bfloat16; rhs bfloat16, or codes + rhs_scale dequantized
+      mode f32:      dout float32; rhs float32, or fp8 codes + rhs_scale used as
+                     f32(q) * s.
+      mode bf16:     dout bfloat16; rhs bfloat16, or fp8 codes + rhs_scale dequantized
                      tile by tile inside the kernel (no copy; bit-identical to fake_qat).
-      mode fake_qat: dout bfloat16; rhs codes + rhs_scale via a BF16 copy.
+      mode fake_qat: dout bfloat16; rhs fp8 codes + rhs_scale via a BF16 copy.
+    int8 codes are taken by no mode: dequantize them first (what the int8 scheme's
+    backward does). fp8_dtype applies to fake_qat only (set elsewhere: an error).
     epilogue "dswiglu": h [M, 2K] (the forward's pre-activation) is required and
     the result is dh [M, 2K] (the SwiGLU backward of the product).
     """
+    _not_here("dlhs", {"fp8_dtype": fp8_dtype}, mode in ("fake_qat", "native_fp8"),
+              "to mode fake_qat only")
     return out(_core.dlhs(*arg(dout), *arg(rhs), *opt(rhs_scale), *arg(group_sizes),
-                          *opt(h), mode, fp8_dtype, epilogue or "none", out_dtype,
-                          *_tiles(tiles), reference))
+                          *opt(h), mode, fp8_dtype or "e4m3fn", epilogue or "none",
+                          _out_dtype(out_dtype), *_tiles(tiles), _bool("dlhs: reference", reference)))
 
 
 def tgmm(lhs: Any, dout: Any, group_sizes: Any, mode: Literal["f32", "bf16"] = "bf16", *,
-         dout_quant: Optional[Literal["e5m2", "e4m3fn"]] = None, per_group: bool = True,
-         calibration: str = "absmax", scale_arithmetic: ScaleArithmetic = "exact_divide",
+         dout_quant: Optional[Literal["e5m2", "e4m3fn"]] = None,
+         per_group: Optional[bool] = None, calibration: Optional[str] = None,
+         scale_arithmetic: Optional[ScaleArithmetic] = None,
          tiles: Tiles = None, reference: bool = False) -> np.ndarray:
     """Weight gradient: drhs [E, K, N] float32 = lhs[rows of g]^T x dout[rows of g].
 
     An empty group gives an all-zero slice. lhs float32 (f32) or bfloat16 (bf16), or
     fp8 codes used as their exact values. dout_quant quantizes a float32 dout
     inside the call, one scale per (group, channel) (per_group) or per (m-tile of
-    tiles[0] rows, default 512, channel).
+    tiles[0] rows, default 512, channel). per_group (default True), calibration
+    (default absmax) and scale_arithmetic (default exact_divide) apply only with
+    dout_quant: set without it they are an error.
     """
+    _not_here("tgmm", {"per_group": per_group, "calibration": calibration,
+                       "scale_arithmetic": scale_arithmetic}, dout_quant is not None,
+              "when dout is quantized (dout_quant='e5m2' or 'e4m3fn') only")
     return out(_core.tgmm(*arg(lhs), *arg(dout), *arg(group_sizes), mode,
-                          dout_quant or "none", per_group, calibration, scale_arithmetic,
-                          *_tiles(tiles), reference))
+                          dout_quant or "none",
+                          True if per_group is None else _bool("tgmm: per_group", per_group),
+                          calibration or "absmax", scale_arithmetic or "exact_divide",
+                          *_tiles(tiles), _bool("tgmm: reference", reference)))
 
 
 def moe_config(**flags: Any) -> dict[str, Any]:

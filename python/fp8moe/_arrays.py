@@ -26,8 +26,24 @@ _STORAGE = {dt: np.dtype(f"uint{8 * dt.itemsize}") for dt in ML_DTYPES.values()}
 
 def arg(x: Any) -> tuple[np.ndarray, str]:
     """(array for _core, dtype name). Anything np.asarray accepts is taken; a
-    numpy (or CPU jax) array is used in place."""
-    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    numpy (or CPU jax) array is used in place. A Python list or tuple has no
+    dtype of its own: its floats become float32 and its integers int32, the
+    types the library takes (np.asarray would make float64 and int64, which
+    every function refuses)."""
+    if isinstance(x, (list, tuple)):
+        a = np.asarray(x)
+        if a.dtype == np.float64:
+            a = a.astype(np.float32)
+        elif a.dtype == np.int64:
+            a = a.astype(np.int32)
+    else:
+        a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if a.dtype.kind in "OUSVMm" and a.dtype not in _STORAGE:  # objects, strings, records, dates
+        raise ValueError(f"an array of dtype {a.dtype} is not numeric data; give float32, "
+                         "bfloat16, float8_*, int8 or int32 arrays")
+    if not a.dtype.isnative:
+        raise ValueError(f"an array of non-native byte order ({a.dtype.str}) cannot be read in place; "
+                         "convert it with x.astype(x.dtype.newbyteorder('='))")
     storage = _STORAGE.get(a.dtype)
     if storage is not None:
         return a.view(storage), a.dtype.name

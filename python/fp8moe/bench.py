@@ -183,7 +183,8 @@ def bench_ffi(reps, calls):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fp8moe.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fp8moe.bench",
+                                description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--shape", action="append", default=[],
                    help="substring of a shape name (repeatable); default: all")
     p.add_argument("--reps", type=int, default=3, help="runs per measurement (best kept)")

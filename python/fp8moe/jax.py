@@ -58,7 +58,30 @@ def _tile_attrs(tiles: Optional[Sequence[Optional[int]]]) -> dict[str, Any]:
     t = (None, None, None) if tiles is None else tuple(tiles)
     if len(t) != 3:
         raise ValueError(f"tiles must be (m, k, n) with None for the per-shape default; got {tiles!r}")
+    for d, v in zip("mkn", t):
+        # np.int64(2.5) would truncate to 2 without a word.
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                              or not 1 <= int(v) <= 1 << 20):
+            raise ValueError(f"tile {d} must be None or an integer in [1, 2^20]; got {v!r}")
     return {f"tile_{d}": np.int64(-1 if v is None else v) for d, v in zip("mkn", t)}
+
+
+_QUANT_DTYPES = ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "int8")
+
+
+def _group_sizes(gs):
+    """int32 group sizes from an array or a list; int64 (what jnp makes of Python
+    ints with jax_enable_x64) is narrowed: a group size counts rows."""
+    gs = jnp.asarray(gs)
+    return gs.astype(jnp.int32) if gs.dtype == jnp.int64 else gs
+
+
+def _not_here(fn: str, given: dict[str, Any], applies: bool, where: str) -> None:
+    """A keyword that would be ignored (it applies only `where`) is an error,
+    as in the numpy API and `fp8moe op`."""
+    for key, value in given.items():
+        if value is not None and not applies:
+            raise ValueError(f"{fn}: {key} applies {where}; drop {key}={value!r}")
 
 
 def _call(target: str, results, *args, **attrs):
@@ -73,6 +96,10 @@ def quantize(x, dtype: str = "e4m3fn", granularity: str = "channel", *, block_si
     'row' [R, C] -> scale [R, blocks], 'channel' [E, K, N] -> [E, N], 'tensor'
     -> [1]). No gradient."""
     x = jnp.asarray(x)
+    if dtype not in _QUANT_DTYPES:
+        raise ValueError(f"quantize: dtype {dtype!r}; expected one of {', '.join(_QUANT_DTYPES)}")
+    if x.dtype != jnp.float32:
+        raise ValueError(f"quantize: x has dtype {x.dtype}; expected float32 (x.astype(jnp.float32))")
     if granularity == "row":
         _check_rank("quantize", "x", x, 2, "[R, C]")
         blocks = 1 if block_size <= 0 else -(-x.shape[1] // block_size)
@@ -92,8 +119,12 @@ def quantize(x, dtype: str = "e4m3fn", granularity: str = "channel", *, block_si
 
 
 def dlhs(dout, rhs, group_sizes, mode: str = "bf16", *, rhs_scale=None,
-         fp8_dtype: str = "e4m3fn", out_dtype=None, tiles=None):
-    """dlhs [M, K] = dout [M, N] x rhs[g]^T per group (fp8moe.dlhs). No gradient."""
+         fp8_dtype: Optional[str] = None, out_dtype=None, tiles=None):
+    """dlhs [M, K] = dout [M, N] x rhs[g]^T per group (fp8moe.dlhs). No gradient.
+    fp8_dtype (default e4m3fn) applies to mode fake_qat only."""
+    _not_here("dlhs", {"fp8_dtype": fp8_dtype}, mode == "fake_qat", "to mode fake_qat only")
+    fp8_dtype = fp8_dtype or "e4m3fn"
+    dout, rhs, group_sizes = jnp.asarray(dout), jnp.asarray(rhs), _group_sizes(group_sizes)
     _check_rank("dlhs", "dout", dout, 2, "[M, N]")
     _check_rank("dlhs", "rhs", rhs, 3, "[E, K, N]")
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(dout))
@@ -105,9 +136,17 @@ def dlhs(dout, rhs, group_sizes, mode: str = "bf16", *, rhs_scale=None,
 
 
 def tgmm(lhs, dout, group_sizes, mode: str = "bf16", *, dout_quant: Optional[str] = None,
-         per_group: bool = True, calibration: str = "absmax",
-         scale_arithmetic: str = "exact_divide", tiles=None):
-    """drhs [E, K, N] float32 = lhs[g]^T x dout[g] per group (fp8moe.tgmm). No gradient."""
+         per_group: Optional[bool] = None, calibration: Optional[str] = None,
+         scale_arithmetic: Optional[str] = None, tiles=None):
+    """drhs [E, K, N] float32 = lhs[g]^T x dout[g] per group (fp8moe.tgmm). No gradient.
+    per_group (default True), calibration (absmax) and scale_arithmetic
+    (exact_divide) apply only with dout_quant."""
+    _not_here("tgmm", {"per_group": per_group, "calibration": calibration,
+                       "scale_arithmetic": scale_arithmetic}, dout_quant is not None,
+              "when dout is quantized (dout_quant='e5m2' or 'e4m3fn') only")
+    per_group = True if per_group is None else per_group
+    calibration, scale_arithmetic = calibration or "absmax", scale_arithmetic or "exact_divide"
+    lhs, dout, group_sizes = jnp.asarray(lhs), jnp.asarray(dout), _group_sizes(group_sizes)
     _check_rank("tgmm", "lhs", lhs, 2, "[M, K]")
     _check_rank("tgmm", "dout", dout, 2, "[M, N]")
     _check_rank("tgmm", "group_sizes", group_sizes, 1, "[E]")
@@ -195,7 +234,8 @@ def _gmm_bwd(o, res, dout):
         dl = dlhs(g, w, group_sizes, "bf16", out_dtype=lhs.dtype, tiles=o.tiles)
     else:
         dmode = "bf16" if o.mode == "native_fp8" else "fake_qat"
-        dl = dlhs(g, q, group_sizes, dmode, rhs_scale=s, fp8_dtype=o.fp8_dtype,
+        dl = dlhs(g, q, group_sizes, dmode, rhs_scale=s,
+                  fp8_dtype=o.fp8_dtype if dmode == "fake_qat" else None,
                   out_dtype=lhs.dtype, tiles=o.tiles)
     if o.codes_given:
         return dl, None, None, None
@@ -210,9 +250,9 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm(lhs, rhs, group_sizes, mode: str = "bf16", *, rhs_scale=None,
-        fp8_dtype: str = "e4m3fn", lhs_quant_block_size: int = 0,
-        lhs_calibration: str = "absmax", weight_calibration: str = "absmax",
-        scale_arithmetic: str = "exact_divide", out_dtype=None,
+        fp8_dtype: Optional[str] = None, lhs_quant_block_size: int = 0,
+        lhs_calibration: Optional[str] = None, weight_calibration: Optional[str] = None,
+        scale_arithmetic: Optional[str] = None, out_dtype=None,
         tiles: Optional[Sequence[Optional[int]]] = None):
     """Grouped matmul out [M, N] = lhs [M, K] x rhs [E, K, N] per group, differentiable.
 
@@ -233,14 +273,38 @@ def gmm(lhs, rhs, group_sizes, mode: str = "bf16", *, rhs_scale=None,
     Gradients: f32/bf16: dLHS and TGMM in the same mode. Quantized modes: dLHS in
     bf16 from the codes (native_fp8 dequantizes them inside the kernel), TGMM in
     bf16, and the weight gradient passed straight through the quantizer to the
-    float rhs (zeroed where |w| exceeds a fixed calibration's range). With
-    rhs_scale given, rhs holds codes and gets no gradient.
+    float rhs (zeroed where |w| exceeds a fixed calibration's range). The lhs
+    gradient is plain straight-through in every mode: with a fixed
+    lhs_calibration it is not zeroed where lhs was clipped (as in the MoE
+    layer's backward). With rhs_scale given, rhs holds codes and gets no
+    gradient, nor does rhs_scale.
+
+    Options that a mode would ignore are errors: fp8_dtype (default e4m3fn)
+    applies to fake_qat and native_fp8; lhs_calibration (absmax) to native_fp8
+    and int8; weight_calibration (absmax) where rhs is a float weight quantized
+    here; scale_arithmetic (exact_divide) to the quantized modes.
     """
-    _check_rank("gmm", "lhs", lhs, 2, "[M, K]")
-    _check_rank("gmm", "rhs", rhs, 3, "[E, K, N]")
     if mode not in _FLOAT_MODES + _QUANT_MODES:
         raise ValueError(f"gmm: unknown mode {mode!r}; expected one of "
                          f"{', '.join(_FLOAT_MODES + _QUANT_MODES)}")
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), _group_sizes(group_sizes)
+    quant = mode in _QUANT_MODES
+    _not_here("gmm", {"fp8_dtype": fp8_dtype}, mode in ("fake_qat", "native_fp8"),
+              "to modes fake_qat and native_fp8 only")
+    _not_here("gmm", {"lhs_calibration": lhs_calibration}, mode in ("native_fp8", "int8"),
+              "where lhs is quantized inside the call (modes native_fp8 and int8) only")
+    _not_here("gmm", {"weight_calibration": weight_calibration}, quant and rhs_scale is None,
+              "where rhs is a float weight quantized here (a quantized mode, no rhs_scale) only")
+    _not_here("gmm", {"scale_arithmetic": scale_arithmetic},
+              quant and (rhs_scale is None or mode != "fake_qat"),
+              "where something is quantized here (a quantized mode; fake_qat only without "
+              "rhs_scale) only")
+    fp8_dtype = fp8_dtype or "e4m3fn"
+    lhs_calibration = lhs_calibration or "absmax"
+    weight_calibration = weight_calibration or "absmax"
+    scale_arithmetic = scale_arithmetic or "exact_divide"
+    _check_rank("gmm", "lhs", lhs, 2, "[M, K]")
+    _check_rank("gmm", "rhs", rhs, 3, "[E, K, N]")
     if rhs_scale is not None and mode in _FLOAT_MODES:
         raise ValueError(f"gmm: rhs_scale was given but mode {mode} takes float rhs values")
     o = _GmmOptions(mode, fp8_dtype, int(lhs_quant_block_size), lhs_calibration,

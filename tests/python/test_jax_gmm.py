@@ -7,6 +7,7 @@ results agree within RTOL * sum|a*b| (f32 accumulation in another order), plus
 the output's own rounding for bf16 outputs. Quantized modes are compared with
 ragged_dot on the dequantized operands (the weight fake-quantized with a
 straight-through estimator, in jnp), which is what the modes define."""
+import os
 import subprocess
 import sys
 
@@ -293,3 +294,47 @@ def test_fixed_weight_calibration_masks_the_ste_gradient():
     assert outside.any() and (~outside).any()
     assert (dr["fixed,-0.05,0.05"][outside] == 0).all()
     assert np.array_equal(dr["fixed,-0.05,0.05"][~outside], dr["absmax"][~outside])
+
+
+def test_jax_options_and_arguments_give_clear_answers():
+    """What a new user tried: each passed silently, truncated, or raised a
+    message that named neither the argument nor the fix."""
+    rng = np.random.default_rng()
+    lhs = jnp.asarray(data(rng, (4, 8)))
+    w = jnp.asarray(data(rng, (2, 8, 3)))
+    gs = jnp.array([1, 3], jnp.int32)
+    with pytest.raises(ValueError, match="quantize: dtype 'bf16'"):
+        fj.quantize(w, "bf16")
+    with pytest.raises(ValueError, match="quantize: x has dtype bfloat16"):
+        fj.quantize(w.astype(BF16))
+    with pytest.raises(ValueError, match="weight_calibration applies where"):
+        fj.gmm(lhs, w, gs, "f32", weight_calibration="fixed,-1,1")
+    with pytest.raises(ValueError, match="fp8_dtype applies to modes fake_qat"):
+        fj.gmm(lhs, w, gs, "int8", fp8_dtype="e4m3fnuz")
+    with pytest.raises(ValueError, match="lhs_calibration applies where"):
+        fj.gmm(lhs.astype(BF16), w, gs, "fake_qat", lhs_calibration="fixed,-1,1")
+    with pytest.raises(ValueError, match="tile m must be None or an integer"):
+        fj.gmm(lhs, w, gs, "f32", tiles=(2.5, None, None))
+    with pytest.raises(ValueError, match="applies when dout is quantized"):
+        fj.tgmm(lhs, jnp.ones((4, 3)), gs, "f32", calibration="fixed,-1,1")
+    # Group sizes as a list, and the defaults left out, give the same bits.
+    a = fj.gmm(lhs, w, [1, 3], "native_fp8")
+    b = fj.gmm(lhs, w, gs, "native_fp8", fp8_dtype="e4m3fn", lhs_calibration="absmax",
+               weight_calibration="absmax", scale_arithmetic="exact_divide")
+    assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def test_group_sizes_from_python_ints_under_x64():
+    code = ("import jax, jax.numpy as jnp, numpy as np\n"
+            "import fp8moe.jax as fj\n"
+            "gs = jnp.array([2, 3])\n"
+            "assert gs.dtype == jnp.int64\n"
+            "out = fj.gmm(jnp.ones((5, 4), jnp.float32), jnp.ones((2, 4, 3), jnp.float32), gs, 'f32')\n"
+            "g = jax.grad(lambda l: fj.gmm(l, jnp.ones((2, 4, 3), jnp.float32), gs, 'f32').sum())(\n"
+            "    jnp.ones((5, 4), jnp.float32))\n"
+            "print(float(out.sum()), float(g.sum()))\n")
+    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["60.0", "60.0"], p.stdout
