@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import random
-import resource
 import signal
 import struct
 import subprocess
@@ -24,8 +23,9 @@ TINY = ["base_emb_dim=16", "base_num_decoder_layers=2", "base_num_query_heads=2"
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def train(fp8moe_bin, out, name, *flags, timeout=120, **kw):
-    cmd = [fp8moe_bin, "train", f"base_output_directory={out}", f"run_name={name}", *TINY, *flags]
+def train(fp8moe_bin, out, name, *flags, timeout=120, prefix=(), **kw):
+    cmd = [*prefix, fp8moe_bin, "train", f"base_output_directory={out}", f"run_name={name}",
+           *TINY, *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, **kw)
 
 
@@ -91,11 +91,10 @@ def test_full_disk_while_saving_is_a_clear_error_and_keeps_the_last_checkpoint(f
     # A file-size limit below one checkpoint: the next save fails with EFBIG.
     limit = size // 2
 
-    def cap():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
+    # prlimit (util-linux), not preexec_fn: pytest has JAX's threads, and a
+    # fork that runs Python code before exec can deadlock.
     p = train(fp8moe_bin, tmp_path, "disk", "steps=8", "checkpoint_period=4", "eval_interval=0",
-              preexec_fn=cap)
+              prefix=["prlimit", f"--fsize={limit}"])
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "cannot save the checkpoint of step 8" in p.stderr, p.stderr
     assert "step_00000004.safetensors' (intact)" in p.stderr, p.stderr
