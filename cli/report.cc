@@ -177,7 +177,8 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
     }
   }
   std::ostringstream gp;
-  gp << "set terminal png size 1600,1100 noenhanced\nset output " << Quote(out) << "\n"
+  // pngcairo: the libgd png terminal draws every dash type solid.
+  gp << "set terminal pngcairo size 1600,1100 noenhanced\nset output " << Quote(out) << "\n"
      << "set multiplot layout 2,2 title " << Quote("fp8moe report: " + runs[0].name +
                                                     (runs.size() > 1 ? " and " + std::to_string(runs.size() - 1) + " more" : ""))
      << "\nset grid\nset key top right font ',9'\nset xlabel 'step'\n"
