@@ -88,6 +88,12 @@ double AggregateMemcpyGBs(Communicator& comm, size_t bytes, int reps, Status* er
 }  // namespace
 
 int BenchComm(const BenchOptions& opt) {
+  if (opt.min_payload > opt.max_payload) {
+    std::fprintf(stderr, "error: --min-payload %lld is above --max-payload %lld: no payload to "
+                 "measure; give a range (each row x4 from the smallest)\n",
+                 static_cast<long long>(opt.min_payload), static_cast<long long>(opt.max_payload));
+    return 2;
+  }
   auto world = cli::StartWorld();
   if (!world.ok()) {
     std::fprintf(stderr, "error: %s\n", world.status().ToString().c_str());
@@ -184,7 +190,8 @@ int BenchComm(const BenchOptions& opt) {
   }
   t.notes.insert(t.notes.end(), {
       "payload: the gathered output (all-gather) or each rank's input (reduce-scatter), N "
-      "bytes; every rank sends (P-1)/P*N (sent/rank; ring: counted, matches).",
+      "bytes, rounded down to whole f32 blocks of P ranks (4 P bytes; at least one "
+      "element per rank); every rank sends (P-1)/P*N (sent/rank; ring: counted, matches).",
       "floor: (2 (P-1) N bytes of copies, +3 (P-1) N for the reduce-scatter's adds) / "
       "memcpy GB/s, the rate (read + write) of all " + std::to_string(p) +
           " ranks copying sent/rank bytes at once, measured on each row of this run.",

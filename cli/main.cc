@@ -29,7 +29,9 @@ int Info() {
   std::printf("threads: %d (OpenMP; set OMP_NUM_THREADS to change)\n",
               omp_get_max_threads());
   std::printf("mpi: %s\n", fp8moe::cli::MpiInfo().c_str());
-  std::printf("memory cap: %s, from %s\n", fp8moe::FormatBytes(fp8moe::MemoryCap()).c_str(),
+  const uint64_t cap = fp8moe::MemoryCap();
+  std::printf("memory cap: %s, from %s\n",
+              cap == 0 ? "none" : fp8moe::FormatBytes(cap).c_str(),
               fp8moe::MemoryCapSource().c_str());
   return 0;
 }
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string(fp8moe::kVersion));
 
-  auto* info = app.add_subcommand("info", "version, SIMD target, threads");
+  auto* info = app.add_subcommand("info", "version, SIMD target, threads, MPI and the memory cap");
 
   fp8moe::bench::BenchOptions bopt;
   bopt.threads = omp_get_max_threads();

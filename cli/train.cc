@@ -61,7 +61,24 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
     std::fprintf(stderr, "error: %s\n", world.status().message().c_str());
     return 2;
   }
-  auto comm_or = (*world)->Open(CommOptions{});
+  // How long a rank waits in one collective before it decides a peer died or
+  // hangs and ends the job: FP8MOE_COMM_TIMEOUT seconds (0: no limit), else
+  // CommOptions' 600 s. Read before the config (the ranks compare configs
+  // over the communicator); under mpirun on several machines pass it with
+  // -x FP8MOE_COMM_TIMEOUT.
+  CommOptions comm_options;
+  if (const char* t = std::getenv("FP8MOE_COMM_TIMEOUT"); t != nullptr && *t != '\0') {
+    char* end = nullptr;
+    const double v = std::strtod(t, &end);
+    if (end == t || *end != '\0' || !(v >= 0) || v > 1e9) {
+      std::fprintf(stderr, "error: FP8MOE_COMM_TIMEOUT='%s' is not a number of seconds in "
+                   "[0, 1e9] (0: no limit); unset it for the default of %g s\n", t,
+                   comm_options.timeout_seconds);
+      return 2;
+    }
+    comm_options.timeout_seconds = v;
+  }
+  auto comm_or = (*world)->Open(comm_options);
   if (!comm_or.ok()) {
     std::fprintf(stderr, "error: %s\n", comm_or.status().message().c_str());
     return 2;

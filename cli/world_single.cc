@@ -18,7 +18,10 @@ class SingleWorld final : public World {
 }  // namespace
 
 Result<std::unique_ptr<World>> StartWorld() {
-  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_RANK") != nullptr) {
+  // The variables LaunchedByMpi (dist/mpi_communicator.cc) reads, which this
+  // build does not have.
+  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr ||
+      std::getenv("PMI_RANK") != nullptr || std::getenv("PMI_SIZE") != nullptr) {
     return FailedPrecondition(
         "this fp8moe was built without MPI but was started by an MPI launcher; rebuild with "
         "MPI (scripts/setup installs Open MPI) or run it without mpirun");

@@ -26,6 +26,58 @@ std::string RankList(const std::vector<int>& ranks) {
   return s;
 }
 
+constexpr std::string_view kInvalidPrefix = "invalid configuration: ";
+
+// Which flag differs, after the fingerprints did (a collective: every rank
+// calls it). A rank whose flags did not parse takes part with its error as
+// its text; it is named, and it shows its own error. Otherwise the first
+// "key: value" line whose hash is not the same on every rank is named, with
+// this rank's value. "" when the texts cannot be compared line by line.
+Result<std::string> WhatDiffers(Communicator& comm, std::string_view text) {
+  const bool valid = !text.starts_with(kInvalidPrefix);
+  std::vector<std::string_view> lines;
+  for (size_t at = 0; valid && at < text.size();) {
+    size_t end = text.find('\n', at);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view line = text.substr(at, end - at);
+    if (!line.empty() && line[0] != '#') lines.push_back(line);
+    at = end + 1;
+  }
+  const uint64_t head[2] = {valid ? 1u : 0u, lines.size()};
+  const size_t n = static_cast<size_t>(comm.size());
+  std::vector<uint64_t> heads(2 * n);
+  FP8MOE_RETURN_IF_ERROR(comm.AllGather(head, heads.data(), 2, DType::kU64));
+  std::vector<int> invalid;
+  for (size_t r = 0; r < n; ++r) {
+    if (heads[2 * r] == 0) invalid.push_back(static_cast<int>(r));
+  }
+  if (!valid) {
+    return "; this rank's flags are invalid: " + std::string(text.substr(kInvalidPrefix.size()));
+  }
+  if (!invalid.empty()) {
+    return "; " + RankList(invalid) + (invalid.size() == 1 ? " has" : " have") +
+           " flags that are invalid (see " + (invalid.size() == 1 ? "its" : "their") +
+           " message)";
+  }
+  for (size_t r = 1; r < n; ++r) {
+    if (heads[2 * r + 1] != heads[1]) return std::string();
+  }
+  std::vector<uint64_t> mine(lines.size()), all(lines.size() * n);
+  for (size_t i = 0; i < lines.size(); ++i) mine[i] = ConfigFingerprint(lines[i]);
+  FP8MOE_RETURN_IF_ERROR(comm.AllGather(mine.data(), all.data(),
+                                        static_cast<int64_t>(lines.size()), DType::kU64));
+  for (size_t i = 0; i < lines.size(); ++i) {
+    for (size_t r = 1; r < n; ++r) {
+      if (all[r * lines.size() + i] != all[i]) {
+        const std::string_view line = lines[i];
+        return "; the first flag that differs is '" + std::string(line.substr(0, line.find(':'))) +
+               "' (this rank: " + std::string(line) + ")";
+      }
+    }
+  }
+  return std::string();
+}
+
 }  // namespace
 
 uint64_t ConfigFingerprint(std::string_view text) {
@@ -58,7 +110,8 @@ Result<ParallelLayout> CheckDistributedConfig(Communicator& comm,
              (ordered[i].first.size() == 1 ? "has" : "have") + " config fingerprint " +
              Hex(ordered[i].second);
     }
-    msg += ". Start every rank with the same config file and key=value overrides.";
+    FP8MOE_ASSIGN_OR_RETURN(const std::string detail, WhatDiffers(comm, canonical_text));
+    msg += detail + ". Start every rank with the same config file and key=value overrides.";
     return FailedPrecondition(msg);
   }
 
@@ -81,7 +134,7 @@ Result<ParallelLayout> CheckDistributedConfig(Communicator& comm,
     if (n % other != 0) {
       return InvalidArgument(std::string(name) + "=-1 needs " + other_name + "=" +
                              std::to_string(other) + " to divide the " + std::to_string(n) +
-                             " ranks of the job (mpirun -np)");
+                             (n == 1 ? " rank" : " ranks") + " of the job (mpirun -np)");
     }
     return n / other;
   };
@@ -94,8 +147,11 @@ Result<ParallelLayout> CheckDistributedConfig(Communicator& comm,
   // Both are >= 1 here; a factor above n cannot multiply to n (and the
   // product might overflow), so test that first.
   if (fsdp > n || expert > n || fsdp * expert != n) {
+    // The product itself unless it would overflow (each factor is below
+    // 2^63 and the job has at most 2^31 ranks).
+    const bool fits = fsdp <= (int64_t{1} << 31) && expert <= (int64_t{1} << 31);
     const std::string product =
-        fsdp > n || expert > n ? "more than " + std::to_string(n) : std::to_string(fsdp * expert);
+        fits ? std::to_string(fsdp * expert) : "more than " + std::to_string(n);
     return InvalidArgument("ici_fsdp_parallelism=" + std::to_string(fsdp) +
                            " * ici_expert_parallelism=" + std::to_string(expert) + " = " +
                            product + ", but the job has " +

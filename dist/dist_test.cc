@@ -323,6 +323,7 @@ TEST(DistConfig, MismatchesAreErrorsOnEveryRank) {
       {2, 0, 2, false, "ici_fsdp_parallelism=0 is invalid"},
       {2, -1, -1, false, "at most one axis may be -1"},
       {2, int64_t{1} << 40, int64_t{1} << 40, false, "= more than 2, but the job has 2 ranks"},
+      {2, 3, 1, false, "ici_fsdp_parallelism=3 * ici_expert_parallelism=1 = 3, but the job has 2"},
   };
   for (const Case& cs : cases) {
     std::vector<Status> got(cs.ranks);
@@ -335,8 +336,39 @@ TEST(DistConfig, MismatchesAreErrorsOnEveryRank) {
       EXPECT_FALSE(got[r].ok()) << cs.message;
       EXPECT_NE(got[r].message().find(cs.message), std::string::npos)
           << "rank " << r << ": " << got[r].ToString();
-      EXPECT_EQ(got[r].message(), got[0].message());
+      // The same message everywhere but for the rank's own value.
+      const auto common = [](const std::string& m) { return m.substr(0, m.find("(this rank")); };
+      EXPECT_EQ(common(got[r].message()), common(got[0].message()));
     }
+  }
+}
+
+// Which flag differs: named on every rank, each with its own value; a rank
+// whose flags did not parse shows its error, the others name it.
+TEST(DistConfig, TheFlagThatDiffersIsNamed) {
+  std::vector<Status> got(4);
+  RunOk(4, [&](Communicator& c) {
+    const std::string text = "# a comment\nsteps: 20\nlearning_rate: " +
+                             std::string(c.rank() == 2 ? "0.002" : "0.003") + "\ndtype: f32\n";
+    got[c.rank()] = CheckDistributedConfig(c, text, 4, 1).status();
+    return OkStatus();
+  });
+  for (int r = 0; r < 4; ++r) {
+    const std::string want = std::string("the first flag that differs is 'learning_rate' ") +
+                             "(this rank: learning_rate: " + (r == 2 ? "0.002" : "0.003") + ")";
+    EXPECT_NE(got[r].message().find(want), std::string::npos) << got[r].ToString();
+  }
+  RunOk(3, [&](Communicator& c) {
+    const std::string text = c.rank() == 1 ? "invalid configuration: unknown key 'stpes'"
+                                           : "steps: 20\n";
+    got[c.rank()] = CheckDistributedConfig(c, text, 3, 1).status();
+    return OkStatus();
+  });
+  EXPECT_NE(got[1].message().find("this rank's flags are invalid: unknown key 'stpes'"),
+            std::string::npos) << got[1].ToString();
+  for (int r : {0, 2}) {
+    EXPECT_NE(got[r].message().find("rank 1 has flags that are invalid (see its message)"),
+              std::string::npos) << got[r].ToString();
   }
 }
 

@@ -64,8 +64,9 @@ extern "C" void OnTerminate(int) {
 void InstallTerminationReport(int rank, int size) {
   const int n = std::snprintf(
       g_term_message, sizeof(g_term_message),
-      "fp8moe rank %d/%d: terminated by SIGTERM: the launcher is ending the job (another "
-      "rank failed or timed out; see its message)\n",
+      // A leading newline: the line may cut into a progress line ("\r...").
+      "\nfp8moe rank %d/%d: terminated by SIGTERM: the launcher is ending the job (Ctrl-C "
+      "or a signal to mpirun, or another rank failed or timed out: see its message)\n",
       rank, size);
   g_term_length = n > 0 ? static_cast<size_t>(n) : 0;
   struct sigaction sa;

@@ -80,11 +80,12 @@ TEST(MoeWorkspace, ReusedWorkspaceGivesTheBitsOfAFreshOne) {
 TEST(MoeWorkspace, SteadyStateStepAllocatesNothing) {
   LayerInputs in(33, 96, 64, 48, 4);
   Context ctx;
-  for (std::vector<std::string> flags : Modes()) {
-    // fp8_full's quantized-gradient TGMM still allocates its codes inside the
-    // kernel; the Context overload of Tgmm (kernels branch) moves them into
-    // ctx.scratch(). Checked here for every other mode.
-    if (!flags.empty() && flags[0] == "quantization=fp8_full") continue;
+  // Every mode, fp8_full with both gradient quantizations included (its
+  // quantized-gradient TGMM keeps its codes in ctx.scratch()).
+  std::vector<std::vector<std::string>> modes = Modes();
+  modes.push_back({"quantization=fp8_full", "use_qwix_quantization=true",
+                   "moe_bwd_inkernel_quant=true"});
+  for (std::vector<std::string> flags : modes) {
     flags.push_back("num_experts=4");
     SCOPED_TRACE(flags.back() == "" ? "" : flags.size() > 1 ? flags[flags.size() - 2] : "bf16");
     const MoeConfig cfg = MakeConfig(flags);

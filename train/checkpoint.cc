@@ -192,6 +192,10 @@ std::string CheckpointPath(const std::string& dir, int64_t step) {
   return (fs::path(dir) / name).string();
 }
 
+int64_t CheckpointStep(const std::string& path) {
+  return StepOf(fs::path(path).filename().string());
+}
+
 std::optional<std::string> LatestCheckpoint(const std::string& dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
@@ -376,6 +380,7 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
   std::copy(rng.begin(), rng.end(), s.rng.begin());
   FP8MOE_ASSIGN_OR_RETURN(s.data_position, SplitU64(meta("data_position"), "data_position", path));
   s.config_yaml = meta("config");
+  s.checksum = std::strtoull(meta("checksum").c_str(), nullptr, 16);
   for (const CheckpointTensor& t : layout) {
     const SafetensorsEntry* e = reader.Find(t.name);
     if (e == nullptr) {

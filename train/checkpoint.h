@@ -31,6 +31,7 @@ struct TrainState {
   std::vector<uint64_t> data_position;
   int64_t nonfinite_steps = 0;
   std::string config_yaml;  // the run's whole config when it was saved
+  uint64_t checksum = 0;    // the file's checksum (CheckpointChecksum), when loaded
 };
 
 // One setting that differs between a checkpoint's config and a resuming
@@ -54,6 +55,8 @@ std::string CheckpointChecksum(const SafetensorsFile& file);
 
 // <dir>/step_NNNNNNNN.safetensors
 std::string CheckpointPath(const std::string& dir, int64_t step);
+// The step in a CheckpointPath's file name, or -1 for another name.
+int64_t CheckpointStep(const std::string& path);
 
 // The newest checkpoint in `dir` (by step in the name), if any. Removes the
 // temporary files a killed save left behind.

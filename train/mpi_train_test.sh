@@ -24,8 +24,10 @@
 #    plan; a memory cap that refuses the model on one rank lets it train on
 #    RANKS;
 # 6. a layout that does not fit the job, experts that do not divide over
-#    ici_expert_parallelism, flags that differ across ranks, and a save that
-#    fails on rank 0 are errors on every rank, exit 2.
+#    ici_expert_parallelism, flags that differ across ranks, a save that
+#    fails on rank 0, a run directory another job holds, and ranks that see
+#    different checkpoints (or none) are errors on every rank, exit 2; a
+#    rank that hangs ends the job within FP8MOE_COMM_TIMEOUT seconds.
 set -euo pipefail
 ranks=$1 fp8moe=$2 mpiexec=$3
 shift 3
@@ -183,9 +185,14 @@ expect_error "num_experts=3, ici_expert_parallelism=$ranks" \
   "num_experts=3 does not divide over ici_expert_parallelism=$ranks" \
   "$fp8moe" train "${tiny[@]}" run_name=bad ici_expert_parallelism=$ranks num_experts=3
 # Each rank its own learning rate (Open MPI names the rank in the environment).
-expect_error "flags that differ across ranks" "config fingerprint" \
+expect_error "flags that differ across ranks" "config fingerprint.*first flag that differs is 'learning_rate'" \
   bash -c 'exec "$0" train "$@" learning_rate=$((OMPI_COMM_WORLD_RANK + 1))e-3' \
   "$fp8moe" "${tiny[@]}" run_name=bad
+# More token chunks than a rank's B/N x S tokens (fine on one rank): refused
+# before any work, not at the first step.
+expect_error "num_moe_token_chunks past a rank's tokens" \
+  "num_moe_token_chunks=$(( 12 / ranks * 16 + 1 )) exceeds the $(( 12 / ranks * 16 )) tokens" \
+  "$fp8moe" train "${tiny[@]}" run_name=bad num_moe_token_chunks=$(( 12 / ranks * 16 + 1 ))
 # A save that fails on rank 0 part way through the file (an 8 MiB file-size
 # limit on rank 0 alone, the checkpoint is 19 MB; not less, or Open MPI's
 # own 4 MiB shared-memory segment (btl_vader_segment_size) fails to be made
@@ -196,4 +203,51 @@ expect_error "a save that fails on rank 0" "save the checkpoint of step 2" \
   bash -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then trap "" XFSZ; ulimit -f 8192; fi
            exec "$0" train "$@"' "$fp8moe" "${big[@]}" run_name=save_fails
 test -z "$(ls -A "$dir/save_fails/checkpoints")"
+# A run directory that another job holds (here flock(1) holds its lock): refused
+# on every rank, and no rank touches the directory: the temporary file of the
+# other job's save in progress stays (rank 1 of a refused job used to delete it,
+# ending the other job's save).
+mkdir -p "$dir/locked/checkpoints"
+touch "$dir/locked/checkpoints/step_00000004.safetensors.tmp.1.1"
+flock "$dir/locked/train.lock" sleep 120 &
+holder=$!
+sleep 0.5
+expect_error "a run directory another job holds" "run directory '$dir/locked'" \
+  "$fp8moe" train "${tiny[@]}" run_name=locked
+kill "$holder"
+test -e "$dir/locked/checkpoints/step_00000004.safetensors.tmp.1.1"
+# Ranks that see different run directories (each its own working directory,
+# the same relative base_output_directory): rank 0 names the checkpoint, and
+# ranks that read other bits there, or no file, stop on every rank before a
+# step (they used to train from different weights until an MPI error).
+for r in $(seq 0 $((ranks - 1))); do
+  mkdir -p "$dir/wd$r"
+  (cd "$dir/wd$r" && "$fp8moe" train "${tiny[@]}" "${f32[@]}" base_output_directory=runs \
+     run_name=split steps=4 checkpoint_period=4 data_shuffle_seed=$(( r == 0 ? 1 : 2 )) \
+     > /dev/null)
+done
+expect_error "ranks that read different checkpoints" "read different files" \
+  bash -c 'cd "$0/wd$OMPI_COMM_WORLD_RANK" && exec "$1" train "${@:2}"' "$dir" "$fp8moe" \
+  "${tiny[@]}" "${f32[@]}" base_output_directory=runs run_name=split data_shuffle_seed=1
+rm -rf "$dir/wd$((ranks - 1))/runs"
+expect_error "a rank without the checkpoint" "could not resume from\|cannot resume" \
+  bash -c 'cd "$0/wd$OMPI_COMM_WORLD_RANK" && exec "$1" train "${@:2}"' "$dir" "$fp8moe" \
+  "${tiny[@]}" "${f32[@]}" base_output_directory=runs run_name=split data_shuffle_seed=1
+# A rank that hangs (SIGSTOP after 2 s): FP8MOE_COMM_TIMEOUT=2 ends the job
+# within seconds, rank 0 naming the collective (the default waits 600 s).
+start=$(date +%s)
+set +e
+FP8MOE_COMM_TIMEOUT=2 timeout 120 "${mpi[@]}" bash -c \
+  'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then (sleep 2; kill -STOP $$) & fi; exec "$0" train "$@"' \
+  "$fp8moe" "${tiny[@]}" run_name=hang steps=1000000 enable_checkpointing=false \
+  > /dev/null 2> "$dir/err"
+rc=$?
+set -e
+took=$(( $(date +%s) - start ))
+echo "  a rank stopped with FP8MOE_COMM_TIMEOUT=2: exit $rc after ${took} s"
+if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ "$took" -gt 60 ] ||
+   ! grep -q "rank 0/$ranks: .* did not finish within 2 s (a peer rank died or hangs)" "$dir/err"; then
+  cat "$dir/err"
+  exit 1
+fi
 echo "ok"

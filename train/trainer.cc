@@ -79,6 +79,40 @@ Status WriteTextAtomically(const std::string& path, const std::string& text) {
   return OkStatus();
 }
 
+// Every rank read `path` (status `loaded`, its checksum): an error on every
+// rank when one could not read it or the ranks read different files (a run
+// directory that is not one shared filesystem), so that none trains on
+// weights the others do not have.
+Status AgreeOnCheckpoint(Communicator& comm, const std::string& path, const Status& loaded,
+                         uint64_t checksum) {
+  const int n = comm.size();
+  const int64_t mine[2] = {static_cast<int64_t>(loaded.code()),
+                           static_cast<int64_t>(loaded.ok() ? checksum : 0)};
+  std::vector<int64_t> all(2 * static_cast<size_t>(n));
+  FP8MOE_RETURN_IF_ERROR(comm.AllGather(mine, all.data(), 2, DType::kI64));
+  if (!loaded.ok()) return loaded;
+  for (int r = 0; r < n; ++r) {
+    const auto code = static_cast<StatusCode>(all[2 * static_cast<size_t>(r)]);
+    if (code != StatusCode::kOk) {
+      return Status(code, "rank " + std::to_string(r) + " could not resume from '" + path +
+                              "' (see its message)");
+    }
+  }
+  for (int r = 1; r < n; ++r) {
+    if (all[2 * static_cast<size_t>(r) + 1] != all[1]) {
+      char a[17], b[17];
+      std::snprintf(a, sizeof a, "%016llx", static_cast<unsigned long long>(all[1]));
+      std::snprintf(b, sizeof b, "%016llx",
+                    static_cast<unsigned long long>(all[2 * static_cast<size_t>(r) + 1]));
+      return FailedPrecondition("ranks 0 and " + std::to_string(r) + " read different files at '" +
+                                path + "' (checksums " + a + " and " + b +
+                                "); every rank must see the same run directory (one shared "
+                                "filesystem under base_output_directory)");
+    }
+  }
+  return OkStatus();
+}
+
 // metrics.jsonl of a resumed run keeps only the complete lines of steps the
 // checkpoint covers.
 Status TrimMetrics(const std::string& path, int64_t last_step) {
@@ -147,6 +181,19 @@ Status CheckTrainLayout(const TrainConfig& c, const ParallelLayout& layout, int 
                            std::to_string(layout.fsdp) + " x ici_expert_parallelism=" +
                            std::to_string(layout.expert) + "); make it a multiple of " +
                            std::to_string(ranks));
+  }
+  // Each MoE layer call splits a rank's B/N x S tokens into the chunks (it
+  // would refuse the call at the first step, after the run had started).
+  const int64_t tokens = c.model.batch / ranks * c.model.seq_len;
+  if (c.model.moe.num_moe_token_chunks > tokens) {
+    return InvalidArgument("num_moe_token_chunks=" + std::to_string(c.model.moe.num_moe_token_chunks) +
+                           " exceeds the " + std::to_string(tokens) + " tokens each MoE layer call " +
+                           (ranks == 1 ? std::string("has")
+                                       : "has on each of the " + std::to_string(ranks) + " ranks") +
+                           " (per_device_batch_size=" +
+                           std::to_string(c.model.batch) + " / " + std::to_string(ranks) +
+                           " x max_target_length=" + std::to_string(c.model.seq_len) +
+                           "); use at most " + std::to_string(tokens) + " chunks");
   }
   return OkStatus();
 }
@@ -219,17 +266,41 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   // checkpoints. The lock dies with the process, SIGKILL included. Under
   // mpirun the writing rank (0) holds it for the job.
   RunLock lock;
-  if (lead) FP8MOE_RETURN_IF_ERROR(lock.Acquire(run_dir / "train.lock"));
-  // Without checkpointing the run starts at step 0 and rewrites
-  // metrics.jsonl; over a run that has checkpoints that would lose its
-  // history, and a later resume would mix the two runs' metrics.
-  if (!c.enable_checkpointing) {
-    if (auto old = internal::LatestCheckpoint(ckpt_dir.string())) {
-      return FailedPrecondition(
-          "run directory '" + run_dir.string() + "' holds checkpoints (the newest '" + *old +
-          "') but enable_checkpointing=false would train it again from step 0 over its "
-          "metrics; resume it with enable_checkpointing=true, or use another run_name");
+  // Rank 0 takes the lock and then chooses what every rank resumes from, and
+  // tells the others in one all-reduce. No other rank touches the run
+  // directory before that: LatestCheckpoint removes the temporary files of a
+  // killed save, and a refused second job's rank 1 removed the first job's
+  // save in progress. And ranks that list different files (no shared
+  // filesystem) cannot resume from different checkpoints.
+  std::optional<std::string> latest;
+  {
+    Status lead_status;
+    int64_t choice[2] = {std::numeric_limits<int64_t>::min(),
+                         std::numeric_limits<int64_t>::min()};  // {status code, step or -1}
+    if (lead) {
+      lead_status = lock.Acquire(run_dir / "train.lock");
+      std::optional<std::string> newest;
+      if (lead_status.ok()) newest = internal::LatestCheckpoint(ckpt_dir.string());
+      // Without checkpointing the run starts at step 0 and rewrites
+      // metrics.jsonl; over a run that has checkpoints that would lose its
+      // history, and a later resume would mix the two runs' metrics.
+      if (lead_status.ok() && !c.enable_checkpointing && newest) {
+        lead_status = FailedPrecondition(
+            "run directory '" + run_dir.string() + "' holds checkpoints (the newest '" + *newest +
+            "') but enable_checkpointing=false would train it again from step 0 over its "
+            "metrics; resume it with enable_checkpointing=true, or use another run_name");
+      }
+      if (c.enable_checkpointing) latest = newest;
+      choice[0] = static_cast<int64_t>(lead_status.code());
+      choice[1] = latest ? internal::CheckpointStep(*latest) : -1;
     }
+    FP8MOE_RETURN_IF_ERROR(comm->AllReduce(choice, choice, 2, DType::kI64, ReduceOp::kMax));
+    if (!lead_status.ok()) return lead_status;
+    if (choice[0] != 0) {
+      return Status(static_cast<StatusCode>(choice[0]),
+                    "rank 0 refused the run directory '" + run_dir.string() + "' (see its message)");
+    }
+    if (!lead && choice[1] >= 0) latest = internal::CheckpointPath(ckpt_dir.string(), choice[1]);
   }
 
   ContextOptions co;
@@ -251,15 +322,14 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   };
 
   internal::TrainState state;
-  std::optional<std::string> latest;
-  if (c.enable_checkpointing) latest = internal::LatestCheckpoint(ckpt_dir.string());
   if (!latest) {
     FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, to_master));
   } else {
-    FP8MOE_RETURN_IF_ERROR(internal::LoadCheckpoint(
+    const Status loaded = internal::LoadCheckpoint(
         *latest, c, ckpt_layout,
         [&](const internal::CheckpointTensor& t, const float* whole) { fsdp->LoadTensor(t, whole); },
-        &state));
+        &state);
+    FP8MOE_RETURN_IF_ERROR(AgreeOnCheckpoint(*comm, *latest, loaded, state.checksum));
     if (Status st = data->SetPosition(state.data_position); !st.ok()) {
       return DataLoss("checkpoint '" + *latest + "' has a data_position this dataset cannot "
                       "use: " + st.message() + "; resume with the dataset flags it was "
@@ -423,7 +493,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
       return Status(s.code(), "cannot save the checkpoint of step " + std::to_string(step) +
                                   ": " + s.message() + "; the last complete checkpoint is " +
                                   (latest ? "'" + *latest + "' (intact)" : "none") +
-                                  "; free disk space and run again to resume");
+                                  "; fix the cause (a full disk: free space) and run again to "
+                                  "resume");
     }
     if (lead) internal::PruneCheckpoints(ckpt_dir.string(), 2);
     return OkStatus();

@@ -28,8 +28,8 @@ bool IsFloatingDType(DType dtype);
 NonFinite FindNonFinite(const TensorView& t);
 
 // OkStatus, or InvalidArgument naming the tensor, the count and the first
-// one: "tensor 'lhs' (F32 [4, 8]) holds 3 NaN or Inf values; the first is nan
-// at index 9 ([1, 1])".
+// one: "tensor 'lhs' (f32 [4, 8]) holds 3 NaN or Inf values; the first is nan
+// at index 9 [1, 1]".
 Status CheckFinite(std::string_view name, const TensorView& t);
 
 }  // namespace fp8moe

@@ -9,7 +9,8 @@
 // a sum above M are errors.
 //
 // Every function has a twin in namespace fp8moe::reference (plain loops,
-// double accumulation) with the same signature and the same validation.
+// double accumulation) with the signature of the overload without a Context
+// and the same validation.
 //
 // Each runs on a Context (context.h): its backend (the fast CPU kernels, or
 // the reference twins as a backend), its threads and its scratch memory,
@@ -61,7 +62,8 @@ enum class GmmEpilogue : uint8_t {
 
 // Tile sizes of one pass (fwd, dlhs or drhs); unset ones are chosen per
 // shape. m: rows of a work item (drhs: rows reduced per block, which is also
-// the in-kernel quantization tile), k: reduction block (drhs: output rows per
+// the in-kernel quantization tile when set; unset, the block is 256 rows and
+// the quantization tile 512), k: reduction block (drhs: output rows per
 // item), n: columns per item. Any positive size is accepted and gives the
 // same bits as any other: sizes the kernel cannot take exactly are adjusted
 // (docs/kernels.md). 0, negative, an odd k, or a size above kMaxGmmTile are

@@ -4,9 +4,10 @@
 // to the dtypes the expert GMMs are handed (seed 003).
 //
 // Every invalid combination is an error whose message names the flag(s) and
-// the fix; nothing falls back silently. configs/base.yml is
-// MoeConfigSchema() written out with its defaults; docs/config.md explains
-// the modes and the rules.
+// the fix; nothing falls back silently. MoeConfigSchema()'s defaults are the
+// layer's own (bf16, no QAT, 8 experts); configs/base.yml is the trainer's
+// schema, whose MoE flags are these with the trainer's defaults (native FP8
+// QAT, 4 experts). docs/config.md explains the modes and the rules.
 #ifndef FP8MOE_MOE_CONFIG_H_
 #define FP8MOE_MOE_CONFIG_H_
 

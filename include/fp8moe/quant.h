@@ -8,8 +8,9 @@
 // Inf and so reaches only that group; tail rows (past the valid rows of a
 // buffer) are never read, get code 0 and, where they own a scale, scale 0.
 //
-// Every function has a plain-loop twin in namespace fp8moe::reference with
-// the same signature; tests check the two give the same bits.
+// The quantizers (Quantize*) have plain-loop twins in namespace
+// fp8moe::reference with the same signatures; tests check the two give the
+// same bits.
 #ifndef FP8MOE_QUANT_H_
 #define FP8MOE_QUANT_H_
 
@@ -75,7 +76,7 @@ struct Calibration {
     c.arithmetic = a;
     return c;
   }
-  // Parses "absmax" or "fixed,a,b" (a, b finite numbers).
+  // Parses "absmax" or "fixed,a,b" (a, b finite decimal numbers, not both 0).
   static Result<Calibration> Parse(std::string_view text);
   // "absmax" or "fixed,a,b" (without the arithmetic).
   std::string ToString() const;

@@ -244,3 +244,11 @@ def test_bench_train_never_deletes_a_directory_it_did_not_make(fp8moe_bin, tmp_p
         assert (base / "none_bf16" / ".fp8moe_bench_train").exists()
         assert len((base / "int8" / "metrics.jsonl").read_text().splitlines()) == 2
     assert (keep / "step_5.safetensors").read_bytes() == b"x"
+
+
+def test_bench_comm_empty_payload_range_is_an_error(fp8moe_bin):
+    """--min-payload above --max-payload printed an empty table and exited 0."""
+    p = subprocess.run([fp8moe_bin, "bench", "comm", "--min-payload", "262144", "--max-payload",
+                        "65536"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--min-payload 262144 is above --max-payload 65536" in p.stderr, \
+        p.stderr

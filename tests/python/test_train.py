@@ -116,6 +116,8 @@ def test_bad_input_is_a_clear_error_with_exit_code_2(fp8moe_bin, tmp_path):
         ([f"dataset_path={tmp_path}/corpus.txt"], "dataset_type=synthetic does not read it"),
         (["eval_split_fraction=2"], "eval_split_fraction=2 must be between 0 and 1"),
         (["eval_split_fraction=-0.5"], "eval_split_fraction=-0.5 must be between 0 and 1"),
+        # Refused at the first step before, after the run directory was made.
+        (["num_moe_token_chunks=65"], "num_moe_token_chunks=65 exceeds the 64 tokens"),
     ]
     short = tmp_path / "short.txt"
     short.write_text("a few bytes")
