@@ -203,18 +203,18 @@ expect_error "a save that fails on rank 0" "save the checkpoint of step 2" \
   bash -c 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then trap "" XFSZ; ulimit -f 8192; fi
            exec "$0" train "$@"' "$fp8moe" "${big[@]}" run_name=save_fails
 test -z "$(ls -A "$dir/save_fails/checkpoints")"
-# A run directory that another job holds (here flock(1) holds its lock): refused
-# on every rank, and no rank touches the directory: the temporary file of the
-# other job's save in progress stays (rank 1 of a refused job used to delete it,
-# ending the other job's save).
+# A run directory that another job holds (here this script holds its lock, on
+# fd 9: the trainer's own open of the file is another description, so its
+# flock fails): refused on every rank, and no rank touches the directory: the
+# temporary file of the other job's save in progress stays (rank 1 of a
+# refused job used to delete it, ending the other job's save).
 mkdir -p "$dir/locked/checkpoints"
 touch "$dir/locked/checkpoints/step_00000004.safetensors.tmp.1.1"
-flock "$dir/locked/train.lock" sleep 120 &
-holder=$!
-sleep 0.5
+exec 9> "$dir/locked/train.lock"
+flock 9
 expect_error "a run directory another job holds" "run directory '$dir/locked'" \
   "$fp8moe" train "${tiny[@]}" run_name=locked
-kill "$holder"
+exec 9>&-
 test -e "$dir/locked/checkpoints/step_00000004.safetensors.tmp.1.1"
 # Ranks that see different run directories (each its own working directory,
 # the same relative base_output_directory): rank 0 names the checkpoint, and
