@@ -123,18 +123,16 @@ int BenchTrain(const std::vector<std::string>& keys, bool json_out) {
   };
   std::vector<Row> rows;
   std::vector<std::string> dirs;
-  // Every mode's directory is checked before the first run (minutes of
-  // training before a refusal would waste them).
-  for (const Mode& m : Modes()) {
-    std::vector<std::string> flags = base;
-    flags.insert(flags.begin(), "run_name=" + Slug(m.name));
-    auto raw = LoadConfig(TrainConfigSchema(), "", flags);
-    if (!raw.ok()) continue;  // reported by the loop below
-    auto cfg = TrainConfigFrom(*raw);
-    if (!cfg.ok()) continue;
-    if (Status st = CheckBenchRun(fs::path(cfg->base_output_directory) / cfg->run_name); !st.ok()) {
-      std::fprintf(stderr, "error: %s\n", st.message().c_str());
-      return 2;
+  // Every mode's directory, <base_output_directory>/<mode> (CheckKeys
+  // refused run_name), is checked before the first run: minutes of training
+  // before a refusal would waste them. Bad keys are reported by the loop.
+  if (auto raw = LoadConfig(TrainConfigSchema(), "", base); raw.ok()) {
+    const fs::path out = raw->GetString("base_output_directory");
+    for (const Mode& m : Modes()) {
+      if (Status st = CheckBenchRun(out / Slug(m.name)); !st.ok()) {
+        std::fprintf(stderr, "error: %s\n", st.message().c_str());
+        return 2;
+      }
     }
   }
   for (const Mode& m : Modes()) {
