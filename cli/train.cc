@@ -103,7 +103,7 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   // error on every rank, never a hang.
   {
     const std::string text =
-        raw.ok() ? raw->ToYaml() : "invalid configuration: " + raw.status().message();
+        raw.ok() ? raw->ToYaml() : std::string(kInvalidConfigText) + raw.status().message();
     const int64_t fsdp = raw.ok() ? raw->GetInt("ici_fsdp_parallelism") : -1;
     const int64_t expert = raw.ok() ? raw->GetInt("ici_expert_parallelism") : 1;
     layout = CheckDistributedConfig(comm, text, fsdp, expert);

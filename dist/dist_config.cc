@@ -26,15 +26,13 @@ std::string RankList(const std::vector<int>& ranks) {
   return s;
 }
 
-constexpr std::string_view kInvalidPrefix = "invalid configuration: ";
-
 // Which flag differs, after the fingerprints did (a collective: every rank
 // calls it). A rank whose flags did not parse takes part with its error as
 // its text; it is named, and it shows its own error. Otherwise the first
 // "key: value" line whose hash is not the same on every rank is named, with
 // this rank's value. "" when the texts cannot be compared line by line.
 Result<std::string> WhatDiffers(Communicator& comm, std::string_view text) {
-  const bool valid = !text.starts_with(kInvalidPrefix);
+  const bool valid = !text.starts_with(kInvalidConfigText);
   std::vector<std::string_view> lines;
   for (size_t at = 0; valid && at < text.size();) {
     size_t end = text.find('\n', at);
@@ -52,7 +50,8 @@ Result<std::string> WhatDiffers(Communicator& comm, std::string_view text) {
     if (heads[2 * r] == 0) invalid.push_back(static_cast<int>(r));
   }
   if (!valid) {
-    return "; this rank's flags are invalid: " + std::string(text.substr(kInvalidPrefix.size()));
+    return "; this rank's flags are invalid: " +
+           std::string(text.substr(kInvalidConfigText.size()));
   }
   if (!invalid.empty()) {
     return "; " + RankList(invalid) + (invalid.size() == 1 ? " has" : " have") +

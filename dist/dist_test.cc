@@ -359,8 +359,9 @@ TEST(DistConfig, TheFlagThatDiffersIsNamed) {
     EXPECT_NE(got[r].message().find(want), std::string::npos) << got[r].ToString();
   }
   RunOk(3, [&](Communicator& c) {
-    const std::string text = c.rank() == 1 ? "invalid configuration: unknown key 'stpes'"
-                                           : "steps: 20\n";
+    const std::string text = c.rank() == 1
+                                 ? std::string(kInvalidConfigText) + "unknown key 'stpes'"
+                                 : std::string("steps: 20\n");
     got[c.rank()] = CheckDistributedConfig(c, text, 3, 1).status();
     return OkStatus();
   });

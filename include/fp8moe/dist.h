@@ -105,11 +105,17 @@ struct ParallelLayout {
   int expert_index = 0;
 };
 
+// What a rank whose own flags did not parse passes as its canonical text,
+// followed by its error: it still takes part, so the others do not hang.
+inline constexpr std::string_view kInvalidConfigText = "invalid configuration: ";
+
 // Every rank calls this before any work with the canonical text of its
 // configuration and MaxText's ici_fsdp_parallelism / ici_expert_parallelism
-// (either may be -1: "the ranks that are left", as in MaxText). Fails with the
-// same message on every rank when the configurations differ (naming the
-// ranks), or when fsdp * expert != size.
+// (either may be -1: "the ranks that are left", as in MaxText). Fails on every
+// rank when the configurations differ: the message names the ranks of each
+// fingerprint and the first flag that differs, each rank adding its own
+// value (a rank with kInvalidConfigText shows its error, the others name it).
+// Fails with the same message on every rank when fsdp * expert != size.
 Result<ParallelLayout> CheckDistributedConfig(Communicator& comm,
                                               std::string_view canonical_text,
                                               int64_t ici_fsdp_parallelism,
