@@ -27,31 +27,15 @@
 namespace fp8moe::bench {
 namespace {
 
-Tensor New(DType d, Shape s) {
-  auto t = Tensor::Create(d, std::move(s));
-  if (!t.ok()) {
-    std::fprintf(stderr, "error: %s\n", t.status().ToString().c_str());
-    std::exit(1);
-  }
-  return std::move(t).value();
-}
-
-void Check(const Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    std::exit(1);
-  }
-}
-
 Tensor RandomF32(std::mt19937& rng, Shape s, float sd) {
-  Tensor t = New(DType::kF32, std::move(s));
+  Tensor t = MustCreate(DType::kF32, std::move(s));
   std::normal_distribution<float> nd(0.0f, sd);
   for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = nd(rng);
   return t;
 }
 
 Tensor ToBf16(const Tensor& f) {
-  Tensor t = New(DType::kBF16, f.shape());
+  Tensor t = MustCreate(DType::kBF16, f.shape());
   F32ToBf16Span(f.data_as<float>(), t.data_as<uint16_t>(), f.num_elements());
   return t;
 }
@@ -139,7 +123,7 @@ int BenchGmm(const BenchOptions& opt) {
     const std::vector<int32_t> sizes = GroupSizes(s);
     int64_t valid = 0;
     for (int32_t v : sizes) valid += v;
-    Tensor gs = New(DType::kI32, {s.e});
+    Tensor gs = MustCreate(DType::kI32, {s.e});
     std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
     const double flops = 2.0 * static_cast<double>(valid) * s.k * s.n;
 
@@ -164,15 +148,15 @@ int BenchGmm(const BenchOptions& opt) {
     Tensor x16 = ToBf16(x32);
     Tensor w32 = RandomF32(rng, {s.e, s.k, s.n}, 0.03f);
     Tensor w16 = ToBf16(w32);
-    Tensor wq = New(DType::kE4M3FN, {s.e, s.k, s.n}), ws = New(DType::kF32, {s.e, s.n});
-    Check(QuantizeChannels(w32.data_as<float>(), s.e, s.k, s.n, QuantDType::kE4M3FN,
+    Tensor wq = MustCreate(DType::kE4M3FN, {s.e, s.k, s.n}), ws = MustCreate(DType::kF32, {s.e, s.n});
+    MustSucceed(QuantizeChannels(w32.data_as<float>(), s.e, s.k, s.n, QuantDType::kE4M3FN,
                            Calibration::AbsMax(), wq.data_as<uint8_t>(), ws.data_as<float>()));
-    Tensor w8 = New(DType::kI8, {s.e, s.k, s.n}), w8s = New(DType::kF32, {s.e, s.n});
-    Check(QuantizeChannels(w32.data_as<float>(), s.e, s.k, s.n, QuantDType::kInt8,
+    Tensor w8 = MustCreate(DType::kI8, {s.e, s.k, s.n}), w8s = MustCreate(DType::kF32, {s.e, s.n});
+    MustSucceed(QuantizeChannels(w32.data_as<float>(), s.e, s.k, s.n, QuantDType::kInt8,
                            Calibration::AbsMax(), w8.data_as<uint8_t>(), w8s.data_as<float>()));
     const int64_t oc = s.swiglu ? s.n / 2 : s.n;
-    Tensor out = New(DType::kBF16, {s.m, oc});
-    Tensor out32 = New(DType::kF32, {s.m, oc});
+    Tensor out = MustCreate(DType::kBF16, {s.m, oc});
+    Tensor out32 = MustCreate(DType::kF32, {s.m, oc});
     TensorView wsv = ws.view(), w8sv = w8s.view();
 
     auto add = [&](const std::string& pass, const std::string& mode, double weight_bytes,
@@ -204,7 +188,7 @@ int BenchGmm(const BenchOptions& opt) {
       }
       Tensor& o_t = mode == GmmMode::kF32 ? out32 : out;
       add("fwd", std::string(GmmModeName(mode)), bytes, [&] {
-        Check(Gmm(o, lhs.view(), rhs.view(), scale, gs.view(), o_t.view()));
+        MustSucceed(Gmm(o, lhs.view(), rhs.view(), scale, gs.view(), o_t.view()));
       });
     };
     fwd(GmmMode::kF32, x32, w32, nullptr, 4 * (wn + act + outb));
@@ -217,32 +201,32 @@ int BenchGmm(const BenchOptions& opt) {
       // dLHS: dout [M, N] x w^T -> [M, K].
       Tensor d16 = ToBf16(RandomF32(rng, {s.m, s.n}, 1.0f));
       Tensor d32 = RandomF32(rng, {s.m, s.n}, 1.0f);
-      Tensor dl = New(DType::kBF16, {s.m, s.k}), dl32 = New(DType::kF32, {s.m, s.k});
+      Tensor dl = MustCreate(DType::kBF16, {s.m, s.k}), dl32 = MustCreate(DType::kF32, {s.m, s.k});
       GmmOptions o;
       o.mode = GmmMode::kF32;
-      add("dlhs", "f32", 0, [&] { Check(GmmDlhs(o, d32.view(), w32.view(), nullptr, gs.view(), dl32.view())); });
+      add("dlhs", "f32", 0, [&] { MustSucceed(GmmDlhs(o, d32.view(), w32.view(), nullptr, gs.view(), dl32.view())); });
       o.mode = GmmMode::kBf16;
-      add("dlhs", "bf16", 0, [&] { Check(GmmDlhs(o, d16.view(), w16.view(), nullptr, gs.view(), dl.view())); });
-      add("dlhs", "native", 0, [&] { Check(GmmDlhs(o, d16.view(), wq.view(), &wsv, gs.view(), dl.view())); });
+      add("dlhs", "bf16", 0, [&] { MustSucceed(GmmDlhs(o, d16.view(), w16.view(), nullptr, gs.view(), dl.view())); });
+      add("dlhs", "native", 0, [&] { MustSucceed(GmmDlhs(o, d16.view(), wq.view(), &wsv, gs.view(), dl.view())); });
       o.mode = GmmMode::kFakeQat;
-      add("dlhs", "fake_qat", 0, [&] { Check(GmmDlhs(o, d16.view(), wq.view(), &wsv, gs.view(), dl.view())); });
+      add("dlhs", "fake_qat", 0, [&] { MustSucceed(GmmDlhs(o, d16.view(), wq.view(), &wsv, gs.view(), dl.view())); });
       // TGMM: x^T [K, M] x dout [M, N] -> [E, K, N].
-      Tensor dw = New(DType::kF32, {s.e, s.k, s.n});
-      Tensor xq = New(DType::kE4M3FN, {s.m, s.k});
+      Tensor dw = MustCreate(DType::kF32, {s.e, s.k, s.n});
+      Tensor xq = MustCreate(DType::kE4M3FN, {s.m, s.k});
       std::vector<float> xs(static_cast<size_t>(s.m));
-      Check(QuantizeRows(x32.data_as<float>(), s.m, s.k, s.m, 0, QuantDType::kE4M3FN,
+      MustSucceed(QuantizeRows(x32.data_as<float>(), s.m, s.k, s.m, 0, QuantDType::kE4M3FN,
                          Calibration::AbsMax(), xq.data_as<uint8_t>(), xs.data()));
       GmmOptions t;
       t.mode = GmmMode::kF32;
-      add("tgmm", "f32", 0, [&] { Check(Tgmm(t, {}, x32.view(), d32.view(), gs.view(), dw.view())); });
+      add("tgmm", "f32", 0, [&] { MustSucceed(Tgmm(t, {}, x32.view(), d32.view(), gs.view(), dw.view())); });
       t.mode = GmmMode::kBf16;
-      add("tgmm", "bf16", 0, [&] { Check(Tgmm(t, {}, x16.view(), d16.view(), gs.view(), dw.view())); });
+      add("tgmm", "bf16", 0, [&] { MustSucceed(Tgmm(t, {}, x16.view(), d16.view(), gs.view(), dw.view())); });
       t.mode = GmmMode::kF32;
       TgmmQuant q;
       q.dout_dtype = QuantDType::kE5M2;
-      add("tgmm", "fp8_full", 0, [&] { Check(Tgmm(t, q, xq.view(), d32.view(), gs.view(), dw.view())); });
+      add("tgmm", "fp8_full", 0, [&] { MustSucceed(Tgmm(t, q, xq.view(), d32.view(), gs.view(), dw.view())); });
       q.per_group = false;
-      add("tgmm", "fp8_inkern", 0, [&] { Check(Tgmm(t, q, xq.view(), d32.view(), gs.view(), dw.view())); });
+      add("tgmm", "fp8_inkern", 0, [&] { MustSucceed(Tgmm(t, q, xq.view(), d32.view(), gs.view(), dw.view())); });
     }
   }
 

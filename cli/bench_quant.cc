@@ -32,15 +32,6 @@ struct Case {
   std::function<void()> run;
 };
 
-Tensor MustCreate(DType d, Shape s) {
-  auto t = Tensor::Create(d, std::move(s));
-  if (!t.ok()) {
-    std::fprintf(stderr, "error: %s\n", t.status().ToString().c_str());
-    std::exit(1);
-  }
-  return std::move(t).value();
-}
-
 }  // namespace
 
 int BenchQuant(const BenchOptions& opt) {

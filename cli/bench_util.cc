@@ -13,6 +13,19 @@
 
 namespace fp8moe::bench {
 
+Tensor MustCreate(DType dtype, Shape shape) {
+  auto t = Tensor::Create(dtype, std::move(shape));
+  MustSucceed(t.status());
+  return std::move(t).value();
+}
+
+void MustSucceed(const Status& status) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "error: %s\n", status.ToString().c_str());
+    std::exit(1);
+  }
+}
+
 double NowSeconds() {
   return std::chrono::duration<double>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -43,8 +56,8 @@ size_t PassesFor(size_t bytes) {
 double MemcpyGBs(size_t bytes, int threads, int reps) {
   // Buffers from the same allocator as the kernels' tensors (2 MiB aligned,
   // huge pages), so the ceiling and the kernels see the same memory system.
-  Tensor src_t = std::move(Tensor::Create(DType::kU8, {static_cast<int64_t>(bytes)})).value();
-  Tensor dst_t = std::move(Tensor::Create(DType::kU8, {static_cast<int64_t>(bytes)})).value();
+  Tensor src_t = MustCreate(DType::kU8, {static_cast<int64_t>(bytes)});
+  Tensor dst_t = MustCreate(DType::kU8, {static_cast<int64_t>(bytes)});
   char* src = src_t.data_as<char>();
   char* dst = dst_t.data_as<char>();
   std::memset(src, 1, bytes);
@@ -89,7 +102,7 @@ uint64_t ReadPass(const uint64_t* src, size_t b, size_t e) {
 }  // namespace
 
 double ReadGBs(size_t bytes, int threads, int reps) {
-  Tensor src_t = std::move(Tensor::Create(DType::kU8, {static_cast<int64_t>(bytes)})).value();
+  Tensor src_t = MustCreate(DType::kU8, {static_cast<int64_t>(bytes)});
   uint64_t* src = src_t.data_as<uint64_t>();
   std::memset(src, 1, bytes);
   const size_t words = bytes / 8;

@@ -16,10 +16,17 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/machine_peaks.h"
+#include "fp8moe/tensor.h"
 
 namespace fp8moe::bench {
 
 double NowSeconds();
+
+// A new tensor, or (after printing the refusal, e.g. the memory cap's) exit
+// status 1: a bench cannot go on without its buffers.
+Tensor MustCreate(DType dtype, Shape shape);
+// Exits with status 1, printing the error, unless `status` is ok.
+void MustSucceed(const Status& status);
 
 // Runs fn once to warm up, then `reps` times; returns the fastest time in
 // seconds (the least disturbed by other work on a shared machine).

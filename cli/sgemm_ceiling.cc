@@ -33,7 +33,7 @@ constexpr int64_t kMaxSide = int64_t{1} << 20;
 // not depend on the values as long as they are normal, and hashing is much
 // faster than drawing normals for the large shapes.
 Tensor Filled(int64_t rows, int64_t cols, uint32_t salt) {
-  Tensor t = std::move(Tensor::Create(DType::kF32, {rows, cols})).value();
+  Tensor t = MustCreate(DType::kF32, {rows, cols});
   float* p = t.data_as<float>();
   for (size_t i = 0; i < t.num_elements(); ++i) {
     const uint32_t h = (static_cast<uint32_t>(i) + salt) * 2654435761u;
@@ -47,7 +47,7 @@ std::vector<double> RunSgemmHere(const std::vector<SgemmShape>& shapes, int thre
   std::vector<double> seconds;
   for (const SgemmShape& s : shapes) {
     Tensor a = Filled(s.m, s.k, 1), b = Filled(s.k, s.n, 2);
-    Tensor c = std::move(Tensor::Create(DType::kF32, {s.m, s.n})).value();
+    Tensor c = MustCreate(DType::kF32, {s.m, s.n});
     const int m = static_cast<int>(s.m), k = static_cast<int>(s.k), n = static_cast<int>(s.n);
     seconds.push_back(BestSeconds(reps, [&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a.data_as<float>(), k,

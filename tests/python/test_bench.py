@@ -182,6 +182,54 @@ def test_quant_and_moe_carry_ceilings(fp8moe_bin):
         row["gflops"] / j["ceilings"]["peaks"]["f32_fma"]["gops"], rel=1e-9)
 
 
+def test_moe_interleaves_rounds_and_ratios_native_to_fake(fp8moe_bin):
+    """Every mode runs once per round (the trainer's steady-state step), and
+    the native / fake_qat ratios are the numbers they claim to be."""
+    # --shape "a" picks fake_qat, native fwd, native fwd+dlhs, fp8 (hand-crafted), nanoo_fp8.
+    j, err = run_bench(fp8moe_bin, "moe", "--tokens", "64", "--shape", "a", "--reps", "3",
+                       "--threads", "1")
+    rows = {r["mode"]: r for r in j["rows"]}
+    assert set(rows) == {"fake_qat", "native fwd", "native fwd+dlhs", "fp8 (hand-crafted)",
+                         "nanoo_fp8"}, rows
+    fake = rows["fake_qat"]
+    for r in rows.values():
+        assert len(r["step_seconds_per_round"]) == 3, r
+        # Best forward and best backward may come from different rounds.
+        assert r["fwd_seconds"] + r["bwd_seconds"] <= min(r["step_seconds_per_round"]) * (1 + 1e-9)
+        assert r["peak_bytes"] > 0, r
+    for name in ("native fwd", "native fwd+dlhs"):
+        r = rows[name]
+        best = (r["fwd_seconds"] + r["bwd_seconds"]) / (fake["fwd_seconds"] + fake["bwd_seconds"])
+        assert r["step_ratio_to_fake_qat"] == pytest.approx(best, rel=1e-9)
+        per_round = sorted(a / b for a, b in zip(r["step_seconds_per_round"],
+                                                 fake["step_seconds_per_round"]))
+        assert r["step_ratio_to_fake_qat_median_round"] == pytest.approx(per_round[1], rel=1e-9)
+    for name in ("fp8 (hand-crafted)", "nanoo_fp8", "fake_qat"):
+        assert "step_ratio_to_fake_qat" not in rows[name]
+    # Without fake_qat in the run there is no ratio (it printed "inf" before).
+    p = subprocess.run([fp8moe_bin, "bench", "moe", "--tokens", "64", "--shape", "native",
+                        "--reps", "1", "--threads", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "inf" not in p.stdout and "fake_qat step time" not in p.stdout, p.stdout
+    assert "native fwd+dlhs" in p.stdout
+
+
+def test_moe_refuses_what_does_not_fit_with_a_message(fp8moe_bin):
+    """A refused allocation aborted bench moe (a .value() on the cap's
+    refusal); modes that together outgrow the cap are refused up front."""
+    env = dict(os.environ, FP8MOE_MEMORY_CAP="1G")
+    p = subprocess.run([fp8moe_bin, "bench", "moe", "--tokens", "1048576", "--reps", "1",
+                        "--threads", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "resource exhausted" in p.stderr and "FP8MOE_MEMORY_CAP" in p.stderr, p.stderr
+    env["FP8MOE_MEMORY_CAP"] = "2G"
+    p = subprocess.run([fp8moe_bin, "bench", "moe", "--tokens", "4096", "--reps", "1",
+                        "--threads", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "keeps every mode's buffers" in p.stderr and "--shape" in p.stderr, p.stderr
+
+
 def test_bench_sgemm_and_bad_sizes(fp8moe_bin):
     j, _ = run_bench(fp8moe_bin, "sgemm", "--sizes", "64x128x256,32x32x32", "--reps", "1",
                      "--threads", "1")
