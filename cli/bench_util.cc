@@ -43,6 +43,19 @@ double BestSeconds(int reps, const std::function<void()>& fn) {
   return best;
 }
 
+std::vector<double> BestSecondsInterleaved(int reps, const std::vector<std::function<void()>>& fns) {
+  for (const auto& fn : fns) fn();
+  std::vector<double> best(fns.size(), 1e30);
+  for (int r = 0; r < reps; ++r) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const double t0 = NowSeconds();
+      fns[i]();
+      best[i] = std::min(best[i], NowSeconds() - t0);
+    }
+  }
+  return best;
+}
+
 namespace {
 
 // Passes over a buffer per timed run: small buffers are gone over until a

@@ -32,6 +32,12 @@ void MustSucceed(const Status& status);
 // seconds (the least disturbed by other work on a shared machine).
 double BestSeconds(int reps, const std::function<void()>& fn);
 
+// The same for several functions timed in rounds: each once to warm up, then
+// `reps` rounds running every function once; the fastest time of each. A load
+// that comes and goes on a shared machine then falls on all of them alike,
+// which keeps their ratios honest.
+std::vector<double> BestSecondsInterleaved(int reps, const std::vector<std::function<void()>>& fns);
+
 // memcpy of a `bytes` buffer split over `threads` threads; GB/s counting
 // bytes read plus bytes written. Best of max(reps, 3) runs; a small buffer is
 // copied again and again within a run (>= 64 MiB moved), so the rate is that

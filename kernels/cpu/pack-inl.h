@@ -384,10 +384,13 @@ inline int64_t PackBT(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
       }
       continue;
     }
+    constexpr int64_t kAhead = 4;  // source rows (columns of B), as PackAT
+    for (int64_t j = 0; j < std::min(kAhead, cols.count); ++j) rd.Prefetch(c0 + j, r0, kc);
     for (int64_t j = 0; j < padded; ++j) {
       const int64_t q = j / nr, jj = j % nr;
       const bool valid = j < cols.count;
       uint32_t* col = panel_u32(q) + jj;
+      if (j + kAhead < cols.count) rd.Prefetch(c0 + j + kAhead, r0, kc);
       if (valid) {
         rd.Half(c0 + j, r0, kc, s.lo, s.tmp);
         s.lo[kc] = 0;

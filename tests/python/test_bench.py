@@ -108,6 +108,23 @@ def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
             assert r["bound_peak"] == want, r
 
 
+def test_gmm_native_time_ratios_are_of_its_rows(fp8moe_bin):
+    """The issue's native targets (fwd against bf16, dlhs against fake_qat),
+    from modes timed interleaved, are the ratios of the rows' own times."""
+    j, err = run_bench(fp8moe_bin, "gmm", "--shape", "fine-grained", "--reps", "1",
+                       "--threads", "1")
+    secs = {(r["pass"], r["mode"]): r["seconds"] for r in j["rows"]}
+    [t] = j["native_time_ratios"]
+    assert t["shape"] == "fine-grained"
+    assert t["native_fwd_over_bf16_fwd"] == pytest.approx(
+        secs[("fwd", "native_fp8")] / secs[("fwd", "bf16")], rel=1e-9)
+    assert t["native_dlhs_over_fake_qat_dlhs"] == pytest.approx(
+        secs[("dlhs", "native")] / secs[("dlhs", "fake_qat")], rel=1e-9)
+    # Every pass's modes ran (the interleaved queue lost none).
+    assert {m for p, m in secs if p == "tgmm"} == {"f32", "bf16", "fp8_full", "fp8_inkern"}
+    assert {m for p, m in secs if p == "dlhs"} == {"f32", "bf16", "native", "fake_qat"}
+
+
 def test_peaks_follow_the_simd_target(fp8moe_bin):
     quant = ("quant", "--elements", "8192", "--reps", "1", "--threads", "1")
     j, _ = run_bench(fp8moe_bin, *quant, simd="SSE4")
