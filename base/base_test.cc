@@ -1,9 +1,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
 #include <set>
 
+#include "base/float_text.h"
 #include "base/scratch_arena.h"
+#include "base/test_seed.h"
 #include "fp8moe/context.h"
 #include "fp8moe/dtype.h"
 #include "fp8moe/memory.h"
@@ -21,6 +27,39 @@ Result<int> Half(int x) {
 Result<int> Quarter(int x) {
   FP8MOE_ASSIGN_OR_RETURN(int h, Half(x));
   return Half(h);
+}
+
+TEST(FloatText, ShortestDecimalReadsBackAndIsShortest) {
+  using internal::ShortestDecimal;
+  EXPECT_EQ(ShortestDecimal(0.1), "0.1");
+  EXPECT_EQ(ShortestDecimal(0.0005), "0.0005");
+  EXPECT_EQ(ShortestDecimal(10000), "1e+04");
+  EXPECT_EQ(ShortestDecimal(1234567), "1234567");
+  EXPECT_EQ(ShortestDecimal(1.0 / 3), "0.3333333333333333");
+  EXPECT_EQ(ShortestDecimal(-0.0), "-0");
+  EXPECT_EQ(ShortestDecimal(std::numeric_limits<double>::infinity()), "inf");
+  EXPECT_EQ(ShortestDecimal(-std::numeric_limits<double>::infinity()), "-inf");
+  EXPECT_EQ(ShortestDecimal(std::nan("")), "nan");
+  EXPECT_EQ(ShortestDecimal(std::numeric_limits<double>::max()), "1.7976931348623157e+308");
+  EXPECT_EQ(ShortestDecimal(std::numeric_limits<double>::denorm_min()), "5e-324");
+  // Any double reads back exactly, and one digit fewer would not.
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 20000; ++i) {
+    double v;
+    const uint64_t bits = rng();
+    std::memcpy(&v, &bits, sizeof v);
+    if (!std::isfinite(v)) continue;
+    const std::string t = ShortestDecimal(v);
+    ASSERT_EQ(std::strtod(t.c_str(), nullptr), v) << t;
+    char fewer[400];
+    int digits = 0;  // significant digits in t: from its first non-zero digit
+    for (char c : t.substr(0, t.find('e'))) digits += (c >= '1' && c <= '9') || (digits > 0 && c == '0');
+    if (digits > 1) {
+      std::snprintf(fewer, sizeof fewer, "%.*g", digits - 1, v);
+      ASSERT_NE(std::strtod(fewer, nullptr), v) << t << " vs " << fewer;
+    }
+  }
 }
 
 TEST(Status, ValuesAndErrors) {

@@ -10,6 +10,7 @@
 #include <map>
 #include <sstream>
 
+#include "base/float_text.h"
 #include "fp8moe/finite.h"
 #include "fp8moe/safetensors.h"
 
@@ -417,18 +418,7 @@ std::string ValueText(const Config& c, const FlagSpec& f) {
   switch (f.type) {
     case FlagType::kBool: return c.GetBool(f.name) ? "true" : "false";
     case FlagType::kInt: return std::to_string(c.GetInt(f.name));
-    case FlagType::kFloat: {
-      // The shortest text that reads back to the same double.
-      std::string t;
-      for (int p = 1; p <= 17; ++p) {
-        std::ostringstream q;
-        q.precision(p);
-        q << c.GetFloat(f.name);
-        t = q.str();
-        if (std::strtod(t.c_str(), nullptr) == c.GetFloat(f.name)) break;
-      }
-      return t;
-    }
+    case FlagType::kFloat: return ShortestDecimal(c.GetFloat(f.name));
     case FlagType::kString: return c.GetString(f.name);
   }
   return {};

@@ -8,20 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "base/float_text.h"
 #include "fp8moe/train.h"
 
 namespace fp8moe {
 namespace {
-
-// The shortest decimal text that reads back to `v`.
-std::string Shortest(double v) {
-  char buf[32];
-  for (int p = 1; p <= 17; ++p) {
-    std::snprintf(buf, sizeof buf, "%.*g", p, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  return buf;
-}
 
 // Batches of one evaluation: a million is already hours; more only looks
 // like a hang (and eval batch indices times the batch size stay in int64).
@@ -352,7 +343,7 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
   need(t.log_period >= 1, "log_period must be at least 1");
   need(t.max_nonfinite_steps >= 0, "max_nonfinite_steps must not be negative");
   need(t.eval_split_fraction > 0 && t.eval_split_fraction < 1,
-       "eval_split_fraction=" + Shortest(t.eval_split_fraction) +
+       "eval_split_fraction=" + internal::ShortestDecimal(t.eval_split_fraction) +
            " must be between 0 and 1 (exclusive): the share of the data held out for eval");
   need(t.dataset_type != "synthetic" || t.dataset_path.empty(),
        "dataset_path='" + t.dataset_path + "' is set but dataset_type=synthetic does not read "

@@ -27,6 +27,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from . import _core
+from . import _not_here  # the numpy API's check of keywords a mode ignores
 from . import _flags_text
 
 _TARGETS = _core.ffi_targets()
@@ -74,14 +75,6 @@ def _group_sizes(gs):
     ints with jax_enable_x64) is narrowed: a group size counts rows."""
     gs = jnp.asarray(gs)
     return gs.astype(jnp.int32) if gs.dtype == jnp.int64 else gs
-
-
-def _not_here(fn: str, given: dict[str, Any], applies: bool, where: str) -> None:
-    """A keyword that would be ignored (it applies only `where`) is an error,
-    as in the numpy API and `fp8moe op`."""
-    for key, value in given.items():
-        if value is not None and not applies:
-            raise ValueError(f"{fn}: {key} applies {where}; drop {key}={value!r}")
 
 
 def _call(target: str, results, *args, **attrs):
