@@ -77,7 +77,7 @@ std::string_view KernelPathName(KernelPath path) {
   static constexpr std::string_view kNames[] = {
       "packed_f32",  "packed_bf16_pairs", "packed_i16_pairs", "packed_i16_vnni",
       "direct_f32",  "direct_bf16_pairs", "direct_fp8_vbmi",  "direct_i8_vnni", "direct_raw_fp8",
-      "reference"};
+      "reference",   "direct_next_item_prefetch"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(KernelPath::kCount));
   return kNames[static_cast<size_t>(path)];
 }

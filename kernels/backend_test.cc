@@ -216,10 +216,47 @@ TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
       EXPECT_GT(ctx.KernelCount(want), 0) << "expected " << KernelPathName(want);
       for (size_t i = 0; i < static_cast<size_t>(KernelPath::kCount); ++i) {
         const auto path = static_cast<KernelPath>(i);
-        if (path != want) {
+        if (path != want && path != KernelPath::kDirectNextItemPrefetch) {
           EXPECT_EQ(ctx.KernelCount(path), 0) << KernelPathName(path) << " ran instead of "
                                               << KernelPathName(want);
         }
+      }
+    }
+  }
+  test::UseDefaultSimd();
+}
+
+// Weight-bound (direct) items of a forward with many items each prefetch the
+// first chunk of the next item their thread runs, on every target and
+// thread count, and the bits are those of a run without it (one thread, or
+// items too few to take the next one ahead). Dlhs never does.
+TEST(KernelPath, DirectItemsPrefetchTheNextItem) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    for (const GmmMode mode : {GmmMode::kBf16, GmmMode::kNativeFp8}) {
+      for (const int threads : {1, 2, 3}) {
+        SCOPED_TRACE(target.label + " " + std::string(GmmModeName(mode)) + " threads " +
+                     std::to_string(threads));
+        const PathCase c{"decode", Op::kFwd, mode, DType::kBF16,
+                         mode == GmmMode::kBf16 ? DType::kBF16 : DType::kE4M3FN, 24, 1, 512, 256};
+        std::mt19937 r1 = rng;
+        ContextOptions co;
+        co.threads = threads;
+        Context ctx(co);
+        ASSERT_TRUE(RunCase(ctx, c, r1).ok());
+        // 24 one-row items: all but each thread's last (and the tail's) take
+        // the next item ahead.
+        const int64_t ahead = ctx.KernelCount(KernelPath::kDirectNextItemPrefetch);
+        EXPECT_GE(ahead, 24 - 2 * threads);
+        EXPECT_LT(ahead, 24);
+        ctx.ResetKernelCounts();
+        const PathCase d{"decode dlhs", Op::kDlhs, GmmMode::kBf16, DType::kBF16, DType::kBF16, 24, 1,
+                         512, 256};
+        std::mt19937 r2 = rng;
+        ASSERT_TRUE(RunCase(ctx, d, r2).ok());
+        EXPECT_EQ(ctx.KernelCount(KernelPath::kDirectNextItemPrefetch), 0);
       }
     }
   }

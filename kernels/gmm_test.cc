@@ -11,6 +11,7 @@
 // dSwiGLU propagate the bound through the activation. int8 is exact.
 #include <omp.h>
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -30,6 +31,7 @@
 #include "hwy/targets.h"
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/line_walk.h"
+#include "kernels/cpu/prefetch_target.h"
 #include "kernels/gmm_test_util.h"
 
 namespace fp8moe {
@@ -614,7 +616,11 @@ void ExpectSameBitsEverywhere(const std::function<void(const GmmTiles&, Tensor*)
 TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
-  const int64_t m = 900, k = 300, n = 200, e = 7;
+  // Packed items (groups of ~128 rows), and direct ones (24 groups of ~2
+  // rows: each thread takes its next item ahead and prefetches it).
+  for (const auto& [m, k, n, e] : {std::array<int64_t, 4>{900, 300, 200, 7},
+                                   std::array<int64_t, 4>{48, 300, 256, 24}}) {
+  SCOPED_TRACE("m " + std::to_string(m) + " e " + std::to_string(e));
   std::vector<int32_t> sizes = Groups(r, e, m);
   Tensor gs = Make(DType::kI32, {e});
   std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
@@ -650,6 +656,7 @@ TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
         ASSERT_TRUE(Tgmm(o, {}, lhs32.view(), dout.view(), gs.view(), out->view()).ok());
       },
       &first);
+  }
 }
 
 // ---- Errors ----------------------------------------------------------------------
@@ -728,6 +735,48 @@ TEST(LineWalk, VisitsEveryLineOfTheBlockOnceInOrder) {
       }
     }
   }
+}
+
+// A direct kernel call prefetches its item's next chunk; the last chunk, the
+// first chunk of the item its thread runs next (when known), so no item but
+// a thread's first starts cold; with nothing after it, nothing.
+TEST(PrefetchTarget, NextChunkThenTheFollowingItemsFirst) {
+  const internal::WorkItem it{3, 0, 1, 0, 1024, 100, 2048};  // reduction [100, 2148)
+  const internal::WorkItem next{4, 1, 1, 0, 512, 0, 300};
+  const internal::WorkItem empty{5, 2, 1, 0, 512, 0, 0};
+  internal::ColumnRuns runs, next_runs;
+  runs.count = 1024;
+  next_runs.count = 512;
+  next_runs.start[0] = 512;
+  // Chunks of 256 rows: the next chunk, whole or the shorter last one.
+  internal::PrefetchTarget t = internal::ChunkPrefetchTarget(it, runs, 100, 256, 256, &next, &next_runs, 512);
+  EXPECT_EQ(t.item, &it);
+  EXPECT_EQ(t.runs, &runs);
+  EXPECT_EQ(t.r0, 356);
+  EXPECT_EQ(t.rows, 256);
+  t = internal::ChunkPrefetchTarget(it, runs, 1636, 256, 256, &next, &next_runs, 512);
+  EXPECT_EQ(t.item, &it);
+  EXPECT_EQ(t.r0, 1892);
+  EXPECT_EQ(t.rows, 256);
+  // The last chunk [1892, 2148): the following item's first chunk.
+  t = internal::ChunkPrefetchTarget(it, runs, 1892, 256, 256, &next, &next_runs, 512);
+  EXPECT_EQ(t.item, &next);
+  EXPECT_EQ(t.runs, &next_runs);
+  EXPECT_EQ(t.r0, 0);
+  EXPECT_EQ(t.rows, 300);  // its whole reduction, shorter than its chunks
+  t = internal::ChunkPrefetchTarget(it, runs, 1892, 256, 256, &next, &next_runs, 128);
+  EXPECT_EQ(t.rows, 128);
+  // Nothing known to follow, or an item that reduces nothing: no prefetch.
+  EXPECT_EQ(internal::ChunkPrefetchTarget(it, runs, 1892, 256, 256, nullptr, nullptr, 0).item,
+            nullptr);
+  EXPECT_EQ(internal::ChunkPrefetchTarget(it, runs, 1892, 256, 256, &empty, &next_runs, 512).item,
+            nullptr);
+  // A shorter last chunk of the item itself.
+  const internal::WorkItem short_it{3, 0, 1, 0, 1024, 100, 2000};  // [100, 2100)
+  t = internal::ChunkPrefetchTarget(short_it, runs, 1636, 256, 256, &next, &next_runs, 512);
+  EXPECT_EQ(t.item, &short_it);
+  EXPECT_EQ(t.r0, 1892);
+  EXPECT_EQ(t.rows, 208);
 }
 
 }  // namespace

@@ -76,6 +76,9 @@ enum class KernelPath : uint8_t {
   kDirectI8Vnni,      // int8 weight rows, VNNI
   kDirectRawFp8,      // fp8 weight rows decoded raw (native fp8), f32 FMA
   kReference,         // a reference twin ran the whole call
+  // Not a path: a direct item whose last chunk prefetched the first chunk of
+  // the next item its thread ran (counted besides the item's own path).
+  kDirectNextItemPrefetch,
   kCount
 };
 std::string_view KernelPathName(KernelPath path);

@@ -31,6 +31,7 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/line_walk.h"
+#include "kernels/cpu/prefetch_target.h"
 #include "kernels/cpu/microkernels-inl.h"
 #include "kernels/cpu/pack.h"
 
@@ -42,6 +43,8 @@ using internal::ColumnRuns;
 using internal::DirectPrefetch;
 using internal::GemmCall;
 using internal::PanelKind;
+using internal::ChunkPrefetchTarget;
+using internal::PrefetchTarget;
 using internal::WorkItem;
 
 // Items of at most this many rows take the f32 direct kernel.
@@ -156,31 +159,32 @@ struct ChunkPrefetch {
 
 inline ChunkPrefetch PlanChunkPrefetch(const GemmCall& call, Direct kind, const WorkItem& it,
                                        const ColumnRuns& runs, int64_t vectors_per_run,
-                                       int64_t r0, int64_t kc, int64_t kc_step) {
+                                       int64_t r0, int64_t kc, const PrefetchTarget& target) {
   ChunkPrefetch c;
-  const int64_t red0 = it.red0, red1 = it.red0 + it.red_len;
-  // Only an item's first chunk has nothing in flight: its calls pull their
-  // own rows ahead into L1.
-  c.pf.cold_rows = r0 == red0 ? 32 : 0;
+  // Only an item's first chunk may have nothing in flight: its calls pull
+  // their own rows ahead into L1 (cheap when the lines are already in L2).
+  c.pf.cold_rows = r0 == it.red0 ? 32 : 0;
   c.pf.per_step = 0;
-  if (r0 + kc >= red1) return c;  // the last chunk: nothing follows
+  if (target.item == nullptr) return c;
+  const WorkItem& t = *target.item;
+  const ColumnRuns& truns = *target.runs;
   const size_t esize = call.b.ElementBytes();
-  const int64_t rows_next = std::min(kc_step, red1 - r0 - kc);
   const uint8_t* row0 = static_cast<const uint8_t*>(call.b.data) +
-                        (it.group * call.b.group_stride + (r0 + kc) * call.b.ld) *
+                        (t.group * call.b.group_stride + target.r0 * call.b.ld) *
                             static_cast<int64_t>(esize);
   auto line_of = [](const uint8_t* p) {
     return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
   };
-  const uint8_t* first = row0 + runs.start[0] * static_cast<int64_t>(esize);
-  const uint8_t* last = first + it.cols * static_cast<int64_t>(esize) - 1;
+  const uint8_t* first = row0 + truns.start[0] * static_cast<int64_t>(esize);
+  const uint8_t* last = first + t.cols * static_cast<int64_t>(esize) - 1;
   c.next_seg0 = line_of(first);
   c.pf.walk.seg_lines = static_cast<uint32_t>((line_of(last) - line_of(first)) / 64 + 1);
-  c.pf.walk.nseg = static_cast<uint32_t>(runs.runs);
+  c.pf.walk.nseg = static_cast<uint32_t>(truns.runs);
   c.pf.walk.seg_delta =
-      runs.runs > 1 ? line_of(row0 + runs.start[1] * static_cast<int64_t>(esize)) - c.next_seg0 : 0;
+      truns.runs > 1 ? line_of(row0 + truns.start[1] * static_cast<int64_t>(esize)) - c.next_seg0 : 0;
   c.pf.walk.ld = static_cast<size_t>(call.b.ld) * esize;
-  const int64_t total = rows_next * runs.runs * c.pf.walk.seg_lines;
+  const int64_t total = target.rows * truns.runs * c.pf.walk.seg_lines;
+  // Shared out over this chunk's strips (its own runs and vectors).
   const int64_t vectors = runs.runs * vectors_per_run;
   c.ahead_per_vector = (total + vectors - 1) / vectors;
   c.steps = kind == Direct::kF32 ? kc : (kc + 1) / 2;

@@ -261,8 +261,11 @@ HWY_INLINE void OnTile(uint8_t* c, int64_t ldc, int64_t valid_r, int64_t valid_c
 // The direct path's reduction chunk [r0, r0 + kc): pack the item's one A
 // panel (direct items have at most MR rows) and run the kernels strip by
 // strip over every run's columns, straight from the weight.
+// `following`: the next item this thread runs when it is known and direct
+// (with its plan), whose first chunk the last chunk prefetches; else null.
 void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip, int64_t r0,
-                    int64_t kc, Worker& w) {
+                    int64_t kc, Worker& w, const WorkItem* following,
+                    const ItemPlan* following_plan) {
   FP8MOE_DCHECK(it.rows <= ip.mr && PanelBytes(ip.kind, it.rows, ip.mr, kc) <= w.sizes->ap);
   const bool load_c = r0 != it.red0;
   const bool last = r0 + kc >= it.red0 + it.red_len;
@@ -277,8 +280,12 @@ void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
   }
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
   const int64_t vectors_per_run = ip.per_run * static_cast<int64_t>(kNV);
+  const PrefetchTarget target = ChunkPrefetchTarget(
+      it, ip.runs, r0, kc, ip.kc_step, following,
+      following_plan != nullptr ? &following_plan->runs : nullptr,
+      following_plan != nullptr ? following_plan->kc_step : 0);
   const ChunkPrefetch prefetch =
-      PlanChunkPrefetch(call, ip.direct, it, ip.runs, vectors_per_run, r0, kc, ip.kc_step);
+      PlanChunkPrefetch(call, ip.direct, it, ip.runs, vectors_per_run, r0, kc, target);
   alignas(64) float rs[kEdgeRows];
   const float* row_scale = TileRowScale(call, it, r0, 0, ip.mr, it.rows, rs);
   for (int run = 0; run < ip.runs.runs; ++run) {
@@ -342,16 +349,28 @@ void RunPackedChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
   }
 }
 
-void RunItem(Context& ctx, const GemmCall& call, PanelKind kind, const WorkItem& it, Worker& w) {
+// `following`: the item this thread runs next, if the executor knows it.
+void RunItem(Context& ctx, const GemmCall& call, PanelKind kind, const WorkItem& it, Worker& w,
+             const WorkItem* following) {
   const ItemPlan ip = PlanItem(call, kind, it, w);
   const bool direct = ip.direct != Direct::kNone;
+  // A direct item is weight-bound: its last chunk prefetches the first chunk
+  // of a following direct item.
+  ItemPlan fp;
+  if (direct && following != nullptr) {
+    fp = PlanItem(call, kind, *following, w);
+    if (fp.direct == Direct::kNone || following->red_len == 0) following = nullptr;
+  } else {
+    following = nullptr;
+  }
+  if (following != nullptr && it.red_len > 0) ctx.CountKernel(KernelPath::kDirectNextItemPrefetch);
   ctx.CountKernel(direct ? DirectPath(ip.direct, call, ip.mr) : PackedPath(kind));
   if (it.red_len == 0) ZeroTile(ip, it);
   const int64_t red1 = it.red0 + it.red_len;
   for (int64_t r0 = it.red0; r0 < red1; r0 += ip.kc_step) {
     const int64_t kc = std::min(ip.kc_step, red1 - r0);
     if (direct) {
-      RunDirectChunk(call, it, ip, r0, kc, w);
+      RunDirectChunk(call, it, ip, r0, kc, w, following, following != nullptr ? &fp : nullptr);
     } else {
       RunPackedChunk(call, it, ip, r0, kc, w);
     }
@@ -375,6 +394,11 @@ void ExecuteGemmT(Context* ctx, const GemmCall& call, bool* out_of_memory) {
   ScratchArena& arena = ctx->scratch();
   arena.EnsureWorkers(threads);
   const int64_t n_items = static_cast<int64_t>(call.items.size());
+  // Only forward items can be direct (ChooseDirect). Which thread runs which
+  // item never changes the bits: items share no output and each sums its
+  // reduction in one fixed order.
+  const bool look_ahead = call.pass == internal::Pass::kFwd;
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   {
     Worker w;
@@ -385,9 +409,26 @@ void ExecuteGemmT(Context* ctx, const GemmCall& call, bool* out_of_memory) {
 #pragma omp atomic write
       *out_of_memory = true;
     }
+    if (look_ahead) {
+      // Dynamic scheduling that takes the next item before running the
+      // current one, so that a weight-bound (direct) item's last chunk can
+      // prefetch the next one's first. Not in the last `threads` items, where
+      // a taken item would wait for its thread while another thread idles.
+      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      while (i < n_items) {
+        int64_t j = -1;
+        if (next.load(std::memory_order_relaxed) < n_items - threads) {
+          j = next.fetch_add(1, std::memory_order_relaxed);
+        }
+        const WorkItem* following = j >= 0 && j < n_items ? &call.items[static_cast<size_t>(j)] : nullptr;
+        if (have) RunItem(*ctx, call, kind, call.items[static_cast<size_t>(i)], w, following);
+        i = j >= 0 ? j : next.fetch_add(1, std::memory_order_relaxed);
+      }
+    } else {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) {
-      if (have) RunItem(*ctx, call, kind, call.items[static_cast<size_t>(i)], w);
+      for (int64_t i = 0; i < n_items; ++i) {
+        if (have) RunItem(*ctx, call, kind, call.items[static_cast<size_t>(i)], w, nullptr);
+      }
     }
   }
 }
