@@ -31,19 +31,19 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/line_walk.h"
-#include "kernels/cpu/prefetch_target.h"
 #include "kernels/cpu/microkernels-inl.h"
 #include "kernels/cpu/pack.h"
+#include "kernels/cpu/prefetch_target.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
 namespace HWY_NAMESPACE {
 
+using internal::ChunkPrefetchTarget;
 using internal::ColumnRuns;
 using internal::DirectPrefetch;
 using internal::GemmCall;
 using internal::PanelKind;
-using internal::ChunkPrefetchTarget;
 using internal::PrefetchTarget;
 using internal::WorkItem;
 
