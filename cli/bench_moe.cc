@@ -142,10 +142,13 @@ int BenchMoe(const BenchOptions& opt) {
   };
   // Warm-up round, one mode at a time: the memory high-water of a first step
   // (its buffers, codes or copies, and kernel scratch, from nothing).
-  // Every mode keeps its buffers for the whole run (T=4096: ~0.4 GiB each);
-  // a run whose next mode would take the bytes held past 3/4 of the memory
-  // cap (fp8moe/memory.h; else the physical memory) is refused up front,
-  // with what to do, rather than midway by the cap or the kernel's OOM killer.
+  // Every mode keeps its buffers for the whole run (T=4096: ~0.4 GiB each).
+  // Before each mode's first step, an estimate: if the bytes held plus the
+  // largest first step so far pass 3/4 of the memory cap (fp8moe/memory.h:
+  // by default the memory available at start; with no cap, the physical
+  // memory), the run is refused with what to do, rather than midway by the
+  // cap or the kernel's OOM killer. (The first mode has no estimate; the cap
+  // still refuses what does not fit.)
   const bool capped = MemoryCap() > 0;
   const double limit = capped ? static_cast<double>(MemoryCap())
                               : static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
@@ -177,8 +180,10 @@ int BenchMoe(const BenchOptions& opt) {
   // Timed rounds: every mode once per round, so that a neighbour's load,
   // which drifts over seconds on shared machines, falls on all modes alike
   // rather than on whichever ran during it; best of the rounds per mode.
+  // Each round starts one mode later, so no mode always follows the same one.
   for (int round = 0; round < opt.reps; ++round) {
-    for (Run& r : runs) {
+    for (size_t q = 0; q < runs.size(); ++q) {
+      Run& r = runs[(q + static_cast<size_t>(round)) % runs.size()];
       double f = 0, b = 0;
       if (!step(r, &f, &b)) return 1;
       r.best_f = std::min(r.best_f, f);
@@ -238,9 +243,11 @@ int BenchMoe(const BenchOptions& opt) {
                     Fixed(sgemm_gflops / fma_gflops, 2) + " of the f32 FMA peak");
   for (const std::string& n : SgemmNotes(sgemm)) t.notes.push_back(n);
   for (const std::string& n : CeilingNotes(ceil)) t.notes.push_back(n);
-  t.notes.push_back("step: PrepareMoeWeights + MoeForward + MoeBackward on buffers kept from "
-                    "step to step, as the trainer runs a layer; modes interleaved, one step "
-                    "each per round, best of " + std::to_string(opt.reps) + " rounds after a warm-up");
+  t.notes.push_back("step: PrepareMoeWeights + MoeForward (together 'fwd', as before) + "
+                    "MoeBackward ('bwd') on buffers kept from step to step, as the trainer runs "
+                    "a layer; modes interleaved, one step each per round (each round starting "
+                    "one mode later), best of " + std::to_string(opt.reps) +
+                    " rounds after a warm-up");
   t.notes.push_back("peak MiB: high-water of everything fp8moe allocates during a first step "
                     "(weights' codes or copies, buffers, gradients, kernel scratch), from nothing");
   if (opt.json) {

@@ -227,35 +227,34 @@ TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
 }
 
 // Weight-bound (direct) items of a forward with many items each prefetch the
-// first chunk of the next item their thread runs, on every target and
-// thread count, and the bits are those of a run without it (one thread, or
-// items too few to take the next one ahead). Dlhs never does.
+// first chunk of the next item their thread runs, on every target and thread
+// count (one thread included: it takes its next item ahead too), except
+// near the end of the call. Packed items never take one ahead. (That the
+// bits do not depend on it: Gmm.BitsDoNotDependOnThreadsOrTiles.)
 TEST(KernelPath, DirectItemsPrefetchTheNextItem) {
   FP8MOE_RANDOM_SEED(seed);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   for (const test::SimdTarget& target : test::SimdTargets()) {
     test::UseSimdTarget(target);
     for (const GmmMode mode : {GmmMode::kBf16, GmmMode::kNativeFp8}) {
+      const DType wd = mode == GmmMode::kBf16 ? DType::kBF16 : DType::kE4M3FN;
       for (const int threads : {1, 2, 3}) {
         SCOPED_TRACE(target.label + " " + std::string(GmmModeName(mode)) + " threads " +
                      std::to_string(threads));
-        const PathCase c{"decode", Op::kFwd, mode, DType::kBF16,
-                         mode == GmmMode::kBf16 ? DType::kBF16 : DType::kE4M3FN, 24, 1, 512, 256};
-        std::mt19937 r1 = rng;
         ContextOptions co;
         co.threads = threads;
         Context ctx(co);
-        ASSERT_TRUE(RunCase(ctx, c, r1).ok());
-        // 24 one-row items: all but each thread's last (and the tail's) take
-        // the next item ahead.
+        // 24 one-row items: all but the last `threads` or so take the next
+        // item ahead and prefetch it.
+        ASSERT_TRUE(RunCase(ctx, {"decode", Op::kFwd, mode, DType::kBF16, wd, 24, 1, 512, 256},
+                            rng).ok());
         const int64_t ahead = ctx.KernelCount(KernelPath::kDirectNextItemPrefetch);
         EXPECT_GE(ahead, 24 - 2 * threads);
         EXPECT_LT(ahead, 24);
+        // 24 items of 200 rows: packed.
         ctx.ResetKernelCounts();
-        const PathCase d{"decode dlhs", Op::kDlhs, GmmMode::kBf16, DType::kBF16, DType::kBF16, 24, 1,
-                         512, 256};
-        std::mt19937 r2 = rng;
-        ASSERT_TRUE(RunCase(ctx, d, r2).ok());
+        ASSERT_TRUE(RunCase(ctx, {"big", Op::kFwd, mode, DType::kBF16, wd, 24, 200, 64, 64},
+                            rng).ok());
         EXPECT_EQ(ctx.KernelCount(KernelPath::kDirectNextItemPrefetch), 0);
       }
     }

@@ -620,42 +620,42 @@ TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
   // rows: each thread takes its next item ahead and prefetches it).
   for (const auto& [m, k, n, e] : {std::array<int64_t, 4>{900, 300, 200, 7},
                                    std::array<int64_t, 4>{48, 300, 256, 24}}) {
-  SCOPED_TRACE("m " + std::to_string(m) + " e " + std::to_string(e));
-  std::vector<int32_t> sizes = Groups(r, e, m);
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
-  Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
-  Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
-  for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kInt8}) {
-    SCOPED_TRACE(GmmModeName(mode));
-    const DType wd = mode == GmmMode::kF32 ? DType::kF32
-                     : mode == GmmMode::kBf16 ? DType::kBF16
-                     : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
-    Weight w = MakeWeight(r, wd, e, k, n);
-    TensorView sv = w.codes ? w.scale.view() : TensorView{};
-    Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
-    Tensor first = Make(DType::kF32, {m, n / 2});
+    SCOPED_TRACE("m " + std::to_string(m) + " e " + std::to_string(e));
+    std::vector<int32_t> sizes = Groups(r, e, m);
+    Tensor gs = Make(DType::kI32, {e});
+    std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+    Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
+    Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
+    for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kInt8}) {
+      SCOPED_TRACE(GmmModeName(mode));
+      const DType wd = mode == GmmMode::kF32 ? DType::kF32
+                       : mode == GmmMode::kBf16 ? DType::kBF16
+                       : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
+      Weight w = MakeWeight(r, wd, e, k, n);
+      TensorView sv = w.codes ? w.scale.view() : TensorView{};
+      Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
+      Tensor first = Make(DType::kF32, {m, n / 2});
+      ExpectSameBitsEverywhere(
+          [&](const GmmTiles& t, Tensor* out) {
+            GmmOptions o;
+            o.mode = mode;
+            o.tiles = t;
+            o.epilogue = GmmEpilogue::kSwiGlu;
+            ASSERT_TRUE(Gmm(o, l.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
+                            out->view()).ok());
+          },
+          &first);
+    }
+    Tensor dout = RandomF32(r, {m, n}, Sum(sizes));
+    Tensor first = Make(DType::kF32, {e, k, n});
     ExpectSameBitsEverywhere(
         [&](const GmmTiles& t, Tensor* out) {
           GmmOptions o;
-          o.mode = mode;
+          o.mode = GmmMode::kF32;
           o.tiles = t;
-          o.epilogue = GmmEpilogue::kSwiGlu;
-          ASSERT_TRUE(Gmm(o, l.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
-                          out->view()).ok());
+          ASSERT_TRUE(Tgmm(o, {}, lhs32.view(), dout.view(), gs.view(), out->view()).ok());
         },
         &first);
-  }
-  Tensor dout = RandomF32(r, {m, n}, Sum(sizes));
-  Tensor first = Make(DType::kF32, {e, k, n});
-  ExpectSameBitsEverywhere(
-      [&](const GmmTiles& t, Tensor* out) {
-        GmmOptions o;
-        o.mode = GmmMode::kF32;
-        o.tiles = t;
-        ASSERT_TRUE(Tgmm(o, {}, lhs32.view(), dout.view(), gs.view(), out->view()).ok());
-      },
-      &first);
   }
 }
 

@@ -64,7 +64,9 @@ std::string_view BackendName(BackendKind kind);  // "cpu", "reference"
 Result<BackendKind> ParseBackend(std::string_view name);
 
 // The kernel paths a call can take; each work item a kernel runs counts once
-// on its path, so tests can prove that a path is (still) taken.
+// on its path, so tests can prove that a path is (still) taken. One entry is
+// not a path (kDirectNextItemPrefetch, counted besides the item's path): a sum
+// over the paths skips it.
 enum class KernelPath : uint8_t {
   kPackedF32,         // packed panels, f32 FMA microkernel
   kPackedBf16Pairs,   // packed panels, AVX512-BF16 vdpbf16ps
@@ -114,7 +116,8 @@ class Context {
   // Frees the scratch memory (the next call allocates it again).
   void ReleaseScratch();
 
-  // Work items run on `path` since the last ResetKernelCounts (thread-safe).
+  // Work items run on `path` (or, for kDirectNextItemPrefetch, items that
+  // prefetched their successor) since the last ResetKernelCounts (thread-safe).
   int64_t KernelCount(KernelPath path) const;
   void CountKernel(KernelPath path, int64_t n = 1);
   void ResetKernelCounts();

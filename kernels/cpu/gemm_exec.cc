@@ -410,14 +410,18 @@ void ExecuteGemmT(Context* ctx, const GemmCall& call, bool* out_of_memory) {
       *out_of_memory = true;
     }
     if (look_ahead) {
-      // Dynamic scheduling that takes the next item before running the
-      // current one, so that a weight-bound (direct) item's last chunk can
-      // prefetch the next one's first. Not in the last `threads` items, where
-      // a taken item would wait for its thread while another thread idles.
+      // Dynamic scheduling that takes the next item before running a direct
+      // (weight-bound) one, so that its last chunk can prefetch the next
+      // one's first. Not in the last `threads` items, where a taken item would
+      // wait for its thread while another thread idles.
+      // Only a direct item takes its successor ahead: a packed one could not
+      // use it, and an idle thread could not take it.
+      const int64_t nr = static_cast<int64_t>(KernelNR());
       int64_t i = next.fetch_add(1, std::memory_order_relaxed);
       while (i < n_items) {
         int64_t j = -1;
-        if (next.load(std::memory_order_relaxed) < n_items - threads) {
+        if (next.load(std::memory_order_relaxed) < n_items - threads &&
+            ChooseDirect(call, kind, call.items[static_cast<size_t>(i)], nr) != Direct::kNone) {
           j = next.fetch_add(1, std::memory_order_relaxed);
         }
         const WorkItem* following = j >= 0 && j < n_items ? &call.items[static_cast<size_t>(j)] : nullptr;

@@ -46,9 +46,14 @@ class RowReader {
   // hardware prefetchers do not follow; measured, the fp8 code loads of
   // native GMMs' A panels stalled the packing).
   void Prefetch(int64_t r, int64_t c0, int64_t n) const {
-    const uint8_t* p = At(r, c0);
-    const int64_t bytes = n * esize_;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    if (n <= 0) return;
+    // Every line the piece touches, from the line of its first byte to that
+    // of its last (an unaligned piece spans one line more than bytes / 64).
+    const uintptr_t first = reinterpret_cast<uintptr_t>(At(r, c0)) & ~uintptr_t{63};
+    const uintptr_t last = reinterpret_cast<uintptr_t>(At(r, c0)) + static_cast<uintptr_t>(n * esize_) - 1;
+    for (uintptr_t line = first; line <= last; line += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+    }
   }
 
   // Row r from column c0 in place when the source already holds f32 (no
