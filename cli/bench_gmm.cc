@@ -281,9 +281,10 @@ int BenchGmm(const BenchOptions& opt) {
   for (const std::string& n : CeilingNotes(ceil)) t.notes.push_back(n);
   t.notes.push_back("decode GB/s counts weight (stored type) + activations + output");
   // The decode question: how much faster is reading fp8 weights than bf16.
-  auto seconds_of = [&](const std::string& shape, const std::string& mode) {
+  // The time of one row (0 when the run has no such row).
+  auto seconds_of = [&](const std::string& shape, const std::string& pass, const std::string& mode) {
     for (const Row& r : rows) {
-      if (r.shape == shape && r.pass == "fwd" && r.mode == mode) return r.seconds;
+      if (r.shape == shape && r.pass == pass && r.mode == mode) return r.seconds;
     }
     return 0.0;
   };
@@ -302,16 +303,10 @@ int BenchGmm(const BenchOptions& opt) {
   }
   // The two native-against-reference targets, each pair timed interleaved.
   nlohmann::json native_targets = nlohmann::json::array();
-  auto pass_seconds = [&](const std::string& shape, const std::string& pass, const std::string& mode) {
-    for (const Row& r : rows) {
-      if (r.shape == shape && r.pass == pass && r.mode == mode) return r.seconds;
-    }
-    return 0.0;
-  };
   for (const Shape4& s : shapes) {
     if (s.weight_bound) continue;
-    const double nf = pass_seconds(s.name, "fwd", "native_fp8"), bf = pass_seconds(s.name, "fwd", "bf16");
-    const double nd = pass_seconds(s.name, "dlhs", "native"), fd = pass_seconds(s.name, "dlhs", "fake_qat");
+    const double nf = seconds_of(s.name, "fwd", "native_fp8"), bf = seconds_of(s.name, "fwd", "bf16");
+    const double nd = seconds_of(s.name, "dlhs", "native"), fd = seconds_of(s.name, "dlhs", "fake_qat");
     std::string note = s.name + ": time native_fp8 fwd / bf16 fwd " + Fixed(nf / bf, 3);
     nlohmann::json nt = {{"shape", s.name}, {"native_fwd_over_bf16_fwd", nf / bf}};
     if (nd > 0 && fd > 0) {
@@ -322,10 +317,10 @@ int BenchGmm(const BenchOptions& opt) {
     native_targets.push_back(nt);
   }
   for (const Shape4& s : shapes) {
-    const double nat = seconds_of(s.name, "native_fp8");
+    const double nat = seconds_of(s.name, "fwd", "native_fp8");
     if (!s.weight_bound || nat <= 0) continue;
-    t.notes.push_back(s.name + ": native_fp8 is " + Fixed(seconds_of(s.name, "bf16") / nat, 2) +
-                      "x as fast as bf16, " + Fixed(seconds_of(s.name, "fake_qat") / nat, 2) +
+    t.notes.push_back(s.name + ": native_fp8 is " + Fixed(seconds_of(s.name, "fwd", "bf16") / nat, 2) +
+                      "x as fast as bf16, " + Fixed(seconds_of(s.name, "fwd", "fake_qat") / nat, 2) +
                       "x as fake_qat");
     if (pair_gflops > 0) {
       const double flops = 2.0 * static_cast<double>(s.m) * s.k * s.n;

@@ -24,7 +24,6 @@
 #include "cli/bench.h"
 #include "cli/bench_util.h"
 #include "cli/sgemm_ceiling.h"
-#include "fp8moe/gmm.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/moe.h"
 #include "fp8moe/numerics.h"
@@ -164,7 +163,6 @@ int BenchMoe(const BenchOptions& opt) {
                    limit / 1073741824.0);
       return 2;
     }
-    ReleaseGmmScratch();
     ResetMemoryPeak();
     const int64_t base = GetMemoryStats().in_use;
     r.y = MustCreate(DType::kF32, x.shape());

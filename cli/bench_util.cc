@@ -33,14 +33,7 @@ double NowSeconds() {
 }
 
 double BestSeconds(int reps, const std::function<void()>& fn) {
-  fn();
-  double best = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    const double t0 = NowSeconds();
-    fn();
-    best = std::min(best, NowSeconds() - t0);
-  }
-  return best;
+  return BestSecondsInterleaved(reps, {fn})[0];
 }
 
 std::vector<double> BestSecondsInterleaved(int reps, const std::vector<std::function<void()>>& fns) {
