@@ -7,7 +7,7 @@
 #include <random>
 #include <set>
 
-#include "base/float_text.h"
+#include "base/number_text.h"
 #include "base/scratch_arena.h"
 #include "base/test_seed.h"
 #include "fp8moe/context.h"
@@ -60,6 +60,13 @@ TEST(FloatText, ShortestDecimalReadsBackAndIsShortest) {
       ASSERT_NE(std::strtod(fewer, nullptr), v) << t << " vs " << fewer;
     }
   }
+}
+
+TEST(NumberText, Hex64IsSixteenLowerCaseDigits) {
+  EXPECT_EQ(internal::Hex64(0), "0000000000000000");
+  EXPECT_EQ(internal::Hex64(0xdeadbeef), "00000000deadbeef");
+  EXPECT_EQ(internal::Hex64(~uint64_t{0}), "ffffffffffffffff");
+  EXPECT_EQ(internal::Hex64(uint64_t{1} << 63), "8000000000000000");
 }
 
 TEST(Status, ValuesAndErrors) {

@@ -1,8 +1,6 @@
 // StartWorld without MPI: always one rank.
-#include <cstdio>
-#include <cstdlib>
-
 #include "cli/world.h"
+#include "fp8moe/mpi.h"
 
 namespace fp8moe::cli {
 namespace {
@@ -18,10 +16,7 @@ class SingleWorld final : public World {
 }  // namespace
 
 Result<std::unique_ptr<World>> StartWorld() {
-  // The variables LaunchedByMpi (dist/mpi_communicator.cc) reads, which this
-  // build does not have.
-  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr ||
-      std::getenv("PMI_RANK") != nullptr || std::getenv("PMI_SIZE") != nullptr) {
+  if (LaunchedByMpi()) {
     return FailedPrecondition(
         "this fp8moe was built without MPI but was started by an MPI launcher; rebuild with "
         "MPI (scripts/setup installs Open MPI) or run it without mpirun");

@@ -3,10 +3,12 @@
 #include "fp8moe/communicator.h"
 
 #include <climits>
+#include <cstdlib>
 #include <string>
 
 #include "dist/reduce.h"
 #include "dist/ring.h"
+#include "fp8moe/mpi.h"
 
 namespace fp8moe {
 namespace {
@@ -178,6 +180,15 @@ Status Communicator::Send(const void* buf, int64_t bytes, int peer, int tag) {
 Status Communicator::Recv(void* buf, int64_t bytes, int peer, int tag) {
   FP8MOE_ASSIGN_OR_RETURN(CommRequest r, IRecv(buf, bytes, peer, tag));
   return WaitAll(std::span(&r, 1));
+}
+
+// Here, in the core library, rather than in fp8moe_mpi: a build without MPI
+// asks the same question to refuse a launch by mpirun (cli/world_single.cc).
+bool LaunchedByMpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
+    if (std::getenv(var) != nullptr) return true;
+  }
+  return false;
 }
 
 }  // namespace fp8moe

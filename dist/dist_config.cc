@@ -1,20 +1,14 @@
 // The configuration check every rank runs before any work.
 #include <algorithm>
-#include <cstdio>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "base/number_text.h"
 #include "fp8moe/dist.h"
 
 namespace fp8moe {
 namespace {
-
-std::string Hex(uint64_t v) {
-  char buf[19];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 // "rank 3" or "ranks 0, 2, 5".
 std::string RankList(const std::vector<int>& ranks) {
@@ -107,7 +101,7 @@ Result<ParallelLayout> CheckDistributedConfig(Communicator& comm,
     for (size_t i = 0; i < ordered.size(); ++i) {
       msg += (i == 0 ? " " : "; ") + RankList(ordered[i].first) + " " +
              (ordered[i].first.size() == 1 ? "has" : "have") + " config fingerprint " +
-             Hex(ordered[i].second);
+             internal::Hex64(ordered[i].second);
     }
     FP8MOE_ASSIGN_OR_RETURN(const std::string detail, WhatDiffers(comm, canonical_text));
     msg += detail + ". Start every rank with the same config file and key=value overrides.";

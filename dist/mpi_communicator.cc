@@ -367,13 +367,6 @@ bool g_runtime_started = false;
 
 }  // namespace
 
-bool LaunchedByMpi() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
-    if (std::getenv(var) != nullptr) return true;
-  }
-  return false;
-}
-
 std::string MpiLibraryVersion() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING];
   int len = 0;

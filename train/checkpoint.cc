@@ -10,7 +10,7 @@
 #include <map>
 #include <sstream>
 
-#include "base/float_text.h"
+#include "base/number_text.h"
 #include "fp8moe/finite.h"
 #include "fp8moe/safetensors.h"
 
@@ -117,11 +117,7 @@ class Checksum {
     Mix(static_cast<uint64_t>(n));  // lengths delimit the fields
   }
   void Add(const std::string& s) { Add(s.data(), s.size()); }
-  std::string Hex() const {
-    char buf[17];
-    std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h_));
-    return buf;
-  }
+  std::string Hex() const { return Hex64(h_); }
 
  private:
   void Mix(uint64_t w) {

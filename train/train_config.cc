@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "base/float_text.h"
+#include "base/number_text.h"
 #include "fp8moe/train.h"
 
 namespace fp8moe {

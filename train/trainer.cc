@@ -18,6 +18,7 @@
 #include <omp.h>
 
 #include "base/core_share.h"
+#include "base/number_text.h"
 #include "fp8moe/data.h"
 #include "fp8moe/dist.h"
 #include "fp8moe/memory.h"
@@ -100,10 +101,8 @@ Status AgreeOnCheckpoint(Communicator& comm, const std::string& path, const Stat
   }
   for (int r = 1; r < n; ++r) {
     if (all[2 * static_cast<size_t>(r) + 1] != all[1]) {
-      char a[17], b[17];
-      std::snprintf(a, sizeof a, "%016llx", static_cast<unsigned long long>(all[1]));
-      std::snprintf(b, sizeof b, "%016llx",
-                    static_cast<unsigned long long>(all[2 * static_cast<size_t>(r) + 1]));
+      const std::string a = internal::Hex64(static_cast<uint64_t>(all[1]));
+      const std::string b = internal::Hex64(static_cast<uint64_t>(all[2 * static_cast<size_t>(r) + 1]));
       return FailedPrecondition("ranks 0 and " + std::to_string(r) + " read different files at '" +
                                 path + "' (checksums " + a + " and " + b +
                                 "); every rank must see the same run directory (one shared "

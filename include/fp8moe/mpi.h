@@ -27,7 +27,8 @@ namespace fp8moe {
 
 // True when an MPI launcher started this process (Open MPI's mpirun, MPICH's
 // hydra or Slurm's PMI name a rank in the environment). Reads the
-// environment only: MPI stays uninitialised.
+// environment only: MPI stays uninitialised. Defined in the core library
+// (fp8moe), so a build without MPI can ask too.
 bool LaunchedByMpi();
 
 // The MPI library's version line, e.g. "Open MPI v4.1.4, ...". Valid before
