@@ -56,7 +56,6 @@ enum class WorkerSlot : uint8_t {
   kPackA,     // packed A panels
   kPackB,     // packed B panels
   kTileC,     // the C tile finished by an epilogue
-  kRow,       // a row being converted (activation quantization)
   kPackRows,  // the rows a packer converts before it scatters them
   kEpilogue,  // the rows an epilogue works on
   kCount

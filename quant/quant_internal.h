@@ -56,6 +56,11 @@ inline Status CheckRowArgs(int64_t rows, int64_t cols, int64_t valid_rows,
 void QuantizeOneRow(const float* x, int64_t cols, int64_t block_size, QuantDType dtype,
                     const Calibration& calib, uint8_t* q, float* scales);
 
+// The same row as bf16 bits x [cols]: the codes and scales of QuantizeOneRow
+// on the row widened to f32 (exact), read without widening it in memory.
+void QuantizeOneRowBf16(const uint16_t* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                        const Calibration& calib, uint8_t* q, float* scales);
+
 // Rows [first, first + rows) of one (group, tile) pair.
 struct RowTile {
   int64_t first;

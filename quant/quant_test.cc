@@ -3,6 +3,7 @@
 // group, tail rows never read, group tiles from valid rows only.
 #include <omp.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
+#include "quant/quant_internal.h"
 #include "quant/quant_test_util.h"
 
 namespace fp8moe {
@@ -522,6 +524,58 @@ TEST_F(QuantTest, EdgeValuesMatchReferenceOnEveryTarget) {
       }
     }
    }
+  });
+}
+
+// A GMM's BF16 activation is quantized from its bf16 bits (no f32 copy):
+// every one of the 65536 bf16 patterns, in rows of 37 (not a vector width)
+// and 70 (past two vectors of 16-bit lanes), alone among zeros and among
+// ordinary values, gives the codes and scales of the reference on the
+// row widened to f32, in every format, arithmetic, calibration and block
+// size, on every target.
+TEST_F(QuantTest, Bf16RowsMatchReferenceOnTheWidenedRows) {
+  std::vector<uint16_t> all(65536);
+  for (uint32_t b = 0; b < 65536; ++b) all[b] = static_cast<uint16_t>(b);
+  std::shuffle(all.begin(), all.end(), rng_);
+  const std::vector<float> normal = Random(all.size(), 23);
+  ForEachTarget([&] {
+    for (int64_t cols : {37, 70}) {
+      // Rows of random patterns, then each pattern among ordinary values
+      // (every 97th pattern: a row each).
+      std::vector<uint16_t> x(all);
+      x.resize((x.size() + cols - 1) / cols * cols, 0);
+      for (size_t i = 0; i < all.size(); i += 97) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const uint32_t b = std::bit_cast<uint32_t>(normal[(i + j) % normal.size()]) >> 16;
+          x.push_back(j == cols / 2 ? all[i] : static_cast<uint16_t>(b));
+        }
+      }
+      const int64_t rows = static_cast<int64_t>(x.size()) / cols;
+      std::vector<float> wide(x.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        wide[i] = std::bit_cast<float>(static_cast<uint32_t>(x[i]) << 16);
+      }
+      for (const Calibration& cal : kCalibs) {
+        for (QuantDType d : kDTypes) {
+          SCOPED_TRACE(std::string(QuantDTypeName(d)) + " " +
+                       std::string(ScaleArithmeticName(cal.arithmetic)) + " cols " +
+                       std::to_string(cols));
+          for (int64_t block : {0, 16}) {
+            const int64_t nb = NumBlocks(cols, block);
+            std::vector<uint8_t> q1(x.size(), 0xA5), q2(x.size(), 0x5A);
+            std::vector<float> s1(rows * nb, 1.0f), s2(rows * nb, 2.0f);
+            for (int64_t r = 0; r < rows; ++r) {
+              internal::QuantizeOneRowBf16(x.data() + r * cols, cols, block, d, cal,
+                                           q1.data() + r * cols, s1.data() + r * nb);
+            }
+            ASSERT_TRUE(reference::QuantizeRows(wide.data(), rows, cols, rows, block, d, cal,
+                                                q2.data(), s2.data()).ok());
+            ASSERT_EQ(q1, q2) << "block " << block;
+            ExpectSameBits(s1, s2);
+          }
+        }
+      }
+    }
   });
 }
 

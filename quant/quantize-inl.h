@@ -12,6 +12,7 @@
 #define FP8MOE_QUANT_QUANTIZE_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstring>
 
 #include "fp8moe/quant.h"
@@ -48,6 +49,24 @@ inline uint32_t AbsMaxBitsT(const float* HWY_RESTRICT x, size_t n) {
     m = std::max(m, b & 0x7FFFFFFF);
   }
   return static_cast<uint32_t>(m);
+}
+
+// The same for x as bf16 bits: widening bf16 to f32 is a shift by 16, so
+// the max of the 16-bit |x| patterns, shifted, is the f32 AbsMaxBitsT of the
+// widened row (NaN still above inf) without widening it.
+inline uint32_t AbsMaxBitsBf16T(const uint16_t* HWY_RESTRICT x, size_t n) {
+  const hn::ScalableTag<uint16_t> d;
+  const size_t N = hn::Lanes(d);
+  const auto mask = hn::Set(d, uint16_t{0x7FFF});
+  auto m0 = hn::Zero(d), m1 = hn::Zero(d);
+  size_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    m0 = hn::Max(m0, hn::And(hn::LoadU(d, x + i), mask));
+    m1 = hn::Max(m1, hn::And(hn::LoadU(d, x + i + N), mask));
+  }
+  uint32_t m = hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1)));
+  for (; i < n; ++i) m = std::max<uint32_t>(m, x[i] & 0x7FFFu);
+  return m << 16;
 }
 
 // acc[i] = max(acc[i], |x[i]| bits) for i < n: the per-channel amax of a
@@ -92,10 +111,31 @@ HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> QuantizeVec(DF df, hn::Vec<DF> x,
   }
 }
 
+// N f32 lanes from f32, or from bf16 bits widened in the register (exact).
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const float* HWY_RESTRICT p) {
+  return hn::LoadU(df, p);
+}
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const uint16_t* HWY_RESTRICT p) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, p))));
+}
+inline float ScalarAsF32(float v) { return v; }
+inline float ScalarAsF32(uint16_t v) {
+  uint32_t b = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
 // q[i] = code of x[i] / scales[per_lane ? i : 0], or of x[i] * scales[...]
-// with kMultiply (the caller passes reciprocal scales).
-template <QuantDType kDType, bool kPerLane, bool kMultiply>
-void QuantizeSpanT(const float* HWY_RESTRICT x, size_t n,
+// with kMultiply (the caller passes reciprocal scales); x is f32 or bf16
+// bits (TIn uint16_t: a GMM's BF16 activation, quantized without an f32
+// copy of the row).
+template <QuantDType kDType, bool kPerLane, bool kMultiply, class TIn = float>
+void QuantizeSpanT(const TIn* HWY_RESTRICT x, size_t n,
                    const float* HWY_RESTRICT scales, uint8_t* HWY_RESTRICT q) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint8_t, decltype(df)> d8;
@@ -110,7 +150,7 @@ void QuantizeSpanT(const float* HWY_RESTRICT x, size_t n,
   };
   size_t i = 0;
   for (; i + N <= n; i += N) {
-    const auto c = QuantizeVec<kDType, kMultiply>(df, hn::LoadU(df, x + i),
+    const auto c = QuantizeVec<kDType, kMultiply>(df, LoadAsF32(df, x + i),
                                                   scale_at(scales + i));
     hn::StoreU(hn::DemoteTo(d8, c), d8, q + i);
   }
@@ -118,7 +158,7 @@ void QuantizeSpanT(const float* HWY_RESTRICT x, size_t n,
     HWY_ALIGN float xin[hn::MaxLanes(df)] = {};
     HWY_ALIGN float sin[hn::MaxLanes(df)];
     HWY_ALIGN uint8_t out[hn::MaxLanes(df)];
-    std::memcpy(xin, x + i, (n - i) * sizeof(float));
+    for (size_t j = 0; j < n - i; ++j) xin[j] = ScalarAsF32(x[i + j]);
     for (size_t j = 0; j < N; ++j) sin[j] = kPerLane ? 1.0f : scales[0];
     if (kPerLane) std::memcpy(sin, scales + i, (n - i) * sizeof(float));
     const auto c = QuantizeVec<kDType, kMultiply>(df, hn::Load(df, xin), hn::Load(df, sin));

@@ -41,7 +41,25 @@ void QuantizeSpan(const float* x, size_t n, const float* factors, bool per_lane,
 #undef FP8MOE_Q
 }
 
+// One scale over bf16 bits x [n] (a GMM's BF16 activation row or block).
+void QuantizeSpanBf16(const uint16_t* x, size_t n, float factor, bool multiply,
+                      QuantDType dtype, uint8_t* q) {
+#define FP8MOE_Q(D)                                                      \
+  return multiply ? QuantizeSpanT<D, false, true>(x, n, &factor, q)      \
+                  : QuantizeSpanT<D, false, false>(x, n, &factor, q)
+  switch (dtype) {
+    case QuantDType::kE4M3FN: FP8MOE_Q(QuantDType::kE4M3FN);
+    case QuantDType::kE4M3FNUZ: FP8MOE_Q(QuantDType::kE4M3FNUZ);
+    case QuantDType::kE5M2: FP8MOE_Q(QuantDType::kE5M2);
+    case QuantDType::kE5M2FNUZ: FP8MOE_Q(QuantDType::kE5M2FNUZ);
+    case QuantDType::kInt8: FP8MOE_Q(QuantDType::kInt8);
+  }
+#undef FP8MOE_Q
+}
+
 uint32_t AbsMaxBits(const float* x, size_t n) { return AbsMaxBitsT(x, n); }
+
+uint32_t AbsMaxBitsBf16(const uint16_t* x, size_t n) { return AbsMaxBitsBf16T(x, n); }
 
 void AbsMaxAccumulate(const float* x, size_t n, int32_t* acc) {
   AbsMaxAccumulateT(x, n, acc);
@@ -55,7 +73,9 @@ HWY_AFTER_NAMESPACE();
 namespace fp8moe {
 
 HWY_EXPORT(QuantizeSpan);
+HWY_EXPORT(QuantizeSpanBf16);
 HWY_EXPORT(AbsMaxBits);
+HWY_EXPORT(AbsMaxBitsBf16);
 HWY_EXPORT(AbsMaxAccumulate);
 
 namespace {
@@ -79,6 +99,12 @@ void QuantizeOneScale(const float* x, int64_t n, float scale, QuantDType dtype,
   HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &factor, false,
                                      rcp, dtype, q);
 }
+void QuantizeOneScale(const uint16_t* x, int64_t n, float scale, QuantDType dtype,
+                      const Calibration& calib, uint8_t* q) {
+  const bool rcp = Reciprocal(calib);
+  HWY_DYNAMIC_DISPATCH(QuantizeSpanBf16)(x, static_cast<size_t>(n), rcp ? 1.0f / scale : scale,
+                                         rcp, dtype, q);
+}
 
 // Quantizes one row x [n] with per-channel scales [n]; `inv` [n] is scratch
 // for the reciprocals of kXlaReciprocal, filled once per scaling group by
@@ -100,6 +126,26 @@ void Reciprocals(const float* scales, int64_t n, const Calibration& calib,
 float AbsMax(const float* x, int64_t n) {
   return AmaxFromBits(
       HWY_DYNAMIC_DISPATCH(AbsMaxBits)(x, static_cast<size_t>(n)));
+}
+float AbsMax(const uint16_t* x, int64_t n) {
+  return AmaxFromBits(HWY_DYNAMIC_DISPATCH(AbsMaxBitsBf16)(x, static_cast<size_t>(n)));
+}
+
+// QuantizeOneRow over f32 or bf16 bits (the same values, the same bits).
+template <class T>
+void QuantizeOneRowOf(const T* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                      const Calibration& calib, uint8_t* q, float* scales) {
+  const int64_t nb = NumBlocks(cols, block_size);
+  const int64_t bs = block_size > 0 ? block_size : cols;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
+    const T* xb = x + c0;
+    const float s = CalibratedScale(
+        calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xb, len) : 0.0f,
+        dtype, calib);
+    scales[b] = s;
+    QuantizeOneScale(xb, len, s, dtype, calib, q + c0);
+  }
 }
 
 // amax over x [n] with the chunks in parallel (max is exact: order-free).
@@ -153,17 +199,12 @@ namespace internal {
 
 void QuantizeOneRow(const float* x, int64_t cols, int64_t block_size, QuantDType dtype,
                     const Calibration& calib, uint8_t* q, float* scales) {
-  const int64_t nb = NumBlocks(cols, block_size);
-  const int64_t bs = block_size > 0 ? block_size : cols;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
-    const float* xb = x + c0;
-    const float s = CalibratedScale(
-        calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xb, len) : 0.0f,
-        dtype, calib);
-    scales[b] = s;
-    QuantizeOneScale(xb, len, s, dtype, calib, q + c0);
-  }
+  QuantizeOneRowOf(x, cols, block_size, dtype, calib, q, scales);
+}
+
+void QuantizeOneRowBf16(const uint16_t* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                        const Calibration& calib, uint8_t* q, float* scales) {
+  QuantizeOneRowOf(x, cols, block_size, dtype, calib, q, scales);
 }
 
 }  // namespace internal

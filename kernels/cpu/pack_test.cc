@@ -139,7 +139,7 @@ TEST(Pack, PanelsMatchPlainLoopsOnEveryTarget) {
         // SSE4 and scalar (NR is a power of two: B transposes 8 columns at a
         // time), with odd and even reduction blocks.
         for (const auto& [mr, nr, kc] : {std::tuple<int64_t, int64_t, int64_t>{6, 16, 37},
-                                         {12, 32, 5}, {8, 16, 64}, {6, 8, 256}, {4, 2, 1}}) {
+                                         {12, 32, 5}, {12, 32, 18}, {8, 16, 64}, {6, 8, 256}, {4, 2, 1}}) {
           SCOPED_TRACE(target.label + " " + k.name +
                        (transposed ? " transposed" : "") + " mr " + std::to_string(mr) + " nr " + std::to_string(nr) +
                        " kc " + std::to_string(kc));
