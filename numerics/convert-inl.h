@@ -83,7 +83,9 @@ HWY_INLINE hn::Vec<DF> DecodeFp8Vec(DF df,
 }
 
 // f32 lanes -> u32 lanes holding fp8 codes (0..255), round to nearest even.
-template <Fp8Format kFormat, bool kSaturate, class DF>
+// kNoNaN: the caller knows no lane is a NaN (a quantizer whose block amax is
+// finite), so the NaN test and blend are left out.
+template <Fp8Format kFormat, bool kSaturate, bool kNoNaN = false, class DF>
 HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8Vec(DF df,
                                                           hn::Vec<DF> v) {
   constexpr Fp8Spec s = SpecOf(kFormat);
@@ -96,6 +98,8 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8Vec(DF df,
   auto abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
   // Non-negative f32 bit patterns order like the values, so integer
   // comparisons on them are exact and NaN (above inf's bits) is easy to find.
+  // (Under kNoNaN the test is still written, for the masks' type, but its
+  // result is never used, so the compiler drops it.)
   const auto is_nan = hn::RebindMask(
       du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x7F800000)));
   if constexpr (kSaturate) {
@@ -128,13 +132,14 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8Vec(DF df,
         du, hn::Gt(hn::BitCast(di, mag), hn::Set(di, s.max_code)));
     mag = hn::IfThenElse(overflow, hn::Set(du, s.has_inf ? 0x7Cu : s.nan_code),
                          mag);
-    special = hn::Or(special, overflow);
+    special = kNoNaN ? overflow : hn::Or(special, overflow);
   }
-  mag = hn::IfThenElse(is_nan, hn::Set(du, s.nan_code), mag);
+  if constexpr (!kNoNaN) mag = hn::IfThenElse(is_nan, hn::Set(du, s.nan_code), mag);
   if constexpr (s.fnuz) {
     // No -0: the sign survives only on non-zero values. NaN is 0x80 itself.
     const auto sign8 = hn::IfThenElseZero(
         hn::RebindMask(du, hn::Ne(mag, hn::Zero(du))), hn::ShiftRight<24>(sign));
+    if constexpr (kNoNaN && kSaturate) return hn::Or(mag, sign8);  // nothing special
     return hn::IfThenElse(special, hn::Set(du, 0x80u), hn::Or(mag, sign8));
   } else {
     return hn::Or(mag, hn::ShiftRight<24>(sign));

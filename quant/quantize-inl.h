@@ -91,23 +91,27 @@ inline void AbsMaxAccumulateT(const float* HWY_RESTRICT x, size_t n,
 // Codes of x / factor (kMultiply false: a true division, as DESIGN 3.2 asks)
 // or x * factor (kMultiply true: factor is a reciprocal scale) in u32 lanes
 // (int8 codes as their byte value).
-template <QuantDType kDType, bool kMultiply, class DF>
+// kFinite: the caller knows every x is finite and the factor finite and
+// non-zero (a block whose amax is finite, quantized by its own scale), so no
+// quotient is a NaN and the NaN handling is left out.
+template <QuantDType kDType, bool kMultiply, bool kFinite, class DF>
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> QuantizeVec(DF df, hn::Vec<DF> x,
                                                        hn::Vec<DF> factor) {
   const hn::RebindToSigned<DF> di;
   // A NaN x keeps its own bits (its sign picks the NaN code): x / s returns
   // x's NaN, but in x * (1 / s) with both NaN which one comes out depends on
   // which operand the compiler put first (multiplication commutes).
-  const auto v = kMultiply ? hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(x, factor))
-                           : hn::Div(x, factor);
+  const auto v = !kMultiply ? hn::Div(x, factor)
+                 : kFinite  ? hn::Mul(x, factor)
+                            : hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(x, factor));
   if constexpr (kDType == QuantDType::kInt8) {
-    const auto clamped = hn::Min(hn::Max(hn::IfThenZeroElse(hn::IsNaN(v), v),
+    const auto clamped = hn::Min(hn::Max(kFinite ? v : hn::IfThenZeroElse(hn::IsNaN(v), v),
                                          hn::Set(df, -127.0f)),
                                  hn::Set(df, 127.0f));
     return hn::And(hn::ConvertTo(di, hn::Round(clamped)), hn::Set(di, 0xFF));
   } else {
     constexpr Fp8Format f = static_cast<Fp8Format>(kDType);
-    return hn::BitCast(di, EncodeFp8Vec<f, true>(df, v));
+    return hn::BitCast(di, EncodeFp8Vec<f, true, kFinite>(df, v));
   }
 }
 
@@ -130,11 +134,22 @@ inline float ScalarAsF32(uint16_t v) {
   return f;
 }
 
+// Codes in i32 lanes (0..255, QuantizeVec) as bytes: a byte shuffle and one
+// permute (U8FromU32, for values already in range), where DemoteTo's
+// saturating packs took four instructions per vector.
+template <class DF>
+HWY_INLINE hn::Vec<hn::Rebind<uint8_t, DF>> CodesToBytes(DF, hn::Vec<hn::RebindToSigned<DF>> c) {
+  const hn::RebindToUnsigned<DF> du;
+  return hn::U8FromU32(hn::BitCast(du, c));
+}
+
 // q[i] = code of x[i] / scales[per_lane ? i : 0], or of x[i] * scales[...]
-// with kMultiply (the caller passes reciprocal scales); x is f32 or bf16
+// with kMultiply (the caller passes reciprocal scales); kFinite as
+// QuantizeVec (the tail's padding lanes are 0 and 1: finite); x is f32 or bf16
 // bits (TIn uint16_t: a GMM's BF16 activation, quantized without an f32
 // copy of the row).
-template <QuantDType kDType, bool kPerLane, bool kMultiply, class TIn = float>
+template <QuantDType kDType, bool kPerLane, bool kMultiply, bool kFinite = false,
+          class TIn = float>
 void QuantizeSpanT(const TIn* HWY_RESTRICT x, size_t n,
                    const float* HWY_RESTRICT scales, uint8_t* HWY_RESTRICT q) {
   const hn::ScalableTag<float> df;
@@ -150,9 +165,9 @@ void QuantizeSpanT(const TIn* HWY_RESTRICT x, size_t n,
   };
   size_t i = 0;
   for (; i + N <= n; i += N) {
-    const auto c = QuantizeVec<kDType, kMultiply>(df, LoadAsF32(df, x + i),
-                                                  scale_at(scales + i));
-    hn::StoreU(hn::DemoteTo(d8, c), d8, q + i);
+    const auto c = QuantizeVec<kDType, kMultiply, kFinite>(df, LoadAsF32(df, x + i),
+                                                           scale_at(scales + i));
+    hn::StoreU(CodesToBytes(df, c), d8, q + i);
   }
   if (i < n) {
     HWY_ALIGN float xin[hn::MaxLanes(df)] = {};
@@ -161,8 +176,9 @@ void QuantizeSpanT(const TIn* HWY_RESTRICT x, size_t n,
     for (size_t j = 0; j < n - i; ++j) xin[j] = ScalarAsF32(x[i + j]);
     for (size_t j = 0; j < N; ++j) sin[j] = kPerLane ? 1.0f : scales[0];
     if (kPerLane) std::memcpy(sin, scales + i, (n - i) * sizeof(float));
-    const auto c = QuantizeVec<kDType, kMultiply>(df, hn::Load(df, xin), hn::Load(df, sin));
-    hn::Store(hn::DemoteTo(d8, c), d8, out);
+    const auto c =
+        QuantizeVec<kDType, kMultiply, kFinite>(df, hn::Load(df, xin), hn::Load(df, sin));
+    hn::Store(CodesToBytes(df, c), d8, out);
     std::memcpy(q + i, out, n - i);
   }
 }

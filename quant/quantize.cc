@@ -22,14 +22,20 @@ namespace fp8moe {
 namespace HWY_NAMESPACE {
 
 // multiply: `factors` hold reciprocal scales (ScaleArithmetic::kXlaReciprocal).
+// finite (one scale only): every x is finite (the block's amax is), which
+// leaves out the NaN handling (QuantizeVec's kFinite).
 void QuantizeSpan(const float* x, size_t n, const float* factors, bool per_lane,
-                  bool multiply, QuantDType dtype, uint8_t* q) {
-#define FP8MOE_Q(D)                                                        \
-  if (multiply) {                                                          \
-    return per_lane ? QuantizeSpanT<D, true, true>(x, n, factors, q)       \
-                    : QuantizeSpanT<D, false, true>(x, n, factors, q);     \
-  }                                                                        \
-  return per_lane ? QuantizeSpanT<D, true, false>(x, n, factors, q)        \
+                  bool multiply, bool finite, QuantDType dtype, uint8_t* q) {
+#define FP8MOE_Q(D)                                                              \
+  if (per_lane) {                                                                \
+    return multiply ? QuantizeSpanT<D, true, true>(x, n, factors, q)             \
+                    : QuantizeSpanT<D, true, false>(x, n, factors, q);           \
+  }                                                                              \
+  if (finite) {                                                                  \
+    return multiply ? QuantizeSpanT<D, false, true, true>(x, n, factors, q)      \
+                    : QuantizeSpanT<D, false, false, true>(x, n, factors, q);    \
+  }                                                                              \
+  return multiply ? QuantizeSpanT<D, false, true>(x, n, factors, q)              \
                   : QuantizeSpanT<D, false, false>(x, n, factors, q)
   switch (dtype) {
     case QuantDType::kE4M3FN: FP8MOE_Q(QuantDType::kE4M3FN);
@@ -42,11 +48,15 @@ void QuantizeSpan(const float* x, size_t n, const float* factors, bool per_lane,
 }
 
 // One scale over bf16 bits x [n] (a GMM's BF16 activation row or block).
-void QuantizeSpanBf16(const uint16_t* x, size_t n, float factor, bool multiply,
+void QuantizeSpanBf16(const uint16_t* x, size_t n, float factor, bool multiply, bool finite,
                       QuantDType dtype, uint8_t* q) {
-#define FP8MOE_Q(D)                                                      \
-  return multiply ? QuantizeSpanT<D, false, true>(x, n, &factor, q)      \
-                  : QuantizeSpanT<D, false, false>(x, n, &factor, q)
+#define FP8MOE_Q(D)                                                                       \
+  if (finite) {                                                                           \
+    return multiply ? QuantizeSpanT<D, false, true, true>(x, n, &factor, q)               \
+                    : QuantizeSpanT<D, false, false, true>(x, n, &factor, q);             \
+  }                                                                                       \
+  return multiply ? QuantizeSpanT<D, false, true, false>(x, n, &factor, q)                \
+                  : QuantizeSpanT<D, false, false, false>(x, n, &factor, q)
   switch (dtype) {
     case QuantDType::kE4M3FN: FP8MOE_Q(QuantDType::kE4M3FN);
     case QuantDType::kE4M3FNUZ: FP8MOE_Q(QuantDType::kE4M3FNUZ);
@@ -92,18 +102,26 @@ bool Reciprocal(const Calibration& calib) {
   return calib.arithmetic == ScaleArithmetic::kXlaReciprocal;
 }
 
-void QuantizeOneScale(const float* x, int64_t n, float scale, QuantDType dtype,
+// x [n] by one scale; `finite`: every x is finite, known from an amax that
+// is (a finite amax gives a finite, non-zero scale: CalibratedScale).
+void QuantizeOneScale(const float* x, int64_t n, float scale, bool finite, QuantDType dtype,
                       const Calibration& calib, uint8_t* q) {
   const bool rcp = Reciprocal(calib);
   const float factor = rcp ? 1.0f / scale : scale;
   HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &factor, false,
-                                     rcp, dtype, q);
+                                     rcp, finite, dtype, q);
 }
-void QuantizeOneScale(const uint16_t* x, int64_t n, float scale, QuantDType dtype,
+void QuantizeOneScale(const uint16_t* x, int64_t n, float scale, bool finite, QuantDType dtype,
                       const Calibration& calib, uint8_t* q) {
   const bool rcp = Reciprocal(calib);
   HWY_DYNAMIC_DISPATCH(QuantizeSpanBf16)(x, static_cast<size_t>(n), rcp ? 1.0f / scale : scale,
-                                         rcp, dtype, q);
+                                         rcp, finite, dtype, q);
+}
+
+// Whether the x that gave `amax` under `calib` are all finite: only an
+// absmax calibration looked at them.
+bool AllFinite(float amax, const Calibration& calib) {
+  return calib.kind == Calibration::Kind::kAbsMax && amax <= std::numeric_limits<float>::max();
 }
 
 // Quantizes one row x [n] with per-channel scales [n]; `inv` [n] is scratch
@@ -114,7 +132,7 @@ void QuantizeChannelRow(const float* x, int64_t n, const float* scales,
                         const Calibration& calib, uint8_t* q) {
   const bool rcp = Reciprocal(calib);
   HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), rcp ? inv : scales,
-                                     true, rcp, dtype, q);
+                                     true, rcp, false, dtype, q);
 }
 
 void Reciprocals(const float* scales, int64_t n, const Calibration& calib,
@@ -140,11 +158,10 @@ void QuantizeOneRowOf(const T* x, int64_t cols, int64_t block_size, QuantDType d
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t c0 = b * bs, len = std::min(cols, c0 + bs) - c0;
     const T* xb = x + c0;
-    const float s = CalibratedScale(
-        calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xb, len) : 0.0f,
-        dtype, calib);
+    const float amax = calib.kind == Calibration::Kind::kAbsMax ? AbsMax(xb, len) : 0.0f;
+    const float s = CalibratedScale(amax, dtype, calib);
     scales[b] = s;
-    QuantizeOneScale(xb, len, s, dtype, calib, q + c0);
+    QuantizeOneScale(xb, len, s, AllFinite(amax, calib), dtype, calib, q + c0);
   }
 }
 
@@ -182,15 +199,15 @@ void ChannelScales(const float* x, int64_t rows, int64_t c, QuantDType dtype,
 Status QuantizeTensor(const float* x, int64_t n, QuantDType dtype,
                       const Calibration& calib, uint8_t* q, float* scale) {
   FP8MOE_RETURN_IF_ERROR(internal::CheckDims({{"n", n}}));
-  const float s = CalibratedScale(
-      calib.kind == Calibration::Kind::kAbsMax ? AbsMaxParallel(x, n) : 0.0f,
-      dtype, calib);
+  const float amax = calib.kind == Calibration::Kind::kAbsMax ? AbsMaxParallel(x, n) : 0.0f;
+  const float s = CalibratedScale(amax, dtype, calib);
+  const bool finite = AllFinite(amax, calib);
   *scale = s;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t b = c * kChunk;
-    QuantizeOneScale(x + b, std::min(kChunk, n - b), s, dtype, calib, q + b);
+    QuantizeOneScale(x + b, std::min(kChunk, n - b), s, finite, dtype, calib, q + b);
   }
   return OkStatus();
 }
