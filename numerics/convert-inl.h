@@ -380,27 +380,37 @@ inline void F32ToBf16SpanT(const float* HWY_RESTRICT x,
   }
 }
 
+// Lanes(df) bf16 values at p as f32 lanes: the bits shifted up, exact.
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadBf16AsF32(DF df, const uint16_t* HWY_RESTRICT p) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, p))));
+}
+
+// One bf16 value as f32 (scalar tails).
+inline float Bf16BitsToF32(uint16_t bits) {
+  const uint32_t b = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
 template <bool kStream>
 void Bf16ToF32SpanT(const uint16_t* HWY_RESTRICT bits,
                     float* HWY_RESTRICT out, size_t n) {
   const hn::ScalableTag<float> df;
-  const hn::RebindToUnsigned<decltype(df)> du;
-  const hn::Rebind<uint16_t, decltype(df)> d16;
   const size_t N = hn::Lanes(df);
   size_t i = 0;
   for (; i + N <= n; i += N) {
-    const auto v = hn::BitCast(
-        df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, bits + i))));
+    const auto v = LoadBf16AsF32(df, bits + i);
     if constexpr (kStream) {
       hn::Stream(v, df, out + i);
     } else {
       hn::StoreU(v, df, out + i);
     }
   }
-  for (; i < n; ++i) {
-    const uint32_t b = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(out + i, &b, sizeof(b));
-  }
+  for (; i < n; ++i) out[i] = Bf16BitsToF32(bits[i]);
   if constexpr (kStream) hwy::FlushStream();
 }
 

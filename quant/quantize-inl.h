@@ -122,21 +122,15 @@ HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const float* HWY_RESTRICT p) {
 }
 template <class DF>
 HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const uint16_t* HWY_RESTRICT p) {
-  const hn::RebindToUnsigned<DF> du;
-  const hn::Rebind<uint16_t, DF> d16;
-  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, p))));
+  return LoadBf16AsF32(df, p);
 }
 inline float ScalarAsF32(float v) { return v; }
-inline float ScalarAsF32(uint16_t v) {
-  uint32_t b = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
+inline float ScalarAsF32(uint16_t v) { return Bf16BitsToF32(v); }
 
-// Codes in i32 lanes (0..255, QuantizeVec) as bytes: a byte shuffle and one
-// permute (U8FromU32, for values already in range), where DemoteTo's
-// saturating packs took four instructions per vector.
+// Codes in i32 lanes (0..255, QuantizeVec) as bytes: U8FromU32 (for values
+// already in range: a byte shuffle and one permute on AVX-512, a shuffle and
+// an or on AVX2), where DemoteTo's saturating packs took four instructions
+// per vector on AVX-512.
 template <class DF>
 HWY_INLINE hn::Vec<hn::Rebind<uint8_t, DF>> CodesToBytes(DF, hn::Vec<hn::RebindToSigned<DF>> c) {
   const hn::RebindToUnsigned<DF> du;
@@ -145,7 +139,7 @@ HWY_INLINE hn::Vec<hn::Rebind<uint8_t, DF>> CodesToBytes(DF, hn::Vec<hn::RebindT
 
 // q[i] = code of x[i] / scales[per_lane ? i : 0], or of x[i] * scales[...]
 // with kMultiply (the caller passes reciprocal scales); kFinite as
-// QuantizeVec (the tail's padding lanes are 0 and 1: finite); x is f32 or bf16
+// QuantizeVec (the tail's padding lanes are x = 0 and a finite scale); x is f32 or bf16
 // bits (TIn uint16_t: a GMM's BF16 activation, quantized without an f32
 // copy of the row).
 template <QuantDType kDType, bool kPerLane, bool kMultiply, bool kFinite = false,

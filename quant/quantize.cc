@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fp8moe/quant.h"
@@ -104,18 +105,18 @@ bool Reciprocal(const Calibration& calib) {
 
 // x [n] by one scale; `finite`: every x is finite, known from an amax that
 // is (a finite amax gives a finite, non-zero scale: CalibratedScale).
-void QuantizeOneScale(const float* x, int64_t n, float scale, bool finite, QuantDType dtype,
+template <class T>
+void QuantizeOneScale(const T* x, int64_t n, float scale, bool finite, QuantDType dtype,
                       const Calibration& calib, uint8_t* q) {
   const bool rcp = Reciprocal(calib);
   const float factor = rcp ? 1.0f / scale : scale;
-  HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &factor, false,
-                                     rcp, finite, dtype, q);
-}
-void QuantizeOneScale(const uint16_t* x, int64_t n, float scale, bool finite, QuantDType dtype,
-                      const Calibration& calib, uint8_t* q) {
-  const bool rcp = Reciprocal(calib);
-  HWY_DYNAMIC_DISPATCH(QuantizeSpanBf16)(x, static_cast<size_t>(n), rcp ? 1.0f / scale : scale,
-                                         rcp, finite, dtype, q);
+  if constexpr (std::is_same_v<T, float>) {
+    HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &factor, false, rcp, finite,
+                                       dtype, q);
+  } else {
+    HWY_DYNAMIC_DISPATCH(QuantizeSpanBf16)(x, static_cast<size_t>(n), factor, rcp, finite, dtype,
+                                           q);
+  }
 }
 
 // Whether the x that gave `amax` under `calib` are all finite: only an

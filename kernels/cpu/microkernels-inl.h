@@ -163,9 +163,7 @@ HWY_INLINE hn::Vec<DF> LoadRowAsF32(DF df, const uint8_t* HWY_RESTRICT p) {
   if constexpr (kSrc == RowSrc::kF32) {
     return hn::LoadU(df, reinterpret_cast<const float*>(p));
   } else if constexpr (kSrc == RowSrc::kBf16) {
-    const hn::Rebind<uint16_t, DF> d16;
-    return hn::BitCast(
-        df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p)))));
+    return LoadBf16AsF32(df, reinterpret_cast<const uint16_t*>(p));
   } else {
     static_assert(IsRawFp8(kSrc));
     const hn::Rebind<int8_t, DF> d8;

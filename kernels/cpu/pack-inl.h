@@ -297,8 +297,10 @@ inline void PairRowsInto(const RowReader& rd, const PackScratch& s, int64_t firs
                          int64_t end, int64_t r0, int64_t kc, uint32_t* dst, int64_t ld) {
   constexpr int64_t kGroup = 4;
   const int64_t kc2 = (kc + 1) / 2, half_stride = kc + 2;
-  FP8MOE_DCHECK(n <= kGroup && kc <= s.kc &&
-                kGroup * half_stride * 2 <= PackScratch::kTransposeRows * (s.kc + 1) * 4);
+  // Four scratch rows of kc + 2 halves fit in s.rows (kTransposeRows rows of
+  // s.kc + 1 floats) whenever kc <= s.kc; the zero row covers kc2 pairs.
+  static_assert(kGroup * 2 <= PackScratch::kTransposeRows * 4, "scratch rows of halves fit");
+  FP8MOE_DCHECK(n >= 1 && n <= kGroup && kc >= 1 && kc <= s.kc && kc2 <= s.width);
   // The next group towards L1 while this one is converted (see
   // RowReader::Prefetch).
   for (int64_t t = 0; t < kGroup && first + n + t < end; ++t) rd.Prefetch(first + n + t, r0, kc);
@@ -329,6 +331,19 @@ inline void PairRowsInto(const RowReader& rd, const PackScratch& s, int64_t firs
   }
 }
 
+// Pair row k of a panel whose columns are source columns [c0, c0 + count)
+// (B in fwd and TGMM, A in TGMM): source rows r0 + 2k and r0 + 2k + 1 (zero
+// past kc) converted into s.lo and s.hi, both zero from count to padded.
+inline void TwoRowsAsHalves(const RowReader& rd, const PackScratch& s, int64_t r0, int64_t kc,
+                            int64_t k, int64_t c0, int64_t count, int64_t padded) {
+  FP8MOE_DCHECK(padded <= s.width);
+  rd.Half(r0 + 2 * k, c0, count, s.lo, s.tmp);
+  const int64_t hi_count = 2 * k + 1 < kc ? count : 0;
+  if (hi_count > 0) rd.Half(r0 + 2 * k + 1, c0, count, s.hi, s.tmp);
+  std::fill(s.lo + count, s.lo + padded, uint16_t{0});
+  std::fill(s.hi + hi_count, s.hi + padded, uint16_t{0});
+}
+
 // dst[j] = Pair(lo[j], hi[j]) for j < n: 128-bit interleaves, eight pairs
 // per two loads and two stores.
 HWY_INLINE void InterleavePairs(const uint16_t* lo, const uint16_t* hi, int64_t n,
@@ -354,8 +369,9 @@ inline void PackAT(const Operand& a, PanelKind kind, int64_t i0, int64_t rows, i
   const int64_t kc2 = (kc + 1) / 2;
   const int64_t step = kind == PanelKind::kF32 ? kc : kc2;  // panel rows
   if (!a.transposed) {
-    // A(i, r) = source(i, r): convert each row over the reduction block and
-    // scatter it down its panel column.
+    // A(i, r) = source(i, r): each row over the reduction block becomes a
+    // panel column (f32: rows transposed kTransposeRows at a time; pairs:
+    // PairRowsInto, four at a time).
     FP8MOE_DCHECK(kc + 1 <= s.width);
     if (kind == PanelKind::kF32) {
       for (int64_t p = 0; p < panels; ++p) {
@@ -393,14 +409,7 @@ inline void PackAT(const Operand& a, PanelKind kind, int64_t i0, int64_t rows, i
         std::fill(dst + n, dst + mr, 0.0f);
       }
     } else {
-      rd.Half(r0 + 2 * k, i0, rows, s.lo, s.tmp);
-      if (2 * k + 1 < kc) {
-        rd.Half(r0 + 2 * k + 1, i0, rows, s.hi, s.tmp);
-      } else {
-        std::fill(s.hi, s.hi + rows, uint16_t{0});
-      }
-      std::fill(s.lo + rows, s.lo + panels * mr, uint16_t{0});  // the last panel's padding
-      std::fill(s.hi + rows, s.hi + panels * mr, uint16_t{0});
+      TwoRowsAsHalves(rd, s, r0, kc, k, i0, rows, panels * mr);
       for (int64_t p = 0; p < panels; ++p) {
         InterleavePairs(s.lo + p * mr, s.hi + p * mr, mr,
                         static_cast<uint32_t*>(ap) + (p * step + k) * mr);
@@ -444,14 +453,7 @@ inline int64_t PackBT(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
             std::fill(dst + n, dst + nr, 0.0f);
           }
         } else {
-          rd.Half(r0 + 2 * k, c0, cols.count, s.lo, s.tmp);
-          if (2 * k + 1 < kc) {
-            rd.Half(r0 + 2 * k + 1, c0, cols.count, s.hi, s.tmp);
-          } else {
-            std::fill(s.hi, s.hi + cols.count, uint16_t{0});
-          }
-          std::fill(s.lo + cols.count, s.lo + padded, uint16_t{0});
-          std::fill(s.hi + cols.count, s.hi + padded, uint16_t{0});
+          TwoRowsAsHalves(rd, s, r0, kc, k, c0, cols.count, padded);
           for (int64_t q = 0; q < per_run; ++q) {
             InterleavePairs(s.lo + q * nr, s.hi + q * nr, nr, panel_u32(q) + k * nr);
           }

@@ -50,7 +50,7 @@ inline size_t PanelBytes(PanelKind kind, int64_t extent, int64_t tile, int64_t k
   return static_cast<size_t>(panels * depth * tile) * 4;
 }
 
-// The rows a packer converts before it scatters them into panels, carved
+// The rows a packer converts before it lays them into panels, carved
 // out of one worker buffer. `width` bounds every row length a pack of this
 // call converts (padded columns, padded rows of a transposed A, kc + 1).
 struct PackScratch {
@@ -58,7 +58,7 @@ struct PackScratch {
   float* f32 = nullptr;   // [width]
   float* tmp = nullptr;   // [width]
   float* zero = nullptr;  // [width], all zero
-  float* rows = nullptr;  // [kTransposeRows * (kc + 1)]
+  float* rows = nullptr;  // [kTransposeRows * (kc + 1)]; pairs: 4 rows of kc + 2 halves
   uint16_t* lo = nullptr;  // [width]
   uint16_t* hi = nullptr;  // [width]
   int64_t width = 0, kc = 0;

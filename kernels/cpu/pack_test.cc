@@ -138,8 +138,9 @@ TEST(Pack, PanelsMatchPlainLoopsOnEveryTarget) {
         // (MR, NR, kc): the register tiles of AVX2, AVX3, the direct kernels,
         // SSE4 and scalar (NR is a power of two: B transposes 8 columns at a
         // time), with odd and even reduction blocks.
-        for (const auto& [mr, nr, kc] : {std::tuple<int64_t, int64_t, int64_t>{6, 16, 37},
-                                         {12, 32, 5}, {12, 32, 18}, {8, 16, 64}, {6, 8, 256}, {4, 2, 1}}) {
+        for (const auto& [mr, nr, kc] :
+             {std::tuple<int64_t, int64_t, int64_t>{6, 16, 37}, {12, 32, 5}, {12, 32, 18},
+              {8, 16, 64}, {6, 8, 256}, {4, 2, 1}, {4, 2, 10}}) {
           SCOPED_TRACE(target.label + " " + k.name +
                        (transposed ? " transposed" : "") + " mr " + std::to_string(mr) + " nr " + std::to_string(nr) +
                        " kc " + std::to_string(kc));
@@ -152,9 +153,15 @@ TEST(Pack, PanelsMatchPlainLoopsOnEveryTarget) {
           std::vector<uint8_t> scratch(PackScratch::Bytes(128 + kc + 1, kc));
           PackScratch s;
           s.Carve(scratch.data(), 128 + kc + 1, kc);
-          // A: the GEMM's (i, r) = source (i0 + i, r0 + r), or transposed.
-          {
-            const int64_t i0 = 3, n_rows = transposed ? 29 : 23, r0 = transposed ? 7 : 11;
+          // A: the GEMM's (i, r) = source (i0 + i, r0 + r), or transposed; once
+          // inside the source and once ending at its last byte (group 1 is the
+          // last: an over-read, e.g. of a bf16 row read in place, leaves the
+          // buffer, which ASan reports).
+          const int64_t n_rows = transposed ? 29 : 23;
+          for (const bool at_end : {false, true}) {
+            SCOPED_TRACE(at_end ? "A at the end of the source" : "A inside the source");
+            const int64_t i0 = !at_end ? 3 : transposed ? cols - n_rows : rows - n_rows;
+            const int64_t r0 = !at_end ? (transposed ? 7 : 11) : transposed ? rows - kc : cols - kc;
             const size_t bytes = PanelBytes(k.panel, n_rows, mr, kc);
             std::vector<uint8_t> ap(bytes + 64, kCanary);
             PackA(op, k.panel, i0, n_rows, r0, kc, mr, ap.data(), s);
