@@ -22,22 +22,24 @@ HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
 namespace HWY_NAMESPACE {
 
-// multiply: `factors` hold reciprocal scales (ScaleArithmetic::kXlaReciprocal).
-// finite (one scale only): every x is finite (the block's amax is), which
-// leaves out the NaN handling (QuantizeVec's kFinite).
-void QuantizeSpan(const float* x, size_t n, const float* factors, bool per_lane,
-                  bool multiply, bool finite, QuantDType dtype, uint8_t* q) {
-#define FP8MOE_Q(D)                                                              \
-  if (per_lane) {                                                                \
-    return multiply ? QuantizeSpanT<D, true, true>(x, n, factors, q)             \
-                    : QuantizeSpanT<D, true, false>(x, n, factors, q);           \
-  }                                                                              \
-  if (finite) {                                                                  \
-    return multiply ? QuantizeSpanT<D, false, true, true>(x, n, factors, q)      \
-                    : QuantizeSpanT<D, false, false, true>(x, n, factors, q);    \
-  }                                                                              \
-  return multiply ? QuantizeSpanT<D, false, true>(x, n, factors, q)              \
-                  : QuantizeSpanT<D, false, false>(x, n, factors, q)
+// q [n] = codes of x [n] (f32 or bf16 bits) by factors[kPerLane ? i : 0]:
+// the run-time choices (format, arithmetic, finite) turned into one
+// instantiation of QuantizeSpanT. multiply: `factors` hold reciprocal scales
+// (ScaleArithmetic::kXlaReciprocal). finite (one scale only): every x is
+// finite (the block's amax is), which leaves out the NaN handling
+// (QuantizeVec's kFinite).
+template <bool kPerLane, class TIn>
+void QuantizeSpanOf(const TIn* x, size_t n, const float* factors, bool multiply, bool finite,
+                    QuantDType dtype, uint8_t* q) {
+#define FP8MOE_Q(D)                                                                       \
+  if constexpr (!kPerLane) {                                                              \
+    if (finite) {                                                                         \
+      return multiply ? QuantizeSpanT<D, false, true, true>(x, n, factors, q)             \
+                      : QuantizeSpanT<D, false, false, true>(x, n, factors, q);           \
+    }                                                                                     \
+  }                                                                                       \
+  return multiply ? QuantizeSpanT<D, kPerLane, true, false>(x, n, factors, q)             \
+                  : QuantizeSpanT<D, kPerLane, false, false>(x, n, factors, q)
   switch (dtype) {
     case QuantDType::kE4M3FN: FP8MOE_Q(QuantDType::kE4M3FN);
     case QuantDType::kE4M3FNUZ: FP8MOE_Q(QuantDType::kE4M3FNUZ);
@@ -48,24 +50,17 @@ void QuantizeSpan(const float* x, size_t n, const float* factors, bool per_lane,
 #undef FP8MOE_Q
 }
 
+// f32 x with one factor or one per lane (per_lane: never finite).
+void QuantizeSpan(const float* x, size_t n, const float* factors, bool per_lane,
+                  bool multiply, bool finite, QuantDType dtype, uint8_t* q) {
+  return per_lane ? QuantizeSpanOf<true>(x, n, factors, multiply, false, dtype, q)
+                  : QuantizeSpanOf<false>(x, n, factors, multiply, finite, dtype, q);
+}
+
 // One scale over bf16 bits x [n] (a GMM's BF16 activation row or block).
 void QuantizeSpanBf16(const uint16_t* x, size_t n, float factor, bool multiply, bool finite,
                       QuantDType dtype, uint8_t* q) {
-#define FP8MOE_Q(D)                                                                       \
-  if (finite) {                                                                           \
-    return multiply ? QuantizeSpanT<D, false, true, true>(x, n, &factor, q)               \
-                    : QuantizeSpanT<D, false, false, true>(x, n, &factor, q);             \
-  }                                                                                       \
-  return multiply ? QuantizeSpanT<D, false, true, false>(x, n, &factor, q)                \
-                  : QuantizeSpanT<D, false, false, false>(x, n, &factor, q)
-  switch (dtype) {
-    case QuantDType::kE4M3FN: FP8MOE_Q(QuantDType::kE4M3FN);
-    case QuantDType::kE4M3FNUZ: FP8MOE_Q(QuantDType::kE4M3FNUZ);
-    case QuantDType::kE5M2: FP8MOE_Q(QuantDType::kE5M2);
-    case QuantDType::kE5M2FNUZ: FP8MOE_Q(QuantDType::kE5M2FNUZ);
-    case QuantDType::kInt8: FP8MOE_Q(QuantDType::kInt8);
-  }
-#undef FP8MOE_Q
+  QuantizeSpanOf<false>(x, n, &factor, multiply, finite, dtype, q);
 }
 
 uint32_t AbsMaxBits(const float* x, size_t n) { return AbsMaxBitsT(x, n); }
