@@ -56,7 +56,7 @@ enum class WorkerSlot : uint8_t {
   kPackA,     // packed A panels
   kPackB,     // packed B panels
   kTileC,     // the C tile finished by an epilogue
-  kPackRows,  // the rows a packer converts before it scatters them
+  kPackRows,  // the rows a packer converts before it lays them into panels
   kEpilogue,  // the rows an epilogue works on
   kCount
 };

@@ -26,6 +26,7 @@
 #include <bit>
 #include <cstring>
 
+#include "fp8moe/numerics.h"
 #include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "numerics/fp8_spec.h"
@@ -33,7 +34,6 @@
 #if HWY_TARGET == HWY_AVX3
 #include <immintrin.h>
 
-#include "fp8moe/numerics.h"
 #ifndef FP8MOE_VBMI_TARGET
 #define FP8MOE_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi")))
 #endif
@@ -388,14 +388,6 @@ HWY_INLINE hn::Vec<DF> LoadBf16AsF32(DF df, const uint16_t* HWY_RESTRICT p) {
   return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, p))));
 }
 
-// One bf16 value as f32 (scalar tails).
-inline float Bf16BitsToF32(uint16_t bits) {
-  const uint32_t b = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
 template <bool kStream>
 void Bf16ToF32SpanT(const uint16_t* HWY_RESTRICT bits,
                     float* HWY_RESTRICT out, size_t n) {
@@ -410,7 +402,7 @@ void Bf16ToF32SpanT(const uint16_t* HWY_RESTRICT bits,
       hn::StoreU(v, df, out + i);
     }
   }
-  for (; i < n; ++i) out[i] = Bf16BitsToF32(bits[i]);
+  for (; i < n; ++i) out[i] = Bf16ToF32(bits[i]);  // numerics.h
   if constexpr (kStream) hwy::FlushStream();
 }
 

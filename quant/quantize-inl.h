@@ -125,7 +125,7 @@ HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const uint16_t* HWY_RESTRICT p) {
   return LoadBf16AsF32(df, p);
 }
 inline float ScalarAsF32(float v) { return v; }
-inline float ScalarAsF32(uint16_t v) { return Bf16BitsToF32(v); }
+inline float ScalarAsF32(uint16_t v) { return Bf16ToF32(v); }
 
 // Codes in i32 lanes (0..255, QuantizeVec) as bytes: U8FromU32 (for values
 // already in range: a byte shuffle and one permute on AVX-512, a shuffle and
