@@ -56,9 +56,24 @@ struct MachineCeilings {
   double read_gbs = 0;    // streaming read of `bytes`
   double memcpy_gbs = 0;  // memcpy of `bytes`, read + written
   size_t bytes = 0;
+  int reps = 0;
+  // How many times they were measured (MeasureMachineCeilings, then
+  // RemeasureCeilings); each value above is the highest of them.
+  int measurements = 0;
+  // Ceilings whose measurements differ by more than 10%, in words ("f32_fma
+  // 263.1 then 501.0 GFLOP/s"): the machine was busy during the lower one.
+  std::vector<std::string> moved;
 };
 // The peaks (~0.2 s each) and both bandwidths over `bytes`-sized buffers.
 MachineCeilings MeasureMachineCeilings(int threads, int reps, size_t bytes);
+// Measures every ceiling of `c` again and keeps the higher value of each. A
+// ceiling is a rate the machine can reach, so the higher is the better
+// estimate: a neighbour that takes a core's pipes or the memory bus for the
+// fraction of a second a peak loop runs pulls one measurement down (seen on a
+// shared Zen 5: f32_fma 264 instead of 500 GFLOP/s, and 'x peak' 1.57 in the
+// table), and rarely both when they are the whole run apart. Benches call it
+// after their timed work and compute ratios after it.
+void RemeasureCeilings(MachineCeilings* c);
 // Lines that say what was measured and how (for a table's notes).
 std::vector<std::string> CeilingNotes(const MachineCeilings& c);
 nlohmann::json CeilingsJson(const MachineCeilings& c);

@@ -58,6 +58,10 @@ def check_ceilings(c, threads):
         assert p["what"] and "registers" in p["what"], name
     assert c["peaks"]["int16_pairs"]["available"]  # every target has vpmaddwd or its emulation
     assert c["read_gbs"] > 0 and c["memcpy_gbs"] > 0
+    # Measured before and after the timed work, the higher of each kept; the
+    # moves over 10% are named.
+    assert c["measurements"] == 2
+    assert all(isinstance(m, str) and " then " in m for m in c["moved"]), c["moved"]
     if "sse2" in cpu_flags():  # x86: the clock comes from rdtsc and an add chain
         assert c["core_ghz"] > 0 and c["tsc_ghz"] > 0
         assert f32["ops_per_cycle"] > 0
