@@ -308,6 +308,14 @@ void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
   }
 }
 
+// Prefetches a C tile of `rows` rows of `cols` f32 (ldc apart) for writing.
+HWY_INLINE void PrefetchTileC(const uint8_t* c, int64_t ldc, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* r = c + i * ldc * 4;
+    for (int64_t b = 0; b < cols * 4; b += 64) __builtin_prefetch(r + b, 1, 3);
+  }
+}
+
 // The packed path's reduction chunk [r0, r0 + kc): pack B, then per block
 // of rows pack A and run every (B panel, A panel) register tile.
 void RunPackedChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip, int64_t r0,
@@ -335,6 +343,14 @@ void RunPackedChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
         const int64_t row = m0 + p * ip.mr;
         const int64_t valid_r = std::min(ip.mr, it.rows - row);
         const uint8_t* apan = w.ap + p * astride;
+        // The tile below this one in the same columns is the next call's C:
+        // rows ldc apart that were last touched a whole sweep of the block
+        // ago (out of L2 for a 512 x 1024 f32 C), and the kernel's first FMA
+        // waits on their loads. Fetching them one call early hides that.
+        if (p + 1 < panels_a) {
+          PrefetchTileC(ip.c + ((row + ip.mr) * ip.ldc + col) * 4, ip.ldc,
+                        std::min(ip.mr, it.rows - row - ip.mr), valid_c);
+        }
         const float* row_scale = TileRowScale(call, it, r0, row, ip.mr, valid_r, rs);
         const float* col_scale = TileColScale(call, it, r0, jq, ip.nr, valid_c, cs);
         FP8MOE_DCHECK(ip.c_in_output ||
