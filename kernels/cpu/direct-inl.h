@@ -9,7 +9,8 @@
 //   kInt8   int8 weights on AVX512-VNNI CPUs, up to MR rows (the same tiles)
 //   kF32    every other target (and f32 weights everywhere), up to 8 rows:
 //           MicroF32Direct in a tile of MR rows x NV vectors of columns with
-//           MR x NV = 8 (1 row x 8 vectors ... 8 rows x 1 vector); native
+//           MR x NV = 8 (1 row x 8 vectors ... 8 rows x 1 vector), 16 on
+//           AVX-512 beyond one row (2 x 8, 4 x 4, 8 x 2); native
 //           fp8 weights decoded raw (3 ops per vector, RowSrc::kRawE4M3FN)
 // Each kernel call walks a strip of columns down a reduction chunk and
 // prefetches its share of the next chunk in memory order (line_walk.h).
@@ -53,16 +54,30 @@ constexpr int64_t kDirectF32Rows = 8;
 constexpr int64_t kMaxDirectNV = 8;
 
 // The f32 direct kernel's tile for an item of `rows` rows: MR rows (the A
-// panel's height) x NV vectors of columns, 8 accumulators, so that an item
-// of one row (decode, one row per expert) does one FMA per weight vector.
+// panel's height) x NV vectors of columns, so that an item of one row
+// (decode, one row per expert) does one FMA per weight vector. 8
+// accumulators cover the FMA latency; targets with 16 vector registers hold
+// no more. AVX-512's 32 take 16 where the item has more than one row: each
+// call then reads a wider piece of every weight row (8 rows: 32 columns, half
+// a line of fp8 codes, where 8 x 1 read a quarter and the four calls that
+// share a line each walked the same rows; rows 4 KiB apart fall in one L1
+// set, so the line was gone by the next call). Decode (8 rows per expert),
+// Zen 5, AVX3: native fp8 was 8% slower than bf16 with 8 x 1.
 struct DirectF32Shape {
   int64_t mr, nv;
 };
-inline DirectF32Shape DirectF32ShapeFor(int64_t rows) {
+constexpr DirectF32Shape DirectF32ShapeFor(int64_t rows) {
+#if HWY_TARGET <= HWY_AVX3
+  if (rows <= 1) return {1, 8};
+  if (rows <= 2) return {2, 8};
+  if (rows <= 4) return {4, 4};
+  return {8, 2};
+#else
   if (rows <= 1) return {1, 8};
   if (rows <= 2) return {2, 4};
   if (rows <= 4) return {4, 2};
   return {8, 1};
+#endif
 }
 
 // Native fp8 (A holds the activation's e4m3 codes, B e4m3 codes without a
@@ -209,6 +224,14 @@ bool RunDirectF32(int64_t mr, int64_t nv, size_t kc, const float* ap, const uint
       return MicroF32Direct<2, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
     case 4 * 16 + 2:
       return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+#if HWY_TARGET <= HWY_AVX3
+    case 2 * 16 + 8:
+      return MicroF32Direct<2, 8, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    case 4 * 16 + 4:
+      return MicroF32Direct<4, 4, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    case 8 * 16 + 2:
+      return MicroF32Direct<8, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+#endif
     default:
       FP8MOE_DCHECK(mr == 8 && nv == 1);
       return MicroF32Direct<8, 1, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
@@ -327,7 +350,7 @@ inline void RunDirectTile(const GemmCall& call, Direct kind, const WorkItem& it,
   float* cf = static_cast<float*>(c);
   if (kind == Direct::kF32) {
     const float* ap = reinterpret_cast<const float*>(apan);
-    if (mr == 8) {
+    if (mr == 8 && DirectF32ShapeFor(8).nv == 1) {
       // One vector per call (8 accumulators); the first pulls the prefetch.
       const size_t lanes = hn::Lanes(hn::ScalableTag<float>());
       for (int64_t h = 0; h < width; ++h) {

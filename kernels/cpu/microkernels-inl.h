@@ -117,8 +117,9 @@ HWY_NOINLINE void MicroF32(size_t kc, const float* HWY_RESTRICT ap,
 // packing. This kernel reads NV vectors of columns of each weight row
 // straight from the source, converts them to f32 in registers, and does MR
 // FMAs with each. MR x NV = 8 accumulators cover the FMA latency whatever the
-// rows (1 row: 8 vectors of columns; 8 rows: 1 vector), so one row per
-// expert costs one FMA per weight vector, not eight. The products and their
+// rows (1 row: 8 vectors of columns; 8 rows: 1 vector; AVX-512 holds 16 and
+// takes 8 rows x 2 vectors, see DirectF32ShapeFor), so one row per expert
+// costs one FMA per weight vector, not eight. The products and their
 // order are those of MicroF32 (one FMA per product, strictly in reduction
 // order from C or zero), so the bits are the packed path's.
 //
