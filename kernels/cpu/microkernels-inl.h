@@ -226,7 +226,7 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
     pf.Step(row, ldb, 1);
     if constexpr (kWatchNaN) {
       // Step by the u8 vector's real width: a CappedTag holds at most kWatch
-      // lanes but fewer on narrow targets (1 on SCALAR, 16 on SSE4/EMU128),
+      // lanes but fewer on narrow targets (1 on SCALAR, 16 on SSE4),
       // and stepping by kWatch there skipped columns.
       for (size_t w = 0; w < NV * N; w += hn::Lanes(d8)) {
         seen = hn::Or(seen, NaNCodeMask<kSrc, kWatch>(row + w));
