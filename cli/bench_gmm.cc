@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -114,6 +115,16 @@ int BenchGmm(const BenchOptions& opt) {
   }
   std::mt19937 rng(7);
   std::vector<Row> rows;
+  // The streaming read, timed among each weight-bound shape's modes: the
+  // memory's speed on these shared machines drifts by 1.5x within a run
+  // (46 -> 72 GB/s between the start and the end of one), so a ceiling
+  // measured apart from the rows it divides can flatter or wrong them.
+  std::unique_ptr<StreamingRead> stream;
+  for (const Shape4& s : shapes) {
+    if (s.weight_bound && stream == nullptr) {
+      stream = std::make_unique<StreamingRead>(size_t{256} << 20, opt.threads);
+    }
+  }
   // Measured here and again after the timed rows (RemeasureCeilings); the
   // ratios are computed after that.
   MachineCeilings ceil = MeasureMachineCeilings(opt.threads, opt.reps, size_t{256} << 20);
@@ -174,14 +185,16 @@ int BenchGmm(const BenchOptions& opt) {
       for (size_t i = 0; i < pending.size(); ++i) {
         const Pending& p = pending[i];
         const double t = best[i];
-        Row r{s.name, p.pass, p.mode, t, flops / t / 1e9, 0};
+        const bool read = p.pass == "read";
+        Row r{s.name, p.pass, p.mode, t, read ? 0.0 : flops / t / 1e9, 0};
         r.arith = ArithOfMode(p.mode);
         r.shape_index = si;
         if (s.weight_bound) r.gbs = p.weight_bytes / t / 1e9;
         rows.push_back(r);
         if (!opt.json) {
-          std::fprintf(stderr, "  %-14s %-5s %-10s %8.2f ms %7.1f GFLOP/s\n", s.name.c_str(),
-                       p.pass.c_str(), p.mode.c_str(), t * 1e3, r.gflops);
+          std::fprintf(stderr, "  %-14s %-5s %-10s %8.2f ms %7.1f %s\n", s.name.c_str(),
+                       p.pass.c_str(), p.mode.c_str(), t * 1e3, read ? r.gbs : r.gflops,
+                       read ? "GB/s" : "GFLOP/s");
         }
       }
       pending.clear();
@@ -208,6 +221,11 @@ int BenchGmm(const BenchOptions& opt) {
     fwd(GmmMode::kFakeQat, x16, wq, &wsv, wn + 2 * (act + outb));
     fwd(GmmMode::kNativeFp8, x16, wq, &wsv, wn + 2 * (act + outb));
     fwd(GmmMode::kInt8, x16, w8, &w8sv, wn + 2 * (act + outb));
+    if (s.weight_bound) {
+      const StreamingRead* sr = stream.get();
+      add("read", "stream", sr->BytesPerRun(), [sr] { sr->Run(false); });
+      add("read", "stream+pf", sr->BytesPerRun(), [sr] { sr->Run(true); });
+    }
     flush();
 
     if (opt.all_passes && !s.weight_bound) {
@@ -250,8 +268,22 @@ int BenchGmm(const BenchOptions& opt) {
   RemeasureCeilings(&ceil);
   const double memcpy_gbs = ceil.memcpy_gbs, read_gbs = ceil.read_gbs;
   const double fma_gflops = ceil.peaks.Get(PeakKind::kF32Fma).gops;
+  // A weight-bound shape's read ceiling: the faster of its own read rows,
+  // and the run's ceiling where it has none.
+  std::vector<double> shape_read(shapes.size(), read_gbs);
+  for (const Row& r : rows) {
+    if (r.pass == "read") shape_read[r.shape_index] = 0;
+  }
+  for (const Row& r : rows) {
+    if (r.pass == "read") shape_read[r.shape_index] = std::max(shape_read[r.shape_index], r.gbs);
+  }
   int above_peak = 0;
   for (Row& r : rows) {
+    if (r.pass == "read") {
+      r.gbs_ratio = r.gbs / memcpy_gbs;
+      r.read_ratio = r.gbs / shape_read[r.shape_index];
+      continue;
+    }
     const Peak& bound = BoundingPeak(ceil.peaks, r.arith);
     r.ratio = r.gflops / (sgemm.trusted ? sgemm.Gflops(sgemm_shapes, r.shape_index) : fma_gflops);
     r.bound = PeakName(bound.kind);
@@ -259,7 +291,7 @@ int BenchGmm(const BenchOptions& opt) {
     r.fma_ratio = r.gflops / fma_gflops;
     if (r.gbs > 0) {
       r.gbs_ratio = r.gbs / memcpy_gbs;
-      r.read_ratio = r.gbs / read_gbs;
+      r.read_ratio = r.gbs / shape_read[r.shape_index];
     }
     above_peak += r.peak_ratio > 1.02 ? 1 : 0;
   }
@@ -271,16 +303,22 @@ int BenchGmm(const BenchOptions& opt) {
                "x peak", "peak", "GB/s", "x memcpy", "x read"};
   nlohmann::json js = nlohmann::json::array();
   for (const Row& r : rows) {
-    t.rows.push_back({r.shape, r.pass, r.mode, Fixed(r.seconds * 1e3, 2), Fixed(r.gflops, 1),
-                      Fixed(r.ratio, 2), Fixed(r.peak_ratio, 2), r.bound,
+    const bool read = r.pass == "read";
+    t.rows.push_back({r.shape, r.pass, r.mode, Fixed(r.seconds * 1e3, 2),
+                      read ? "" : Fixed(r.gflops, 1), read ? "" : Fixed(r.ratio, 2),
+                      read ? "" : Fixed(r.peak_ratio, 2), r.bound,
                       r.gbs > 0 ? Fixed(r.gbs, 1) : "", r.gbs > 0 ? Fixed(r.gbs_ratio, 2) : "",
                       r.gbs > 0 ? Fixed(r.read_ratio, 2) : ""});
+    const nlohmann::json none;
     js.push_back({{"shape", r.shape}, {"pass", r.pass}, {"mode", r.mode}, {"seconds", r.seconds},
-                  {"gflops", r.gflops},
-                  {"ratio_to_sgemm", sgemm.trusted ? nlohmann::json(r.ratio) : nlohmann::json()},
-                  {"bound_peak", r.bound}, {"ratio_to_peak", r.peak_ratio},
-                  {"ratio_to_fma_peak", r.fma_ratio}, {"gbs", r.gbs},
-                  {"ratio_to_memcpy", r.gbs_ratio}, {"ratio_to_read", r.read_ratio}});
+                  {"gflops", read ? none : nlohmann::json(r.gflops)},
+                  {"ratio_to_sgemm", sgemm.trusted && !read ? nlohmann::json(r.ratio) : none},
+                  {"bound_peak", read ? none : nlohmann::json(r.bound)},
+                  {"ratio_to_peak", read ? none : nlohmann::json(r.peak_ratio)},
+                  {"ratio_to_fma_peak", read ? none : nlohmann::json(r.fma_ratio)},
+                  {"gbs", r.gbs}, {"ratio_to_memcpy", r.gbs_ratio},
+                  {"ratio_to_read", r.read_ratio},
+                  {"read_ceiling_gbs", r.gbs > 0 ? nlohmann::json(shape_read[r.shape_index]) : none}});
   }
   t.notes.push_back("sgemm rows: dense [valid rows, K] x [K, N], the same FLOPs as the shape; "
                     "their 'x peak' is sgemm / f32 FMA peak (a good sgemm reaches 0.7-0.95)");
@@ -294,6 +332,12 @@ int BenchGmm(const BenchOptions& opt) {
                       "the 'x peak' column is not to be trusted in this run, rerun it");
   }
   t.notes.push_back("decode GB/s counts weight (stored type) + activations + output");
+  if (stream != nullptr) {
+    t.notes.push_back("read rows: the streaming read of a " + SizeText(size_t{256} << 20) +
+                      " buffer (plain; with a prefetch 4 KiB ahead), timed in the same rounds "
+                      "as the shape's modes; 'x read' of the shape's rows is over the faster of "
+                      "the two (the run's read ceiling above can differ: memory speed drifts)");
+  }
   // The decode question: how much faster is reading fp8 weights than bf16.
   // The time of one row (0 when the run has no such row).
   auto seconds_of = [&](const std::string& shape, const std::string& pass, const std::string& mode) {
@@ -339,7 +383,9 @@ int BenchGmm(const BenchOptions& opt) {
     if (pair_gflops > 0) {
       const double flops = 2.0 * static_cast<double>(s.m) * s.k * s.n;
       const double native_floor = flops / (pair_gflops * 1e9);
-      const double bf16_floor = 2.0 * static_cast<double>(s.e) * s.k * s.n / (read_gbs * 1e9);
+      const size_t si = static_cast<size_t>(&s - shapes.data());
+      const double bf16_floor =
+          2.0 * static_cast<double>(s.e) * s.k * s.n / (shape_read[si] * 1e9);
       t.notes.push_back(s.name + " floors: native_fp8 >= " + Fixed(native_floor * 1e3, 2) +
                         " ms (FLOPs at the best bf16-mode rate, " + Fixed(pair_gflops, 0) +
                         " GFLOP/s, " + pair_where + "); bf16 >= " + Fixed(bf16_floor * 1e3, 2) +

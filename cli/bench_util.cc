@@ -107,32 +107,40 @@ uint64_t ReadPass(const uint64_t* src, size_t b, size_t e) {
 
 }  // namespace
 
+StreamingRead::StreamingRead(size_t bytes, int threads)
+    : buffer_(MustCreate(DType::kU8, {static_cast<int64_t>(bytes)})),
+      bytes_(bytes),
+      threads_(threads),
+      passes_(PassesFor(bytes)) {
+  std::memset(buffer_.data(), 1, bytes);
+}
+
+void StreamingRead::Run(bool prefetch) const {
+  const uint64_t* src = buffer_.data_as<uint64_t>();
+  const size_t words = bytes_ / 8;
+  uint64_t total = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : total)
+  {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const size_t per = (words / static_cast<size_t>(nt)) & ~size_t{7};
+    const size_t b = per * static_cast<size_t>(id);
+    const size_t e = id == nt - 1 ? words : b + per;
+    for (size_t p = 0; p < passes_; ++p) {
+      asm volatile("" ::: "memory");  // every pass reads the buffer again
+      total += prefetch ? ReadPass<512>(src, b, e) : ReadPass<0>(src, b, e);
+    }
+  }
+  static volatile uint64_t sink = 0;
+  sink = sink + total;
+}
+
 double ReadGBs(size_t bytes, int threads, int reps) {
-  Tensor src_t = MustCreate(DType::kU8, {static_cast<int64_t>(bytes)});
-  uint64_t* src = src_t.data_as<uint64_t>();
-  std::memset(src, 1, bytes);
-  const size_t words = bytes / 8;
-  volatile uint64_t sink = 0;
-  const size_t passes = PassesFor(bytes);
+  const StreamingRead read(bytes, threads);
   // The best of the plain loop and the prefetching one (alternated runs).
   double best = 0;
   for (bool prefetch : {false, true, false, true}) {
-    const double t = BestSeconds(std::max(reps, 3), [&] {
-      uint64_t total = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-      {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const size_t per = (words / static_cast<size_t>(nt)) & ~size_t{7};
-        const size_t b = per * static_cast<size_t>(id);
-        const size_t e = id == nt - 1 ? words : b + per;
-        for (size_t p = 0; p < passes; ++p) {
-          asm volatile("" ::: "memory");  // every pass reads the buffer again
-          total += prefetch ? ReadPass<512>(src, b, e) : ReadPass<0>(src, b, e);
-        }
-      }
-      sink = sink + total;
-    });
-    best = std::max(best, static_cast<double>(bytes * passes) / t / 1e9);
+    const double t = BestSeconds(std::max(reps, 3), [&] { read.Run(prefetch); });
+    best = std::max(best, read.BytesPerRun() / t / 1e9);
   }
   return best;
 }

@@ -49,6 +49,24 @@ double MemcpyGBs(size_t bytes, int threads, int reps);
 // Runs and passes as for MemcpyGBs.
 double ReadGBs(size_t bytes, int threads, int reps);
 
+// The loop ReadGBs times, on a buffer of its own, for benches that time it
+// among their own rows (a bandwidth that drifts over a run then falls on the
+// kernel and its ceiling alike).
+class StreamingRead {
+ public:
+  StreamingRead(size_t bytes, int threads);
+  // One timed run: the buffer read PassesFor(bytes) times, plain or with a
+  // software prefetch 4 KiB ahead (the best of the two is the ceiling).
+  void Run(bool prefetch) const;
+  double BytesPerRun() const { return static_cast<double>(bytes_ * passes_); }
+
+ private:
+  Tensor buffer_;
+  size_t bytes_;
+  int threads_;
+  size_t passes_;
+};
+
 // Every ceiling a benchmark compares with, measured in its own run with its
 // own thread count.
 struct MachineCeilings {

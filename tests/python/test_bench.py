@@ -92,6 +92,19 @@ def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
     assert shape["gflops"] <= 1.2 * fma, (shape["gflops"], fma)
 
     rows = j["rows"]
+    # The streaming read timed among the decode shape's modes: its faster
+    # run is the read ceiling of that shape's rows.
+    reads = [r for r in rows if r["pass"] == "read"]
+    assert {r["mode"] for r in reads} == {"stream", "stream+pf"}
+    ceiling = max(r["gbs"] for r in reads)
+    for r in reads:
+        assert r["gflops"] is None and r["bound_peak"] is None and r["ratio_to_sgemm"] is None
+        assert r["ratio_to_read"] == pytest.approx(r["gbs"] / ceiling, rel=1e-9)
+    rows = [r for r in rows if r["pass"] != "read"]
+    for r in rows:
+        if r["mode"] != "openblas":
+            assert r["gbs"] > 0 and r["read_ceiling_gbs"] == ceiling, r
+            assert r["ratio_to_read"] == pytest.approx(r["gbs"] / ceiling, rel=1e-9), r
     modes = {r["mode"] for r in rows}
     assert {"openblas", "f32", "bf16", "fake_qat", "native_fp8", "int8"} <= modes
     for r in rows:
