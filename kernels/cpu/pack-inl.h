@@ -331,6 +331,23 @@ inline void PairRowsInto(const RowReader& rd, const PackScratch& s, int64_t firs
   }
 }
 
+// B's column panels (fwd and TGMM) convert source row r0 + k (f32) or rows
+// r0 + 2k and r0 + 2k + 1 (pairs) at step k; this pulls the rows of step
+// k + 4 towards L1 meanwhile. A row's piece is only `count` elements every
+// ld bytes, and perf put the packer's time on its loads: with it, train-fill
+// wi forward 3% faster (bf16 on AVX3_SPR, f32 on AVX3; Zen 5, a driver
+// alternated 8 and 6 times), AVX2 unchanged. (In TGMM's A panels, which
+// are built the same way, it measured nothing: 0.99-1.02, not taken.)
+inline void PrefetchStepAhead(const RowReader& rd, PanelKind kind, int64_t r0, int64_t kc,
+                              int64_t k, int64_t c0, int64_t count) {
+  constexpr int64_t kAhead = 4;
+  const int64_t rows_per_step = kind == PanelKind::kF32 ? 1 : 2;
+  for (int64_t t = 0; t < rows_per_step; ++t) {
+    const int64_t r = (k + kAhead) * rows_per_step + t;
+    if (r < kc) rd.Prefetch(r0 + r, c0, count);
+  }
+}
+
 // Pair row k of a panel whose columns are source columns [c0, c0 + count)
 // (B in fwd and TGMM, A in TGMM): source rows r0 + 2k and r0 + 2k + 1 (zero
 // past kc) converted into s.lo and s.hi, both zero from count to padded.
@@ -440,6 +457,7 @@ inline int64_t PackBT(const Operand& b, PanelKind kind, int64_t r0, int64_t kc,
       // once and copy NR-wide pieces into the panels.
       FP8MOE_DCHECK(padded <= s.width);
       for (int64_t k = 0; k < step; ++k) {
+        PrefetchStepAhead(rd, kind, r0, kc, k, c0, cols.count);
         if (kind == PanelKind::kF32) {
           const float* row = rd.F32InPlace(r0 + k, c0);
           if (row == nullptr) {
