@@ -156,32 +156,43 @@ MachineCeilings MeasureMachineCeilings(int threads, int reps, size_t bytes) {
   return c;
 }
 
-void RemeasureCeilings(MachineCeilings* c) {
-  const MachineCeilings again = MeasureMachineCeilings(c->peaks.threads, c->reps, c->bytes);
-  // Whether `now` beats `kept`; a move of more than 10% either way is noted.
-  auto higher = [&](const std::string& name, const char* unit, double kept, double now) {
-    const double lo = std::min(kept, now), hi = std::max(kept, now);
+void MergeCeilings(MachineCeilings* kept, const MachineCeilings& again) {
+  // Whether `now` beats `was`; a move of more than 10% either way is noted.
+  auto higher = [&](const std::string& name, const char* unit, double was, double now) {
+    const double lo = std::min(was, now), hi = std::max(was, now);
     if (lo > 0 && hi > 1.1 * lo) {
-      c->moved.push_back(name + " " + Fixed(kept, 1) + " then " + Fixed(now, 1) + " " + unit);
+      kept->moved.push_back(name + " " + Fixed(was, 1) + " then " + Fixed(now, 1) + " " + unit);
     }
-    return now > kept;
+    return now > was;
   };
-  for (size_t k = 0; k < c->peaks.peaks.size(); ++k) {
-    Peak& p = c->peaks.peaks[k];
+  MachinePeaks& m = kept->peaks;
+  for (size_t k = 0; k < m.peaks.size() && k < again.peaks.peaks.size(); ++k) {
+    Peak& p = m.peaks[k];
     const Peak& q = again.peaks.peaks[k];
     const bool flt = p.kind == PeakKind::kF32Fma || p.kind == PeakKind::kBf16Dot;
     if (higher(PeakName(p.kind), flt ? "GFLOP/s" : "GOP/s", p.gops, q.gops)) p = q;
   }
-  // ops per cycle over the higher of the two clocks (the one less disturbed)
-  if (again.peaks.core_ghz > c->peaks.core_ghz) c->peaks.core_ghz = again.peaks.core_ghz;
-  for (Peak& p : c->peaks.peaks) {
-    if (p.gops > 0 && c->peaks.core_ghz > 0) {
-      p.ops_per_cycle = p.gops / (c->peaks.core_ghz * c->peaks.threads);
-    }
+  // The clock of the measurement whose f32 FMA peak was kept (the table
+  // holds that peak against 2 pipes x this clock), and every peak's ops per
+  // cycle over it.
+  const bool f32_again = m.Get(PeakKind::kF32Fma).gops == again.peaks.Get(PeakKind::kF32Fma).gops &&
+                         again.peaks.Get(PeakKind::kF32Fma).gops > 0;
+  if (f32_again) {
+    m.core_ghz = again.peaks.core_ghz;
+    m.tsc_ghz = again.peaks.tsc_ghz;
   }
-  if (higher("streaming read", "GB/s", c->read_gbs, again.read_gbs)) c->read_gbs = again.read_gbs;
-  if (higher("memcpy", "GB/s", c->memcpy_gbs, again.memcpy_gbs)) c->memcpy_gbs = again.memcpy_gbs;
-  ++c->measurements;
+  for (Peak& p : m.peaks) {
+    p.ops_per_cycle = p.gops > 0 && m.core_ghz > 0 ? p.gops / (m.core_ghz * m.threads) : 0.0;
+  }
+  if (higher("streaming read", "GB/s", kept->read_gbs, again.read_gbs)) kept->read_gbs = again.read_gbs;
+  if (higher("memcpy", "GB/s", kept->memcpy_gbs, again.memcpy_gbs)) {
+    kept->memcpy_gbs = again.memcpy_gbs;
+  }
+  kept->measurements += again.measurements;
+}
+
+void RemeasureCeilings(MachineCeilings* c) {
+  MergeCeilings(c, MeasureMachineCeilings(c->peaks.threads, c->reps, c->bytes));
 }
 
 std::vector<std::string> CeilingNotes(const MachineCeilings& c) {
@@ -192,8 +203,9 @@ std::vector<std::string> CeilingNotes(const MachineCeilings& c) {
                   std::to_string(m.Get(PeakKind::kF32Fma).loop.chains) +
                   " independent vector accumulators with one instruction, no loads or stores; "
                   "each thread's rate from its own CPU time, best of 40 runs" +
-                  (c.measurements > 1 ? std::string("; every ceiling measured at the start and "
-                                                     "again at the end of the run, the higher kept")
+                  (c.measurements > 1 ? std::string("; these peaks and the bandwidths measured at "
+                                                     "the start and again at the end of the run, "
+                                                     "the higher of each kept")
                                        : std::string()));
   if (!c.moved.empty()) {
     std::string line = "  ceilings that moved by more than 10% between the two (the machine was "

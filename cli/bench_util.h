@@ -92,6 +92,11 @@ MachineCeilings MeasureMachineCeilings(int threads, int reps, size_t bytes);
 // table), and rarely both when they are the whole run apart. Benches call it
 // after their timed work and compute ratios after it.
 void RemeasureCeilings(MachineCeilings* c);
+// RemeasureCeilings' bookkeeping: each peak and bandwidth of `again` that is
+// higher replaces the kept one; moves over 10% either way are added to
+// kept->moved; the core clock follows the kept f32 FMA peak's measurement
+// and every peak's ops per cycle is recomputed over it.
+void MergeCeilings(MachineCeilings* kept, const MachineCeilings& again);
 // Lines that say what was measured and how (for a table's notes).
 std::vector<std::string> CeilingNotes(const MachineCeilings& c);
 nlohmann::json CeilingsJson(const MachineCeilings& c);

@@ -436,8 +436,9 @@ TEST(Gmm, SmallGroupsMatchReference) {
 }
 
 // Items of up to 8 rows, up to 12 rows and more rows take different kernels
-// (on AVX2: MicroF32Direct in tiles of 1x8, 2x4, 4x2 and 8x1 vectors, with
-// native fp8 weights decoded raw, and the packed kernel; on bf16-pair CPUs
+// (on AVX2: MicroF32Direct in tiles of 1x8, 2x4, 4x2 and 8x1 vectors, on
+// AVX3 1x8, 2x4, 4x4 (fp8) or 4x2 and 8x2, with native fp8 weights decoded
+// raw, and the packed kernel; on bf16-pair CPUs
 // byte-table fp8 decode, u16 decode, packed panels); the reduction order is
 // the same, so the bits must be too.
 TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {

@@ -9,8 +9,8 @@
 //   kInt8   int8 weights on AVX512-VNNI CPUs, up to MR rows (the same tiles)
 //   kF32    every other target (and f32 weights everywhere), up to 8 rows:
 //           MicroF32Direct in a tile of MR rows x NV vectors of columns with
-//           MR x NV = 8 (1 row x 8 vectors ... 8 rows x 1 vector), 16 on
-//           AVX-512 beyond one row (2 x 8, 4 x 4, 8 x 2); native
+//           MR x NV = 8 (1 row x 8 vectors ... 8 rows x 1 vector); on
+//           AVX-512 8 x 2, and 4 x 4 for fp8 (DirectF32ShapeFor); native
 //           fp8 weights decoded raw (3 ops per vector, RowSrc::kRawE4M3FN)
 // Each kernel call walks a strip of columns down a reduction chunk and
 // prefetches its share of the next chunk in memory order (line_walk.h).
@@ -53,32 +53,41 @@ constexpr int64_t kDirectF32Rows = 8;
 // The widest strip a direct kernel call covers, in vectors of columns.
 constexpr int64_t kMaxDirectNV = 8;
 
-// The f32 direct kernel's tile for an item of `rows` rows: MR rows (the A
-// panel's height) x NV vectors of columns, so that an item of one row
-// (decode, one row per expert) does one FMA per weight vector. 8
-// accumulators cover the FMA latency; targets with 16 vector registers hold
-// no more. AVX-512's 32 take 16 where the item has more than one row: each
-// call then reads a wider piece of every weight row (8 rows: 32 columns, half
-// a line of fp8 codes, where 8 x 1 read a quarter and the four calls that
-// share a line each walked the same rows; rows 4 KiB apart fall in one L1
-// set, so the line was gone by the next call). Decode (8 rows per expert),
-// Zen 5, AVX3: native fp8 was 8% slower than bf16 with 8 x 1.
+// The f32 direct kernel's tile for an item of `rows` rows of a weight of
+// `esize`-byte elements: MR rows (the A panel's height) x NV vectors of
+// columns, so that an item of one row (decode, one row per expert) does one
+// FMA per weight vector. 8 accumulators cover the FMA latency; targets with
+// 16 vector registers hold no more. A call walks its strip down the chunk's
+// weight rows, and rows 4 KiB apart all fall in one L1 set, so a line a call
+// reads only part of is gone before the next call that shares it comes by:
+// AVX-512's 32 registers hold 16 accumulators, and there a tile reads a whole
+// line of each row where 8 would read less (8 rows: 8 x 2, 32 columns, where
+// 8 x 1 read a quarter line of fp8 codes; 4 rows of fp8: 4 x 4). Wider than a
+// line measured slower (Zen 5, AVX3, a driver alternated 8 times: 2 rows of
+// fp8 as 2 x 8 1.11x the time of 2 x 4, 4 rows of bf16 as 4 x 4 1.10x of
+// 4 x 2); decode (8 rows per expert): native 5.67 -> 2.83 ms, bf16 6.05 ->
+// 3.40 ms with 8 x 2.
 struct DirectF32Shape {
   int64_t mr, nv;
 };
-constexpr DirectF32Shape DirectF32ShapeFor(int64_t rows) {
-#if HWY_TARGET <= HWY_AVX3
-  if (rows <= 1) return {1, 8};
-  if (rows <= 2) return {2, 8};
-  if (rows <= 4) return {4, 4};
-  return {8, 2};
-#else
+constexpr DirectF32Shape DirectF32ShapeFor(int64_t rows, int64_t esize) {
   if (rows <= 1) return {1, 8};
   if (rows <= 2) return {2, 4};
+#if HWY_TARGET <= HWY_AVX3
+  if (rows <= 4) return {4, esize == 1 ? 4 : 2};
+  return {8, 2};
+#else
+  (void)esize;
   if (rows <= 4) return {4, 2};
   return {8, 1};
 #endif
 }
+// Every tile fits the widest strip the edge copy and the prefetch plan take
+// (kMaxDirectNV) and the target's registers.
+static_assert(DirectF32ShapeFor(1, 4).nv <= kMaxDirectNV && DirectF32ShapeFor(2, 1).nv <= kMaxDirectNV &&
+              DirectF32ShapeFor(4, 1).nv <= kMaxDirectNV && DirectF32ShapeFor(8, 1).nv <= kMaxDirectNV);
+static_assert(DirectF32ShapeFor(8, 1).mr * DirectF32ShapeFor(8, 1).nv <= (HWY_TARGET <= HWY_AVX3 ? 16 : 8) &&
+              DirectF32ShapeFor(4, 1).mr * DirectF32ShapeFor(4, 1).nv <= (HWY_TARGET <= HWY_AVX3 ? 16 : 8));
 
 // Native fp8 (A holds the activation's e4m3 codes, B e4m3 codes without a
 // scale): the direct kernel decodes B raw (microkernels-inl.h, RowSrc).
@@ -213,6 +222,9 @@ template <RowSrc kSrc>
 bool RunDirectF32(int64_t mr, int64_t nv, size_t kc, const float* ap, const uint8_t* src,
                   size_t ldb, float* c, size_t ldc, bool load_c, const float* row_scale,
                   float post, const DirectPrefetch& pf) {
+  // The tiles DirectF32ShapeFor gives and, where a run has fewer vectors
+  // left than the tile's NV, the kNV-wide strips DirectF32StripWidth falls
+  // back to.
   switch (mr * 16 + nv) {
     case 1 * 16 + 8:
       return MicroF32Direct<1, 8, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
@@ -222,19 +234,21 @@ bool RunDirectF32(int64_t mr, int64_t nv, size_t kc, const float* ap, const uint
       return MicroF32Direct<2, 4, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
     case 2 * 16 + 2:
       return MicroF32Direct<2, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
-    case 4 * 16 + 2:
-      return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
 #if HWY_TARGET <= HWY_AVX3
-    case 2 * 16 + 8:
-      return MicroF32Direct<2, 8, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
     case 4 * 16 + 4:
       return MicroF32Direct<4, 4, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
-    case 8 * 16 + 2:
+    case 4 * 16 + 2:
+      return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    default:
+      FP8MOE_DCHECK(mr == 8 && nv == 2);
       return MicroF32Direct<8, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
-#endif
+#else
+    case 4 * 16 + 2:
+      return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
     default:
       FP8MOE_DCHECK(mr == 8 && nv == 1);
       return MicroF32Direct<8, 1, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+#endif
   }
 }
 
@@ -350,8 +364,10 @@ inline void RunDirectTile(const GemmCall& call, Direct kind, const WorkItem& it,
   float* cf = static_cast<float*>(c);
   if (kind == Direct::kF32) {
     const float* ap = reinterpret_cast<const float*>(apan);
-    if (mr == 8 && DirectF32ShapeFor(8).nv == 1) {
-      // One vector per call (8 accumulators); the first pulls the prefetch.
+#if HWY_TARGET > HWY_AVX3
+    if (mr == 8) {
+      // One vector per call (8 x 1, 8 accumulators) over the kNV-wide strip;
+      // the first call pulls the prefetch.
       const size_t lanes = hn::Lanes(hn::ScalableTag<float>());
       for (int64_t h = 0; h < width; ++h) {
         DirectPrefetch one = pf;
@@ -378,6 +394,7 @@ inline void RunDirectTile(const GemmCall& call, Direct kind, const WorkItem& it,
       }
       return;
     }
+#endif
     const int64_t nv = width;
     switch (call.b.kind) {
       case internal::SrcKind::kF32:

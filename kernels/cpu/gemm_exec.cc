@@ -179,7 +179,7 @@ ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, cons
   // A panel as tall as the item's direct tile: the f32 direct kernel's rows
   // (DirectF32Shape), the pair and int8 direct kernels' (DirectPairsShape);
   // packed items take the microkernel's MR.
-  ip.f32_shape = DirectF32ShapeFor(it.rows);
+  ip.f32_shape = DirectF32ShapeFor(it.rows, static_cast<int64_t>(call.b.ElementBytes()));
   ip.pairs_shape = DirectPairsShapeFor(it.rows);
   ip.raw_fp8 = ip.direct == Direct::kF32 && RawFp8(call);
   ip.mr = ip.direct == Direct::kF32                                   ? ip.f32_shape.mr
@@ -311,8 +311,7 @@ void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
 // Prefetches a C tile of `rows` rows of `cols` f32 (ldc apart) for writing.
 HWY_INLINE void PrefetchTileC(const uint8_t* c, int64_t ldc, int64_t rows, int64_t cols) {
   for (int64_t i = 0; i < rows; ++i) {
-    const uint8_t* r = c + i * ldc * 4;
-    for (int64_t b = 0; b < cols * 4; b += 64) __builtin_prefetch(r + b, 1, 3);
+    internal::PrefetchLines</*kRw=*/1>(c + i * ldc * 4, static_cast<size_t>(cols) * 4);
   }
 }
 

@@ -17,6 +17,19 @@
 
 namespace fp8moe::internal {
 
+// Prefetches every cache line of [p, p + bytes), from the line of its first
+// byte to that of its last (an unaligned piece spans one line more than
+// bytes / 64). `rw`: 0 to read, 1 to write.
+template <int kRw = 0>
+inline void PrefetchLines(const void* p, size_t bytes) {
+  if (bytes == 0) return;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
+  for (uintptr_t line = first; line <= last; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), kRw, 3);
+  }
+}
+
 struct LineWalk {
   // The block: rows `ld` bytes apart; each row holds `nseg` segments of
   // `seg_lines` lines, segment s starting s * seg_delta bytes after segment 0.

@@ -118,7 +118,7 @@ HWY_NOINLINE void MicroF32(size_t kc, const float* HWY_RESTRICT ap,
 // straight from the source, converts them to f32 in registers, and does MR
 // FMAs with each. MR x NV = 8 accumulators cover the FMA latency whatever the
 // rows (1 row: 8 vectors of columns; 8 rows: 1 vector; AVX-512 holds 16 and
-// takes 8 rows x 2 vectors, see DirectF32ShapeFor), so one row per expert
+// takes 8 x 2, and 4 x 4 for fp8: DirectF32ShapeFor), so one row per expert
 // costs one FMA per weight vector, not eight. The products and their
 // order are those of MicroF32 (one FMA per product, strictly in reduction
 // order from C or zero), so the bits are the packed path's.

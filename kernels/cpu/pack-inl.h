@@ -16,6 +16,7 @@
 #include "base/check.h"
 #include "fp8moe/numerics.h"
 #include "hwy/highway.h"
+#include "kernels/cpu/line_walk.h"
 #include "kernels/cpu/pack.h"
 #include "numerics/convert-inl.h"
 
@@ -47,13 +48,7 @@ class RowReader {
   // native GMMs' A panels stalled the packing).
   void Prefetch(int64_t r, int64_t c0, int64_t n) const {
     if (n <= 0) return;
-    // Every line the piece touches, from the line of its first byte to that
-    // of its last (an unaligned piece spans one line more than bytes / 64).
-    const uintptr_t first = reinterpret_cast<uintptr_t>(At(r, c0)) & ~uintptr_t{63};
-    const uintptr_t last = reinterpret_cast<uintptr_t>(At(r, c0)) + static_cast<uintptr_t>(n * esize_) - 1;
-    for (uintptr_t line = first; line <= last; line += 64) {
-      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
-    }
+    internal::PrefetchLines(At(r, c0), static_cast<size_t>(n * esize_));
   }
 
   // Row r from column c0 in place when the source already holds f32 (no

@@ -65,6 +65,9 @@ def check_ceilings(c, threads):
     if "sse2" in cpu_flags():  # x86: the clock comes from rdtsc and an add chain
         assert c["core_ghz"] > 0 and c["tsc_ghz"] > 0
         assert f32["ops_per_cycle"] > 0
+        for name, p in c["peaks"].items():  # over the clock kept with them
+            assert p["ops_per_cycle"] == pytest.approx(
+                p["gops"] / (c["core_ghz"] * threads) if p["available"] else 0, rel=1e-9), name
         assert c["f32_fma_two_pipe_estimate_gflops"] == pytest.approx(
             2 * f32["ops_per_instruction"] * c["core_ghz"] * threads, rel=1e-9)
 
@@ -137,8 +140,11 @@ def test_gmm_native_time_ratios_are_of_its_rows(fp8moe_bin):
         secs[("fwd", "native_fp8")] / secs[("fwd", "bf16")], rel=1e-9)
     assert t["native_dlhs_over_fake_qat_dlhs"] == pytest.approx(
         secs[("dlhs", "native")] / secs[("dlhs", "fake_qat")], rel=1e-9)
-    # Every pass's modes ran (the interleaved queue lost none).
+    # Every pass's modes ran (the interleaved queue lost none); a compute-bound
+    # shape has no read rows and no read ceiling.
     assert {m for p, m in secs if p == "tgmm"} == {"f32", "bf16", "fp8_full", "fp8_inkern"}
+    assert "read" not in {p for p, m in secs}
+    assert all(r["read_ceiling_gbs"] is None for r in j["rows"])
     assert {m for p, m in secs if p == "dlhs"} == {"f32", "bf16", "native", "fake_qat"}
 
 
