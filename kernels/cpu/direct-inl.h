@@ -234,17 +234,15 @@ bool RunDirectF32(int64_t mr, int64_t nv, size_t kc, const float* ap, const uint
       return MicroF32Direct<2, 4, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
     case 2 * 16 + 2:
       return MicroF32Direct<2, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
+    case 4 * 16 + 2:
+      return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
 #if HWY_TARGET <= HWY_AVX3
     case 4 * 16 + 4:
       return MicroF32Direct<4, 4, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
-    case 4 * 16 + 2:
-      return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
     default:
       FP8MOE_DCHECK(mr == 8 && nv == 2);
       return MicroF32Direct<8, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
 #else
-    case 4 * 16 + 2:
-      return MicroF32Direct<4, 2, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
     default:
       FP8MOE_DCHECK(mr == 8 && nv == 1);
       return MicroF32Direct<8, 1, kSrc>(kc, ap, src, ldb, c, ldc, load_c, row_scale, post, pf);
