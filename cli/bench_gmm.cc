@@ -270,13 +270,11 @@ int BenchGmm(const BenchOptions& opt) {
   const double fma_gflops = ceil.peaks.Get(PeakKind::kF32Fma).gops;
   // A weight-bound shape's read ceiling: the faster of its own read rows,
   // and the run's ceiling where it has none.
-  std::vector<double> shape_read(shapes.size(), read_gbs);
-  for (const Row& r : rows) {
-    if (r.pass == "read") shape_read[r.shape_index] = 0;
-  }
+  std::vector<double> shape_read(shapes.size(), 0.0);
   for (const Row& r : rows) {
     if (r.pass == "read") shape_read[r.shape_index] = std::max(shape_read[r.shape_index], r.gbs);
   }
+  for (double& g : shape_read) g = g > 0 ? g : read_gbs;
   int above_peak = 0, above_read = 0;
   for (Row& r : rows) {
     if (r.pass == "read") {

@@ -166,17 +166,19 @@ void MergeCeilings(MachineCeilings* kept, const MachineCeilings& again) {
     return now > was;
   };
   MachinePeaks& m = kept->peaks;
+  bool f32_again = false;  // the f32 FMA peak kept is the second measurement's
   for (size_t k = 0; k < m.peaks.size() && k < again.peaks.peaks.size(); ++k) {
     Peak& p = m.peaks[k];
     const Peak& q = again.peaks.peaks[k];
     const bool flt = p.kind == PeakKind::kF32Fma || p.kind == PeakKind::kBf16Dot;
-    if (higher(PeakName(p.kind), flt ? "GFLOP/s" : "GOP/s", p.gops, q.gops)) p = q;
+    if (higher(PeakName(p.kind), flt ? "GFLOP/s" : "GOP/s", p.gops, q.gops)) {
+      p = q;
+      f32_again = f32_again || p.kind == PeakKind::kF32Fma;
+    }
   }
   // The clock of the measurement whose f32 FMA peak was kept (the table
   // holds that peak against 2 pipes x this clock), and every peak's ops per
   // cycle over it.
-  const bool f32_again = m.Get(PeakKind::kF32Fma).gops == again.peaks.Get(PeakKind::kF32Fma).gops &&
-                         again.peaks.Get(PeakKind::kF32Fma).gops > 0;
   if (f32_again) {
     m.core_ghz = again.peaks.core_ghz;
     m.tsc_ghz = again.peaks.tsc_ghz;

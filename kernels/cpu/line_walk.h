@@ -19,7 +19,7 @@ namespace fp8moe::internal {
 
 // Prefetches every cache line of [p, p + bytes), from the line of its first
 // byte to that of its last (an unaligned piece spans one line more than
-// bytes / 64). `rw`: 0 to read, 1 to write.
+// bytes / 64). kRw: 0 to read, 1 to write.
 template <int kRw = 0>
 inline void PrefetchLines(const void* p, size_t bytes) {
   if (bytes == 0) return;
