@@ -76,9 +76,11 @@ int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // put a register tile's 12 rows in the same few L1 sets, where they evict
 // each other and the B panel; an odd multiple of 256 bytes spreads 16
 // consecutive rows over distinct 256-byte offsets of a page. Measured (Zen 5,
-// one process alternating both 12 times): train-fill wi forward f32 on AVX3
-// 0.96-0.97 of the time, its dLHS from fp8 codes on AVX3_SPR 0.95-0.96;
-// shapes whose stride was not a multiple of 4 KiB unchanged (0.99-1.02).
+// one process alternating both 8-12 times): train-fill wi forward f32 on
+// AVX3 0.96-0.97 of the time, its dLHS from fp8 codes on AVX3_SPR 0.95-0.96.
+// C written straight into an f32 output (kAccumulateF32) keeps the output's
+// stride: a padded scratch tile copied out at the end measured 0.99-1.03
+// there (train-fill wo forward, train-fill wi TGMM), so it was not taken.
 int64_t ScratchLdc(int64_t cols) {
   const int64_t blocks = (cols + 63) / 64;
   return (blocks | 1) * 64;
