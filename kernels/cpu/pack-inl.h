@@ -221,15 +221,22 @@ HWY_INLINE void Transpose8x8(const float* const* src, int64_t k, float* dst, int
 }
 #endif
 
+// Four rows of 32-bit words (floats, or bf16 pairs), words k..k+3 of each,
+// transposed in 128-bit registers: dst[j * ld + t] = word k + j of row t.
+// Byte pointers: a bf16 row read in place is only 2-byte aligned. Eight
+// shuffles and four 16-byte stores for 16 words, where a scalar scatter took
+// a load and a store per word (for pairs also a shift and an or: it was ~8%
+// of a bf16 forward).
 #if HWY_TARGET != HWY_SCALAR
-// dst[i * ld + t] = src[t][k + i] for t, i < 4: eight shuffles in 128-bit
-// vectors.
-HWY_INLINE void Transpose4x4(const float* const* src, int64_t k, float* dst, int64_t ld) {
-  const hn::FixedTag<float, 4> d;
+HWY_INLINE void Transpose4x4Words(const uint8_t* const* src, int64_t k, uint32_t* dst,
+                                  int64_t ld) {
+  const hn::FixedTag<uint8_t, 16> d8;
+  const hn::FixedTag<uint32_t, 4> d;
   const hn::Repartition<uint64_t, decltype(d)> d64;
-  const auto r0 = hn::LoadU(d, src[0] + k), r1 = hn::LoadU(d, src[1] + k);
-  const auto r2 = hn::LoadU(d, src[2] + k), r3 = hn::LoadU(d, src[3] + k);
-  const auto a = hn::BitCast(d64, hn::InterleaveLower(d, r0, r1));  // r0[0] r1[0] r0[1] r1[1]
+  auto row = [&](int t) { return hn::BitCast(d, hn::LoadU(d8, src[t] + 4 * k)); };
+  const auto r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
+  // t01 = r0[0] r1[0] r0[1] r1[1], ...: then 64-bit halves make the columns.
+  const auto a = hn::BitCast(d64, hn::InterleaveLower(d, r0, r1));
   const auto b = hn::BitCast(d64, hn::InterleaveUpper(d, r0, r1));
   const auto c = hn::BitCast(d64, hn::InterleaveLower(d, r2, r3));
   const auto e = hn::BitCast(d64, hn::InterleaveUpper(d, r2, r3));
@@ -277,8 +284,12 @@ inline void TransposeRowsInto(const RowReader& rd, const PackScratch& s, int64_t
 #endif
 #if HWY_TARGET != HWY_SCALAR
   for (; t0 + 4 <= n; t0 += 4) {
+    const uint8_t* rows[4];
+    for (int t = 0; t < 4; ++t) rows[t] = reinterpret_cast<const uint8_t*>(src[t0 + t]);
     int64_t k = 0;
-    for (; k + 4 <= kc; k += 4) Transpose4x4(src + t0, k, dst + k * ld + t0, ld);
+    for (; k + 4 <= kc; k += 4) {
+      Transpose4x4Words(rows, k, reinterpret_cast<uint32_t*>(dst + k * ld + t0), ld);
+    }
     for (; k < kc; ++k) {
       for (int64_t t = t0; t < t0 + 4; ++t) dst[k * ld + t] = src[t][k];
     }
@@ -290,30 +301,6 @@ inline void TransposeRowsInto(const RowReader& rd, const PackScratch& s, int64_t
   }
 }
 
-// Four rows of 32-bit pairs (byte pointers: a bf16 row in place is only
-// 2-byte aligned), 4 pairs from pair k of each, transposed in 128-bit
-// registers: dst[j * ld + t] = pair k + j of row t. Eight shuffles and four
-// 16-byte stores for 16 pairs, where the scalar scatter took a load, a
-// shift, an or and a store per pair (it was ~8% of a bf16 forward).
-#if HWY_TARGET != HWY_SCALAR
-HWY_INLINE void Transpose4x4Pairs(const uint8_t* const* src, int64_t k, uint32_t* dst,
-                                  int64_t ld) {
-  const hn::FixedTag<uint8_t, 16> d8;
-  const hn::FixedTag<uint32_t, 4> d;
-  const hn::Repartition<uint64_t, decltype(d)> d64;
-  auto row = [&](int t) { return hn::BitCast(d, hn::LoadU(d8, src[t] + 4 * k)); };
-  const auto r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
-  // t01 = r0[0] r1[0] r0[1] r1[1], ...: then 64-bit halves make the columns.
-  const auto a = hn::BitCast(d64, hn::InterleaveLower(d, r0, r1));
-  const auto b = hn::BitCast(d64, hn::InterleaveUpper(d, r0, r1));
-  const auto c = hn::BitCast(d64, hn::InterleaveLower(d, r2, r3));
-  const auto e = hn::BitCast(d64, hn::InterleaveUpper(d, r2, r3));
-  hn::StoreU(hn::BitCast(d, hn::InterleaveLower(d64, a, c)), d, dst);
-  hn::StoreU(hn::BitCast(d, hn::InterleaveUpper(d64, a, c)), d, dst + ld);
-  hn::StoreU(hn::BitCast(d, hn::InterleaveLower(d64, b, e)), d, dst + 2 * ld);
-  hn::StoreU(hn::BitCast(d, hn::InterleaveUpper(d64, b, e)), d, dst + 3 * ld);
-}
-#endif
 
 // Source rows [first, first + n), n <= 4, over the reduction block
 // [r0, r0 + kc) as pair columns of a panel: dst[k * ld + t] = pair k (halves
@@ -352,7 +339,7 @@ inline void PairRowsInto(const RowReader& rd, const PackScratch& s, int64_t firs
   int64_t k = 0;
 #if HWY_TARGET != HWY_SCALAR
   if (n == kGroup) {
-    for (; k + 4 <= kc2; k += 4) Transpose4x4Pairs(src, k, dst + k * ld, ld);
+    for (; k + 4 <= kc2; k += 4) Transpose4x4Words(src, k, dst + k * ld, ld);
   }
 #endif
   for (; k < kc2; ++k) {
