@@ -76,8 +76,9 @@ int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // put a register tile's 12 rows in the same few L1 sets, where they evict
 // each other and the B panel; an odd multiple of 256 bytes spreads 16
 // consecutive rows over distinct 256-byte offsets of a page. Measured (Zen 5,
-// one process alternating both 8-12 times): train-fill wi forward f32 on
-// AVX3 0.96-0.97 of the time, its dLHS from fp8 codes on AVX3_SPR 0.95-0.96.
+// one process alternating both 8-12 times, or two builds 6-8 times):
+// train-fill wi forward 0.96-0.98 of the time (f32 on AVX3, bf16 on AVX3_SPR),
+// its dLHS from fp8 codes on AVX3_SPR 0.95-0.96.
 // C written straight into an f32 output (kAccumulateF32) keeps the output's
 // stride: a padded scratch tile copied out at the end measured 0.99-1.03
 // there (train-fill wo forward, train-fill wi TGMM), so it was not taken.

@@ -301,7 +301,6 @@ inline void TransposeRowsInto(const RowReader& rd, const PackScratch& s, int64_t
   }
 }
 
-
 // Source rows [first, first + n), n <= 4, over the reduction block
 // [r0, r0 + kc) as pair columns of a panel: dst[k * ld + t] = pair k (halves
 // 2k, 2k + 1) of row first + t; rows at or past `end` are zero. Each row's
