@@ -115,19 +115,21 @@ int BenchGmm(const BenchOptions& opt) {
   }
   std::mt19937 rng(7);
   std::vector<Row> rows;
+  // Measured here and again after the timed rows (RemeasureCeilings); the
+  // ratios are computed after that.
+  MachineCeilings ceil = MeasureMachineCeilings(opt.threads, opt.reps, size_t{256} << 20);
   // The streaming read, timed among each weight-bound shape's modes: the
   // memory's speed on these shared machines drifts by 1.5x within a run
   // (46 -> 72 GB/s between the start and the end of one), so a ceiling
   // measured apart from the rows it divides can flatter or wrong them.
+  // Allocated after the ceilings' own buffers are freed, and freed before
+  // they are measured again.
   std::unique_ptr<StreamingRead> stream;
   for (const Shape4& s : shapes) {
     if (s.weight_bound && stream == nullptr) {
       stream = std::make_unique<StreamingRead>(size_t{256} << 20, opt.threads);
     }
   }
-  // Measured here and again after the timed rows (RemeasureCeilings); the
-  // ratios are computed after that.
-  MachineCeilings ceil = MeasureMachineCeilings(opt.threads, opt.reps, size_t{256} << 20);
   // sgemm ceiling of each shape: a dense [valid rows, K] x [K, N], same FLOPs.
   std::vector<SgemmShape> sgemm_shapes;
   for (const Shape4& s : shapes) sgemm_shapes.push_back({ValidRows(s), s.k, s.n});
@@ -264,7 +266,11 @@ int BenchGmm(const BenchOptions& opt) {
   }
 
   // The ceilings once more, the higher of each kept; then every ratio. "x
-  // sgemm": to sgemm from a right core, else (loudly) to the FMA peak.
+  // sgemm": to sgemm from a right core, else (loudly) to the FMA peak. The
+  // timed read's buffer goes first, so that it and the remeasurement's own
+  // read and memcpy buffers (~0.75 GiB together) are never held at once.
+  const bool timed_read = stream != nullptr;
+  stream.reset();
   RemeasureCeilings(&ceil);
   const double memcpy_gbs = ceil.memcpy_gbs, read_gbs = ceil.read_gbs;
   const double fma_gflops = ceil.peaks.Get(PeakKind::kF32Fma).gops;
@@ -337,7 +343,7 @@ int BenchGmm(const BenchOptions& opt) {
                       "this run");
   }
   t.notes.push_back("decode GB/s counts weight (stored type) + activations + output");
-  if (stream != nullptr) {
+  if (timed_read) {
     t.notes.push_back("read rows: the streaming read of a " + SizeText(size_t{256} << 20) +
                       " buffer (plain; with a prefetch 4 KiB ahead), timed in the same rounds "
                       "as the shape's modes; 'x read' of the shape's rows is over the faster of "
