@@ -82,12 +82,24 @@ constexpr DirectF32Shape DirectF32ShapeFor(int64_t rows, int64_t esize) {
   return {8, 1};
 #endif
 }
-// Every tile fits the widest strip the edge copy and the prefetch plan take
-// (kMaxDirectNV) and the target's registers.
-static_assert(DirectF32ShapeFor(1, 4).nv <= kMaxDirectNV && DirectF32ShapeFor(2, 1).nv <= kMaxDirectNV &&
-              DirectF32ShapeFor(4, 1).nv <= kMaxDirectNV && DirectF32ShapeFor(8, 1).nv <= kMaxDirectNV);
-static_assert(DirectF32ShapeFor(8, 1).mr * DirectF32ShapeFor(8, 1).nv <= (HWY_TARGET <= HWY_AVX3 ? 16 : 8) &&
-              DirectF32ShapeFor(4, 1).mr * DirectF32ShapeFor(4, 1).nv <= (HWY_TARGET <= HWY_AVX3 ? 16 : 8));
+// The accumulators a direct tile may hold: 16 of AVX-512's 32 vector
+// registers, 8 of the 16 elsewhere (the rest hold the weight vectors and the
+// broadcast).
+constexpr int64_t kDirectF32MaxAccumulators = HWY_TARGET <= HWY_AVX3 ? 16 : 8;
+// Every tile covers its item's rows, fits the widest strip the edge copy and
+// the prefetch plan take (kMaxDirectNV) and the target's registers.
+constexpr bool DirectF32ShapesFit() {
+  for (int64_t rows = 1; rows <= kDirectF32Rows; ++rows) {
+    for (int64_t esize : {1, 2, 4}) {
+      const DirectF32Shape t = DirectF32ShapeFor(rows, esize);
+      if (t.mr < rows || t.nv > kMaxDirectNV || t.mr * t.nv > kDirectF32MaxAccumulators) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+static_assert(DirectF32ShapesFit());
 
 // Native fp8 (A holds the activation's e4m3 codes, B e4m3 codes without a
 // scale): the direct kernel decodes B raw (microkernels-inl.h, RowSrc).
