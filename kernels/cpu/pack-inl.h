@@ -272,14 +272,19 @@ inline void TransposeRowsInto(const RowReader& rd, const PackScratch& s, int64_t
       src[t] = row;
     }
   }
+  // Rows [t_begin, t_end) from reduction step k0 on, one element at a time:
+  // what the register transposes leave.
+  auto by_element = [&](int64_t k0, int64_t t_begin, int64_t t_end) {
+    for (int64_t k = k0; k < kc; ++k) {
+      for (int64_t t = t_begin; t < t_end; ++t) dst[k * ld + t] = src[t][k];
+    }
+  };
   int64_t t0 = 0;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
   for (; t0 + 8 <= n; t0 += 8) {
     int64_t k = 0;
     for (; k + 8 <= kc; k += 8) Transpose8x8(src + t0, k, dst + k * ld + t0, ld);
-    for (; k < kc; ++k) {
-      for (int64_t t = t0; t < t0 + 8; ++t) dst[k * ld + t] = src[t][k];
-    }
+    by_element(k, t0, t0 + 8);
   }
 #endif
 #if HWY_TARGET != HWY_SCALAR
@@ -290,15 +295,10 @@ inline void TransposeRowsInto(const RowReader& rd, const PackScratch& s, int64_t
     for (; k + 4 <= kc; k += 4) {
       Transpose4x4Words(rows, k, reinterpret_cast<uint32_t*>(dst + k * ld + t0), ld);
     }
-    for (; k < kc; ++k) {
-      for (int64_t t = t0; t < t0 + 4; ++t) dst[k * ld + t] = src[t][k];
-    }
+    by_element(k, t0, t0 + 4);
   }
 #endif
-  if (t0 == n) return;
-  for (int64_t k = 0; k < kc; ++k) {
-    for (int64_t t = t0; t < n; ++t) dst[k * ld + t] = src[t][k];
-  }
+  by_element(0, t0, n);
 }
 
 // Source rows [first, first + n), n <= 4, over the reduction block
