@@ -58,6 +58,7 @@ enum class WorkerSlot : uint8_t {
   kTileC,     // the C tile finished by an epilogue
   kPackRows,  // the rows a packer converts before it lays them into panels
   kEpilogue,  // the rows an epilogue works on
+  kLhsCodes,  // an item's activation codes (LhsQuantPlan)
   kCount
 };
 

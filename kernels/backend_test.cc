@@ -216,7 +216,7 @@ TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
       EXPECT_GT(ctx.KernelCount(want), 0) << "expected " << KernelPathName(want);
       for (size_t i = 0; i < static_cast<size_t>(KernelPath::kCount); ++i) {
         const auto path = static_cast<KernelPath>(i);
-        if (path != want && path != KernelPath::kDirectNextItemPrefetch) {
+        if (path != want && IsKernelPath(path)) {
           EXPECT_EQ(ctx.KernelCount(path), 0) << KernelPathName(path) << " ran instead of "
                                               << KernelPathName(want);
         }
@@ -256,6 +256,112 @@ TEST(KernelPath, DirectItemsPrefetchTheNextItem) {
         ASSERT_TRUE(RunCase(ctx, {"big", Op::kFwd, mode, DType::kBF16, wd, 24, 200, 64, 64},
                             rng).ok());
         EXPECT_EQ(ctx.KernelCount(KernelPath::kDirectNextItemPrefetch), 0);
+      }
+    }
+  }
+  test::UseDefaultSimd();
+}
+
+// Packed forward and dLHS items of more than 512 rows whose B, packed for
+// the whole reduction, fits 4 MiB run in row-block order: by default whole
+// groups of up to 2048 rows, cut into near-equal items until each thread has
+// four. TGMM, items of at most 512 rows and a larger B keep the chunk order.
+// (That both orders give the same bits: Gmm.RowBlockOrderGivesTheBitsOfChunkOrder.)
+TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    for (const GmmMode mode : {GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kF32}) {
+      const DType act = mode == GmmMode::kF32 ? DType::kF32 : DType::kBF16;
+      const DType wd = mode == GmmMode::kBf16  ? DType::kBF16
+                       : mode == GmmMode::kF32 ? DType::kF32
+                                               : DType::kE4M3FN;
+      for (const int threads : {1, 2}) {
+        SCOPED_TRACE(target.label + " " + std::string(GmmModeName(mode)) + " threads " +
+                     std::to_string(threads));
+        ContextOptions co;
+        co.threads = threads;
+        Context ctx(co);
+        // Four groups of 1200 rows: one item each on one thread; on two
+        // threads 2048 and 1024 leave fewer than 8 items, so 600 + 600.
+        const int64_t items = threads == 1 ? 4 : 8;
+        for (const Op op : {Op::kFwd, Op::kDlhs}) {
+          ctx.ResetKernelCounts();
+          const GmmMode m = op == Op::kDlhs && mode == GmmMode::kNativeFp8 ? GmmMode::kBf16 : mode;
+          ASSERT_TRUE(RunCase(ctx, {"tall", op, m, act, wd, 4, 1200, 64, 96}, rng).ok());
+          EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), items);
+        }
+        ctx.ResetKernelCounts();
+        ASSERT_TRUE(RunCase(ctx, {"tall", Op::kTgmm, mode == GmmMode::kF32 ? mode : GmmMode::kBf16,
+                                  act, act, 4, 1200, 64, 96}, rng).ok());
+        EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+        // Groups of 300 rows: packed, in chunk order.
+        ctx.ResetKernelCounts();
+        ASSERT_TRUE(RunCase(ctx, {"short", Op::kFwd, mode, act, wd, 8, 300, 64, 96}, rng).ok());
+        EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+      }
+    }
+    // B of 1100 x 1024 f32 (5 MiB in f32 panels of 256 reduction steps):
+    // chunk order even in an item of 600 rows.
+    Context ctx;
+    Tensor gs = Groups(1, 600);
+    Tensor lhs = Make(DType::kF32, {600, 1100}), w = Make(DType::kF32, {1, 1100, 1024});
+    std::fill_n(lhs.data_as<float>(), lhs.num_elements(), 1.0f);
+    std::fill_n(w.data_as<float>(), w.num_elements(), 0.5f);
+    Tensor out = Make(DType::kF32, {600, 1024});
+    GmmOptions o;
+    o.mode = GmmMode::kF32;
+    o.tiles.m = 4096;
+    ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.view(), nullptr, gs.view(), out.view()).ok());
+    EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0) << target.label;
+    EXPECT_EQ(out.data_as<float>()[599 * 1024 + 1023], 550.0f);
+  }
+  test::UseDefaultSimd();
+}
+
+// Native fp8 and int8 forwards quantize the activation item by item where
+// every item holds all the columns of its rows (the default tiles, up to
+// 1024 output columns), in chunk and row-block order and on the direct path;
+// with narrower column tiles a row would be quantized twice, so a pre-pass
+// does it. (Same bits either way: Gmm.BitsDoNotDependOnThreadsOrTiles runs
+// 5-column tiles against the default.)
+TEST(KernelPath, ItemsQuantizeTheirOwnActivationRows) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    for (const GmmMode mode : {GmmMode::kNativeFp8, GmmMode::kInt8}) {
+      const DType wd = mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
+      // Direct items (2 rows), chunk order (300), row-block order (1200).
+      for (const int64_t rows : {2, 300, 1200}) {
+        SCOPED_TRACE(target.label + " " + std::string(GmmModeName(mode)) + " rows " +
+                     std::to_string(rows));
+        ContextOptions co;
+        co.threads = 1;
+        Context ctx(co);
+        ASSERT_TRUE(RunCase(ctx, {"fwd", Op::kFwd, mode, DType::kBF16, wd, 4, rows, 64, 96},
+                            rng).ok());
+        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsQuant), 4);
+        // 32-column tiles: three items per row range, one pre-pass.
+        ctx.ResetKernelCounts();
+        const int64_t m = 4 * rows;
+        Tensor gs = Groups(4, rows);
+        Tensor lhs = Make(DType::kBF16, {m, 64}), out = Make(DType::kF32, {m, 96});
+        std::fill_n(lhs.data_as<uint16_t>(), lhs.num_elements(), uint16_t{0x3f80});  // 1.0
+        Tensor w = Make(wd, {4, 64, 96}), scale = Make(DType::kF32, {4, 96});
+        std::fill_n(w.data_as<uint8_t>(), w.num_elements(), uint8_t{mode == GmmMode::kInt8 ? 2 : 0x38});
+        std::fill_n(scale.data_as<float>(), scale.num_elements(), 0.5f);
+        GmmOptions o;
+        o.mode = mode;
+        o.tiles.n = 32;
+        TensorView sv = scale.view();
+        ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.view(), &sv, gs.view(), out.view()).ok());
+        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsQuant), 0);
+        // Every output is 64 x 1 x (code value) x 0.5: int8 codes 2 at the
+        // activation scale 1/127 (codes 127), fp8 0x38 = 1.0.
+        const float want = mode == GmmMode::kInt8 ? 64.0f * 127 * 2 * 0.5f / 127 : 32.0f;
+        EXPECT_NEAR(out.data_as<float>()[(m - 1) * 96 + 95], want, 1e-3f * want);
       }
     }
   }

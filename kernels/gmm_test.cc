@@ -204,7 +204,8 @@ struct DlhsCase {
   bool dswiglu = false;
 };
 
-void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k, int64_t n, int64_t e) {
+void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
+               const GmmTiles& tiles = {}) {
   SCOPED_TRACE(std::string(GmmModeName(c.mode)) + " rhs " + std::string(DTypeName(c.rhs_dtype)) +
                (c.dswiglu ? " dswiglu" : "") + " M " + std::to_string(m) + " K " +
                std::to_string(k) + " N " + std::to_string(n));
@@ -218,6 +219,7 @@ void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k
   GmmOptions o;
   o.mode = c.mode;
   o.epilogue = c.dswiglu ? GmmEpilogue::kDSwiGlu : GmmEpilogue::kNone;
+  o.tiles = tiles;
   const int64_t oc = c.dswiglu ? 2 * k : k;
   Tensor hsave = RandomF32(r, {m, 2 * k}, valid);
   TensorView hv = hsave.view();
@@ -321,6 +323,113 @@ TEST(GmmDlhs, NativeFromCodesIsBitIdenticalToFakeQat) {
       ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.num_bytes()));
     }
   }
+}
+
+// ---- Row-block order ----------------------------------------------------------
+
+// Items of more than 512 rows (tiles.m 4096: whole groups; 1100 rows over 2
+// groups leave at least one of 548) run in row-block order, B packed once
+// for the whole reduction and C finished one block of rows at a time: one
+// case per panel kind and epilogue against the reference, with odd N,
+// several reduction blocks and K-blocks. (Every mode on every target gives
+// the bits of the chunk order: RowBlockOrderGivesTheBitsOfChunkOrder.)
+TEST(Gmm, TallItemsInRowBlockOrderMatchReference) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  Context ctx;
+  const GmmTiles tall{4096, std::nullopt, std::nullopt};
+  const QuantDType e4 = QuantDType::kE4M3FN;
+  const FwdCase fwd[] = {
+      {GmmMode::kF32, DType::kF32, DType::kF32, DType::kF32, e4, 0, false},
+      {GmmMode::kBf16, DType::kBF16, DType::kBF16, DType::kBF16, e4, 0, true},
+      {GmmMode::kFakeQat, DType::kBF16, DType::kE5M2, DType::kF32, e4, 0, true},
+      {GmmMode::kNativeFp8, DType::kBF16, DType::kE4M3FN, DType::kF32, e4, 128, true},
+      {GmmMode::kInt8, DType::kF32, DType::kI8, DType::kBF16, e4, 0, true}};
+  for (const FwdCase& c : fwd) CheckFwd(ctx, r, c, 1100, 300, 71, 2, tall);
+  const DlhsCase dlhs[] = {{GmmMode::kF32, DType::kF32, DType::kF32, false},
+                           {GmmMode::kBf16, DType::kE4M3FN, DType::kBF16, true},
+                           {GmmMode::kFakeQat, DType::kE4M3FN, DType::kF32, true}};
+  for (const DlhsCase& c : dlhs) CheckDlhs(ctx, r, c, 1100, 71, 300, 2, tall);
+  EXPECT_GT(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+}
+
+// Row-block order and chunk order (SetRowBlockOrder(false)) give the same
+// bits on every target, for every panel kind (f32, bf16 pairs, int16 pairs)
+// and epilogue, with a bf16 output, with empty groups and tail rows.
+TEST(Gmm, RowBlockOrderGivesTheBitsOfChunkOrder) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  // Groups over and under 512 rows, an empty one, and 5 tail rows.
+  const int64_t m = 2000, k = 300, n = 130, e = 4;
+  const std::vector<int32_t> sizes = {1300, 0, 600, 95};
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes)), lhs = ToBf16(lhs32);
+  Tensor dout32 = RandomF32(r, {m, n}, Sum(sizes)), dout = ToBf16(dout32);
+  Tensor hsave = RandomF32(r, {m, 2 * k}, Sum(sizes));
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8,
+                         GmmMode::kInt8}) {
+      const DType wd = mode == GmmMode::kF32 ? DType::kF32
+                       : mode == GmmMode::kBf16 ? DType::kBF16
+                       : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
+      Weight w = MakeWeight(r, wd, e, k, n);
+      TensorView sv = w.codes ? w.scale.view() : TensorView{};
+      const TensorView* scale = w.codes ? &sv : nullptr;
+      for (const int64_t block : {int64_t{0}, int64_t{128}}) {
+        if (block > 0 && mode != GmmMode::kNativeFp8) continue;
+        for (const bool swiglu : {false, true}) {
+          SCOPED_TRACE(target.label + " fwd " + std::string(GmmModeName(mode)) + " block " +
+                       std::to_string(block) + (swiglu ? " swiglu" : ""));
+          GmmOptions o;
+          o.mode = mode;
+          o.lhs_quant_block_size = block;
+          o.epilogue = swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
+          o.tiles.m = 4096;
+          const Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
+          Tensor rows = Poisoned(DType::kBF16, {m, swiglu ? n / 2 : n});
+          Tensor chunks = Poisoned(DType::kBF16, {m, swiglu ? n / 2 : n});
+          Context ctx;
+          ASSERT_TRUE(Gmm(ctx, o, l.view(), w.w.view(), scale, gs.view(), rows.view()).ok());
+          EXPECT_GT(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+          internal::SetRowBlockOrder(false);
+          ctx.ResetKernelCounts();
+          const Status st = Gmm(ctx, o, l.view(), w.w.view(), scale, gs.view(), chunks.view());
+          internal::SetRowBlockOrder(true);
+          ASSERT_TRUE(st.ok());
+          EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+          EXPECT_EQ(0, std::memcmp(rows.data(), chunks.data(), rows.num_bytes()));
+        }
+      }
+      if (mode == GmmMode::kInt8) continue;
+      // Native fp8's dLHS: bf16 from the codes.
+      const GmmMode dlhs_mode = mode == GmmMode::kNativeFp8 ? GmmMode::kBf16 : mode;
+      for (const bool dswiglu : {false, true}) {
+        SCOPED_TRACE(target.label + " dlhs " + std::string(GmmModeName(mode)) +
+                     (dswiglu ? " dswiglu" : ""));
+        GmmOptions o;
+        o.mode = dlhs_mode;
+        o.epilogue = dswiglu ? GmmEpilogue::kDSwiGlu : GmmEpilogue::kNone;
+        o.tiles.m = 4096;
+        const Tensor& d = mode == GmmMode::kF32 ? dout32 : dout;
+        TensorView hv = hsave.view();
+        Tensor rows = Poisoned(DType::kF32, {m, dswiglu ? 2 * k : k});
+        Tensor chunks = Poisoned(DType::kF32, {m, dswiglu ? 2 * k : k});
+        Context ctx;
+        ASSERT_TRUE(GmmDlhs(ctx, o, d.view(), w.w.view(), scale, gs.view(), rows.view(),
+                            dswiglu ? &hv : nullptr).ok());
+        EXPECT_GT(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+        internal::SetRowBlockOrder(false);
+        const Status st = GmmDlhs(ctx, o, d.view(), w.w.view(), scale, gs.view(), chunks.view(),
+                                  dswiglu ? &hv : nullptr);
+        internal::SetRowBlockOrder(true);
+        ASSERT_TRUE(st.ok());
+        EXPECT_EQ(0, std::memcmp(rows.data(), chunks.data(), rows.num_bytes()));
+      }
+    }
+  }
+  test::UseDefaultSimd();
 }
 
 // ---- TGMM ------------------------------------------------------------------

@@ -180,7 +180,7 @@ inline void ExpectRanOn(const Context& ctx, BackendKind b) {
   int64_t fast = 0;
   for (size_t i = 0; i < static_cast<size_t>(KernelPath::kCount); ++i) {
     if (static_cast<KernelPath>(i) != KernelPath::kReference &&
-        static_cast<KernelPath>(i) != KernelPath::kDirectNextItemPrefetch) {
+        IsKernelPath(static_cast<KernelPath>(i))) {
       fast += ctx.KernelCount(static_cast<KernelPath>(i));
     }
   }

@@ -65,8 +65,8 @@ Result<BackendKind> ParseBackend(std::string_view name);
 
 // The kernel paths a call can take; each work item a kernel runs counts once
 // on its path, so tests can prove that a path is (still) taken. One entry is
-// not a path (kDirectNextItemPrefetch, counted besides the item's path): a sum
-// over the paths skips it.
+// not a path (kDirectNextItemPrefetch, kPackedRowBlocks, kInItemLhsQuant:
+// counted besides the item's path): a sum over the paths skips them (IsKernelPath).
 enum class KernelPath : uint8_t {
   kPackedF32,         // packed panels, f32 FMA microkernel
   kPackedBf16Pairs,   // packed panels, AVX512-BF16 vdpbf16ps
@@ -81,9 +81,17 @@ enum class KernelPath : uint8_t {
   // Not a path: a direct item whose last chunk prefetched the first chunk of
   // the next item its thread ran (counted besides the item's own path).
   kDirectNextItemPrefetch,
+  // Not a path: a packed item that ran in row-block order, B packed once for
+  // its whole reduction (counted besides the item's path).
+  kPackedRowBlocks,
+  // Not a path: an item that quantized its own activation rows (native fp8,
+  // int8) instead of a pre-pass over all rows.
+  kInItemLhsQuant,
   kCount
 };
 std::string_view KernelPathName(KernelPath path);
+// False for the entries that count something besides an item's path.
+bool IsKernelPath(KernelPath path);
 
 struct ContextOptions {
   // Worker threads; 0: OpenMP's default at the time of each call
@@ -117,7 +125,9 @@ class Context {
   void ReleaseScratch();
 
   // Work items run on `path` (or, for kDirectNextItemPrefetch, items that
-  // prefetched their successor) since the last ResetKernelCounts (thread-safe).
+  // prefetched their successor; for kPackedRowBlocks, packed items run in
+  // row-block order; for kInItemLhsQuant, items that quantized their rows)
+  // since the last ResetKernelCounts (thread-safe).
   int64_t KernelCount(KernelPath path) const;
   void CountKernel(KernelPath path, int64_t n = 1);
   void ResetKernelCounts();

@@ -1,7 +1,8 @@
 // The "cpu" GMM backend (gmm_backend.h): the pre-passes a mode needs
-// (activation quantization over valid rows, the fake-QAT BF16 weight copy,
-// TGMM gradient quantization), the plan of work items, and the hand-off to
-// the per-target executor (gemm_exec.cc). Every buffer it needs lives in the
+// (activation quantization over valid rows where the items cannot do it
+// themselves, the fake-QAT BF16 weight copy, TGMM gradient quantization),
+// the plan of work items, and the hand-off to the per-target executor
+// (gemm_exec.cc). Every buffer it needs lives in the
 // Context's scratch, so a repeated call allocates nothing.
 
 #include <algorithm>
@@ -22,6 +23,9 @@ namespace {
 
 // Per-shape defaults (see docs/kernels.md for the cache model behind them).
 constexpr int64_t kDefaultTileM = 512;   // rows of a GMM / dLHS work item
+// The tallest default item in row-block order (ForwardTileM): a train-fill
+// group (16384 rows over 8 experts).
+constexpr int64_t kRowBlockTileM = 2048;
 constexpr int64_t kDefaultTileN = 1024;  // columns of a work item
 constexpr int64_t kDefaultKc = 256;      // reduction block
 // TGMM: the output tile's f32 partial sums stay in cache while the group's
@@ -98,7 +102,10 @@ void ZeroRows(const TensorView& t, int64_t from) {
 
 // Work items over the rows of each group x the output columns, and the
 // call's item bounds (the tiles clamped to the shape, whatever the group
-// sizes). Steps never pass the end (m + rows <= r1), so no tile size can
+// sizes). A group taller than tile_m is cut into the fewest items of at most
+// tile_m rows, of sizes that differ by at most one row (1100 rows at 1024:
+// 550 + 550, not 1024 + 76), so no item is a sliver that packs B for a few
+// rows. Steps never pass the end (m + rows <= r1), so no tile size can
 // overflow the loop.
 void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len, int64_t tile_m,
                    int64_t tile_n, GemmCall* call) {
@@ -108,8 +115,9 @@ void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len, int64_t t
   if (cols <= 0) return;
   for (int64_t g = 0; g < p.e; ++g) {
     const int64_t r0 = p.offsets[g], r1 = p.offsets[g + 1];
-    for (int64_t m = r0; m < r1;) {
-      const int64_t rows = std::min(tile_m, r1 - m);
+    const int64_t parts = (r1 - r0 + tile_m - 1) / tile_m;
+    for (int64_t part = 0, m = r0; m < r1; ++part) {
+      const int64_t rows = (r1 - r0) / parts + (part < (r1 - r0) % parts ? 1 : 0);
       for (int64_t c = 0; c < cols;) {
         const int64_t width = std::min(tile_n, cols - c);
         items->push_back({static_cast<int32_t>(g), m, rows, c, width, 0, red_len});
@@ -118,6 +126,27 @@ void RowGroupItems(const GmmProblem& p, int64_t cols, int64_t red_len, int64_t t
       m += rows;
     }
   }
+}
+
+// The rows of a forward or dLHS work item when tiles.m is not set. Where
+// the executor runs tall packed items in row-block order (B packed once for
+// the whole reduction: RowBlockOrderFits), items are whole groups of up to
+// kRowBlockTileM rows, halved while that leaves fewer than four items per
+// thread (as TGMM's tiles); elsewhere kDefaultTileM, whose C tile the chunk
+// order keeps in L2 / L3.
+int64_t ForwardTileM(const Context& ctx, const GmmProblem& p, const GemmCall& call,
+                     int64_t cols, int64_t red_len, int64_t tile_n) {
+  if (!RowBlockOrderFits(call, std::min(tile_n, cols), red_len)) return kDefaultTileM;
+  const int64_t col_items = (cols + tile_n - 1) / std::max<int64_t>(tile_n, 1);
+  const int64_t want = 4 * static_cast<int64_t>(ctx.threads());
+  int64_t tile_m = kRowBlockTileM;
+  auto items = [&] {
+    int64_t n = 0;
+    for (int64_t g = 0; g < p.e; ++g) n += (p.offsets[g + 1] - p.offsets[g] + tile_m - 1) / tile_m;
+    return n * col_items;
+  };
+  while (tile_m > kDefaultTileM && items() < want) tile_m /= 2;
+  return tile_m;
 }
 
 // The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), in the
@@ -165,6 +194,40 @@ Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int
     } else {
       QuantizeOneRow(lhs.as<float>() + r * p.k, p.k, block, dtype, calib, q, s);
     }
+  }
+  return OkStatus();
+}
+
+// Where a native fp8 or int8 forward's activation codes come from, and its
+// scales. Item by item (LhsQuantPlan: no codes written to memory) where
+// every item holds all the columns of its rows, so that no row is quantized
+// twice, and an item quantizes at most 512 rows at once (row-block order
+// quantizes 96 at a time); else in a pre-pass over the valid rows.
+Status PlanLhsCodes(Context& ctx, const GmmProblem& p, const GmmOptions& o,
+                    const TensorView& lhs, int64_t cols, int64_t tile_m, int64_t tile_n,
+                    GemmCall* call) {
+  const bool int8 = o.mode == GmmMode::kInt8;
+  const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
+  const QuantDType qd = int8 ? QuantDType::kInt8 : o.fp8_dtype;
+  float* sa = nullptr;
+  if (tile_n >= cols &&
+      (tile_m <= kDefaultTileM || RowBlockOrderFits(*call, std::min(tile_n, cols), p.k))) {
+    const int64_t nb = NumBlocks(p.k, block);
+    sa = SharedArray<float>(ctx, SharedSlot::kLhsScales, p.m * nb);
+    if (sa == nullptr) return ResourceExhausted("cannot allocate the activation scales of a GMM");
+    LhsQuantPlan& q = ctx.scratch().Object<LhsQuantPlan>();
+    q = LhsQuantPlan{lhs.data, lhs.dtype == DType::kBF16, p.k, block, qd,
+                     o.lhs_calibration, sa, nb};
+    call->lhs_quant = &q;
+  } else {
+    uint8_t* qa = nullptr;
+    FP8MOE_RETURN_IF_ERROR(QuantizeLhs(ctx, lhs, p, block, qd, o.lhs_calibration, &qa, &sa));
+    call->a.data = qa;
+  }
+  if (block > 0) {
+    call->a_block_scale = sa;
+  } else {
+    call->epi.row_scale = sa;
   }
   return OkStatus();
 }
@@ -222,18 +285,12 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
       const bool int8 = o.mode == GmmMode::kInt8;
       const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
       const QuantDType qd = int8 ? QuantDType::kInt8 : o.fp8_dtype;
-      uint8_t* qa = nullptr;
-      float* sa = nullptr;
-      FP8MOE_RETURN_IF_ERROR(QuantizeLhs(ctx, lhs, p, block, qd, o.lhs_calibration, &qa, &sa));
-      call.a = Plain(qa, QuantStorageDType(qd), p.k);
+      call.a = Plain(nullptr, QuantStorageDType(qd), p.k);  // the codes: PlanLhsCodes
       call.b.col_scale = nullptr;  // the weight scale is applied at the end
       call.integer = int8;
       if (block > 0) {
-        call.a_block_scale = sa;
         call.a_block_scale_ld = NumBlocks(p.k, block);
         call.block = block;
-      } else {
-        call.epi.row_scale = sa;
       }
       call.epi.col_scale = rhs_scale->as<float>();
       call.epi.col_scale_group_stride = p.n;
@@ -256,8 +313,12 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     call.epi.kind = Epilogue::Kind::kAccumulateF32;
   }
   ZeroRows(out, p.valid_rows);
-  RowGroupItems(p, cols, p.k, o.tiles.m.value_or(kDefaultTileM),
-                o.tiles.n.value_or(kDefaultTileN), &call);
+  const int64_t tile_n = o.tiles.n.value_or(kDefaultTileN);
+  const int64_t tile_m = o.tiles.m ? *o.tiles.m : ForwardTileM(ctx, p, call, cols, p.k, tile_n);
+  if (o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8) {
+    FP8MOE_RETURN_IF_ERROR(PlanLhsCodes(ctx, p, o, lhs, cols, tile_m, tile_n, &call));
+  }
+  RowGroupItems(p, cols, p.k, tile_m, tile_n, &call);
   return ExecuteGemm(ctx, call);
 }
 
@@ -288,8 +349,9 @@ Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     call.epi.kind = Epilogue::Kind::kAccumulateF32;
   }
   ZeroRows(out, p.valid_rows);
-  RowGroupItems(p, p.k, p.n, o.tiles.m.value_or(kDefaultTileM),
-                o.tiles.n.value_or(kDefaultTileN), &call);
+  const int64_t tile_n = o.tiles.n.value_or(kDefaultTileN);
+  const int64_t tile_m = o.tiles.m ? *o.tiles.m : ForwardTileM(ctx, p, call, p.k, p.n, tile_n);
+  RowGroupItems(p, p.k, p.n, tile_m, tile_n, &call);
   return ExecuteGemm(ctx, call);
 }
 

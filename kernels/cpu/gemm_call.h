@@ -19,6 +19,7 @@
 #include "fp8moe/context.h"
 #include "fp8moe/dtype.h"
 #include "fp8moe/numerics.h"
+#include "fp8moe/quant.h"
 #include "fp8moe/status.h"
 
 namespace fp8moe::internal {
@@ -47,6 +48,9 @@ struct Source {
   int64_t col_scale_group_stride = 0;
   // Round the scaled value to bf16 (the fake-QAT weight copy's values).
   bool round_bf16 = false;
+  // Row r is stored at (r - first_row) * ld: a buffer that holds rows from
+  // first_row on (an item's activation codes, LhsQuantPlan).
+  int64_t first_row = 0;
 
   // Bytes per stored element.
   size_t ElementBytes() const {
@@ -79,6 +83,24 @@ struct Epilogue {
   int64_t half = 0;  // F (kSwiGlu) or K (kDSwiGlu): offset of the up half
 };
 
+// Native fp8 and int8 forward: the activation's codes made item by item
+// instead of in a pre-pass over all rows. Where every item holds all the
+// columns of its rows (no row is quantized twice), an item quantizes its
+// rows (or, in row-block order, each block of rows) into its worker's
+// buffer just before packing them, writes their scales, and packs A from
+// that buffer: the same codes and scales (QuantizeOneRow), without writing
+// them all to memory and reading them back.
+struct LhsQuantPlan {
+  const void* x = nullptr;  // lhs [m, k], F32 or BF16 (bf16)
+  bool bf16 = false;
+  int64_t k = 0;
+  int64_t block = 0;  // K-block of the scales; 0: one per row
+  QuantDType dtype = QuantDType::kE4M3FN;
+  Calibration calib;
+  float* scales = nullptr;  // [m, blocks]: row r's at r * blocks
+  int64_t blocks = 0;
+};
+
 struct WorkItem {
   int32_t group;
   int64_t row0, rows;  // output rows (absolute for kFwd/kDlhs; K rows for kTgmm)
@@ -90,8 +112,9 @@ struct GemmCall {
   Pass pass = Pass::kFwd;
   bool integer = false;  // int8 x int8 with int32 accumulation
   Source a, b;
-  // Native fp8 with K-blocks: partial sums per block of `block` reduction
-  // steps are scaled by a_block_scale[i * a_block_scale_ld + block index].
+  // Native fp8 with K-blocks: partial sums per block of `block` (> 0 only
+  // then) reduction steps are scaled by a_block_scale[i * a_block_scale_ld +
+  // block index].
   const float* a_block_scale = nullptr;
   int64_t a_block_scale_ld = 0;
   int64_t block = 0;
@@ -105,6 +128,8 @@ struct GemmCall {
   const int32_t* b_row_tile = nullptr;
   int64_t b_block = 0;
   Epilogue epi;
+  // Set: A's codes are made item by item from this (a holds their kind).
+  const LhsQuantPlan* lhs_quant = nullptr;
   // Output of kTgmm: drhs[g] [K, N] f32 at out + g * out_group_stride.
   int64_t out_group_stride = 0;
   int64_t kc = 256;  // reduction block (even)
@@ -117,7 +142,7 @@ struct GemmCall {
 
   // The reduction block the executor steps by: the K-block of block-scaled
   // activations, the gradient's quantization tile, or kc.
-  int64_t ReductionStep() const { return a_block_scale ? block : b_block > 0 ? b_block : kc; }
+  int64_t ReductionStep() const { return block > 0 ? block : b_block > 0 ? b_block : kc; }
 };
 
 // Runs a planned call on the best SIMD target of this CPU with ctx's
@@ -129,6 +154,16 @@ Status ExecuteGemm(Context& ctx, const GemmCall& call);
 // AVX512-BF16 CPUs without VBMI (Cooper Lake) take.
 bool Fp8ByteTableDecode();
 void SetFp8ByteTableDecode(bool on);
+
+// Whether packed forward and dLHS items taller than 512 rows of a call like
+// this one with up to `cols` output columns and a reduction of red_len run
+// in row-block order, B packed once for the whole reduction (gemm_exec.cc):
+// the planner then makes such items whole groups (cpu_backend.cc).
+bool RowBlockOrderFits(const GemmCall& call, int64_t cols, int64_t red_len);
+// Row-block order on (default) or off. For tests: off runs every item in
+// chunk order, B packed per reduction block; the bits are the same.
+bool RowBlockOrderOn();
+void SetRowBlockOrder(bool on);
 
 }  // namespace fp8moe::internal
 

@@ -10,6 +10,9 @@
 //         for each MR panel of A:           microkernel -> C tile
 // A is packed once per (row block, reduction block) and reused over all the
 // item's columns; B once per reduction block and reused over all its rows.
+// Tall forward and dLHS items whose whole B fits run in row-block order
+// instead (RunPackedRowBlocks): B packed for the whole reduction first, then
+// per block of kMC rows every reduction block and the block's epilogue.
 // A direct item skips packing B: its kernels read the weight rows in place.
 //
 // Work items never share an output element and each sums its reduction in
@@ -25,6 +28,7 @@
 #include "fp8moe/context.h"
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/pack.h"
+#include "quant/quant_internal.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/gemm_exec.cc"
@@ -70,6 +74,21 @@ static_assert(hn::MaxLanes(hn::ScalableTag<float>()) * kMaxDirectNV <= static_ca
 
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// Row-block order (RunPackedRowBlocks) for packed forward and dLHS items
+// taller than kRowBlockMinRows whose B, packed for the whole reduction,
+// takes at most kRowBlockBBytes. B is then packed once per item instead of
+// once per 512 rows. Measured on Zen 5 (one process alternating both 8
+// times, best of each; docs/kernels.md), the planner's whole 2048-row groups
+// in row-block order against 512-row items in chunk order: train-fill wi and
+// wo forward 0.95-0.97 of the time with bf16 pairs (AVX3_SPR), native dLHS
+// from codes 0.94-0.95; wo (a 4 MiB B in f32 panels) 0.96-0.99 on AVX3 and
+// AVX2. Against that: f32 panels of wi's 8 MiB B measured 1.03-1.09 (B no
+// longer stays in the caches between row blocks), and fine-grained's
+// 256-row groups, whose chunk order packs B once already, 1.05; hence both
+// limits.
+constexpr size_t kRowBlockBBytes = size_t{4} << 20;
+constexpr int64_t kRowBlockMinRows = 512;
+
 // The row stride of the C scratch tile for `cols` columns: the smallest odd
 // multiple of 64 floats (256 bytes) that holds them. Rows a multiple of 4 KiB
 // apart (2048 columns: SwiGLU's gate and up halves of a 1024-column item)
@@ -105,6 +124,29 @@ PanelKind ChooseKind(const GemmCall& call) {
 
 // ---- Buffers ---------------------------------------------------------------
 
+// Bytes of B packed for a whole reduction of red_len over `cols` output
+// columns: one PanelBytes block per reduction step.
+size_t WholeBBytes(const GemmCall& call, PanelKind kind, int64_t cols, int64_t red_len) {
+  const int64_t step = std::max(call.ReductionStep(), call.max_reduction_step);
+  const int64_t runs = call.epi.kind == Epilogue::Kind::kSwiGlu ? 2 : 1;
+  const int64_t chunks = std::max<int64_t>((red_len + step - 1) / step, 1);
+  return static_cast<size_t>(chunks * runs) *
+         PanelBytes(kind, cols, static_cast<int64_t>(KernelNR()), step);
+}
+
+// Whether packed items of this call with up to `cols` columns and a
+// reduction of red_len may run in row-block order (TGMM keeps the chunk
+// order: its per-group column scale is applied to the whole item's C).
+bool RowBlockFits(const GemmCall& call, PanelKind kind, int64_t cols, int64_t red_len) {
+  return internal::RowBlockOrderOn() && call.pass != Pass::kTgmm &&
+         WholeBBytes(call, kind, cols, red_len) <= kRowBlockBBytes;
+}
+
+// Per target: RowBlockFits with the panel kind this target picks.
+bool RowBlockFitsT(const GemmCall& call, int64_t cols, int64_t red_len) {
+  return RowBlockFits(call, ChooseKind(call), cols, red_len);
+}
+
 // What one call's workers need, from the one rule (PanelBytes) for packed
 // panels; RunItem checks every pack and tile against these sizes.
 struct WorkerSizes {
@@ -114,6 +156,10 @@ struct WorkerSizes {
   size_t epilogue = 0;    // epilogue rows
   int64_t pack_width = 0;  // longest row a packer converts
   size_t pack = 0;
+  size_t codes = 0;  // an item's (or row block's) activation codes (LhsQuantPlan)
+  // Packed items taller than kRowBlockMinRows run in row-block order
+  // (RunPackedRowBlocks): bp holds B for a whole reduction.
+  bool row_blocks = false;
 };
 
 WorkerSizes SizeWorkers(const GemmCall& call, PanelKind kind) {
@@ -131,12 +177,28 @@ WorkerSizes SizeWorkers(const GemmCall& call, PanelKind kind) {
   const int64_t width = ScratchLdc(runs * RoundUp(max_cols, nr));
   s.ap = std::max(PanelBytes(kind, kMC, static_cast<int64_t>(kMR), s.kc),
                   PanelBytes(kind, kDirectF32Rows, kDirectF32Rows, s.kc));
-  s.bp = static_cast<size_t>(runs) * PanelBytes(kind, max_cols, nr, s.kc);
+  const size_t chunk = static_cast<size_t>(runs) * PanelBytes(kind, max_cols, nr, s.kc);
+  int64_t max_red = 0;
+  for (const WorkItem& it : call.items) max_red = std::max(max_red, it.red_len);
+  // Sized for row-block order wherever it may run, whatever the item rows
+  // (which follow the routing), so that a later call's routing never grows
+  // the buffers.
+  s.row_blocks = RowBlockFits(call, kind, max_cols, max_red);
+  s.bp = s.row_blocks ? WholeBBytes(call, kind, max_cols, max_red) : chunk;
   if (call.epi.kind != Epilogue::Kind::kAccumulateF32) {
-    const int64_t rows = std::max(RoundUp(max_rows, static_cast<int64_t>(kMR)),
-                                  RoundUp(max_rows, kDirectF32Rows));
+    // Rows of C in the scratch: a direct item's tile (at most kMaxMR), a
+    // chunk-order item's rows, or a row block.
+    const int64_t chunk_rows = s.row_blocks ? std::min(max_rows, kRowBlockMinRows) : max_rows;
+    const int64_t rows = std::max(RoundUp(chunk_rows, static_cast<int64_t>(kMR)),
+                                  RoundUp(std::min(max_rows, kMaxMR), kDirectF32Rows));
     s.c = static_cast<size_t>(rows * width) * 4;
     s.epilogue = static_cast<size_t>(EpilogueFloats(max_cols)) * sizeof(float);
+  }
+  if (call.lhs_quant != nullptr) {
+    // The rows one quantization covers: a chunk-order or direct item's, or
+    // a row block's (at most kRowBlockMinRows either way in row-block order).
+    const int64_t rows = s.row_blocks ? std::min(max_rows, kRowBlockMinRows) : max_rows;
+    s.codes = static_cast<size_t>(std::max<int64_t>(rows * call.lhs_quant->k, 1));
   }
   s.pack_width = std::max({s.kc + 1, kMC, RoundUp(max_cols, nr)});
   s.pack = PackScratch::Bytes(s.pack_width, s.kc);
@@ -150,6 +212,7 @@ struct Worker {
   uint8_t* bp = nullptr;
   uint8_t* c = nullptr;
   float* epilogue = nullptr;
+  uint8_t* codes = nullptr;
   PackScratch pack;
 
   // From the context's worker slots; false if the memory is not there.
@@ -162,8 +225,9 @@ struct Worker {
       c = arena.Worker(thread, WorkerSlot::kTileC, s.c);
       epilogue = reinterpret_cast<float*>(arena.Worker(thread, WorkerSlot::kEpilogue, s.epilogue));
     }
+    if (s.codes > 0) codes = arena.Worker(thread, WorkerSlot::kLhsCodes, s.codes);
     if (ap == nullptr || bp == nullptr || rows == nullptr ||
-        (s.c > 0 && (c == nullptr || epilogue == nullptr))) {
+        (s.c > 0 && (c == nullptr || epilogue == nullptr)) || (s.codes > 0 && codes == nullptr)) {
       return false;
     }
     pack.Carve(rows, s.pack_width, s.kc);
@@ -188,11 +252,13 @@ struct ItemPlan {
   uint8_t* c;
   int64_t ldc;
   int64_t kc_step;  // reduction rows per chunk
+  internal::Source a;  // A: the call's, or the item's activation codes
 };
 
 ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, const Worker& w) {
   ItemPlan ip;
   ip.kind = kind;
+  ip.a = call.a;
   ip.nr = static_cast<int64_t>(KernelNR());
   ip.direct = ChooseDirect(call, kind, it, ip.nr);
   // A panel as tall as the item's direct tile: the f32 direct kernel's rows
@@ -231,11 +297,34 @@ ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, cons
   return ip;
 }
 
-// An item that reduces nothing has a zero tile.
-void ZeroTile(const ItemPlan& ip, const WorkItem& it) {
+// LhsQuantPlan: quantizes the activation rows [row0, row0 + rows) into the
+// worker's codes buffer, writes their scales, and points the item's A there.
+void QuantizeRowsForItem(const GemmCall& call, int64_t row0, int64_t rows, Worker& w,
+                         ItemPlan& ip) {
+  const internal::LhsQuantPlan& q = *call.lhs_quant;
+  FP8MOE_DCHECK(static_cast<size_t>(rows * q.k) <= w.sizes->codes);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = row0 + i;
+    uint8_t* codes = w.codes + i * q.k;
+    float* scales = q.scales + r * q.blocks;
+    if (q.bf16) {
+      internal::QuantizeOneRowBf16(static_cast<const uint16_t*>(q.x) + r * q.k, q.k, q.block,
+                                   q.dtype, q.calib, codes, scales);
+    } else {
+      internal::QuantizeOneRow(static_cast<const float*>(q.x) + r * q.k, q.k, q.block, q.dtype,
+                               q.calib, codes, scales);
+    }
+  }
+  ip.a.data = w.codes;
+  ip.a.first_row = row0;
+}
+
+// An item (or row block) that reduces nothing has a zero tile: its rows of
+// C from c.
+void ZeroTile(const ItemPlan& ip, const WorkItem& it, uint8_t* c) {
   const int64_t cols = ip.c_in_output ? it.cols : ip.ldc;
   for (int64_t i = 0; i < it.rows; ++i) {
-    std::memset(ip.c + i * ip.ldc * 4, 0, static_cast<size_t>(cols) * 4);
+    std::memset(c + i * ip.ldc * 4, 0, static_cast<size_t>(cols) * 4);
   }
 }
 
@@ -288,7 +377,7 @@ void RunDirectChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
   FP8MOE_DCHECK(it.rows <= ip.mr && PanelBytes(ip.kind, it.rows, ip.mr, kc) <= w.sizes->ap);
   const bool load_c = r0 != it.red0;
   const bool last = r0 + kc >= it.red0 + it.red_len;
-  const Operand opa{&call.a, it.group, call.pass == Pass::kTgmm};
+  const Operand opa{&ip.a, it.group, call.pass == Pass::kTgmm};
   PackAT(opa, ip.kind, it.row0, it.rows, r0, kc, ip.mr, w.ap, w.pack);
   float post = 1.0f;
   if (ip.raw_fp8) {  // the raw decode's domain: A * 2^113, products * 2^-7
@@ -334,51 +423,99 @@ HWY_INLINE void PrefetchTileC(const uint8_t* c, int64_t ldc, int64_t rows, int64
   }
 }
 
-// The packed path's reduction chunk [r0, r0 + kc): pack B, then per block
-// of rows pack A and run every (B panel, A panel) register tile.
-void RunPackedChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip, int64_t r0,
-                    int64_t kc, Worker& w) {
+// The register tiles of one block of rows [m0, m0 + mc) of a packed item
+// over the reduction chunk [r0, r0 + kc): every (B panel, A panel) pair, A
+// packed at w.ap, B's panels_b panels at bp, C rows from `cblock` (the C of
+// the block's first row).
+void RunBlockTiles(const GemmCall& call, const WorkItem& it, const ItemPlan& ip, int64_t r0,
+                   int64_t kc, int64_t m0, int64_t mc, const uint8_t* bp, int64_t panels_b,
+                   uint8_t* cblock, const Worker& w) {
   const bool load_c = r0 != it.red0;
-  const Operand opa{&call.a, it.group, call.pass == Pass::kTgmm};
-  const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
-  FP8MOE_DCHECK(ip.runs.runs * PanelBytes(ip.kind, it.cols, ip.nr, kc) <= w.sizes->bp);
-  const int64_t panels_b = PackBT(opb, ip.kind, r0, kc, ip.runs, ip.nr, w.bp, w.pack);
   const size_t bstride = PanelBytes(ip.kind, 1, ip.nr, kc);
   const size_t astride = PanelBytes(ip.kind, 1, ip.mr, kc);
   alignas(64) float rs[kEdgeRows];
   alignas(64) float cs[kEdgeCols];
+  const int64_t panels_a = (mc + ip.mr - 1) / ip.mr;
+  for (int64_t q = 0; q < panels_b; ++q) {
+    const int64_t jq = (q % ip.per_run) * ip.nr;                 // column in the run
+    const int64_t col = (q / ip.per_run) * ip.run_stride + jq;  // column in C
+    const int64_t valid_c = std::min(ip.nr, it.cols - jq);
+    const uint8_t* bpan = bp + q * bstride;
+    for (int64_t p = 0; p < panels_a; ++p) {
+      const int64_t row = m0 + p * ip.mr;  // in the item
+      const int64_t valid_r = std::min(ip.mr, it.rows - row);
+      const uint8_t* apan = w.ap + p * astride;
+      uint8_t* c = cblock + (p * ip.mr * ip.ldc + col) * 4;
+      // The tile below this one in the same columns is the next call's C:
+      // rows ldc apart that were last touched a whole sweep of the block
+      // ago, and the kernel's first FMA waits on their loads. Fetching them
+      // one call early hides that.
+      if (p + 1 < panels_a) {
+        PrefetchTileC(c + ip.mr * ip.ldc * 4, ip.ldc, std::min(ip.mr, it.rows - row - ip.mr),
+                      valid_c);
+      }
+      const float* row_scale = TileRowScale(call, it, r0, row, ip.mr, valid_r, rs);
+      const float* col_scale = TileColScale(call, it, r0, jq, ip.nr, valid_c, cs);
+      FP8MOE_DCHECK(ip.c_in_output ||
+                    (c - w.c) + static_cast<ptrdiff_t>(((ip.mr - 1) * ip.ldc + ip.nr) * 4) <=
+                        static_cast<ptrdiff_t>(w.sizes->c));
+      OnTile(c, ip.ldc, valid_r, valid_c, !ip.c_in_output, ip.mr, ip.nr,
+             [&](void* ct, int64_t ldc) {
+               RunPackedTile(ip.kind, kc, apan, bpan, ct, ldc, load_c, row_scale, col_scale);
+             });
+    }
+  }
+}
+
+// The packed path's reduction chunk [r0, r0 + kc): pack B, then per block
+// of rows pack A and run its tiles.
+void RunPackedChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip, int64_t r0,
+                    int64_t kc, Worker& w) {
+  const Operand opa{&ip.a, it.group, call.pass == Pass::kTgmm};
+  const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
+  FP8MOE_DCHECK(ip.runs.runs * PanelBytes(ip.kind, it.cols, ip.nr, kc) <= w.sizes->bp);
+  const int64_t panels_b = PackBT(opb, ip.kind, r0, kc, ip.runs, ip.nr, w.bp, w.pack);
   for (int64_t m0 = 0; m0 < it.rows; m0 += kMC) {
     const int64_t mc = std::min<int64_t>(kMC, it.rows - m0);
     FP8MOE_DCHECK(PanelBytes(ip.kind, mc, ip.mr, kc) <= w.sizes->ap);
     PackAT(opa, ip.kind, it.row0 + m0, mc, r0, kc, ip.mr, w.ap, w.pack);
-    const int64_t panels_a = (mc + ip.mr - 1) / ip.mr;
-    for (int64_t q = 0; q < panels_b; ++q) {
-      const int64_t jq = (q % ip.per_run) * ip.nr;                 // column in the run
-      const int64_t col = (q / ip.per_run) * ip.run_stride + jq;  // column in C
-      const int64_t valid_c = std::min(ip.nr, it.cols - jq);
-      const uint8_t* bpan = w.bp + q * bstride;
-      for (int64_t p = 0; p < panels_a; ++p) {
-        const int64_t row = m0 + p * ip.mr;
-        const int64_t valid_r = std::min(ip.mr, it.rows - row);
-        const uint8_t* apan = w.ap + p * astride;
-        // The tile below this one in the same columns is the next call's C:
-        // rows ldc apart that were last touched a whole sweep of the block
-        // ago (out of L2 for a 512 x 1024 f32 C), and the kernel's first FMA
-        // waits on their loads. Fetching them one call early hides that.
-        if (p + 1 < panels_a) {
-          PrefetchTileC(ip.c + ((row + ip.mr) * ip.ldc + col) * 4, ip.ldc,
-                        std::min(ip.mr, it.rows - row - ip.mr), valid_c);
-        }
-        const float* row_scale = TileRowScale(call, it, r0, row, ip.mr, valid_r, rs);
-        const float* col_scale = TileColScale(call, it, r0, jq, ip.nr, valid_c, cs);
-        FP8MOE_DCHECK(ip.c_in_output ||
-                      static_cast<size_t>(((row + ip.mr - 1) * ip.ldc + col + ip.nr) * 4) <=
-                          w.sizes->c);
-        OnTile(ip.c + (row * ip.ldc + col) * 4, ip.ldc, valid_r, valid_c, !ip.c_in_output, ip.mr,
-               ip.nr, [&](void* c, int64_t ldc) {
-                 RunPackedTile(ip.kind, kc, apan, bpan, c, ldc, load_c, row_scale, col_scale);
-               });
-      }
+    RunBlockTiles(call, it, ip, r0, kc, m0, mc, w.bp, panels_b, ip.c + m0 * ip.ldc * 4, w);
+  }
+}
+
+// A packed item in row-block order: B packed once for the whole reduction,
+// then each block of kMC rows runs every reduction chunk and, when C is the
+// worker's scratch, its epilogue. The block's C (kMC rows) stays in L2 over
+// the chunks where the chunk order sweeps the whole item's C once per chunk,
+// and an item can then span many row blocks (a whole group) with B packed
+// once. The same chunks in the same order per element: the same bits.
+void RunPackedRowBlocks(const GemmCall& call, const WorkItem& it, ItemPlan& ip, Worker& w) {
+  const Operand opa{&ip.a, it.group, call.pass == Pass::kTgmm};
+  const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
+  const int64_t red1 = it.red0 + it.red_len;
+  const size_t chunk_bytes = ip.runs.runs * PanelBytes(ip.kind, it.cols, ip.nr, ip.kc_step);
+  int64_t panels_b = 0;
+  for (int64_t r0 = it.red0, i = 0; r0 < red1; r0 += ip.kc_step, ++i) {
+    FP8MOE_DCHECK((i + 1) * chunk_bytes <= w.sizes->bp);
+    panels_b = PackBT(opb, ip.kind, r0, std::min(ip.kc_step, red1 - r0), ip.runs, ip.nr,
+                      w.bp + i * chunk_bytes, w.pack);
+  }
+  for (int64_t m0 = 0; m0 < it.rows; m0 += kMC) {
+    const int64_t mc = std::min<int64_t>(kMC, it.rows - m0);
+    // C of the block: rows of the f32 output, or the scratch's first rows.
+    uint8_t* cblock = ip.c_in_output ? ip.c + m0 * ip.ldc * 4 : ip.c;
+    const WorkItem block{it.group, it.row0 + m0, mc, it.col0, it.cols, it.red0, it.red_len};
+    if (it.red_len == 0) ZeroTile(ip, block, cblock);
+    if (call.lhs_quant != nullptr) QuantizeRowsForItem(call, block.row0, mc, w, ip);
+    for (int64_t r0 = it.red0, i = 0; r0 < red1; r0 += ip.kc_step, ++i) {
+      const int64_t kc = std::min(ip.kc_step, red1 - r0);
+      FP8MOE_DCHECK(PanelBytes(ip.kind, mc, ip.mr, kc) <= w.sizes->ap);
+      PackAT(opa, ip.kind, it.row0 + m0, mc, r0, kc, ip.mr, w.ap, w.pack);
+      RunBlockTiles(call, it, ip, r0, kc, m0, mc, w.bp + i * chunk_bytes, panels_b, cblock, w);
+    }
+    if (!ip.c_in_output) {
+      RunEpilogue(call, block, cblock, ip.ldc, ip.run_stride, ip.kind == PanelKind::kI16Pairs,
+                  w.epilogue);
     }
   }
 }
@@ -386,7 +523,7 @@ void RunPackedChunk(const GemmCall& call, const WorkItem& it, const ItemPlan& ip
 // `following`: the item this thread runs next, if the executor knows it.
 void RunItem(Context& ctx, const GemmCall& call, PanelKind kind, const WorkItem& it, Worker& w,
              const WorkItem* following) {
-  const ItemPlan ip = PlanItem(call, kind, it, w);
+  ItemPlan ip = PlanItem(call, kind, it, w);
   const bool direct = ip.direct != Direct::kNone;
   // A direct item is weight-bound: its last chunk prefetches the first chunk
   // of a following direct item.
@@ -399,7 +536,13 @@ void RunItem(Context& ctx, const GemmCall& call, PanelKind kind, const WorkItem&
   }
   if (following != nullptr && it.red_len > 0) ctx.CountKernel(KernelPath::kDirectNextItemPrefetch);
   ctx.CountKernel(direct ? DirectPath(ip.direct, call, ip.mr) : PackedPath(kind));
-  if (it.red_len == 0) ZeroTile(ip, it);
+  if (call.lhs_quant != nullptr) ctx.CountKernel(KernelPath::kInItemLhsQuant);
+  if (!direct && w.sizes->row_blocks && it.rows > kRowBlockMinRows) {
+    ctx.CountKernel(KernelPath::kPackedRowBlocks);
+    return RunPackedRowBlocks(call, it, ip, w);
+  }
+  if (it.red_len == 0) ZeroTile(ip, it, ip.c);
+  if (call.lhs_quant != nullptr) QuantizeRowsForItem(call, it.row0, it.rows, w, ip);
   const int64_t red1 = it.red0 + it.red_len;
   for (int64_t r0 = it.red0; r0 < red1; r0 += ip.kc_step) {
     const int64_t kc = std::min(ip.kc_step, red1 - r0);
@@ -479,12 +622,20 @@ HWY_AFTER_NAMESPACE();
 namespace fp8moe::internal {
 
 HWY_EXPORT(ExecuteGemmT);
+HWY_EXPORT(RowBlockFitsT);
 
 namespace {
 std::atomic<bool> g_fp8_byte_tables{true};
+std::atomic<bool> g_row_blocks{true};
 }  // namespace
 bool Fp8ByteTableDecode() { return g_fp8_byte_tables.load(std::memory_order_relaxed); }
 void SetFp8ByteTableDecode(bool on) { g_fp8_byte_tables.store(on); }
+
+bool RowBlockOrderFits(const GemmCall& call, int64_t cols, int64_t red_len) {
+  return HWY_DYNAMIC_DISPATCH(RowBlockFitsT)(call, cols, red_len);
+}
+bool RowBlockOrderOn() { return g_row_blocks.load(std::memory_order_relaxed); }
+void SetRowBlockOrder(bool on) { g_row_blocks.store(on); }
 
 Status ExecuteGemm(Context& ctx, const GemmCall& call) {
   bool out_of_memory = false;

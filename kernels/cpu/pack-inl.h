@@ -125,7 +125,9 @@ class RowReader {
   }
 
  private:
-  const uint8_t* At(int64_t r, int64_t c0) const { return base_ + (r * s_.ld + c0) * esize_; }
+  const uint8_t* At(int64_t r, int64_t c0) const {
+    return base_ + ((r - s_.first_row) * s_.ld + c0) * esize_;
+  }
 
   // n codes at p (columns c0...) as f32: decoded, times the column scale if
   // there is one, rounded to bf16 if asked (dLHS from codes: the fake-QAT
