@@ -302,6 +302,24 @@ TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
         EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
       }
     }
+    // dLHS over a 2048 x 1024 f32 weight (8 MiB of f32 panels at 1024
+    // columns): items of 512 columns, whose 4 MiB fit, in row-block order
+    // (one thread: 1100 rows as 550 + 550, times two column items).
+    {
+      ContextOptions co;
+      co.threads = 1;
+      Context ctx(co);
+      Tensor gs = Groups(1, 1100);
+      Tensor dout = Make(DType::kF32, {1100, 2048}), w = Make(DType::kF32, {1, 1024, 2048});
+      std::fill_n(dout.data_as<float>(), dout.num_elements(), 1.0f);
+      std::fill_n(w.data_as<float>(), w.num_elements(), 0.25f);
+      Tensor dl = Make(DType::kF32, {1100, 1024});
+      GmmOptions o;
+      o.mode = GmmMode::kF32;
+      ASSERT_TRUE(GmmDlhs(ctx, o, dout.view(), w.view(), nullptr, gs.view(), dl.view()).ok());
+      EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 4) << target.label;
+      EXPECT_EQ(dl.data_as<float>()[1099 * 1024 + 1023], 512.0f);
+    }
     // B of 1100 x 1024 f32 (5 MiB in f32 panels of 256 reduction steps):
     // chunk order even in an item of 600 rows.
     Context ctx;
@@ -350,7 +368,7 @@ TEST(KernelPath, ItemsQuantizeTheirOwnActivationRows) {
         Tensor lhs = Make(DType::kBF16, {m, 64}), out = Make(DType::kF32, {m, 96});
         std::fill_n(lhs.data_as<uint16_t>(), lhs.num_elements(), uint16_t{0x3f80});  // 1.0
         Tensor w = Make(wd, {4, 64, 96}), scale = Make(DType::kF32, {4, 96});
-        std::fill_n(w.data_as<uint8_t>(), w.num_elements(), uint8_t{mode == GmmMode::kInt8 ? 2 : 0x38});
+        std::fill_n(w.data_as<uint8_t>(), w.num_elements(), static_cast<uint8_t>(mode == GmmMode::kInt8 ? 2 : 0x38));
         std::fill_n(scale.data_as<float>(), scale.num_elements(), 0.5f);
         GmmOptions o;
         o.mode = mode;

@@ -494,12 +494,10 @@ void RunPackedRowBlocks(const GemmCall& call, const WorkItem& it, ItemPlan& ip, 
   const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
   const int64_t red1 = it.red0 + it.red_len;
   const size_t chunk_bytes = ip.runs.runs * PanelBytes(ip.kind, it.cols, ip.nr, ip.kc_step);
-  int64_t panels_b = 0;
-  for (int64_t r0 = it.red0, i = 0; r0 < red1; r0 += ip.kc_step, ++i) {
-    FP8MOE_DCHECK((i + 1) * chunk_bytes <= w.sizes->bp);
-    panels_b = PackBT(opb, ip.kind, r0, std::min(ip.kc_step, red1 - r0), ip.runs, ip.nr,
-                      w.bp + i * chunk_bytes, w.pack);
-  }
+  FP8MOE_DCHECK(static_cast<size_t>((it.red_len + ip.kc_step - 1) / ip.kc_step) * chunk_bytes <=
+                w.sizes->bp);
+  const int64_t panels_b = PackBTWhole(opb, ip.kind, it.red0, it.red_len, ip.kc_step, ip.runs,
+                                       ip.nr, w.bp, chunk_bytes, w.pack);
   for (int64_t m0 = 0; m0 < it.rows; m0 += kMC) {
     const int64_t mc = std::min<int64_t>(kMC, it.rows - m0);
     // C of the block: rows of the f32 output, or the scratch's first rows.
