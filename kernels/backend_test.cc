@@ -265,7 +265,8 @@ TEST(KernelPath, DirectItemsPrefetchTheNextItem) {
 // Packed forward and dLHS items of more than 512 rows whose B, packed for
 // the whole reduction, fits 4 MiB run in row-block order: by default whole
 // groups of up to 2048 rows, cut into near-equal items until each thread has
-// four. TGMM, items of at most 512 rows and a larger B keep the chunk order.
+// four, and of 512 columns where only those fit. TGMM, items of at most 512
+// rows and a larger B keep the chunk order.
 // (That both orders give the same bits: Gmm.RowBlockOrderGivesTheBitsOfChunkOrder.)
 TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
   FP8MOE_RANDOM_SEED(seed);
@@ -320,20 +321,25 @@ TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
       EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 4) << target.label;
       EXPECT_EQ(dl.data_as<float>()[1099 * 1024 + 1023], 512.0f);
     }
-    // B of 1100 x 1024 f32 (5 MiB in f32 panels of 256 reduction steps):
-    // chunk order even in an item of 600 rows.
-    Context ctx;
-    Tensor gs = Groups(1, 600);
-    Tensor lhs = Make(DType::kF32, {600, 1100}), w = Make(DType::kF32, {1, 1100, 1024});
-    std::fill_n(lhs.data_as<float>(), lhs.num_elements(), 1.0f);
-    std::fill_n(w.data_as<float>(), w.num_elements(), 0.5f);
-    Tensor out = Make(DType::kF32, {600, 1024});
-    GmmOptions o;
-    o.mode = GmmMode::kF32;
-    o.tiles.m = 4096;
-    ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.view(), nullptr, gs.view(), out.view()).ok());
-    EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0) << target.label;
-    EXPECT_EQ(out.data_as<float>()[599 * 1024 + 1023], 550.0f);
+    // A forward over B of 1100 x 1024 f32 (5 MiB in f32 panels of 256
+    // reduction steps): chunk order, even in an item of 600 rows, with
+    // 1024-column tiles; by default items of 512 columns (2.75 MiB), in
+    // row-block order.
+    for (const bool set_n : {true, false}) {
+      Context ctx;
+      Tensor gs = Groups(1, 600);
+      Tensor lhs = Make(DType::kF32, {600, 1100}), w = Make(DType::kF32, {1, 1100, 1024});
+      std::fill_n(lhs.data_as<float>(), lhs.num_elements(), 1.0f);
+      std::fill_n(w.data_as<float>(), w.num_elements(), 0.5f);
+      Tensor out = Make(DType::kF32, {600, 1024});
+      GmmOptions o;
+      o.mode = GmmMode::kF32;
+      o.tiles.m = 4096;
+      if (set_n) o.tiles.n = 1024;
+      ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.view(), nullptr, gs.view(), out.view()).ok());
+      EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), set_n ? 0 : 2) << target.label;
+      EXPECT_EQ(out.data_as<float>()[599 * 1024 + 1023], 550.0f);
+    }
   }
   test::UseDefaultSimd();
 }

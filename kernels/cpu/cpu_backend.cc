@@ -149,6 +149,27 @@ int64_t ForwardTileM(const Context& ctx, const GmmProblem& p, const GemmCall& ca
   return tile_m;
 }
 
+// The columns of a forward or dLHS work item when tiles.n is not set:
+// kDefaultTileN, or half of it where B for the whole reduction is over the
+// row-block budget at kDefaultTileN columns but fits at half (f32 panels of
+// wi's 1024 x 2048 weight, or of its transpose): the weight is then packed
+// (converted, dequantized from codes) once per group instead of once per 512
+// rows. Measured (Zen 5, train-fill wi, one process alternating both 8
+// times): dLHS from codes 0.96 of the time on AVX3 and 0.97 on AVX2, fake
+// QAT 0.96 / 0.99, f32 0.97 / 0.98, and from codes no slower than fake QAT
+// any more (1.00, was 1.03-1.08: fake QAT dequantizes its copy once per
+// call, native dequantized per 512-row item); forward f32 0.96 / 0.97, bf16
+// 0.97 / 0.98, fake QAT 0.98 / 0.98, native fp8 0.99 / 0.98 (its
+// activation then quantized in a pre-pass: PlanLhsCodes).
+int64_t DefaultTileN(const GemmCall& call, int64_t cols, int64_t red_len) {
+  const int64_t whole = kDefaultTileN, half = kDefaultTileN / 2;
+  if (!RowBlockOrderFits(call, std::min(whole, cols), red_len) &&
+      RowBlockOrderFits(call, std::min(half, cols), red_len)) {
+    return half;
+  }
+  return whole;
+}
+
 // The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), in the
 // context's scratch: a trainer keeps that buffer from step to step (it stays
 // allocated: that memory is what fake QAT costs over native).
@@ -313,7 +334,7 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     call.epi.kind = Epilogue::Kind::kAccumulateF32;
   }
   ZeroRows(out, p.valid_rows);
-  const int64_t tile_n = o.tiles.n.value_or(kDefaultTileN);
+  const int64_t tile_n = o.tiles.n ? *o.tiles.n : DefaultTileN(call, cols, p.k);
   const int64_t tile_m = o.tiles.m ? *o.tiles.m : ForwardTileM(ctx, p, call, cols, p.k, tile_n);
   if (o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8) {
     FP8MOE_RETURN_IF_ERROR(PlanLhsCodes(ctx, p, o, lhs, cols, tile_m, tile_n, &call));
@@ -349,21 +370,7 @@ Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     call.epi.kind = Epilogue::Kind::kAccumulateF32;
   }
   ZeroRows(out, p.valid_rows);
-  // Where B for the whole reduction is over the row-block budget at 1024
-  // columns (f32 panels of wi's 2048 x 1024) but fits at 512, items of 512
-  // columns: the weight is then packed (dequantized, from codes) once per
-  // group instead of once per 512 rows. Measured (Zen 5, one process
-  // alternating both 8 times): train-fill wi dLHS from codes 0.96 of the time
-  // on AVX3 and 0.97 on AVX2, fake QAT 0.96 / 0.99, f32 0.97 / 0.98, and
-  // from codes no slower than fake QAT there any more (1.00, was 1.03-1.08:
-  // fake QAT dequantizes its copy once per call, native dequantized per
-  // 512-row item). (The forward keeps 1024 columns: its
-  // native fp8 items quantize their own rows only when they hold them whole.)
-  int64_t tile_n = o.tiles.n.value_or(kDefaultTileN);
-  if (!o.tiles.n && !RowBlockOrderFits(call, std::min(tile_n, p.k), p.n) &&
-      RowBlockOrderFits(call, std::min(tile_n / 2, p.k), p.n)) {
-    tile_n /= 2;
-  }
+  const int64_t tile_n = o.tiles.n ? *o.tiles.n : DefaultTileN(call, p.k, p.n);
   const int64_t tile_m = o.tiles.m ? *o.tiles.m : ForwardTileM(ctx, p, call, p.k, p.n, tile_n);
   RowGroupItems(p, p.k, p.n, tile_m, tile_n, &call);
   return ExecuteGemm(ctx, call);
