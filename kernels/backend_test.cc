@@ -285,7 +285,8 @@ TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
         co.threads = threads;
         Context ctx(co);
         // Four groups of 1200 rows: one item each on one thread; on two
-        // threads 2048 and 1024 leave fewer than 8 items, so 600 + 600.
+        // threads 2048 leaves fewer than 8 items, 1024 cuts each group into
+        // 600 + 600.
         const int64_t items = threads == 1 ? 4 : 8;
         for (const Op op : {Op::kFwd, Op::kDlhs}) {
           ctx.ResetKernelCounts();

@@ -64,9 +64,10 @@ std::string_view BackendName(BackendKind kind);  // "cpu", "reference"
 Result<BackendKind> ParseBackend(std::string_view name);
 
 // The kernel paths a call can take; each work item a kernel runs counts once
-// on its path, so tests can prove that a path is (still) taken. One entry is
-// not a path (kDirectNextItemPrefetch, kPackedRowBlocks, kInItemLhsQuant:
-// counted besides the item's path): a sum over the paths skips them (IsKernelPath).
+// on its path, so tests can prove that a path is (still) taken. Three
+// entries are not paths (kDirectNextItemPrefetch, kPackedRowBlocks,
+// kInItemLhsQuant: counted besides the item's path): a sum over the paths
+// skips them (IsKernelPath).
 enum class KernelPath : uint8_t {
   kPackedF32,         // packed panels, f32 FMA microkernel
   kPackedBf16Pairs,   // packed panels, AVX512-BF16 vdpbf16ps

@@ -61,7 +61,8 @@ enum class GmmEpilogue : uint8_t {
 };
 
 // Tile sizes of one pass (fwd, dlhs or drhs); unset ones are chosen per
-// shape. m: rows of a work item (drhs: rows reduced per block, which is also
+// shape. m: the most rows of a work item (a taller group is cut into
+// near-equal items) (drhs: rows reduced per block, which is also
 // the in-kernel quantization tile when set; unset, the block is 256 rows and
 // the quantization tile 512), k: reduction block (drhs: output rows per
 // item), n: columns per item. Any positive size is accepted and gives the

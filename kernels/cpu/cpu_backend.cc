@@ -149,25 +149,39 @@ int64_t ForwardTileM(const Context& ctx, const GmmProblem& p, const GemmCall& ca
   return tile_m;
 }
 
-// The columns of a forward or dLHS work item when tiles.n is not set:
+struct ItemTiles {
+  int64_t m, n;  // rows (at most) and columns of a forward or dLHS work item
+};
+
+// The tiles of a forward or dLHS work item, the unset ones chosen: n =
 // kDefaultTileN, or half of it where B for the whole reduction is over the
 // row-block budget at kDefaultTileN columns but fits at half (f32 panels of
-// wi's 1024 x 2048 weight, or of its transpose): the weight is then packed
-// (converted, dequantized from codes) once per group instead of once per 512
-// rows. Measured (Zen 5, train-fill wi, one process alternating both 8
-// times): dLHS from codes 0.96 of the time on AVX3 and 0.97 on AVX2, fake
-// QAT 0.96 / 0.99, f32 0.97 / 0.98, and from codes no slower than fake QAT
-// any more (1.00, was 1.03-1.08: fake QAT dequantizes its copy once per
-// call, native dequantized per 512-row item); forward f32 0.96 / 0.97, bf16
-// 0.97 / 0.98, fake QAT 0.98 / 0.98, native fp8 0.99 / 0.98 (its
-// activation then quantized in a pre-pass: PlanLhsCodes).
-int64_t DefaultTileN(const GemmCall& call, int64_t cols, int64_t red_len) {
-  const int64_t whole = kDefaultTileN, half = kDefaultTileN / 2;
-  if (!RowBlockOrderFits(call, std::min(whole, cols), red_len) &&
-      RowBlockOrderFits(call, std::min(half, cols), red_len)) {
-    return half;
+// wi's 1024 x 2048 weight, or of its transpose) and some item will then be
+// taller than kDefaultTileM rows (row-block order), so that the weight is
+// packed (converted, dequantized from codes) once per group instead of once
+// per 512 rows; elsewhere narrower items would only pack A twice. m from
+// ForwardTileM. Measured (Zen 5, train-fill wi, one process alternating both
+// 8 times): 512 columns took dLHS from codes to 0.96 of the time on AVX3 and
+// 0.97 on AVX2, fake QAT 0.96 / 0.99, f32 0.97 / 0.98, and from codes no
+// slower than fake QAT any more (1.00, was 1.03-1.08: fake QAT dequantizes
+// its copy once per call, native dequantized per 512-row item); forward f32
+// 0.96 / 0.97, bf16 0.97 / 0.98, fake QAT 0.98 / 0.98, native fp8 0.99 /
+// 0.98 (its activation then quantized in a pre-pass: PlanLhsCodes).
+ItemTiles ChooseItemTiles(const Context& ctx, const GmmProblem& p, const GemmCall& call,
+                          const GmmTiles& tiles, int64_t cols, int64_t red_len) {
+  auto rows_for = [&](int64_t tile_n) {
+    return tiles.m ? *tiles.m : ForwardTileM(ctx, p, call, cols, red_len, tile_n);
+  };
+  const int64_t whole = tiles.n.value_or(kDefaultTileN), half = kDefaultTileN / 2;
+  if (tiles.n || RowBlockOrderFits(call, std::min(whole, cols), red_len) ||
+      !RowBlockOrderFits(call, std::min(half, cols), red_len)) {
+    return {rows_for(whole), whole};
   }
-  return whole;
+  int64_t tallest = 0;
+  for (int64_t g = 0; g < p.e; ++g) tallest = std::max(tallest, p.offsets[g + 1] - p.offsets[g]);
+  const int64_t rows = rows_for(half);
+  if (std::min(rows, tallest) > kDefaultTileM) return {rows, half};
+  return {rows_for(whole), whole};
 }
 
 // The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), in the
@@ -334,12 +348,11 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     call.epi.kind = Epilogue::Kind::kAccumulateF32;
   }
   ZeroRows(out, p.valid_rows);
-  const int64_t tile_n = o.tiles.n ? *o.tiles.n : DefaultTileN(call, cols, p.k);
-  const int64_t tile_m = o.tiles.m ? *o.tiles.m : ForwardTileM(ctx, p, call, cols, p.k, tile_n);
+  const ItemTiles t = ChooseItemTiles(ctx, p, call, o.tiles, cols, p.k);
   if (o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8) {
-    FP8MOE_RETURN_IF_ERROR(PlanLhsCodes(ctx, p, o, lhs, cols, tile_m, tile_n, &call));
+    FP8MOE_RETURN_IF_ERROR(PlanLhsCodes(ctx, p, o, lhs, cols, t.m, t.n, &call));
   }
-  RowGroupItems(p, cols, p.k, tile_m, tile_n, &call);
+  RowGroupItems(p, cols, p.k, t.m, t.n, &call);
   return ExecuteGemm(ctx, call);
 }
 
@@ -370,9 +383,8 @@ Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
     call.epi.kind = Epilogue::Kind::kAccumulateF32;
   }
   ZeroRows(out, p.valid_rows);
-  const int64_t tile_n = o.tiles.n ? *o.tiles.n : DefaultTileN(call, p.k, p.n);
-  const int64_t tile_m = o.tiles.m ? *o.tiles.m : ForwardTileM(ctx, p, call, p.k, p.n, tile_n);
-  RowGroupItems(p, p.k, p.n, tile_m, tile_n, &call);
+  const ItemTiles t = ChooseItemTiles(ctx, p, call, o.tiles, p.k, p.n);
+  RowGroupItems(p, p.k, p.n, t.m, t.n, &call);
   return ExecuteGemm(ctx, call);
 }
 

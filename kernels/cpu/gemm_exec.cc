@@ -493,6 +493,9 @@ void RunPackedRowBlocks(const GemmCall& call, const WorkItem& it, ItemPlan& ip, 
   const Operand opa{&ip.a, it.group, call.pass == Pass::kTgmm};
   const Operand opb{&call.b, it.group, call.pass == Pass::kDlhs};
   const int64_t red1 = it.red0 + it.red_len;
+  // Blocks of kc_step apart, as WholeBBytes sizes them (its larger
+  // max_reduction_step is TGMM's, which never runs in row-block order).
+  FP8MOE_DCHECK(call.max_reduction_step == 0 && call.pass != Pass::kTgmm);
   const size_t chunk_bytes = ip.runs.runs * PanelBytes(ip.kind, it.cols, ip.nr, ip.kc_step);
   FP8MOE_DCHECK(static_cast<size_t>((it.red_len + ip.kc_step - 1) / ip.kc_step) * chunk_bytes <=
                 w.sizes->bp);

@@ -55,7 +55,7 @@ class RowReader {
   // conversion to make, so no copy through scratch); else nullptr.
   const float* F32InPlace(int64_t r, int64_t c0) const {
     if (s_.kind != SrcKind::kF32) return nullptr;
-    return reinterpret_cast<const float*>(base_) + r * s_.ld + c0;
+    return reinterpret_cast<const float*>(At(r, c0));
   }
 
   // Row r from column c0 as bf16 pairs in place, when the source holds bf16
@@ -547,15 +547,14 @@ inline int64_t PackBTWhole(const Operand& b, PanelKind kind, int64_t red0, int64
                            int64_t step, const ColumnRuns& cols, int64_t nr, uint8_t* bp,
                            size_t block_bytes, const PackScratch& s) {
   const int64_t red1 = red0 + red_len;
+  const int64_t per_run = (cols.count + nr - 1) / nr;
   if (!b.transposed || kind == PanelKind::kF32) {
-    int64_t panels = 0;
     for (int64_t r0 = red0, i = 0; r0 < red1; r0 += step, ++i) {
-      panels = PackBT(b, kind, r0, std::min(step, red1 - r0), cols, nr, bp + i * block_bytes, s);
+      PackBT(b, kind, r0, std::min(step, red1 - r0), cols, nr, bp + i * block_bytes, s);
     }
-    return panels;
+    return per_run * cols.runs;
   }
   const RowReader rd(b);
-  const int64_t per_run = (cols.count + nr - 1) / nr;
   const int64_t blk = TransposedBlockColumns(kind, nr);
   for (int run = 0; run < cols.runs; ++run) {
     for (int64_t j0 = 0; j0 < per_run * nr; j0 += blk) {
