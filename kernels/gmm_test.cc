@@ -433,6 +433,85 @@ TEST(Gmm, RowBlockOrderGivesTheBitsOfChunkOrder) {
   test::UseDefaultSimd();
 }
 
+// The packs' prefetch ahead (PackPrefetch, chunk order) only moves lines:
+// on and off give the same bits on every target, for forward (every mode,
+// SwiGLU), dLHS and TGMM (f32, bf16, fp8 gradient), with items of several
+// row blocks and reduction chunks, an odd last chunk, an empty group and
+// tail rows.
+TEST(Gmm, PackPrefetchKeepsTheBits) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  const int64_t m = 800, k = 301, n = 302, e = 4;
+  const std::vector<int32_t> sizes = {400, 0, 290, 95};
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes)), lhs = ToBf16(lhs32);
+  Tensor dout32 = RandomF32(r, {m, n}, Sum(sizes)), dout = ToBf16(dout32);
+  // Runs `call` into out with the prefetch on, then off, and compares.
+  auto same_bits = [](Tensor& on, Tensor& off, const std::function<Status(Tensor&)>& call) {
+    ASSERT_TRUE(call(on).ok());
+    internal::SetPackPrefetch(false);
+    const Status st = call(off);
+    internal::SetPackPrefetch(true);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.num_bytes()));
+  };
+  GmmTiles tiles;
+  tiles.m = 300;  // items of up to 300 rows: four row blocks, in chunk order
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    Context ctx;
+    for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8,
+                         GmmMode::kInt8}) {
+      const DType wd = mode == GmmMode::kF32 ? DType::kF32
+                       : mode == GmmMode::kBf16 ? DType::kBF16
+                       : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
+      Weight w = MakeWeight(r, wd, e, k, n);
+      TensorView sv = w.codes ? w.scale.view() : TensorView{};
+      const TensorView* scale = w.codes ? &sv : nullptr;
+      const Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
+      for (const bool swiglu : {false, true}) {
+        SCOPED_TRACE(target.label + " fwd " + std::string(GmmModeName(mode)) +
+                     (swiglu ? " swiglu" : ""));
+        GmmOptions o;
+        o.mode = mode;
+        o.epilogue = swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
+        o.tiles = tiles;
+        Tensor on = Poisoned(DType::kBF16, {m, swiglu ? n / 2 : n});
+        Tensor off = Poisoned(DType::kBF16, {m, swiglu ? n / 2 : n});
+        same_bits(on, off, [&](Tensor& out) {
+          return Gmm(ctx, o, l.view(), w.w.view(), scale, gs.view(), out.view());
+        });
+      }
+      if (mode == GmmMode::kInt8 || mode == GmmMode::kNativeFp8) continue;
+      SCOPED_TRACE(target.label + " dlhs " + std::string(GmmModeName(mode)));
+      GmmOptions o;
+      o.mode = mode;
+      o.tiles = tiles;
+      const Tensor& d = mode == GmmMode::kF32 ? dout32 : dout;
+      Tensor on = Poisoned(DType::kF32, {m, k}), off = Poisoned(DType::kF32, {m, k});
+      same_bits(on, off, [&](Tensor& out) {
+        return GmmDlhs(ctx, o, d.view(), w.w.view(), scale, gs.view(), out.view());
+      });
+    }
+    for (int variant = 0; variant < 3; ++variant) {
+      SCOPED_TRACE(target.label + " tgmm " + std::to_string(variant));
+      GmmOptions o;
+      o.mode = variant == 1 ? GmmMode::kBf16 : GmmMode::kF32;
+      o.tiles.k = 128;  // several A blocks of 96 per item, and a short one
+      TgmmQuant q;
+      if (variant == 2) q.dout_dtype = QuantDType::kE5M2;
+      const Tensor& x = variant == 1 ? lhs : lhs32;
+      const Tensor& d = variant == 1 ? dout : dout32;
+      Tensor on = Poisoned(DType::kF32, {e, k, n}), off = Poisoned(DType::kF32, {e, k, n});
+      same_bits(on, off, [&](Tensor& out) {
+        return Tgmm(ctx, o, q, x.view(), d.view(), gs.view(), out.view());
+      });
+    }
+  }
+  test::UseDefaultSimd();
+}
+
 // ---- TGMM ------------------------------------------------------------------
 
 struct TgmmCase {

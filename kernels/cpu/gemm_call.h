@@ -164,6 +164,11 @@ bool RowBlockOrderFits(const GemmCall& call, int64_t cols, int64_t red_len);
 // chunk order, B packed per reduction block; the bits are the same.
 bool RowBlockOrderOn();
 void SetRowBlockOrder(bool on);
+// Whether packed items prefetch the source of their next pack while their
+// register tiles run (PackPrefetch, default on). For A/B measurements; the
+// bits are the same either way.
+bool PackPrefetchOn();
+void SetPackPrefetch(bool on);
 
 }  // namespace fp8moe::internal
 

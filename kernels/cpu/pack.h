@@ -40,6 +40,24 @@ struct Operand {
   bool transposed;  // the GEMM's (i, r) or (r, j) is the source's (col, row)
 };
 
+// The source rows [r_begin, r_end) and columns [c0, c0 + n) that a pack
+// reads (RegionOfA / RegionOfB), for prefetching it ahead of the pack.
+struct SourceRegion {
+  int64_t r_begin = 0, r_end = 0, c0 = 0, n = 0;
+};
+
+// What PackAT(a, kind, i0, rows, r0, kc, ...) reads.
+inline SourceRegion RegionOfA(const Operand& a, int64_t i0, int64_t rows, int64_t r0,
+                              int64_t kc) {
+  return a.transposed ? SourceRegion{r0, r0 + kc, i0, rows} : SourceRegion{i0, i0 + rows, r0, kc};
+}
+
+// What PackBT reads for one column run [c0, c0 + count) over [r0, r0 + kc).
+inline SourceRegion RegionOfB(const Operand& b, int64_t r0, int64_t kc, int64_t c0,
+                              int64_t count) {
+  return b.transposed ? SourceRegion{c0, c0 + count, r0, kc} : SourceRegion{r0, r0 + kc, c0, count};
+}
+
 // Bytes of panels covering `extent` rows (A) or columns (B) in tiles of
 // `tile` (MR or NR) over a reduction block of kc: the one rule that sizes
 // the packing buffers (gemm_exec.cc allocates with it, and checks every
