@@ -353,6 +353,20 @@ TEST(Gmm, TallItemsInRowBlockOrderMatchReference) {
   EXPECT_GT(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
 }
 
+// Group sizes (their sum the valid rows; the rest of m tail rows) and the
+// operands over them: lhs [m, k] and dout [m, n], f32 and bf16 (the bf16
+// lhs is the f32 one rounded).
+struct GroupedOperands {
+  GroupedOperands(TestRng& r, int64_t m, int64_t k, int64_t n, const std::vector<int32_t>& sizes)
+      : valid(Sum(sizes)), gs(Make(DType::kI32, {static_cast<int64_t>(sizes.size())})),
+        lhs32(RandomF32(r, {m, k}, valid)), lhs(ToBf16(lhs32)),
+        dout32(RandomF32(r, {m, n}, valid)), dout(ToBf16(dout32)) {
+    std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  }
+  int64_t valid;
+  Tensor gs, lhs32, lhs, dout32, dout;
+};
+
 // Row-block order and chunk order (SetRowBlockOrder(false)) give the same
 // bits on every target, for every panel kind (f32, bf16 pairs, int16 pairs)
 // and epilogue, with a bf16 output, with empty groups and tail rows.
@@ -362,22 +376,15 @@ TEST(Gmm, RowBlockOrderGivesTheBitsOfChunkOrder) {
   // Groups over and under 512 rows, an empty one, and 5 tail rows; both
   // reductions over several blocks of 256, the forward's last one odd (45).
   const int64_t m = 2000, k = 301, n = 302, e = 4;
-  const std::vector<int32_t> sizes = {1300, 0, 600, 95};
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
-  Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes)), lhs = ToBf16(lhs32);
-  Tensor dout32 = RandomF32(r, {m, n}, Sum(sizes)), dout = ToBf16(dout32);
-  Tensor hsave = RandomF32(r, {m, 2 * k}, Sum(sizes));
+  GroupedOperands ops(r, m, k, n, {1300, 0, 600, 95});
+  Tensor &gs = ops.gs, &lhs32 = ops.lhs32, &lhs = ops.lhs, &dout32 = ops.dout32, &dout = ops.dout;
+  Tensor hsave = RandomF32(r, {m, 2 * k}, ops.valid);
   for (const test::SimdTarget& target : test::SimdTargets()) {
     test::UseSimdTarget(target);
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8,
                          GmmMode::kInt8}) {
-      const DType wd = mode == GmmMode::kF32 ? DType::kF32
-                       : mode == GmmMode::kBf16 ? DType::kBF16
-                       : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
-      Weight w = MakeWeight(r, wd, e, k, n);
-      TensorView sv = w.codes ? w.scale.view() : TensorView{};
-      const TensorView* scale = w.codes ? &sv : nullptr;
+      Weight w = MakeWeight(r, WeightDTypeOf(mode), e, k, n);
+      const TensorView* scale = w.Scale();
       for (const int64_t block : {int64_t{0}, int64_t{128}}) {
         if (block > 0 && mode != GmmMode::kNativeFp8) continue;
         for (const bool swiglu : {false, true}) {
@@ -442,11 +449,8 @@ TEST(Gmm, PackPrefetchKeepsTheBits) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   const int64_t m = 800, k = 301, n = 302, e = 4;
-  const std::vector<int32_t> sizes = {400, 0, 290, 95};
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
-  Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes)), lhs = ToBf16(lhs32);
-  Tensor dout32 = RandomF32(r, {m, n}, Sum(sizes)), dout = ToBf16(dout32);
+  GroupedOperands ops(r, m, k, n, {400, 0, 290, 95});
+  Tensor &gs = ops.gs, &lhs32 = ops.lhs32, &lhs = ops.lhs, &dout32 = ops.dout32, &dout = ops.dout;
   // Runs `call` into out with the prefetch on, then off, and compares.
   auto same_bits = [](Tensor& on, Tensor& off, const std::function<Status(Tensor&)>& call) {
     ASSERT_TRUE(call(on).ok());
@@ -463,12 +467,8 @@ TEST(Gmm, PackPrefetchKeepsTheBits) {
     Context ctx;
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8,
                          GmmMode::kInt8}) {
-      const DType wd = mode == GmmMode::kF32 ? DType::kF32
-                       : mode == GmmMode::kBf16 ? DType::kBF16
-                       : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
-      Weight w = MakeWeight(r, wd, e, k, n);
-      TensorView sv = w.codes ? w.scale.view() : TensorView{};
-      const TensorView* scale = w.codes ? &sv : nullptr;
+      Weight w = MakeWeight(r, WeightDTypeOf(mode), e, k, n);
+      const TensorView* scale = w.Scale();
       const Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
       for (const bool swiglu : {false, true}) {
         SCOPED_TRACE(target.label + " fwd " + std::string(GmmModeName(mode)) +
@@ -818,10 +818,7 @@ TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
     Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kInt8}) {
       SCOPED_TRACE(GmmModeName(mode));
-      const DType wd = mode == GmmMode::kF32 ? DType::kF32
-                       : mode == GmmMode::kBf16 ? DType::kBF16
-                       : mode == GmmMode::kInt8 ? DType::kI8 : DType::kE4M3FN;
-      Weight w = MakeWeight(r, wd, e, k, n);
+      Weight w = MakeWeight(r, WeightDTypeOf(mode), e, k, n);
       TensorView sv = w.codes ? w.scale.view() : TensorView{};
       Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
       Tensor first = Make(DType::kF32, {m, n / 2});

@@ -114,6 +114,13 @@ inline float ValueAt(const Tensor& t, size_t i) {
 struct Weight {
   Tensor w, scale;
   bool codes = false;
+  TensorView scale_view = {};
+  // The scale argument of the GMM calls: its view for codes, else nullptr.
+  const TensorView* Scale() {
+    if (!codes) return nullptr;
+    scale_view = scale.view();
+    return &scale_view;
+  }
 };
 
 inline Weight MakeWeight(TestRng& r, DType dtype, int64_t e, int64_t k, int64_t n) {
@@ -132,6 +139,14 @@ inline Weight MakeWeight(TestRng& r, DType dtype, int64_t e, int64_t k, int64_t 
     out.codes = true;
   }
   return out;
+}
+
+// The weight dtype a forward of `mode` takes (E4M3FN codes for fp8 modes).
+inline DType WeightDTypeOf(GmmMode mode) {
+  return mode == GmmMode::kF32    ? DType::kF32
+         : mode == GmmMode::kBf16 ? DType::kBF16
+         : mode == GmmMode::kInt8 ? DType::kI8
+                                  : DType::kE4M3FN;
 }
 
 // Expects |got - want| <= bound element-wise over valid rows; tail rows 0.
