@@ -87,8 +87,7 @@ TEST(Gmm, SwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
           o.fp8_dtype = em.fp8;
           o.epilogue = GmmEpilogue::kSwiGlu;
           Tensor out = Poisoned(out_dtype, {m, 3}), ref = Poisoned(out_dtype, {m, 3});
-          TensorView sv = wt.codes ? wt.scale.view() : TensorView{};
-          const TensorView* scale = wt.codes ? &sv : nullptr;
+          const TensorView* scale = wt.Scale();
           ASSERT_TRUE(Gmm(o, lhs.view(), wt.w.view(), scale, gs.view(), out.view()).ok());
           ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), scale, gs.view(), ref.view()).ok());
           for (int64_t i = 0; i < m; ++i) {
@@ -142,8 +141,7 @@ TEST(GmmDlhs, DSwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
         GmmOptions o;
         o.mode = c.mode;
         o.epilogue = GmmEpilogue::kDSwiGlu;
-        TensorView sv = wt.codes ? wt.scale.view() : TensorView{};
-        const TensorView* scale = wt.codes ? &sv : nullptr;
+        const TensorView* scale = wt.Scale();
         TensorView hv = h.view();
         Tensor out = Poisoned(DType::kF32, {m, 6}), ref = Poisoned(DType::kF32, {m, 6});
         ASSERT_TRUE(GmmDlhs(o, dout.view(), wt.w.view(), scale, gs.view(), out.view(), &hv).ok());

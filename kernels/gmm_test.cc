@@ -116,8 +116,7 @@ void CheckFwd(Context& ctx, TestRng& r, const FwdCase& c, int64_t m, int64_t k, 
   const int64_t oc = c.swiglu ? n / 2 : n;
   Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
   Tensor h = Poisoned(DType::kF32, {m, n}), href = Poisoned(DType::kF32, {m, n});
-  TensorView sv = w.codes ? w.scale.view() : TensorView{};
-  const TensorView* scale = w.codes ? &sv : nullptr;
+  const TensorView* scale = w.Scale();
   TensorView hv = h.view(), hrv = href.view();
   ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.w.view(), scale, gs.view(), out.view(), c.swiglu ? &hv : nullptr).ok());
   ASSERT_TRUE(reference::Gmm(o, lhs.view(), w.w.view(), scale, gs.view(), ref.view(),
@@ -224,8 +223,7 @@ void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k
   Tensor hsave = RandomF32(r, {m, 2 * k}, valid);
   TensorView hv = hsave.view();
   Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
-  TensorView sv = w.codes ? w.scale.view() : TensorView{};
-  const TensorView* scale = w.codes ? &sv : nullptr;
+  const TensorView* scale = w.Scale();
   ASSERT_TRUE(GmmDlhs(ctx, o, dout.view(), w.w.view(), scale, gs.view(), out.view(),
                       c.dswiglu ? &hv : nullptr).ok());
   ASSERT_TRUE(reference::GmmDlhs(o, dout.view(), w.w.view(), scale, gs.view(), ref.view(),
@@ -667,7 +665,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
       Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
       Tensor lhs = mode == GmmMode::kF32 ? std::move(lhs32) : ToBf16(lhs32);
       Weight w = MakeWeight(r, c.wdtype, e, k, n);
-      TensorView sv = w.codes ? w.scale.view() : TensorView{};
+      const TensorView* scale = w.Scale();
       const int64_t oc = swiglu ? n / 2 : n;
       std::vector<Tensor> outs;
       // 16 rows: packed; 1 to 12: the direct kernels' tile shapes.
@@ -685,7 +683,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
           o.tiles.m = tile_m;
           if (tile_k > 0) o.tiles.k = tile_k;
           outs.push_back(Make(DType::kF32, {m, oc}));
-          ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
+          ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), scale, gs.view(),
                           outs.back().view()).ok());
           internal::SetFp8ByteTableDecode(true);
         }
@@ -819,7 +817,7 @@ TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kInt8}) {
       SCOPED_TRACE(GmmModeName(mode));
       Weight w = MakeWeight(r, WeightDTypeOf(mode), e, k, n);
-      TensorView sv = w.codes ? w.scale.view() : TensorView{};
+      const TensorView* scale = w.Scale();
       Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
       Tensor first = Make(DType::kF32, {m, n / 2});
       ExpectSameBitsEverywhere(
@@ -828,7 +826,7 @@ TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
             o.mode = mode;
             o.tiles = t;
             o.epilogue = GmmEpilogue::kSwiGlu;
-            ASSERT_TRUE(Gmm(o, l.view(), w.w.view(), w.codes ? &sv : nullptr, gs.view(),
+            ASSERT_TRUE(Gmm(o, l.view(), w.w.view(), scale, gs.view(),
                             out->view()).ok());
           },
           &first);
