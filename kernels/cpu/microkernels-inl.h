@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/line_walk.h"
@@ -176,19 +177,81 @@ HWY_INLINE hn::Vec<DF> LoadRowAsF32(DF df, const uint8_t* HWY_RESTRICT p) {
   }
 }
 
-// Whether any of the n fp8 codes at p is a NaN code of kSrc's format (the
-// raw decode turns those into finite numbers). n is NV vectors' worth of
-// codes; whole u8 vectors where they fit, one f32 vector's worth otherwise.
+// Watches fp8 codes for a NaN code of kSrc's format (the raw decode turns
+// those into finite numbers), 2 ops per u8 vector of kCodes codes (a CappedTag:
+// fewer lanes on narrow targets). e4m3fn's NaNs are the codes whose low 7 bits
+// are all set (0x7F, 0xFF): the running unsigned max of code | 0x80 reaches
+// 0xFF exactly when one was seen. e4m3fnuz's only NaN is 0x80, the smallest
+// int8: the running signed min reaches it exactly when one was seen. (An OR
+// of compare masks took 3 ops; in an isolated AVX2 decode loop, where the
+// watch is an eighth of the ops, this one is 4% faster.)
 template <RowSrc kSrc, size_t kCodes>
-HWY_INLINE auto NaNCodeMask(const uint8_t* HWY_RESTRICT p) {
-  const hn::CappedTag<uint8_t, kCodes> d8;
-  const auto v = hn::LoadU(d8, p);
-  if constexpr (kSrc == RowSrc::kRawE4M3FNUZ) {
-    return hn::VecFromMask(d8, hn::Eq(v, hn::Set(d8, 0x80)));
-  } else {  // low 7 bits all set: 0x7F, 0xFF
-    return hn::VecFromMask(d8, hn::Eq(hn::Or(v, hn::Set(d8, 0x80)), hn::Set(d8, 0xFF)));
+struct NaNCodeWatch {
+  static constexpr bool kFnuz = kSrc == RowSrc::kRawE4M3FNUZ;
+  using T = std::conditional_t<kFnuz, int8_t, uint8_t>;
+  hn::CappedTag<T, kCodes> d8;
+  hn::Vec<hn::CappedTag<T, kCodes>> seen;
+
+  HWY_INLINE NaNCodeWatch() : seen(hn::Zero(d8)) {}
+
+  HWY_INLINE size_t Lanes() const { return hn::Lanes(d8); }
+  HWY_INLINE void Add(const uint8_t* HWY_RESTRICT p) {
+    const auto v = hn::LoadU(d8, reinterpret_cast<const T*>(p));
+    if constexpr (kFnuz) {
+      seen = hn::Min(seen, v);
+    } else {
+      seen = hn::Max(seen, hn::Or(v, hn::Set(d8, static_cast<T>(0x80))));
+    }
   }
+  HWY_INLINE bool Seen() const {
+    const T nan = static_cast<T>(kFnuz ? -128 : 0xFF);
+    return !hn::AllFalse(d8, hn::Eq(seen, hn::Set(d8, nan)));
+  }
+};
+
+// 2N fp8 codes at p, decoded raw (as LoadRowAsF32) into two f32 vectors:
+// even = codes 0, 2, ..., 2N-2, odd = codes 1, 3, ..., 2N-1. One sign
+// extension to 16 bits covers both: each 32-bit lane then holds code 2i in
+// its low half and 2i+1 in its high half, sign-extended, and a shift by 20
+// (even) or 4 (odd) puts that code's 7 magnitude bits at 26..20 with copies
+// of its sign above; the mask keeps bit 31 and 26..20 (and clears the other
+// code's bits below). 5 ops per 2N codes where LoadRowAsF32 takes 6, and 1
+// shuffle instead of 2. UnpairRawFp8 / PairRawFp8 convert between this
+// column order and the natural one (256-bit vectors of two 128-bit blocks).
+template <class DF>
+HWY_INLINE void LoadRawFp8Pair(DF df, const uint8_t* HWY_RESTRICT p, hn::Vec<DF>& even,
+                               hn::Vec<DF>& odd) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Repartition<int16_t, decltype(di)> d16;
+  const hn::Rebind<int8_t, decltype(d16)> d8;
+  const auto w = hn::BitCast(di, hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p))));
+  const auto mask = hn::Set(di, static_cast<int32_t>(0x87F00000u));
+  even = hn::BitCast(df, hn::And(hn::ShiftLeft<20>(w), mask));
+  odd = hn::BitCast(df, hn::And(hn::ShiftLeft<4>(w), mask));
 }
+#if HWY_TARGET == HWY_AVX2
+// (even, odd) of LoadRawFp8Pair -> columns [0, N), [N, 2N).
+template <class DF>
+HWY_INLINE void UnpairRawFp8(DF df, hn::Vec<DF>& a, hn::Vec<DF>& b) {
+  const auto lo = hn::InterleaveLower(df, a, b);  // columns 0..3 | 8..11
+  const auto hi = hn::InterleaveUpper(df, a, b);  // columns 4..7 | 12..15
+  a = hn::ConcatLowerLower(df, hi, lo);
+  b = hn::ConcatUpperUpper(df, hi, lo);
+}
+// Columns [0, N), [N, 2N) -> (even, odd) as LoadRawFp8Pair gives them.
+template <class DF>
+HWY_INLINE void PairRawFp8(DF df, hn::Vec<DF>& a, hn::Vec<DF>& b) {
+  const auto even = hn::ConcatEven(df, b, a), odd = hn::ConcatOdd(df, b, a);
+  a = even;
+  b = odd;
+}
+#else
+// Declared only: kPaired is false elsewhere, so nothing calls them.
+template <class DF>
+void UnpairRawFp8(DF df, hn::Vec<DF>& a, hn::Vec<DF>& b);
+template <class DF>
+void PairRawFp8(DF df, hn::Vec<DF>& a, hn::Vec<DF>& b);
+#endif
 
 // C[MR x NV*N] (+)= A panel (kc x MR f32) x source rows [0, kc) at b (ldb
 // bytes apart), columns [0, NV*N). With row_scale (native fp8 K-blocks):
@@ -207,11 +270,21 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
   const size_t N = hn::Lanes(d);
   constexpr size_t kEsize = ElementBytesOf(kSrc);
   constexpr bool kWatchNaN = IsRawFp8(kSrc);
+  // AVX2 raw fp8 decodes two vectors at a time (LoadRawFp8Pair): the
+  // accumulators of columns j, j+1 hold the even and odd columns of their
+  // 2N, put back in order before C is stored. Why: the decode GEMV (one row
+  // per expert) runs out of vector ops before memory on AVX2 (~3.7 ops per
+  // cycle, 8 per 16 codes). The 1 x 8 tile's loop in intrinsics on an
+  // L2-resident strip: 23.6 GB/s of codes per thread, 25.9 paired, 27.8
+  // paired with NaNCodeWatch's max (docs/kernels.md, Decode). In `bench gmm` decode e64 (2 threads):
+  // 37-39 -> 42-44 GB/s where the streaming read did 57-61, the same
+  // (38-40) where it did 45-48. AVX-512 decodes fp8 with byte tables where it
+  // can (microkernels_avx3-inl.h) and its 4 blocks would need another unpairing.
+  constexpr bool kPaired = IsRawFp8(kSrc) && HWY_TARGET == HWY_AVX2 && NV % 2 == 0;
   // The NaN watch covers a row's NV * N codes in u8 vectors of up to 32.
   constexpr size_t kRowCodes = NV * hn::MaxLanes(hn::ScalableTag<float>());
   constexpr size_t kWatch = kRowCodes < 32 ? kRowCodes : 32;
-  const hn::CappedTag<uint8_t, kWatch> d8;
-  [[maybe_unused]] auto seen = hn::Zero(d8);
+  [[maybe_unused]] NaNCodeWatch<kSrc, kWatch> watch;
   V acc[MR][NV];
   const bool start_from_c = load_c && row_scale == nullptr;
   HWY_UNROLL(16)
@@ -219,6 +292,12 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
     HWY_UNROLL(8)
     for (size_t j = 0; j < NV; ++j) {
       acc[i][j] = start_from_c ? hn::LoadU(d, c + i * ldc + j * N) : hn::Zero(d);
+    }
+    if constexpr (kPaired) {
+      if (start_from_c) {
+        HWY_UNROLL(8)
+        for (size_t j = 0; j < NV; j += 2) PairRawFp8(d, acc[i][j], acc[i][j + 1]);
+      }
     }
   }
   for (size_t k = 0; k < kc; ++k) {
@@ -228,9 +307,7 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
       // Step by the u8 vector's real width: a CappedTag holds at most kWatch
       // lanes but fewer on narrow targets (1 on SCALAR, 16 on SSE4),
       // and stepping by kWatch there skipped columns.
-      for (size_t w = 0; w < NV * N; w += hn::Lanes(d8)) {
-        seen = hn::Or(seen, NaNCodeMask<kSrc, kWatch>(row + w));
-      }
+      for (size_t w = 0; w < NV * N; w += watch.Lanes()) watch.Add(row + w);
     }
     if constexpr (MR == 1 && HWY_TARGET >= HWY_AVX2) {
       // One row (decode) on targets with 16 vector registers: each converted
@@ -241,14 +318,29 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
       // there the loads issued first measured 2-3% faster. Same products in
       // the same order.
       const V a = hn::Set(d, ap[k]);
-      HWY_UNROLL(8)
-      for (size_t j = 0; j < NV; ++j) {
-        acc[0][j] = hn::MulAdd(a, LoadRowAsF32<kSrc>(d, row + j * N * kEsize), acc[0][j]);
+      if constexpr (kPaired) {
+        HWY_UNROLL(8)
+        for (size_t j = 0; j < NV; j += 2) {
+          V even, odd;
+          LoadRawFp8Pair(d, row + j * N, even, odd);
+          acc[0][j] = hn::MulAdd(a, even, acc[0][j]);
+          acc[0][j + 1] = hn::MulAdd(a, odd, acc[0][j + 1]);
+        }
+      } else {
+        HWY_UNROLL(8)
+        for (size_t j = 0; j < NV; ++j) {
+          acc[0][j] = hn::MulAdd(a, LoadRowAsF32<kSrc>(d, row + j * N * kEsize), acc[0][j]);
+        }
       }
     } else {
       V bv[NV];
-      HWY_UNROLL(8)
-      for (size_t j = 0; j < NV; ++j) bv[j] = LoadRowAsF32<kSrc>(d, row + j * N * kEsize);
+      if constexpr (kPaired) {
+        HWY_UNROLL(8)
+        for (size_t j = 0; j < NV; j += 2) LoadRawFp8Pair(d, row + j * N, bv[j], bv[j + 1]);
+      } else {
+        HWY_UNROLL(8)
+        for (size_t j = 0; j < NV; ++j) bv[j] = LoadRowAsF32<kSrc>(d, row + j * N * kEsize);
+      }
       HWY_UNROLL(16)
       for (size_t i = 0; i < MR; ++i) {
         const V a = hn::Set(d, ap[k * MR + i]);
@@ -260,6 +352,10 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
   const V vpost = hn::Set(d, post);
   HWY_UNROLL(16)
   for (size_t i = 0; i < MR; ++i) {
+    if constexpr (kPaired) {
+      HWY_UNROLL(8)
+      for (size_t j = 0; j < NV; j += 2) UnpairRawFp8(d, acc[i][j], acc[i][j + 1]);
+    }
     HWY_UNROLL(8)
     for (size_t j = 0; j < NV; ++j) {
       float* p = c + i * ldc + j * N;
@@ -273,7 +369,7 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
       }
     }
   }
-  if constexpr (kWatchNaN) return !hn::AllFalse(d8, hn::Ne(seen, hn::Zero(d8)));
+  if constexpr (kWatchNaN) return watch.Seen();
   return false;
 }
 
