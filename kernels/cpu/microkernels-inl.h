@@ -224,7 +224,8 @@ HWY_INLINE void LoadRawFp8Pair(DF df, const uint8_t* HWY_RESTRICT p, hn::Vec<DF>
   const hn::RebindToSigned<DF> di;
   const hn::Repartition<int16_t, decltype(di)> d16;
   const hn::Rebind<int8_t, decltype(d16)> d8;
-  const auto w = hn::BitCast(di, hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p))));
+  const auto codes = hn::LoadU(d8, reinterpret_cast<const int8_t*>(p));
+  const auto w = hn::BitCast(di, hn::PromoteTo(d16, codes));
   const auto mask = hn::Set(di, static_cast<int32_t>(0x87F00000u));
   even = hn::BitCast(df, hn::And(hn::ShiftLeft<20>(w), mask));
   odd = hn::BitCast(df, hn::And(hn::ShiftLeft<4>(w), mask));
@@ -276,10 +277,11 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
   // per expert) runs out of vector ops before memory on AVX2 (~3.7 ops per
   // cycle, 8 per 16 codes). The 1 x 8 tile's loop in intrinsics on an
   // L2-resident strip: 23.6 GB/s of codes per thread, 25.9 paired, 27.8
-  // paired with NaNCodeWatch's max (docs/kernels.md, Decode). In `bench gmm` decode e64 (2 threads):
-  // 37-39 -> 42-44 GB/s where the streaming read did 57-61, the same
-  // (38-40) where it did 45-48. AVX-512 decodes fp8 with byte tables where it
-  // can (microkernels_avx3-inl.h) and its 4 blocks would need another unpairing.
+  // paired with NaNCodeWatch's max (docs/kernels.md, Decode). In `bench gmm`
+  // decode e64 (2 threads): 37-39 -> 42-44 GB/s where the streaming read did
+  // 57-61, the same (38-40) where it did 45-48. AVX-512 decodes fp8 with byte
+  // tables where it can (microkernels_avx3-inl.h), and its 4 blocks per
+  // vector would need another unpairing.
   constexpr bool kPaired = IsRawFp8(kSrc) && HWY_TARGET == HWY_AVX2 && NV % 2 == 0;
   // The NaN watch covers a row's NV * N codes in u8 vectors of up to 32.
   constexpr size_t kRowCodes = NV * hn::MaxLanes(hn::ScalableTag<float>());
