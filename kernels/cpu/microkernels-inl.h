@@ -156,6 +156,9 @@ constexpr size_t ElementBytesOf(RowSrc s) {
 // by where it is finished.
 inline float RawFp8PanelScale(bool fnuz) { return fnuz ? 0x1p112f : 0x1p113f; }
 constexpr float kRawFp8Post = 0x1p7f;
+// What the raw decode keeps of a sign-extended code shifted to bits 27..20:
+// the sign at bit 31 and the 7 magnitude bits at 26..20.
+constexpr int32_t kRawFp8Mask = static_cast<int32_t>(0x87F00000u);
 
 template <RowSrc kSrc, class DF>
 HWY_INLINE hn::Vec<DF> LoadRowAsF32(DF df, const uint8_t* HWY_RESTRICT p) {
@@ -173,7 +176,7 @@ HWY_INLINE hn::Vec<DF> LoadRowAsF32(DF df, const uint8_t* HWY_RESTRICT p) {
     // keeps bit 31 and the magnitude at bits 26..20.
     const auto codes = hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p)));
     return hn::BitCast(df, hn::And(hn::ShiftLeft<20>(codes),
-                                   hn::Set(di, static_cast<int32_t>(0x87F00000u))));
+                                   hn::Set(di, kRawFp8Mask)));
   }
 }
 
@@ -226,7 +229,7 @@ HWY_INLINE void LoadRawFp8Pair(DF df, const uint8_t* HWY_RESTRICT p, hn::Vec<DF>
   const hn::Rebind<int8_t, decltype(d16)> d8;
   const auto codes = hn::LoadU(d8, reinterpret_cast<const int8_t*>(p));
   const auto w = hn::BitCast(di, hn::PromoteTo(d16, codes));
-  const auto mask = hn::Set(di, static_cast<int32_t>(0x87F00000u));
+  const auto mask = hn::Set(di, kRawFp8Mask);
   even = hn::BitCast(df, hn::And(hn::ShiftLeft<20>(w), mask));
   odd = hn::BitCast(df, hn::And(hn::ShiftLeft<4>(w), mask));
 }
