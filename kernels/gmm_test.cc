@@ -755,6 +755,71 @@ TEST(Gmm, NaNWeightCodesGiveNaNColumnsOnEveryPath) {
   test::UseDefaultSimd();
 }
 
+// Every code of both e4m3 formats but their NaN codes (the test above has
+// those), at even and odd columns alike, through the direct kernels (raw
+// decode; on AVX2 two vectors per sign extension, LoadRawFp8Pair, whose
+// accumulators hold even and odd columns) and through the packed kernel
+// (exact decode): +-0, the exponent-0 codes (f32 subnormals in the raw
+// decode), +-448 / +-240 all give the packed path's bits, over one and
+// several reduction chunks (C loaded back in the paired order).
+TEST(Gmm, DirectKernelsDecodeEveryFp8CodeAsThePackedPathDoes) {
+  FP8MOE_RANDOM_SEED(seed);
+  TestRng r(seed);
+  const int64_t m = 56, k = 300, n = 128, e = 3;
+  std::vector<int32_t> sizes = {32, 0, 16};  // 16-row tiles: all packed; 8 tail rows
+  Tensor gs = Make(DType::kI32, {e});
+  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    for (DType wd : {DType::kE4M3FN, DType::kE4M3FNUZ}) {
+      SCOPED_TRACE(target.label + " " + std::string(DTypeName(wd)));
+      const bool fnuz = wd == DType::kE4M3FNUZ;
+      std::vector<uint8_t> codes;
+      for (int c = 0; c < 256; ++c) {
+        const bool nan = fnuz ? c == 0x80 : (c & 0x7F) == 0x7F;
+        if (!nan) codes.push_back(static_cast<uint8_t>(c));
+      }
+      Weight w = MakeWeight(r, wd, e, k, n);  // for its scales
+      uint8_t* q = w.w.data_as<uint8_t>();
+      // Column j of group g meets every code down its 300 rows.
+      for (int64_t g = 0; g < e; ++g) {
+        for (int64_t kk = 0; kk < k; ++kk) {
+          for (int64_t j = 0; j < n; ++j) {
+            q[(g * k + kk) * n + j] = codes[static_cast<size_t>(kk + 3 * j + 17 * g) % codes.size()];
+          }
+        }
+      }
+      const Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
+      std::vector<Tensor> outs;
+      // 16 rows: the packed kernel; 1, 2, 3, 4, 8: the direct kernels' tiles.
+      for (int64_t tile_m : {16, 1, 2, 3, 4, 8}) {
+        for (int64_t tile_k : {int64_t{0}, int64_t{64}}) {
+          for (bool tables : {true, false}) {
+            internal::SetFp8ByteTableDecode(tables);
+            GmmOptions o;
+            o.mode = GmmMode::kNativeFp8;
+            o.fp8_dtype = fnuz ? QuantDType::kE4M3FNUZ : QuantDType::kE4M3FN;
+            o.tiles.m = tile_m;
+            if (tile_k > 0) o.tiles.k = tile_k;
+            outs.push_back(Poisoned(DType::kF32, {m, n}));
+            ASSERT_TRUE(Gmm(o, lhs.view(), w.w.view(), w.Scale(), gs.view(),
+                            outs.back().view()).ok());
+            internal::SetFp8ByteTableDecode(true);
+          }
+        }
+      }
+      const float* first = outs[0].data_as<float>();
+      for (int64_t i = 0; i < Sum(sizes) * n; ++i) {
+        ASSERT_TRUE(std::isfinite(first[i])) << "element " << i;
+      }
+      for (size_t t = 1; t < outs.size(); ++t) {
+        ASSERT_EQ(0, std::memcmp(first, outs[t].data(), outs[0].num_bytes())) << "path " << t;
+      }
+    }
+  }
+  test::UseDefaultSimd();
+}
+
 // The kernels of every SIMD target this CPU runs (AVX-512 with or without
 // bf16 dot products, AVX2, SSE4, scalar) against the reference.
 TEST(Gmm, EveryTargetMatchesReference) {
