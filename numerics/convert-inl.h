@@ -467,35 +467,34 @@ void DequantizeFp8ToBf16SpanT(const uint8_t* HWY_RESTRICT codes,
   const hn::Rebind<uint8_t, decltype(df)> d8;
   const hn::Rebind<uint16_t, decltype(df)> d16;
   const size_t N = hn::Lanes(df);
-  auto one = [&](const uint8_t* c, const float* s, uint16_t* o) {
-    const auto v = hn::Mul(DecodeFp8Vec<kFormat>(df, hn::PromoteTo(du, hn::LoadU(d8, c))),
-                           hn::LoadU(df, s));
-    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, F32ToBf16Vec(df, v))), d16, o);
+  // Decoded values v: times the scales at s, rounded to bf16, stored at o.
+  auto finish = [&](hn::Vec<hn::ScalableTag<float>> v, const float* s, uint16_t* o) {
+    const auto b = F32ToBf16Vec(df, hn::Mul(v, hn::LoadU(df, s)));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, o);
+  };
+  auto decode = [&](const uint8_t* c) {
+    return DecodeFp8Vec<kFormat>(df, hn::PromoteTo(du, hn::LoadU(d8, c)));
   };
   size_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
   const hn::Repartition<int16_t, decltype(df)> dw;
   const auto table = SubnormalBf16Table<kFormat>(dw);
-  auto round = [&](hn::Vec<hn::ScalableTag<float>> v, const float* s, uint16_t* o) {
-    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, F32ToBf16Vec(df, hn::Mul(v, hn::LoadU(df, s))))),
-               d16, o);
-  };
   for (; i + 2 * N <= n; i += 2 * N) {
     hn::Vec<hn::ScalableTag<float>> lo, hi;
     WidenBf16Pair(df, DecodeFp8Bf16Vec<kFormat>(dw, LoadFp8PairSx(df, codes + i), table), &lo,
                   &hi);
-    round(lo, scales + i, out + i);
-    round(hi, scales + i + N, out + i + N);
+    finish(lo, scales + i, out + i);
+    finish(hi, scales + i + N, out + i + N);
   }
 #endif
-  for (; i + N <= n; i += N) one(codes + i, scales + i, out + i);
+  for (; i + N <= n; i += N) finish(decode(codes + i), scales + i, out + i);
   if (i < n) {
     HWY_ALIGN uint8_t c[hn::MaxLanes(df)] = {};
     HWY_ALIGN float s[hn::MaxLanes(df)] = {};
     HWY_ALIGN uint16_t o[hn::MaxLanes(df)];
     std::memcpy(c, codes + i, n - i);
     std::memcpy(s, scales + i, (n - i) * sizeof(float));
-    one(c, s, o);
+    finish(decode(c), s, o);
     std::memcpy(out + i, o, (n - i) * sizeof(uint16_t));
   }
 }
