@@ -184,6 +184,16 @@ HWY_INLINE void WidenBf16Pair(DF df, V16 v, hn::Vec<DF>* lo, hn::Vec<DF>* hi) {
   *lo = hn::BitCast(df, hn::ZipLower(du, hn::Zero(du16), w));
   *hi = hn::BitCast(df, hn::ZipUpper(du, hn::Zero(du16), w));
 }
+
+// 2N codes from p -> their f32 values: [0, N) in *lo, [N, 2N) in *hi; table:
+// SubnormalBf16Table<kFormat>.
+template <Fp8Format kFormat, class DF>
+HWY_INLINE void DecodeFp8PairToF32(DF df, const uint8_t* HWY_RESTRICT p,
+                                   hn::Vec<hn::Repartition<int16_t, DF>> table,
+                                   hn::Vec<DF>* lo, hn::Vec<DF>* hi) {
+  const hn::Repartition<int16_t, DF> d16;
+  WidenBf16Pair(df, DecodeFp8Bf16Vec<kFormat>(d16, LoadFp8PairSx(df, p), table), lo, hi);
+}
 #endif  // HWY_TARGET != HWY_SCALAR
 
 // f32 lanes -> u32 lanes holding fp8 codes (0..255), round to nearest even.
@@ -312,8 +322,7 @@ void DecodeFp8SpanT(const uint8_t* HWY_RESTRICT codes, float* HWY_RESTRICT out,
   const auto table = SubnormalBf16Table<kFormat>(d16);
   for (; i + 2 * N <= n; i += 2 * N) {
     hn::Vec<hn::ScalableTag<float>> lo, hi;
-    WidenBf16Pair(df, DecodeFp8Bf16Vec<kFormat>(d16, LoadFp8PairSx(df, codes + i), table), &lo,
-                  &hi);
+    DecodeFp8PairToF32<kFormat>(df, codes + i, table, &lo, &hi);
     store(lo, out + i);
     store(hi, out + i + N);
   }
@@ -481,8 +490,7 @@ void DequantizeFp8ToBf16SpanT(const uint8_t* HWY_RESTRICT codes,
   const auto table = SubnormalBf16Table<kFormat>(dw);
   for (; i + 2 * N <= n; i += 2 * N) {
     hn::Vec<hn::ScalableTag<float>> lo, hi;
-    WidenBf16Pair(df, DecodeFp8Bf16Vec<kFormat>(dw, LoadFp8PairSx(df, codes + i), table), &lo,
-                  &hi);
+    DecodeFp8PairToF32<kFormat>(df, codes + i, table, &lo, &hi);
     finish(lo, scales + i, out + i);
     finish(hi, scales + i + N, out + i + N);
   }

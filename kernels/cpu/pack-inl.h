@@ -156,8 +156,7 @@ class RowReader {
     const auto table = SubnormalBf16Table<kFormat>(d16);
     for (; i + 2 * N <= n; i += 2 * N) {
       hn::Vec<DF> lo, hi;
-      WidenBf16Pair(df, DecodeFp8Bf16Vec<kFormat>(d16, LoadFp8PairSx(df, p + i), table), &lo,
-                    &hi);
+      DecodeFp8PairToF32<kFormat>(df, p + i, table, &lo, &hi);
       finish(lo, scale_at(i), dst + i);
       finish(hi, scale_at(i + N), dst + i + N);
     }
