@@ -207,9 +207,24 @@ TEST(Fp8Decode, DequantizeToBf16MatchesScalarOnEveryTarget) {
   std::uniform_real_distribution<float> us(1e-6f, 4.0f);
   std::vector<uint8_t> codes(256 * 5 + 3);
   std::vector<float> scales(codes.size());
+  // Scales at the edges of the f32 range too (inf, NaN, 0, huge, subnormal), on
+  // codes that are finite and non-zero (a NaN code times a NaN scale may keep
+  // either NaN's sign, by operand order), spread over the span.
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // (NaNs with payloads too: their product keeps it, and bits + the rounding
+  // bias would carry out of 0x7FFFFFFF.)
+  const float edges[] = {kInf, -kInf, std::numeric_limits<float>::quiet_NaN(),
+                         std::bit_cast<float>(0x7FFFFFFFu), std::bit_cast<float>(0xFFE12345u),
+                         0.0f, -0.0f,
+                         std::numeric_limits<float>::max(), 1e30f, 1e-30f, 1e-40f,
+                         std::numeric_limits<float>::min(), -2.5f};
+  size_t next_edge = 0;
   for (size_t i = 0; i < codes.size(); ++i) {
     codes[i] = static_cast<uint8_t>(i);
     scales[i] = us(rng);
+    if (i % 256 >= 0x10 && i % 256 < 0x70 && i % 5 == 0) {
+      scales[i] = edges[next_edge++ % std::size(edges)];
+    }
   }
   ForEachTarget([&] {
     for (Fp8Format f : kFormats) {
