@@ -20,6 +20,7 @@ struct BenchOptions {
   std::string sgemm_core;   // "" : the loaded OpenBLAS core if right for the CPU, else a
                             // child with a right one; a name: a child with that core
   std::string sgemm_sizes = "2048x2048x2048";  // bench sgemm: MxKxN[,MxKxN...]
+  bool sgemm_serve = false;  // bench sgemm: time shapes on request (SgemmRounds' child)
   int64_t min_payload = int64_t{64} << 10;  // bench comm: smallest payload in bytes
   int64_t max_payload = int64_t{64} << 20;  // bench comm: largest payload in bytes
 };

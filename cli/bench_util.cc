@@ -276,7 +276,7 @@ nlohmann::json CeilingsJson(const MachineCeilings& c) {
 }
 
 KernelArith ArithOfMode(const std::string& mode) {
-  if (mode == "f32") return KernelArith::kF32;
+  if (mode == "f32" || mode == "openblas") return KernelArith::kF32;
   if (mode == "int8") return KernelArith::kInt16Pairs;
   return KernelArith::kBf16Pairs;
 }

@@ -107,8 +107,9 @@ enum class KernelArith {
   kBf16Pairs,  // bf16 / fp8 operands: vdpbf16ps where the kernels use it, else f32 FMA
   kInt16Pairs, // int8 operands as int16 pairs: vpdpwssd where used, else vpmaddwd + vpaddd
 };
-// The arithmetic of a `bench gmm` mode name: "f32" -> kF32, "int8" ->
-// kInt16Pairs, every other mode (bf16, fake_qat, native*, fp8_*) -> kBf16Pairs.
+// The arithmetic of a `bench gmm` mode name: "f32" and "openblas" (its
+// sgemm rows) -> kF32, "int8" -> kInt16Pairs, every other mode (bf16,
+// fake_qat, native*, fp8_*) -> kBf16Pairs.
 KernelArith ArithOfMode(const std::string& mode);
 // The measured peak that bounds a kernel of this arithmetic on this run's
 // target and CPU: the instruction the kernels actually issue there.

@@ -99,6 +99,9 @@ int main(int argc, char** argv) {
                     "measure the sgemm ceiling in a child with OPENBLAS_CORETYPE=this (default: "
                     "the loaded core if right for the CPU, else a right one)");
   bench->add_option("--sizes", bopt.sgemm_sizes, "bench sgemm: MxKxN[,MxKxN...]");
+  bench->add_flag("--serve", bopt.sgemm_serve,
+                  "bench sgemm: run the shape of each index read from stdin once and print its "
+                  "seconds (how the other benches time sgemm among their own rounds)");
   bench->add_option("--elements", bopt.elements,
                     "bench quant: elements per pass (rounded down to rows of 1024, at least 8 "
                     "rows: 8192)")
@@ -202,6 +205,11 @@ int main(int argc, char** argv) {
                    "error: --tiles: k = %lld is odd; the kernels reduce k in pairs, so use an even "
                    "k (or 0 for the default)\n",
                    static_cast<long long>(bopt.fwd_tiles[1]));
+      return 2;
+    }
+    if (bopt.sgemm_serve && bench_what != "sgemm") {
+      std::fprintf(stderr, "error: --serve is an option of bench sgemm only, not of bench %s\n",
+                   bench_what.c_str());
       return 2;
     }
     if (bench_what == "train") {

@@ -8,13 +8,16 @@
 #include <fcntl.h>
 #include <omp.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "cli/bench.h"
 #include "cli/bench_util.h"
@@ -42,19 +45,103 @@ Tensor Filled(int64_t rows, int64_t cols, uint32_t salt) {
   return t;
 }
 
+// One shape's operands, and sgemm on them with this process's core.
+class SgemmHere {
+ public:
+  SgemmHere(const SgemmShape& shape, int threads)
+      : shape_(shape),
+        threads_(threads),
+        a_(Filled(shape.m, shape.k, 1)),
+        b_(Filled(shape.k, shape.n, 2)),
+        c_(MustCreate(DType::kF32, {shape.m, shape.n})) {}
+
+  // C [m, n] = A [m, k] x B [k, n] once, on `threads` OpenBLAS threads.
+  void Run() {
+    openblas_set_num_threads(threads_);
+    const int m = static_cast<int>(shape_.m), k = static_cast<int>(shape_.k);
+    const int n = static_cast<int>(shape_.n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a_.data_as<float>(), k,
+                b_.data_as<float>(), n, 0.0f, c_.data_as<float>(), n);
+  }
+
+ private:
+  SgemmShape shape_;
+  int threads_;
+  Tensor a_, b_, c_;
+};
+
 std::vector<double> RunSgemmHere(const std::vector<SgemmShape>& shapes, int threads, int reps) {
-  openblas_set_num_threads(threads);
   std::vector<double> seconds;
   for (const SgemmShape& s : shapes) {
-    Tensor a = Filled(s.m, s.k, 1), b = Filled(s.k, s.n, 2);
-    Tensor c = MustCreate(DType::kF32, {s.m, s.n});
-    const int m = static_cast<int>(s.m), k = static_cast<int>(s.k), n = static_cast<int>(s.n);
-    seconds.push_back(BestSeconds(reps, [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a.data_as<float>(), k,
-                  b.data_as<float>(), n, 0.0f, c.data_as<float>(), n);
-    }));
+    SgemmHere here(s, threads);
+    seconds.push_back(BestSeconds(reps, [&] { here.Run(); }));
   }
   return seconds;
+}
+
+// This process's environment with each of `set` ("NAME=value") replacing
+// any NAME there.
+std::vector<std::string> ChildEnvironment(const std::vector<std::string>& set) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    bool replaced = false;
+    for (const std::string& kv : set) {
+      const size_t eq = kv.find('=') + 1;
+      replaced = replaced || std::strncmp(*e, kv.c_str(), eq) == 0;
+    }
+    if (!replaced) env.emplace_back(*e);
+  }
+  env.insert(env.end(), set.begin(), set.end());
+  return env;
+}
+
+// Starts this binary with `args` and `env`, its stdin (unless -1) and
+// stdout on the given descriptors; false (and why in *error) if it cannot.
+bool SpawnSelf(const std::vector<std::string>& args, std::vector<std::string> env, int stdin_fd,
+               int stdout_fd, pid_t* pid, std::string* error) {
+  std::vector<char*> envp, argv;
+  for (std::string& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> arg_store = args;
+  for (std::string& s : arg_store) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  // dup2 clears O_CLOEXEC on the copy.
+  if (stdin_fd >= 0) posix_spawn_file_actions_adddup2(&fa, stdin_fd, STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, stdout_fd, STDOUT_FILENO);
+  // /proc/self/exe is resolved by the new process, which is still this binary then.
+  const int rc = posix_spawn(pid, "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) *error = std::string("could not start a child: ") + std::strerror(rc);
+  return rc == 0;
+}
+
+// Why a child that ended with `status` failed, or "" if it exited 0.
+std::string ChildFailure(int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "child killed by signal " + std::to_string(sig) +
+           (sig == SIGILL ? " (SIGILL: the core needs instructions this CPU lacks)" : "");
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return "child exited with status " + std::to_string(WEXITSTATUS(status));
+  }
+  return "";
+}
+
+int WaitChild(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return status;
+}
+
+// The path of this binary (argv[0] of its children).
+std::string SelfPath() {
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  return len > 0 ? std::string(self, static_cast<size_t>(len)) : "fp8moe";
 }
 
 // Runs this binary with `args` and OPENBLAS_CORETYPE=coretype; its stdout in
@@ -66,29 +153,12 @@ bool RunChild(const std::vector<std::string>& args, const std::string& coretype,
     *error = std::string("pipe: ") + std::strerror(errno);
     return false;
   }
-  std::vector<std::string> env_store;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "OPENBLAS_CORETYPE=", 18) != 0) env_store.emplace_back(*e);
-  }
-  env_store.push_back("OPENBLAS_CORETYPE=" + coretype);
-  std::vector<char*> envp, argv;
-  for (std::string& s : env_store) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> arg_store = args;
-  for (std::string& s : arg_store) argv.push_back(s.data());
-  argv.push_back(nullptr);
-
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], STDOUT_FILENO);  // dup2 clears O_CLOEXEC
   pid_t pid = 0;
-  // /proc/self/exe is resolved by the new process, which is still this binary then.
-  const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
+  const bool started =
+      SpawnSelf(args, ChildEnvironment({"OPENBLAS_CORETYPE=" + coretype}), -1, fds[1], &pid, error);
   close(fds[1]);
-  if (rc != 0) {
+  if (!started) {
     close(fds[0]);
-    *error = std::string("could not start a child: ") + std::strerror(rc);
     return false;
   }
   char buf[4096];
@@ -97,20 +167,8 @@ bool RunChild(const std::vector<std::string>& args, const std::string& coretype,
     if (got > 0) out->append(buf, static_cast<size_t>(got));
   }
   close(fds[0]);
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    *error = "child killed by signal " + std::to_string(sig) +
-             (sig == SIGILL ? " (SIGILL: the core needs instructions this CPU lacks)" : "");
-    return false;
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    *error = "child exited with status " + std::to_string(WEXITSTATUS(status));
-    return false;
-  }
-  return true;
+  *error = ChildFailure(WaitChild(pid));
+  return error->empty();
 }
 
 struct ChildRun {
@@ -120,11 +178,8 @@ struct ChildRun {
 
 bool RunSgemmChild(const std::vector<SgemmShape>& shapes, int threads, int reps,
                    const std::string& coretype, ChildRun* run, std::string* error) {
-  char self[4096];
-  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  const std::string argv0 = len > 0 ? std::string(self, static_cast<size_t>(len)) : "fp8moe";
   std::string out;
-  if (!RunChild({argv0, "bench", "sgemm", "--sizes", FormatSgemmShapes(shapes), "--threads",
+  if (!RunChild({SelfPath(), "bench", "sgemm", "--sizes", FormatSgemmShapes(shapes), "--threads",
                  std::to_string(threads), "--reps", std::to_string(reps), "--json"},
                 coretype, &out, error)) {
     return false;
@@ -239,6 +294,91 @@ SgemmCeiling MeasureSgemmCeiling(const std::vector<SgemmShape>& shapes, int thre
   return c;
 }
 
+namespace {
+
+// One line from `fd` without its newline; false at end of file or on error.
+bool ReadLine(int fd, std::string* line) {
+  line->clear();
+  char ch;
+  for (;;) {
+    const ssize_t got = read(fd, &ch, 1);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    if (ch == '\n') return true;
+    line->push_back(ch);
+  }
+}
+
+bool SendAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t put = send(fd, text.data() + done, text.size() - done, MSG_NOSIGNAL);
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) return false;
+    done += static_cast<size_t>(put);
+  }
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<SgemmRounds> SgemmRounds::Start(const SgemmCeiling& ceiling,
+                                                const std::vector<SgemmShape>& shapes,
+                                                int threads, std::string* error) {
+  if (!ceiling.trusted) {
+    *error = "no OpenBLAS core right for this CPU to time";
+    return nullptr;
+  }
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    *error = std::string("socketpair: ") + std::strerror(errno);
+    return nullptr;
+  }
+  std::vector<std::string> set = {"OPENBLAS_THREAD_TIMEOUT=4"};
+  if (!ceiling.coretype_env.empty()) set.push_back("OPENBLAS_CORETYPE=" + ceiling.coretype_env);
+  pid_t pid = 0;
+  const bool started =
+      SpawnSelf({SelfPath(), "bench", "sgemm", "--serve", "--sizes", FormatSgemmShapes(shapes),
+                 "--threads", std::to_string(threads)},
+                ChildEnvironment(set), sv[1], sv[1], &pid, error);
+  close(sv[1]);
+  if (!started) {
+    close(sv[0]);
+    return nullptr;
+  }
+  std::unique_ptr<SgemmRounds> rounds(new SgemmRounds(sv[0], pid));
+  std::string line;
+  if (!ReadLine(sv[0], &line) || line.rfind("core ", 0) != 0) {
+    *error = "the sgemm child did not say its core";
+    return nullptr;  // the destructor ends and reaps it
+  }
+  if (line.substr(5) != ceiling.core) {
+    *error = "the sgemm child loaded core " + line.substr(5) + ", not the ceiling's " + ceiling.core;
+    return nullptr;
+  }
+  return rounds;
+}
+
+SgemmRounds::~SgemmRounds() {
+  close(fd_);  // the child reads end of file and exits
+  WaitChild(pid_);
+}
+
+double SgemmRounds::Run(size_t i) {
+  std::string line;
+  if (!SendAll(fd_, std::to_string(i) + "\n") || !ReadLine(fd_, &line)) {
+    std::fprintf(stderr, "error: the sgemm child (bench sgemm --serve) stopped answering\n");
+    std::exit(1);
+  }
+  char* end = nullptr;
+  const double seconds = std::strtod(line.c_str(), &end);
+  if (end == line.c_str() || !(seconds > 0)) {
+    std::fprintf(stderr, "error: the sgemm child answered '%s', not a time\n", line.c_str());
+    std::exit(1);
+  }
+  return seconds;
+}
+
 std::vector<std::string> SgemmNotes(const SgemmCeiling& c) {
   std::vector<std::string> notes;
   if (c.trusted && c.coretype_env.empty()) {
@@ -271,6 +411,41 @@ nlohmann::json SgemmJson(const SgemmCeiling& c, const std::vector<SgemmShape>& s
           {"attempts", c.attempts}, {"shapes", rows}};
 }
 
+namespace {
+
+// `bench sgemm --serve`: SgemmRounds' child. Says its core, then for each
+// shape index read from stdin runs that shape once and prints its seconds;
+// exits at end of input.
+int ServeSgemm(const std::vector<SgemmShape>& shapes, int threads) {
+  std::printf("core %s\n", openblas_get_corename());
+  std::fflush(stdout);
+  std::unique_ptr<SgemmHere> here;
+  size_t current = shapes.size();
+  char line[64];
+  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    char* end = nullptr;
+    const unsigned long i = std::strtoul(line, &end, 10);
+    if (end == line || i >= shapes.size()) {
+      std::fprintf(stderr, "error: bench sgemm --serve: '%s' is not a shape index below %zu\n",
+                   line, shapes.size());
+      return 2;
+    }
+    if (i != current) {
+      here.reset();  // one shape's buffers at a time
+      here = std::make_unique<SgemmHere>(shapes[i], threads);
+      current = i;
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(kServeSettleSeconds));
+    const double t0 = NowSeconds();
+    here->Run();
+    std::printf("%.9e\n", NowSeconds() - t0);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
 int BenchSgemm(const BenchOptions& opt) {
   std::vector<SgemmShape> shapes;
   std::string error;
@@ -279,6 +454,7 @@ int BenchSgemm(const BenchOptions& opt) {
     return 2;
   }
   omp_set_num_threads(opt.threads);
+  if (opt.sgemm_serve) return ServeSgemm(shapes, opt.threads);
   const std::string core = openblas_get_corename();
   const CoreAdvice advice = AdviseCore(core, DetectCpuIsa());
   const std::vector<double> seconds = RunSgemmHere(shapes, opt.threads, opt.reps);

@@ -5,6 +5,7 @@
 #define FP8MOE_CLI_SGEMM_CEILING_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,42 @@ struct SgemmCeiling {
     return seconds[i] > 0 ? shapes[i].Flops() / seconds[i] / 1e9 : 0.0;
   }
 };
+
+// The ceiling's sgemm timed again and again among a benchmark's own rounds
+// (a machine whose speed drifts within a run then moves the kernels and
+// their ceiling alike), always in a child process that stays up: this
+// binary as `bench sgemm --serve`, with the trusted ceiling's core
+// (OPENBLAS_CORETYPE as it had, else this process's environment) and
+// OPENBLAS_THREAD_TIMEOUT=4, so that its OpenBLAS threads sleep at once
+// after each sgemm instead of spinning over the next kernel's time (2^28
+// cycles by default). The child waits kServeSettleSeconds after each request
+// before it starts its clock, so this process's OpenMP workers, which spin a
+// few ms after their last parallel region, are asleep by then (without the
+// wait: 99-110 instead of 177-191 GFLOP/s on a 4.5 ms decode-shaped sgemm,
+// 2 threads on 2 cores).
+class SgemmRounds {
+ public:
+  // Null, and why in *error, when the ceiling is not trusted or the child
+  // does not start or reports another core than the ceiling's.
+  static std::unique_ptr<SgemmRounds> Start(const SgemmCeiling& ceiling,
+                                            const std::vector<SgemmShape>& shapes, int threads,
+                                            std::string* error);
+  ~SgemmRounds();  // ends the child and waits for it
+  SgemmRounds(const SgemmRounds&) = delete;
+  SgemmRounds& operator=(const SgemmRounds&) = delete;
+
+  // Runs shapes[i] once in the child; its seconds as the child timed them
+  // (the request's round trip and the settling wait not counted). Prints the
+  // error and exits with status 1 if the child stops answering.
+  double Run(size_t i);
+
+ private:
+  SgemmRounds(int fd, int pid) : fd_(fd), pid_(pid) {}
+  int fd_;
+  int pid_;
+};
+
+inline constexpr double kServeSettleSeconds = 0.02;
 
 // Times each shape (best of `reps` after a warm-up) with `threads` OpenBLAS
 // threads. force_core "" uses the loaded core when it is right for the CPU,

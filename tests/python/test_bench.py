@@ -95,6 +95,12 @@ def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
     assert shape["gflops"] <= 1.2 * fma, (shape["gflops"], fma)
 
     rows = j["rows"]
+    # The sgemm timed again in the pass's rounds (a child with the ceiling's
+    # core) is the 'x sgemm' of that pass's rows.
+    assert j["sgemm_in_rounds"]
+    [sg] = [r for r in rows if r["mode"] == "openblas"]
+    assert sg["pass"] == "fwd" and sg["ratio_to_sgemm"] == pytest.approx(1.0, rel=1e-9), sg
+    assert sg["gflops"] <= 1.2 * fma, (sg["gflops"], fma)
     # The streaming read timed among the decode shape's modes: its faster
     # run is the read ceiling of that shape's rows.
     reads = [r for r in rows if r["pass"] == "read"]
@@ -112,7 +118,7 @@ def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
     assert {"openblas", "f32", "bf16", "fake_qat", "native_fp8", "int8"} <= modes
     for r in rows:
         assert r["gflops"] == pytest.approx(flops / r["seconds"] / 1e9, rel=1e-9), r
-        assert r["ratio_to_sgemm"] == pytest.approx(r["gflops"] / shape["gflops"], rel=1e-9), r
+        assert r["ratio_to_sgemm"] == pytest.approx(r["gflops"] / sg["gflops"], rel=1e-9), r
         assert r["bound_peak"] in PEAK_NAMES and peaks[r["bound_peak"]]["available"], r
         assert r["ratio_to_peak"] == pytest.approx(
             r["gflops"] / peaks[r["bound_peak"]]["gops"], rel=1e-9), r
@@ -142,10 +148,13 @@ def test_gmm_native_time_ratios_are_of_its_rows(fp8moe_bin):
         secs[("dlhs", "native")] / secs[("dlhs", "fake_qat")], rel=1e-9)
     # Every pass's modes ran (the interleaved queue lost none); a compute-bound
     # shape has no read rows and no read ceiling.
-    assert {m for p, m in secs if p == "tgmm"} == {"f32", "bf16", "fp8_full", "fp8_inkern"}
+    # The shape's sgemm ran in every pass's rounds.
+    assert {m for p, m in secs if p == "tgmm"} == {"openblas", "f32", "bf16", "fp8_full",
+                                                  "fp8_inkern"}
     assert "read" not in {p for p, m in secs}
     assert all(r["read_ceiling_gbs"] is None for r in j["rows"])
-    assert {m for p, m in secs if p == "dlhs"} == {"f32", "bf16", "native", "fake_qat"}
+    assert {m for p, m in secs if p == "dlhs"} == {"openblas", "f32", "bf16", "native", "fake_qat"}
+    assert ("fwd", "openblas") in secs
 
 
 def test_peaks_follow_the_simd_target(fp8moe_bin):
@@ -176,6 +185,48 @@ def test_fallback_core_is_replaced_in_a_child(fp8moe_bin):
     assert s["core"] in GOOD_CORES[s["cpu_isa"]], s
     assert any("right for this CPU" in a for a in s["attempts"]), s
     assert j["sgemm_gflops"] == pytest.approx(s["shapes"][0]["gflops"], rel=1e-9)
+
+
+def test_gmm_times_sgemm_in_rounds_with_the_ceilings_core(fp8moe_bin):
+    """With a fallback loaded here, the sgemm of the pass's rounds runs in a
+    child with the right core (the child's core is checked against the
+    ceiling's); with no right core the sgemm timed before the rows is shown
+    for reference and no row claims a ratio to it."""
+    if "avx2" not in cpu_flags():
+        pytest.skip("Prescott is the right core on a CPU without AVX2")
+    j, _ = decode_gmm(fp8moe_bin, "--threads", "1", env_extra={"OPENBLAS_CORETYPE": "Prescott"})
+    assert j["sgemm"]["trusted"] and j["sgemm"]["coretype_env"] and j["sgemm_in_rounds"], j["sgemm"]
+    [sg] = [r for r in j["rows"] if r["mode"] == "openblas"]
+    assert sg["pass"] == "fwd"
+    for r in j["rows"]:
+        if r["pass"] == "fwd":
+            assert r["ratio_to_sgemm"] == pytest.approx(r["gflops"] / sg["gflops"], rel=1e-9), r
+
+    j, err = decode_gmm(fp8moe_bin, "--threads", "1", "--sgemm-core", "Prescott")
+    assert not j["sgemm"]["trusted"] and not j["sgemm_in_rounds"]
+    [sg] = [r for r in j["rows"] if r["mode"] == "openblas"]
+    assert sg["pass"] == "sgemm" and sg["seconds"] == j["sgemm"]["shapes"][0]["seconds"], sg
+    assert all(r["ratio_to_sgemm"] is None for r in j["rows"])
+    assert "WARNING" in err
+
+
+def test_sgemm_serve_answers_each_request_and_refuses_bad_ones(fp8moe_bin):
+    """`bench sgemm --serve`, the child that times sgemm among a bench's rounds:
+    it names its core, answers each shape index with a time, ends at end of
+    input, and refuses an index it does not have."""
+    cmd = [fp8moe_bin, "bench", "sgemm", "--serve", "--sizes", "64x128x256,32x32x32",
+           "--threads", "1"]
+    p = subprocess.run(cmd, input="0\n1\n1\n", capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("core ") and len(lines[0]) > 5, lines
+    assert all(float(t) > 0 for t in lines[1:]), lines
+    for bad in ("2\n", "x\n"):
+        p = subprocess.run(cmd, input=bad, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and "not a shape index below 2" in p.stderr, (bad, p.stderr)
+    p = subprocess.run([fp8moe_bin, "bench", "gmm", "--serve"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "--serve is an option of bench sgemm only" in p.stderr, p.stderr
 
 
 def test_no_right_core_is_loud_and_uses_the_fma_peak(fp8moe_bin):
