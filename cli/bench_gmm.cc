@@ -199,9 +199,8 @@ int BenchGmm(const BenchOptions& opt) {
       std::vector<double> child_seconds;
       if (sgemm_rounds != nullptr && !pending.empty()) {
         SgemmRounds* sr = sgemm_rounds.get();
-        pending.insert(pending.begin(), Pending{pending.front().pass, "openblas", 0, [sr, si, &child_seconds] {
-                         child_seconds.push_back(sr->Run(si));
-                       }});
+        auto run = [sr, si, &child_seconds] { child_seconds.push_back(sr->Run(si)); };
+        pending.insert(pending.begin(), Pending{pending.front().pass, "openblas", 0, run});
       }
       std::vector<std::function<void()>> fns;
       for (const Pending& p : pending) fns.push_back(p.fn);
