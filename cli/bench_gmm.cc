@@ -448,6 +448,7 @@ int BenchGmm(const BenchOptions& opt) {
                         {"simd_target", SimdTargetName()}, {"memcpy_gbs", memcpy_gbs}, {"read_gbs", read_gbs},
                         {"ceilings", CeilingsJson(ceil)}, {"sgemm", SgemmJson(sgemm, sgemm_shapes)},
                         {"sgemm_in_rounds", sgemm_in_rounds},
+                        {"sgemm_not_in_rounds_because", rounds_error},
                         {"rows", js}, {"native_time_ratios", native_targets}};
     std::printf("%s\n", j.dump(2).c_str());
   } else {

@@ -97,7 +97,7 @@ def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
     rows = j["rows"]
     # The sgemm timed again in the pass's rounds (a child with the ceiling's
     # core) is the 'x sgemm' of that pass's rows.
-    assert j["sgemm_in_rounds"]
+    assert j["sgemm_in_rounds"] and j["sgemm_not_in_rounds_because"] == ""
     [sg] = [r for r in rows if r["mode"] == "openblas"]
     assert sg["pass"] == "fwd" and sg["ratio_to_sgemm"] == pytest.approx(1.0, rel=1e-9), sg
     assert sg["gflops"] <= 1.2 * fma, (sg["gflops"], fma)
@@ -204,6 +204,7 @@ def test_gmm_times_sgemm_in_rounds_with_the_ceilings_core(fp8moe_bin):
 
     j, err = decode_gmm(fp8moe_bin, "--threads", "1", "--sgemm-core", "Prescott")
     assert not j["sgemm"]["trusted"] and not j["sgemm_in_rounds"]
+    assert "no OpenBLAS core right for this CPU" in j["sgemm_not_in_rounds_because"]
     [sg] = [r for r in j["rows"] if r["mode"] == "openblas"]
     assert sg["pass"] == "sgemm" and sg["seconds"] == j["sgemm"]["shapes"][0]["seconds"], sg
     assert all(r["ratio_to_sgemm"] is None for r in j["rows"])
