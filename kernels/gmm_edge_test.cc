@@ -80,8 +80,7 @@ TEST(Gmm, SwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
           for (int64_t i = 0; i < m; ++i) lf.data_as<float>()[i] = 1.0f;
           Tensor lhs = em.lhs == DType::kF32 ? std::move(lf) : ToBf16(lf);
           Weight wt = WeightFromValues(em.rhs, w, 1, 6);
-          Tensor gs = Make(DType::kI32, {1});
-          gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+          Tensor gs = GroupSizes({static_cast<int32_t>(m)});
           GmmOptions o;
           o.mode = em.mode;
           o.fp8_dtype = em.fp8;
@@ -136,8 +135,7 @@ TEST(GmmDlhs, DSwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
           const float row[6] = {-60, -200, -533, 2, 2, 2};
           std::memcpy(h.data_as<float>() + i * 6, row, sizeof row);
         }
-        Tensor gs = Make(DType::kI32, {1});
-        gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+        Tensor gs = GroupSizes({static_cast<int32_t>(m)});
         GmmOptions o;
         o.mode = c.mode;
         o.epilogue = GmmEpilogue::kDSwiGlu;
@@ -197,8 +195,7 @@ TEST(Gmm, SwiGluOverTheWholeF32RangeMatchesReference) {
       Tensor lhs = Make(DType::kF32, {m, 1});
       for (int64_t i = 0; i < m; ++i) lhs.data_as<float>()[i] = 1.0f;
       Weight wt = WeightFromValues(DType::kF32, w, 1, 2 * f);
-      Tensor gs = Make(DType::kI32, {1});
-      gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+      Tensor gs = GroupSizes({static_cast<int32_t>(m)});
       GmmOptions o;
       o.mode = GmmMode::kF32;
       o.epilogue = GmmEpilogue::kSwiGlu;
@@ -257,8 +254,7 @@ TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
             lhs.data_as<float>()[2 * i + 1] = 0.5f;
           }
           Weight wt = WeightFromValues(em.rhs, {0.25f, 1.0f}, 2, 1);
-          Tensor gs = Make(DType::kI32, {1});
-          gs.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+          Tensor gs = GroupSizes({static_cast<int32_t>(m)});
           GmmOptions o;
           o.mode = em.mode;
           o.fp8_dtype = em.fp8;
@@ -307,8 +303,7 @@ TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
     Tensor lhs = Make(DType::kF32, {3, k});
     std::memcpy(lhs.data(), x.data(), x.size() * sizeof(float));
     Weight wt = WeightFromValues(em.rhs, eye, k, k);
-    Tensor gs = Make(DType::kI32, {1});
-    gs.data_as<int32_t>()[0] = 3;
+    Tensor gs = GroupSizes({3});
     const TensorView sv = wt.scale.view();
     std::vector<Tensor> refs;
     for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, ScaleArithmetic::kXlaReciprocal}) {
@@ -371,9 +366,7 @@ TEST(Tgmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
   Tensor lhs = Make(DType::kE4M3FN, {m, m});
   std::memset(lhs.data(), 0, lhs.num_bytes());
   for (int64_t i = 0; i < m; ++i) lhs.data_as<uint8_t>()[i * m + i] = 0x38;  // 1.0
-  Tensor gs = Make(DType::kI32, {2});
-  gs.data_as<int32_t>()[0] = 40;
-  gs.data_as<int32_t>()[1] = 24;
+  Tensor gs = GroupSizes({40, 24});
   for (bool per_group : {true, false}) {
     std::vector<Tensor> refs;
     for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, ScaleArithmetic::kXlaReciprocal}) {

@@ -98,8 +98,7 @@ void CheckFwd(Context& ctx, TestRng& r, const FwdCase& c, int64_t m, int64_t k, 
   if (c.swiglu) n += n % 2;
   std::vector<int32_t> sizes = Groups(r, e, m);
   const int64_t valid = Sum(sizes);
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor gs = GroupSizes(sizes);
   Tensor lf = RandomF32(r, {m, k}, valid);
   Tensor lhs = c.lhs_dtype == DType::kF32 ? std::move(lf) : ToBf16(lf);
   Weight w = MakeWeight(r, c.rhs_dtype, e, k, n);
@@ -210,8 +209,7 @@ void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k
                std::to_string(k) + " N " + std::to_string(n));
   std::vector<int32_t> sizes = Groups(r, e, m);
   const int64_t valid = Sum(sizes);
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor gs = GroupSizes(sizes);
   Tensor df = RandomF32(r, {m, n}, valid);
   Tensor dout = c.mode == GmmMode::kF32 ? std::move(df) : ToBf16(df);
   Weight w = MakeWeight(r, c.rhs_dtype, e, k, n);
@@ -305,8 +303,7 @@ TEST(GmmDlhs, NativeFromCodesIsBitIdenticalToFakeQat) {
     for (DType out_dtype : {DType::kF32, DType::kBF16}) {
       const int64_t m = 333, k = 200, n = 520, e = 6;
       std::vector<int32_t> sizes = Groups(r, e, m);
-      Tensor gs = Make(DType::kI32, {e});
-      std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+      Tensor gs = GroupSizes(sizes);
       Tensor dout = ToBf16(RandomF32(r, {m, n}, Sum(sizes)));
       Weight w = MakeWeight(r, codes, e, k, n);
       TensorView sv = w.scale.view();
@@ -356,11 +353,9 @@ TEST(Gmm, TallItemsInRowBlockOrderMatchReference) {
 // lhs is the f32 one rounded).
 struct GroupedOperands {
   GroupedOperands(TestRng& r, int64_t m, int64_t k, int64_t n, const std::vector<int32_t>& sizes)
-      : valid(Sum(sizes)), gs(Make(DType::kI32, {static_cast<int64_t>(sizes.size())})),
+      : valid(Sum(sizes)), gs(GroupSizes(sizes)),
         lhs32(RandomF32(r, {m, k}, valid)), lhs(ToBf16(lhs32)),
-        dout32(RandomF32(r, {m, n}, valid)), dout(ToBf16(dout32)) {
-    std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
-  }
+        dout32(RandomF32(r, {m, n}, valid)), dout(ToBf16(dout32)) {}
   int64_t valid;
   Tensor gs, lhs32, lhs, dout32, dout;
 };
@@ -529,8 +524,7 @@ void CheckTgmm(Context& ctx, TestRng& r, const TgmmCase& c, int64_t m, int64_t k
                std::to_string(k) + " N " + std::to_string(n));
   std::vector<int32_t> sizes = Groups(r, e, m);
   const int64_t valid = Sum(sizes);
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor gs = GroupSizes(sizes);
   Tensor lf = RandomF32(r, {m, k}, valid);
   Tensor lhs;
   if (c.lhs_dtype == DType::kF32) {
@@ -633,8 +627,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
   TestRng r(seed);
   const int64_t m = 120, k = 300, e = 3;
   std::vector<int32_t> sizes = {50, 0, 61};
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor gs = GroupSizes(sizes);
   // The direct kernels keep C in their accumulator order between reduction
   // chunks: several chunks (tile k 64 and 300 > 256), K-block scales and both
   // fp8 formats must still give the packed path's bits.
@@ -708,8 +701,7 @@ TEST(Gmm, NaNWeightCodesGiveNaNColumnsOnEveryPath) {
   TestRng r(seed);
   const int64_t m = 40, k = 300, n = 64, e = 2;
   std::vector<int32_t> sizes = {17, 23};
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor gs = GroupSizes(sizes);
   for (const test::SimdTarget& target : test::SimdTargets()) {
     test::UseSimdTarget(target);
     for (DType wd : {DType::kE4M3FN, DType::kE4M3FNUZ}) {
@@ -767,8 +759,7 @@ TEST(Gmm, DirectKernelsDecodeEveryFp8CodeAsThePackedPathDoes) {
   TestRng r(seed);
   const int64_t m = 56, k = 300, n = 128, e = 3;
   std::vector<int32_t> sizes = {32, 0, 16};  // 16-row tiles: all packed; 8 tail rows
-  Tensor gs = Make(DType::kI32, {e});
-  std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+  Tensor gs = GroupSizes(sizes);
   for (const test::SimdTarget& target : test::SimdTargets()) {
     test::UseSimdTarget(target);
     for (DType wd : {DType::kE4M3FN, DType::kE4M3FNUZ}) {
@@ -875,8 +866,7 @@ TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
                                    std::array<int64_t, 4>{48, 300, 256, 24}}) {
     SCOPED_TRACE("m " + std::to_string(m) + " e " + std::to_string(e));
     std::vector<int32_t> sizes = Groups(r, e, m);
-    Tensor gs = Make(DType::kI32, {e});
-    std::memcpy(gs.data(), sizes.data(), sizes.size() * 4);
+    Tensor gs = GroupSizes(sizes);
     Tensor lhs = ToBf16(RandomF32(r, {m, k}, Sum(sizes)));
     Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kInt8}) {

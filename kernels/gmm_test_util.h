@@ -4,6 +4,7 @@
 #ifndef FP8MOE_KERNELS_GMM_TEST_UTIL_H_
 #define FP8MOE_KERNELS_GMM_TEST_UTIL_H_
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -43,6 +44,13 @@ inline std::vector<int32_t> Groups(TestRng& r, int64_t e, int64_t m) {
     left -= take;
   }
   return s;
+}
+
+// The group_sizes operand [e] holding `sizes`.
+inline Tensor GroupSizes(const std::vector<int32_t>& sizes) {
+  Tensor gs = Make(DType::kI32, {static_cast<int64_t>(sizes.size())});
+  std::copy(sizes.begin(), sizes.end(), gs.data_as<int32_t>());
+  return gs;
 }
 
 inline int64_t Sum(const std::vector<int32_t>& s) {
