@@ -7,6 +7,7 @@
 #include <cblas.h>
 #include <fcntl.h>
 #include <omp.h>
+#include <poll.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -296,11 +297,20 @@ SgemmCeiling MeasureSgemmCeiling(const std::vector<SgemmShape>& shapes, int thre
 
 namespace {
 
-// One line from `fd` without its newline; false at end of file or on error.
+// A child that says nothing for this long is taken for stuck (one sgemm of
+// the benches' shapes takes well under a second).
+constexpr int kChildSilenceMs = 300 * 1000;
+
+// One line from `fd` without its newline; false at end of file, on error,
+// or after kChildSilenceMs without a byte.
 bool ReadLine(int fd, std::string* line) {
   line->clear();
   char ch;
   for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    const int ready = poll(&p, 1, kChildSilenceMs);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return false;
     const ssize_t got = read(fd, &ch, 1);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) return false;
@@ -361,13 +371,15 @@ std::unique_ptr<SgemmRounds> SgemmRounds::Start(const SgemmCeiling& ceiling,
 
 SgemmRounds::~SgemmRounds() {
   close(fd_);  // the child reads end of file and exits
+  kill(pid_, SIGTERM);  // or, if it is stuck, is ended
   WaitChild(pid_);
 }
 
 double SgemmRounds::Run(size_t i) {
   std::string line;
   if (!SendAll(fd_, std::to_string(i) + "\n") || !ReadLine(fd_, &line)) {
-    std::fprintf(stderr, "error: the sgemm child (bench sgemm --serve) stopped answering\n");
+    std::fprintf(stderr, "error: the sgemm child (bench sgemm --serve) stopped answering (it "
+                 "ended, or said nothing for %d s)\n", kChildSilenceMs / 1000);
     std::exit(1);
   }
   char* end = nullptr;
