@@ -425,6 +425,10 @@ nlohmann::json SgemmJson(const SgemmCeiling& c, const std::vector<SgemmShape>& s
 
 namespace {
 
+// How long `bench sgemm --serve` waits after a request before it starts its
+// clock (SgemmRounds says why).
+constexpr double kServeSettleSeconds = 0.02;
+
 // `bench sgemm --serve`: SgemmRounds' child. Says its core, then for each
 // shape index read from stdin runs that shape once and prints its seconds;
 // exits at end of input.

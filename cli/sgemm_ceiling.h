@@ -49,8 +49,8 @@ struct SgemmCeiling {
 // (OPENBLAS_CORETYPE as it had, else this process's environment) and
 // OPENBLAS_THREAD_TIMEOUT=4, so that its OpenBLAS threads sleep at once
 // after each sgemm instead of spinning over the next kernel's time (2^28
-// cycles by default). The child waits kServeSettleSeconds after each request
-// before it starts its clock, so this process's OpenMP workers, which spin a
+// cycles by default). The child waits 20 ms after each request before it
+// starts its clock, so this process's OpenMP workers, which spin a
 // few ms after their last parallel region, are asleep by then (without the
 // wait: 99-110 instead of 177-191 GFLOP/s on a 4.5 ms decode-shaped sgemm,
 // 2 threads on 2 cores).
@@ -75,8 +75,6 @@ class SgemmRounds {
   int fd_;
   int pid_;
 };
-
-inline constexpr double kServeSettleSeconds = 0.02;
 
 // Times each shape (best of `reps` after a warm-up) with `threads` OpenBLAS
 // threads. force_core "" uses the loaded core when it is right for the CPU,
