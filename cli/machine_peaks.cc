@@ -132,7 +132,15 @@ HWY_NOINLINE uint64_t Int16PairsLoop(int64_t iters) {
 #undef FP8MOE_INIT
 #undef FP8MOE_STEP
 #undef FP8MOE_SUM
-  return Bits(hn::GetLane(hn::SumOfLanes(d32, s)));
+  // The lanes summed as unsigned: SumOfLanes on int32 is a signed sum (on
+  // AVX-512 _mm512_reduce_add_epi32, plain int additions), and these
+  // wrapped-around accumulators overflow it (UBSan caught it in `bench gmm`).
+  const hn::RebindToUnsigned<decltype(d32)> du32;
+  alignas(64) uint32_t lanes[hn::MaxLanes(du32)];
+  hn::Store(hn::BitCast(du32, s), du32, lanes);
+  uint64_t total = 0;
+  for (size_t i = 0; i < hn::Lanes(du32); ++i) total += lanes[i];
+  return total;
 #endif
 }
 
