@@ -439,9 +439,10 @@ int ServeSgemm(const std::vector<SgemmShape>& shapes, int threads) {
   size_t current = shapes.size();
   char line[64];
   while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    line[std::strcspn(line, "\n")] = '\0';  // the message quotes the request alone
     char* end = nullptr;
     const unsigned long i = std::strtoul(line, &end, 10);
-    if (end == line || i >= shapes.size()) {
+    if (end == line || *end != '\0' || i >= shapes.size()) {
       std::fprintf(stderr, "error: bench sgemm --serve: '%s' is not a shape index below %zu\n",
                    line, shapes.size());
       return 2;

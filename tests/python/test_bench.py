@@ -225,7 +225,7 @@ def test_sgemm_serve_answers_each_request_and_refuses_bad_ones(fp8moe_bin):
     lines = p.stdout.splitlines()
     assert len(lines) == 4 and lines[0].startswith("core ") and len(lines[0]) > 5, lines
     assert all(float(t) > 0 for t in lines[1:]), lines
-    for bad in ("2\n", "x\n"):
+    for bad in ("2\n", "x\n", "0x\n"):
         p = subprocess.run(cmd, input=bad, capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "not a shape index below 2" in p.stderr, (bad, p.stderr)
     p = subprocess.run([fp8moe_bin, "bench", "gmm", "--serve"], capture_output=True, text=True,
