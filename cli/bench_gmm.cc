@@ -68,6 +68,7 @@ std::vector<int32_t> GroupSizes(const Shape4& s) {
 struct Row {
   std::string shape, pass, mode;
   double seconds, gflops, ratio, gbs = 0, gbs_ratio = 0, read_ratio = 0;
+  std::vector<double> rounds = {};  // seconds of each round (seconds: the best)
   KernelArith arith = KernelArith::kF32;
   size_t shape_index = 0;      // into the run's shapes (its sgemm ceiling)
   // Filled once the ceilings are measured the second time, after every row:
@@ -204,14 +205,14 @@ int BenchGmm(const BenchOptions& opt) {
       }
       std::vector<std::function<void()>> fns;
       for (const Pending& p : pending) fns.push_back(p.fn);
-      const std::vector<double> best = BestSecondsInterleaved(opt.reps, fns);
+      std::vector<std::vector<double>> rounds = SecondsInterleaved(opt.reps, fns);
       for (size_t i = 0; i < pending.size(); ++i) {
         const Pending& p = pending[i];
-        const double t = p.mode == "openblas"
-                             ? *std::min_element(child_seconds.begin() + 1, child_seconds.end())
-                             : best[i];
+        if (p.mode == "openblas") rounds[i].assign(child_seconds.begin() + 1, child_seconds.end());
+        const double t = *std::min_element(rounds[i].begin(), rounds[i].end());
         const bool read = p.pass == "read";
         Row r{s.name, p.pass, p.mode, t, read ? 0.0 : flops / t / 1e9, 0};
+        r.rounds = std::move(rounds[i]);
         if (!read) r.arith = ArithOfMode(p.mode);
         r.shape_index = si;
         if (s.weight_bound) r.gbs = p.weight_bytes / t / 1e9;
@@ -350,6 +351,7 @@ int BenchGmm(const BenchOptions& opt) {
                       r.gbs > 0 ? Fixed(r.read_ratio, 2) : ""});
     const nlohmann::json none;
     js.push_back({{"shape", r.shape}, {"pass", r.pass}, {"mode", r.mode}, {"seconds", r.seconds},
+                  {"seconds_per_round", r.rounds},
                   {"gflops", read ? none : nlohmann::json(r.gflops)},
                   {"ratio_to_sgemm", sgemm.trusted && !read ? nlohmann::json(r.ratio) : none},
                   {"bound_peak", read ? none : nlohmann::json(r.bound)},
@@ -396,6 +398,12 @@ int BenchGmm(const BenchOptions& opt) {
     }
     return 0.0;
   };
+  auto rounds_of = [&](const std::string& shape, const std::string& pass, const std::string& mode) {
+    for (const Row& r : rows) {
+      if (r.shape == shape && r.pass == pass && r.mode == mode) return r.rounds;
+    }
+    return std::vector<double>{};
+  };
   // The fastest bf16-mode arithmetic this run saw (bf16 operands on the
   // compute-bound shapes): native_fp8 runs the same kernel arithmetic (vdpbf16ps
   // on AVX512-BF16, f32 FMAs elsewhere), so on a
@@ -415,11 +423,22 @@ int BenchGmm(const BenchOptions& opt) {
     if (s.weight_bound) continue;
     const double nf = seconds_of(s.name, "fwd", "native_fp8"), bf = seconds_of(s.name, "fwd", "bf16");
     const double nd = seconds_of(s.name, "dlhs", "native"), fd = seconds_of(s.name, "dlhs", "fake_qat");
-    std::string note = s.name + ": time native_fp8 fwd / bf16 fwd " + Fixed(nf / bf, 3);
-    nlohmann::json nt = {{"shape", s.name}, {"native_fwd_over_bf16_fwd", nf / bf}};
+    if (nf <= 0 || bf <= 0) continue;
+    // Best against best, and the rounds' own ratios with their interval
+    // (PairedRatioInterval: can the rounds tell the two apart at all).
+    const RatioInterval fwd = PairedRatioInterval(rounds_of(s.name, "fwd", "native_fp8"),
+                                                  rounds_of(s.name, "fwd", "bf16"));
+    std::string note = s.name + ": time native_fp8 fwd / bf16 fwd " + Fixed(nf / bf, 3) +
+                       " best against best, " + DescribeInterval(fwd);
+    nlohmann::json nt = {{"shape", s.name}, {"native_fwd_over_bf16_fwd", nf / bf},
+                         {"native_fwd_over_bf16_fwd_interval", IntervalJson(fwd)}};
     if (nd > 0 && fd > 0) {
-      note += ", native dlhs / fake_qat dlhs " + Fixed(nd / fd, 3);
+      const RatioInterval dl = PairedRatioInterval(rounds_of(s.name, "dlhs", "native"),
+                                                   rounds_of(s.name, "dlhs", "fake_qat"));
+      note += "; native dlhs / fake_qat dlhs " + Fixed(nd / fd, 3) + " best against best, " +
+              DescribeInterval(dl);
       nt["native_dlhs_over_fake_qat_dlhs"] = nd / fd;
+      nt["native_dlhs_over_fake_qat_dlhs_interval"] = IntervalJson(dl);
     }
     t.notes.push_back(note + " (below 1: native is faster)");
     native_targets.push_back(nt);

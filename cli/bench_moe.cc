@@ -114,6 +114,7 @@ int BenchMoe(const BenchOptions& opt) {
     Tensor y, dx, drouter, dwi, dwo;
     double best_f = 1e30, best_b = 1e30;
     std::vector<double> steps;  // seconds of each timed round
+    std::vector<double> fwds, bwds;  // its fwd and bwd parts
     int64_t peak = 0;
   };
   std::vector<Run> runs;
@@ -200,6 +201,8 @@ int BenchMoe(const BenchOptions& opt) {
       r.best_f = std::min(r.best_f, f);
       r.best_b = std::min(r.best_b, b);
       r.steps.push_back(f + b);
+      r.fwds.push_back(f);
+      r.bwds.push_back(b);
     }
     if (!opt.json) std::fprintf(stderr, "  round %d of %d\n", round + 1, opt.reps);
   }
@@ -232,26 +235,32 @@ int BenchMoe(const BenchOptions& opt) {
                       Fixed(gf, 1), Fixed(gf / gemm_ceiling, 2), Fixed(gf / bound.gops, 2),
                       PeakName(bound.kind), Fixed(static_cast<double>(r.peak) / (1 << 20), 1)});
     nlohmann::json row = {{"mode", m.name}, {"fwd_seconds", best_f}, {"bwd_seconds", best_b},
-                          {"step_seconds_per_round", r.steps}, {"gflops", gf},
+                          {"step_seconds_per_round", r.steps},
+                          {"fwd_seconds_per_round", r.fwds}, {"bwd_seconds_per_round", r.bwds},
+                          {"gflops", gf},
                           {"ratio_to_sgemm", sgemm.trusted ? nlohmann::json(gf / sgemm_gflops)
                                                            : nlohmann::json()},
                           {"bound_peak", PeakName(bound.kind)}, {"ratio_to_peak", gf / bound.gops},
                           {"ratio_to_fma_peak", gf / fma_gflops}, {"peak_bytes", r.peak}};
     if (fake != nullptr && m.name.rfind("native", 0) == 0) {
-      // Best against best, and the median of the rounds' own ratios (each
-      // round's two steps ran seconds apart under the same load).
-      std::vector<double> per_round;
-      for (size_t i = 0; i < r.steps.size(); ++i) per_round.push_back(r.steps[i] / fake->steps[i]);
-      std::sort(per_round.begin(), per_round.end());
-      const size_t n = per_round.size();
-      const double median = n % 2 ? per_round[n / 2] : 0.5 * (per_round[n / 2 - 1] + per_round[n / 2]);
+      // Best against best, and the rounds' own ratios (each round's two
+      // steps ran seconds apart under the same load): their median with a
+      // distribution-free interval, which says whether the rounds can tell
+      // the two modes apart at all; and the same for the step's two parts.
+      const RatioInterval step = PairedRatioInterval(r.steps, fake->steps);
+      const RatioInterval fwd = PairedRatioInterval(r.fwds, fake->fwds);
+      const RatioInterval bwd = PairedRatioInterval(r.bwds, fake->bwds);
       const double best = step_s / (fake->best_f + fake->best_b);
       row["step_ratio_to_fake_qat"] = best;
-      row["step_ratio_to_fake_qat_median_round"] = median;
-      t.notes.push_back(m.name + " / fake_qat step time: " + Fixed(best, 3) + " best of " +
-                        std::to_string(n) + " rounds, " + Fixed(median, 3) +
-                        " median of the rounds' ratios (range " + Fixed(per_round.front(), 3) +
-                        "-" + Fixed(per_round.back(), 3) + "; below 1: native is faster)");
+      row["step_ratio_to_fake_qat_median_round"] = step.median;
+      row["step_ratio_to_fake_qat_interval"] = IntervalJson(step);
+      row["fwd_ratio_to_fake_qat_interval"] = IntervalJson(fwd);
+      row["bwd_ratio_to_fake_qat_interval"] = IntervalJson(bwd);
+      t.notes.push_back(m.name + " / fake_qat step time: " + Fixed(best, 3) + " best against best; " +
+                        DescribeInterval(step) + " (below 1: native is faster); fwd " +
+                        Fixed(fwd.median, 3) + " (" + Fixed(fwd.low, 3) + "-" + Fixed(fwd.high, 3) +
+                        "), bwd " + Fixed(bwd.median, 3) + " (" + Fixed(bwd.low, 3) + "-" +
+                        Fixed(bwd.high, 3) + ")");
     }
     rows.push_back(row);
     if (!opt.json) std::fprintf(stderr, "  %-20s %8.1f ms\n", m.name.c_str(), step_s * 1e3);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -37,16 +38,68 @@ double BestSeconds(int reps, const std::function<void()>& fn) {
 }
 
 std::vector<double> BestSecondsInterleaved(int reps, const std::vector<std::function<void()>>& fns) {
-  for (const auto& fn : fns) fn();
+  const std::vector<std::vector<double>> rounds = SecondsInterleaved(reps, fns);
   std::vector<double> best(fns.size(), 1e30);
+  for (size_t i = 0; i < fns.size(); ++i) {
+    for (double t : rounds[i]) best[i] = std::min(best[i], t);
+  }
+  return best;
+}
+
+std::vector<std::vector<double>> SecondsInterleaved(int reps,
+                                                    const std::vector<std::function<void()>>& fns) {
+  for (const auto& fn : fns) fn();
+  std::vector<std::vector<double>> seconds(fns.size());
   for (int r = 0; r < reps; ++r) {
     for (size_t i = 0; i < fns.size(); ++i) {
       const double t0 = NowSeconds();
       fns[i]();
-      best[i] = std::min(best[i], NowSeconds() - t0);
+      seconds[i].push_back(NowSeconds() - t0);
     }
   }
-  return best;
+  return seconds;
+}
+
+RatioInterval PairedRatioInterval(const std::vector<double>& a, const std::vector<double>& b) {
+  RatioInterval out;
+  const size_t n = std::min(a.size(), b.size());
+  if (n == 0) return out;
+  std::vector<double> ratios(n);
+  for (size_t i = 0; i < n; ++i) ratios[i] = a[i] / b[i];
+  std::sort(ratios.begin(), ratios.end());
+  out.rounds = static_cast<int>(n);
+  out.median = n % 2 ? ratios[n / 2] : 0.5 * (ratios[n / 2 - 1] + ratios[n / 2]);
+  // P(X <= j) for X ~ Binomial(n, 1/2), summed in doubles: exact enough for
+  // the thousand rounds --reps allows (the terms are tiny, not lost).
+  std::vector<double> cdf(n + 1);
+  double term = std::pow(0.5, static_cast<double>(n)), sum = 0;
+  for (size_t j = 0; j <= n; ++j) {
+    sum += term;
+    cdf[j] = sum;
+    term = term * static_cast<double>(n - j) / static_cast<double>(j + 1);
+  }
+  // [x_(k), x_(n+1-k)] (1-based) misses the median when at least n+1-k
+  // ratios lie on one side of it: coverage 1 - 2 P(X <= k-1).
+  size_t k = 1;
+  while (k + 1 <= (n + 1) / 2 && 1.0 - 2.0 * cdf[k] >= 0.95) ++k;
+  out.low = ratios[k - 1];
+  out.high = ratios[n - k];
+  out.coverage = n == 1 ? 0.0 : 1.0 - 2.0 * cdf[k - 1];
+  out.verdict = out.high < 1.0 ? "faster" : out.low > 1.0 ? "slower" : "parity";
+  return out;
+}
+
+std::string DescribeInterval(const RatioInterval& r) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%.3f median of %d rounds' ratios, %.1f%% interval %.3f-%.3f: %s",
+                r.median, r.rounds, std::floor(r.coverage * 1000) / 10, r.low, r.high,
+                r.verdict.c_str());
+  return buf;
+}
+
+nlohmann::json IntervalJson(const RatioInterval& r) {
+  return {{"rounds", r.rounds}, {"median", r.median}, {"low", r.low}, {"high", r.high},
+          {"coverage", r.coverage}, {"verdict", r.verdict}};
 }
 
 namespace {

@@ -38,6 +38,34 @@ double BestSeconds(int reps, const std::function<void()>& fn);
 // which keeps their ratios honest.
 std::vector<double> BestSecondsInterleaved(int reps, const std::vector<std::function<void()>>& fns);
 
+// The rounds of BestSecondsInterleaved themselves: seconds[i][r] is function
+// i's time in round r (after the warm-up), for ratios taken round by round.
+std::vector<std::vector<double>> SecondsInterleaved(int reps,
+                                                    const std::vector<std::function<void()>>& fns);
+
+// The ratio of two modes timed in the same rounds, as a median with a
+// distribution-free confidence interval: the per-round ratios a[r] / b[r]
+// (the two ran seconds apart under the same load), their median, and the
+// interval between two of them, the k-th smallest and the k-th largest, that
+// holds the true median with probability `coverage` whatever the noise's
+// distribution (the sign test: the number of ratios below the median is
+// Binomial(n, 1/2)); k is the largest with coverage >= 0.95. Below 6 rounds
+// no such k exists and the interval is [min, max] with its lower coverage
+// (1 - 2^(1-n)). `verdict`: "faster" when the whole interval is below 1 (a
+// is faster than b), "slower" when above, else "parity" (the interval holds
+// 1: the rounds cannot tell the two apart).
+struct RatioInterval {
+  int rounds = 0;
+  double median = 0, low = 0, high = 0;
+  double coverage = 0;
+  std::string verdict;
+};
+// a, b: the same number (>= 1) of positive round times.
+RatioInterval PairedRatioInterval(const std::vector<double>& a, const std::vector<double>& b);
+// "0.994 median of 15 rounds' ratios, 95% interval 0.985-1.010: parity"
+std::string DescribeInterval(const RatioInterval& r);
+nlohmann::json IntervalJson(const RatioInterval& r);
+
 // memcpy of a `bytes` buffer split over `threads` threads; GB/s counting
 // bytes read plus bytes written. Best of max(reps, 3) runs; a small buffer is
 // copied again and again within a run (>= 64 MiB moved), so the rate is that

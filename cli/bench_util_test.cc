@@ -1,7 +1,11 @@
 // MergeCeilings: the bookkeeping of the benches' second ceiling measurement
 // (the measuring itself depends on the machine and is covered by
-// tests/python/test_bench.py).
+// tests/python/test_bench.py); PairedRatioInterval: the statistics of the
+// ratios between modes timed in the same rounds.
 #include "cli/bench_util.h"
+
+#include <functional>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -59,6 +63,112 @@ TEST(MergeCeilings, ClockFollowsTheKeptFmaPeakAndOpsPerCycleFollowTheClock) {
   EXPECT_EQ(kept.peaks.Get(PeakKind::kBf16Dot).gops, 950);
   EXPECT_DOUBLE_EQ(kept.peaks.Get(PeakKind::kBf16Dot).ops_per_cycle, 950 / (3.5 * 2));
   EXPECT_TRUE(kept.moved.empty());  // every move within 10%
+}
+
+// Round times whose ratios a[r] / b[r] are `ratios` (b = 1 + r / 10, so that
+// sorting a or b alone would pair the rounds differently).
+void RoundsWithRatios(const std::vector<double>& ratios, std::vector<double>* a,
+                      std::vector<double>* b) {
+  a->clear();
+  b->clear();
+  for (size_t r = 0; r < ratios.size(); ++r) {
+    b->push_back(1.0 + static_cast<double>((r * 7) % ratios.size()) / 10.0);
+    a->push_back(ratios[r] * b->back());
+  }
+}
+
+TEST(PairedRatioInterval, OrderStatisticsOfTheSignTestTable) {
+  // n -> k of the interval [x_(k), x_(n+1-k)] and its coverage
+  // 1 - 2 P(Binomial(n, 1/2) <= k - 1), from the standard table of
+  // distribution-free confidence intervals for a median (95%).
+  struct Case {
+    int n, k;
+    double coverage;
+  };
+  for (const Case c : {Case{6, 1, 0.96875}, Case{8, 1, 0.9921875}, Case{9, 2, 0.9609375},
+                       Case{10, 2, 0.978515625}, Case{12, 3, 0.96142578125},
+                       Case{15, 4, 0.96484375}, Case{20, 6, 0.95861053466796875},
+                       Case{41, 14, 0.97246684417041}, Case{100, 40, 0.9647997997822952}}) {
+    std::vector<double> ratios(static_cast<size_t>(c.n)), a, b;
+    // Distinct ratios in a shuffled order (no n is a multiple of 13):
+    // x_(i) = 0.9 + i / 1000.
+    for (int i = 0; i < c.n; ++i) ratios[static_cast<size_t>((i * 13 + 5) % c.n)] = 0.9 + (i + 1) / 1000.0;
+    RoundsWithRatios(ratios, &a, &b);
+    const RatioInterval r = PairedRatioInterval(a, b);
+    EXPECT_EQ(r.rounds, c.n);
+    EXPECT_NEAR(r.low, 0.9 + c.k / 1000.0, 1e-12) << "n = " << c.n;
+    EXPECT_NEAR(r.high, 0.9 + (c.n + 1 - c.k) / 1000.0, 1e-12) << "n = " << c.n;
+    EXPECT_NEAR(r.coverage, c.coverage, 1e-12) << "n = " << c.n;
+    const double mid = c.n % 2 ? 0.9 + (c.n + 1) / 2 / 1000.0 : 0.9 + (c.n + 1) / 2000.0;
+    EXPECT_NEAR(r.median, mid, 1e-12) << "n = " << c.n;
+    EXPECT_EQ(r.verdict, "faster");  // every ratio below 1
+  }
+}
+
+TEST(PairedRatioInterval, FewRoundsGiveTheRangeWithItsLowerCoverage) {
+  std::vector<double> a, b;
+  RoundsWithRatios({1.02, 0.97, 1.05, 0.99, 1.01}, &a, &b);
+  RatioInterval r = PairedRatioInterval(a, b);
+  EXPECT_NEAR(r.low, 0.97, 1e-12);
+  EXPECT_NEAR(r.high, 1.05, 1e-12);
+  EXPECT_NEAR(r.median, 1.01, 1e-12);
+  EXPECT_DOUBLE_EQ(r.coverage, 1.0 - 2.0 / 32.0);
+  EXPECT_EQ(r.verdict, "parity");
+  RoundsWithRatios({1.2}, &a, &b);
+  r = PairedRatioInterval(a, b);
+  EXPECT_EQ(r.rounds, 1);
+  EXPECT_NEAR(r.low, 1.2, 1e-12);
+  EXPECT_NEAR(r.high, 1.2, 1e-12);
+  EXPECT_EQ(r.coverage, 0.0);  // one round says nothing about the noise
+  EXPECT_EQ(PairedRatioInterval({}, {}).rounds, 0);
+}
+
+TEST(PairedRatioInterval, RatiosAreTakenRoundByRound) {
+  // Round by round: 0.5, 2, 1 (median 1). Best against best would be 1 / 1.
+  const RatioInterval r = PairedRatioInterval({1, 2, 3}, {2, 1, 3});
+  EXPECT_DOUBLE_EQ(r.median, 1.0);
+  EXPECT_DOUBLE_EQ(r.low, 0.5);
+  EXPECT_DOUBLE_EQ(r.high, 2.0);
+}
+
+TEST(PairedRatioInterval, VerdictNeedsTheWholeIntervalOnOneSide) {
+  std::vector<double> a, b;
+  // 15 rounds: the interval is [x_(4), x_(12)].
+  std::vector<double> ratios = {1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08,
+                                1.09, 1.10, 1.11, 1.12, 1.13, 1.14, 1.15};
+  RoundsWithRatios(ratios, &a, &b);
+  EXPECT_EQ(PairedRatioInterval(a, b).verdict, "slower");
+  // Three rounds below 1 still leave x_(4) above 1: slower.
+  ratios[0] = 0.9;
+  ratios[1] = 0.95;
+  ratios[2] = 0.97;
+  RoundsWithRatios(ratios, &a, &b);
+  EXPECT_EQ(PairedRatioInterval(a, b).verdict, "slower");
+  // A fourth: x_(4) = 0.99, the interval holds 1.
+  ratios[3] = 0.99;
+  RoundsWithRatios(ratios, &a, &b);
+  const RatioInterval r = PairedRatioInterval(a, b);
+  EXPECT_EQ(r.verdict, "parity");
+  EXPECT_EQ(DescribeInterval(r), "1.080 median of 15 rounds' ratios, 96.4% interval 0.990-1.120: parity");
+  const nlohmann::json j = IntervalJson(r);
+  EXPECT_EQ(j["verdict"], "parity");
+  EXPECT_EQ(j["rounds"], 15);
+  EXPECT_DOUBLE_EQ(j["low"].get<double>(), r.low);
+}
+
+TEST(SecondsInterleaved, WarmsUpOnceThenTimesEveryFunctionEachRound) {
+  std::vector<int> calls(3, 0);
+  std::vector<std::function<void()>> fns;
+  for (int i = 0; i < 3; ++i) fns.push_back([&calls, i] { ++calls[static_cast<size_t>(i)]; });
+  const auto seconds = SecondsInterleaved(4, fns);
+  ASSERT_EQ(seconds.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(calls[static_cast<size_t>(i)], 5);
+    EXPECT_EQ(seconds[static_cast<size_t>(i)].size(), 4u);
+  }
+  const std::vector<double> best = BestSecondsInterleaved(2, fns);
+  EXPECT_EQ(best.size(), 3u);
+  EXPECT_EQ(calls[0], 8);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ beat the measured FMA peak by more than 20%) runs on one thread, where both
 see the same share of a busy machine.
 """
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -134,6 +135,26 @@ def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
             assert r["bound_peak"] == want, r
 
 
+def check_interval(iv, a, b):
+    """A PairedRatioInterval in JSON against the round times it came from:
+    the median and the order statistics of the sign test (cli/bench_util.h;
+    its table is checked in bench_util_test.cc)."""
+    ratios = sorted(x / y for x, y in zip(a, b))
+    n = len(ratios)
+    assert iv["rounds"] == n
+    mid = ratios[n // 2] if n % 2 else 0.5 * (ratios[n // 2 - 1] + ratios[n // 2])
+    assert iv["median"] == pytest.approx(mid, rel=1e-9)
+    cdf = lambda j: sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1 - 2 * cdf(k) >= 0.95:
+        k += 1
+    assert iv["low"] == pytest.approx(ratios[k - 1], rel=1e-9)
+    assert iv["high"] == pytest.approx(ratios[n - k], rel=1e-9)
+    assert iv["coverage"] == pytest.approx(1 - 2 * cdf(k - 1), abs=1e-12)
+    want = "faster" if iv["high"] < 1 else "slower" if iv["low"] > 1 else "parity"
+    assert iv["verdict"] == want
+
+
 def test_gmm_native_time_ratios_are_of_its_rows(fp8moe_bin):
     """The issue's native targets (fwd against bf16, dlhs against fake_qat),
     from modes timed interleaved, are the ratios of the rows' own times."""
@@ -146,6 +167,15 @@ def test_gmm_native_time_ratios_are_of_its_rows(fp8moe_bin):
         secs[("fwd", "native_fp8")] / secs[("fwd", "bf16")], rel=1e-9)
     assert t["native_dlhs_over_fake_qat_dlhs"] == pytest.approx(
         secs[("dlhs", "native")] / secs[("dlhs", "fake_qat")], rel=1e-9)
+    # Each row's best is the least of its rounds; the intervals are of the
+    # rounds' own ratios.
+    rounds = {(r["pass"], r["mode"]): r["seconds_per_round"] for r in j["rows"]}
+    for key, r in rounds.items():
+        assert len(r) == 1 and secs[key] == pytest.approx(min(r), rel=1e-12), key
+    for field, a, b in (("native_fwd_over_bf16_fwd_interval", ("fwd", "native_fp8"), ("fwd", "bf16")),
+                        ("native_dlhs_over_fake_qat_dlhs_interval", ("dlhs", "native"),
+                         ("dlhs", "fake_qat"))):
+        check_interval(t[field], rounds[a], rounds[b])
     # Every pass's modes ran (the interleaved queue lost none); a compute-bound
     # shape has no read rows and no read ceiling.
     # The shape's sgemm ran in every pass's rounds.
@@ -300,8 +330,25 @@ def test_moe_interleaves_rounds_and_ratios_native_to_fake(fp8moe_bin):
         per_round = sorted(a / b for a, b in zip(r["step_seconds_per_round"],
                                                  fake["step_seconds_per_round"]))
         assert r["step_ratio_to_fake_qat_median_round"] == pytest.approx(per_round[1], rel=1e-9)
+        check_interval(r["step_ratio_to_fake_qat_interval"], r["step_seconds_per_round"],
+                       fake["step_seconds_per_round"])
+        check_interval(r["fwd_ratio_to_fake_qat_interval"], r["fwd_seconds_per_round"],
+                       fake["fwd_seconds_per_round"])
+        check_interval(r["bwd_ratio_to_fake_qat_interval"], r["bwd_seconds_per_round"],
+                       fake["bwd_seconds_per_round"])
     for name in ("fp8 (hand-crafted)", "nanoo_fp8", "fake_qat"):
         assert "step_ratio_to_fake_qat" not in rows[name]
+    # The table's note says the same interval in words.
+    p = subprocess.run([fp8moe_bin, "bench", "moe", "--tokens", "64", "--shape", "at",
+                        "--reps", "6", "--threads", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    for name in ("native fwd", "native fwd+dlhs"):
+        [line] = [l for l in p.stdout.splitlines() if l.startswith(name + " / fake_qat step time")]
+        # Six rounds: the sign test's interval is [min, max], coverage 96.875%.
+        assert "median of 6 rounds' ratios, 96.8% interval" in line, line
+        assert line.split("interval ")[1].split(":")[1].split()[0] in ("faster", "slower",
+                                                                       "parity"), line
     # Without fake_qat in the run there is no ratio (it printed "inf" before).
     p = subprocess.run([fp8moe_bin, "bench", "moe", "--tokens", "64", "--shape", "native",
                         "--reps", "1", "--threads", "1"], capture_output=True, text=True,
