@@ -170,15 +170,16 @@ TEST(Context, OptionsCountersAndScratch) {
     names.insert(KernelPathName(static_cast<KernelPath>(i)));
   }
   EXPECT_EQ(names.size(), static_cast<size_t>(KernelPath::kCount));
-  // Three counters are not paths: a sum over the paths skips them.
+  // Four counters are not paths: a sum over the paths skips them.
   int paths = 0;
   for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
     paths += IsKernelPath(static_cast<KernelPath>(i)) ? 1 : 0;
   }
-  EXPECT_EQ(paths, static_cast<int>(KernelPath::kCount) - 3);
+  EXPECT_EQ(paths, static_cast<int>(KernelPath::kCount) - 4);
   EXPECT_FALSE(IsKernelPath(KernelPath::kDirectNextItemPrefetch));
   EXPECT_FALSE(IsKernelPath(KernelPath::kPackedRowBlocks));
   EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsQuant));
+  EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsValues));
   EXPECT_TRUE(IsKernelPath(KernelPath::kReference));
   EXPECT_EQ(*ParseBackend(BackendName(BackendKind::kCpu)), BackendKind::kCpu);
   EXPECT_FALSE(ParseBackend("gpu").ok());

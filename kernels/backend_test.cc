@@ -350,7 +350,8 @@ TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
 // 1024 output columns), in chunk and row-block order and on the direct path;
 // with narrower column tiles a row would be quantized twice, so a pre-pass
 // does it. (Same bits either way: Gmm.BitsDoNotDependOnThreadsOrTiles runs
-// 5-column tiles against the default.)
+// 5-column tiles against the default.) Packed native fp8 items write the
+// codes' values, direct ones the codes (in_item_lhs_values).
 TEST(KernelPath, ItemsQuantizeTheirOwnActivationRows) {
   FP8MOE_RANDOM_SEED(seed);
   std::mt19937 rng(static_cast<uint32_t>(seed));
@@ -368,6 +369,21 @@ TEST(KernelPath, ItemsQuantizeTheirOwnActivationRows) {
         ASSERT_TRUE(RunCase(ctx, {"fwd", Op::kFwd, mode, DType::kBF16, wd, 4, rows, 64, 96},
                             rng).ok());
         EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsQuant), 4);
+        // Packed native fp8 items pack the codes' values (bf16); direct items
+        // and int8 keep the codes.
+        int64_t direct = 0;
+        for (KernelPath p : {KernelPath::kDirectF32, KernelPath::kDirectBf16Pairs,
+                             KernelPath::kDirectFp8Vbmi, KernelPath::kDirectI8Vnni,
+                             KernelPath::kDirectRawFp8}) {
+          direct += ctx.KernelCount(p);
+        }
+        // (Native fp8's 2-row items are direct on every target; int8's only
+        // with VNNI.)
+        if (mode == GmmMode::kNativeFp8) {
+          EXPECT_EQ(direct, rows == 2 ? 4 : 0);
+        }
+        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsValues),
+                  mode == GmmMode::kNativeFp8 ? 4 - direct : 0);
         // 32-column tiles: three items per row range, one pre-pass.
         ctx.ResetKernelCounts();
         const int64_t m = 4 * rows;
@@ -383,6 +399,7 @@ TEST(KernelPath, ItemsQuantizeTheirOwnActivationRows) {
         TensorView sv = scale.view();
         ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.view(), &sv, gs.view(), out.view()).ok());
         EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsQuant), 0);
+        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsValues), 0);
         // Every output is 64 x 1 x (code value) x 0.5: int8 codes 2 at the
         // activation scale 1/127 (codes 127), fp8 0x38 = 1.0.
         const float want = mode == GmmMode::kInt8 ? 64.0f * 127 * 2 * 0.5f / 127 : 32.0f;

@@ -260,6 +260,56 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8Vec(DF df,
   }
 }
 
+// f32 lanes -> u32 lanes holding the bf16 bits of the value of
+// EncodeFp8Vec<kFormat, true, kNoNaN>'s code (saturating): the same bits as
+// DecodeFp8Bf16Vec of that code, NaN included, computed without the code.
+// The mantissa is rounded in place (normal range: round to nearest even at
+// bit kShift, then the bits below cleared) or to the subnormal quantum by
+// the same magic add as the encode; a value of an fp8 format has at most 3
+// (e4m3) or 2 (e5m2) mantissa bits, so its low 16 f32 bits are zero and the
+// upper half is its bf16. About 11 operations per vector where encoding (~15)
+// and decoding (~6 in 16-bit lanes, after a store and a load of the bytes)
+// took ~21: a native forward's activation goes to the GEMM's packing as
+// these values (QuantizeOneRowValues).
+template <Fp8Format kFormat, bool kNoNaN = false, class DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> Fp8ValueBf16Vec(DF df, hn::Vec<DF> v) {
+  constexpr Fp8Spec s = SpecOf(kFormat);
+  constexpr int kShift = 23 - s.mantissa_bits;
+  constexpr int kMinExp = 1 - s.bias;  // exponent of the smallest normal
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const auto bits = hn::BitCast(du, v);
+  const auto sign16 = hn::ShiftRight<16>(hn::And(bits, hn::Set(du, 0x80000000u)));
+  auto abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
+  const auto is_nan = hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x7F800000)));
+  // Saturate (inf and NaN lanes become max; NaN is put back below).
+  abs = hn::BitCast(du, hn::Min(hn::BitCast(di, abs),
+                                hn::Set(di, std::bit_cast<int32_t>(s.max))));
+  const auto lsb = hn::And(hn::ShiftRight<kShift>(abs), hn::Set(du, 1u));
+  const auto normal = hn::And(hn::Add(abs, hn::Add(hn::Set(du, (1u << (kShift - 1)) - 1u), lsb)),
+                              hn::Set(du, ~((1u << kShift) - 1u)));
+  // Below the smallest normal: abs + magic rounds abs to the subnormal
+  // quantum (magic's ulp), and taking magic away again is exact.
+  const auto magic = hn::BitCast(df, hn::Set(du, Pow2Bits(kMinExp - s.mantissa_bits + 23)));
+  const auto a = hn::BitCast(df, abs);
+  const auto sub = hn::BitCast(du, hn::Sub(hn::Add(a, magic), magic));
+  const auto is_sub =
+      hn::RebindMask(du, hn::Lt(a, hn::BitCast(df, hn::Set(du, Pow2Bits(kMinExp)))));
+  const auto mag = hn::ShiftRight<16>(hn::IfThenElse(is_sub, sub, normal));
+  if constexpr (s.fnuz) {
+    // No -0 (the sign only on non-zero values); every NaN is the code 0x80,
+    // whose bf16 is 0xFFC0.
+    const auto out = hn::Or(mag, hn::IfThenElseZero(hn::RebindMask(du, hn::Ne(mag, hn::Zero(du))),
+                                                     sign16));
+    if constexpr (kNoNaN) return out;
+    return hn::IfThenElse(is_nan, hn::Set(du, 0xFFC0u), out);
+  } else {
+    const auto out = hn::Or(mag, sign16);
+    if constexpr (kNoNaN) return out;
+    return hn::IfThenElse(is_nan, hn::Or(sign16, hn::Set(du, 0x7FC0u)), out);
+  }
+}
+
 // f32 lanes -> u32 lanes holding bf16 bits, round to nearest even.
 template <class DF>
 HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> F32ToBf16Vec(DF df,

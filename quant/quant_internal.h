@@ -61,6 +61,17 @@ void QuantizeOneRow(const float* x, int64_t cols, int64_t block_size, QuantDType
 void QuantizeOneRowBf16(const uint16_t* x, int64_t cols, int64_t block_size, QuantDType dtype,
                         const Calibration& calib, uint8_t* q, float* scales);
 
+// The same row's values instead of its codes: values [cols] holds the bf16
+// bits of each code's value (what decoding the codes of QuantizeOneRow gives,
+// NaN included; every fp8 value is a bf16 value), scales as QuantizeOneRow.
+// What a native fp8 GEMM packs (kernels/cpu/gemm_exec.cc), without the
+// codes' round trip. e4m3fn and e4m3fnuz only, native fp8's formats (a
+// caller's invariant: FP8MOE_DCHECK).
+void QuantizeOneRowValues(const float* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                          const Calibration& calib, uint16_t* values, float* scales);
+void QuantizeOneRowValues(const uint16_t* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                          const Calibration& calib, uint16_t* values, float* scales);
+
 // Rows [first, first + rows) of one (group, tile) pair.
 struct RowTile {
   int64_t first;

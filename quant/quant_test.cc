@@ -10,6 +10,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -579,6 +580,86 @@ TEST_F(QuantTest, Bf16RowsMatchReferenceOnTheWidenedRows) {
             ASSERT_EQ(q1, q2) << "block " << block;
             ExpectSameBits(s1, s2);
           }
+        }
+      }
+    }
+  });
+}
+
+// A native fp8 GMM packs the values of its activation's codes
+// (QuantizeOneRowValues, Fp8ValueBf16Vec) rather than the codes: they must
+// be exactly what decoding the codes of QuantizeOneRow gives
+// (DecodeFp8ToBf16Span, as the packing did), NaN bits included, with the
+// same scales. Every f32 sign/exponent/top-mantissa pattern (the upper 16
+// bits) with low halves that decide the rounding (0, 1, a half - 1, a
+// half, a half + 1, all ones), in order (a scale of 1: the whole f32 range
+// against the fp8 one) and shuffled (blocks of mixed magnitudes: absmax
+// scales, blocks with NaN and inf and blocks without), in both formats of
+// native fp8 (e4m3fn, e4m3fnuz), every arithmetic, calibration and block
+// size, from f32 and from bf16 rows, on every target.
+TEST_F(QuantTest, RowValuesAreTheDecodedCodes) {
+  std::vector<float> ordered;
+  for (uint32_t hi = 0; hi < 65536; ++hi) {
+    for (uint32_t lo : {0u, 1u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) {
+      ordered.push_back(std::bit_cast<float>(hi << 16 | lo));
+    }
+  }
+  std::vector<float> shuffled(ordered);
+  std::shuffle(shuffled.begin(), shuffled.end(), rng_);
+  const std::vector<float> normal = Random(1 << 16, 61);
+  std::vector<uint16_t> bf16(shuffled.size());
+  for (size_t i = 0; i < bf16.size(); ++i) bf16[i] = static_cast<uint16_t>(Bits(shuffled[i]) >> 16);
+  const int64_t cols = 4099;  // rows of 4099: no vector width divides it
+  auto rows_of = [&](size_t n) { return static_cast<int64_t>(n) / cols; };
+  ForEachTarget([&] {
+    for (QuantDType d : {QuantDType::kE4M3FN, QuantDType::kE4M3FNUZ}) {  // native fp8's
+      const float m = QuantMax(d);
+      // Scale 1 (amax = max): the values themselves against the format.
+      const Calibration unit[] = {Calibration::Fixed(-m, m), Calibration::Fixed(-m, m).With(kXla)};
+      for (const Calibration& cal : {unit[0], unit[1], Calibration::AbsMax(),
+                                     Calibration::AbsMax().With(kXla), kCalibs[2]}) {
+        for (int64_t block : {int64_t{0}, int64_t{128}}) {
+          SCOPED_TRACE(std::string(QuantDTypeName(d)) + " " +
+                       std::string(ScaleArithmeticName(cal.arithmetic)) + " block " +
+                       std::to_string(block));
+          const Fp8Format f = static_cast<Fp8Format>(d);
+          // x: f32, or bf16 bits; the f32 bits of x[i].
+          auto bits_of = [](auto e) -> uint32_t {
+            if constexpr (std::is_same_v<decltype(e), float>) {
+              return Bits(e);
+            } else {
+              return static_cast<uint32_t>(e) << 16;
+            }
+          };
+          auto check = [&](const auto& x, const char* what) {
+            constexpr bool kF32 =
+                std::is_same_v<typename std::decay_t<decltype(x)>::value_type, float>;
+            const int64_t rows = rows_of(x.size()), nb = NumBlocks(cols, block);
+            std::vector<uint8_t> q(static_cast<size_t>(rows * cols), 0xA5);
+            std::vector<uint16_t> v(q.size(), 0x5A5A), want(q.size());
+            std::vector<float> s1(static_cast<size_t>(rows * nb), 1.0f), s2(s1.size(), 2.0f);
+            for (int64_t r = 0; r < rows; ++r) {
+              if constexpr (kF32) {
+                internal::QuantizeOneRow(x.data() + r * cols, cols, block, d, cal,
+                                         q.data() + r * cols, s1.data() + r * nb);
+              } else {
+                internal::QuantizeOneRowBf16(x.data() + r * cols, cols, block, d, cal,
+                                             q.data() + r * cols, s1.data() + r * nb);
+              }
+              internal::QuantizeOneRowValues(x.data() + r * cols, cols, block, d, cal,
+                                             v.data() + r * cols, s2.data() + r * nb);
+            }
+            DecodeFp8ToBf16Span(q.data(), want.data(), q.size(), f);
+            ExpectSameBits(s1, s2);
+            for (size_t i = 0; i < v.size(); ++i) {
+              ASSERT_EQ(v[i], want[i]) << what << " at " << i << ": x bits " << std::hex
+                                       << bits_of(x[i]) << ", code " << static_cast<int>(q[i]);
+            }
+          };
+          check(ordered, "ordered f32");
+          check(shuffled, "shuffled f32");
+          check(normal, "normal f32");
+          check(bf16, "shuffled bf16");
         }
       }
     }

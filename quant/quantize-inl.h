@@ -88,6 +88,18 @@ inline void AbsMaxAccumulateT(const float* HWY_RESTRICT x, size_t n,
   }
 }
 
+// x / factor (kMultiply false: a true division, as DESIGN 3.2 asks) or
+// x * factor (a reciprocal scale): what is rounded to a code. A NaN x keeps
+// its own bits (its sign picks the NaN code): x / s returns x's NaN, but in
+// x * (1 / s) with both NaN which one comes out depends on which operand the
+// compiler put first (multiplication commutes).
+template <bool kMultiply, bool kFinite, class V>
+HWY_INLINE V ScaledForQuantize(V x, V factor) {
+  return !kMultiply ? hn::Div(x, factor)
+         : kFinite  ? hn::Mul(x, factor)
+                    : hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(x, factor));
+}
+
 // Codes of x / factor (kMultiply false: a true division, as DESIGN 3.2 asks)
 // or x * factor (kMultiply true: factor is a reciprocal scale) in u32 lanes
 // (int8 codes as their byte value).
@@ -98,12 +110,7 @@ template <QuantDType kDType, bool kMultiply, bool kFinite, class DF>
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> QuantizeVec(DF df, hn::Vec<DF> x,
                                                        hn::Vec<DF> factor) {
   const hn::RebindToSigned<DF> di;
-  // A NaN x keeps its own bits (its sign picks the NaN code): x / s returns
-  // x's NaN, but in x * (1 / s) with both NaN which one comes out depends on
-  // which operand the compiler put first (multiplication commutes).
-  const auto v = !kMultiply ? hn::Div(x, factor)
-                 : kFinite  ? hn::Mul(x, factor)
-                            : hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(x, factor));
+  const auto v = ScaledForQuantize<kMultiply, kFinite>(x, factor);
   if constexpr (kDType == QuantDType::kInt8) {
     const auto clamped = hn::Min(hn::Max(kFinite ? v : hn::IfThenZeroElse(hn::IsNaN(v), v),
                                          hn::Set(df, -127.0f)),
@@ -174,6 +181,34 @@ void QuantizeSpanT(const TIn* HWY_RESTRICT x, size_t n,
         QuantizeVec<kDType, kMultiply, kFinite>(df, hn::Load(df, xin), hn::Load(df, sin));
     hn::Store(CodesToBytes(df, c), d8, out);
     std::memcpy(q + i, out, n - i);
+  }
+}
+
+// values[i] = bf16 bits of the value of the code QuantizeSpanT<kDType,
+// false, kMultiply, kFinite> gives x[i] with the one `factor`: the same bits
+// as decoding that code to bf16 (Fp8ValueBf16Vec), for a GMM that packs the
+// values of the codes rather than the codes (fp8 dtypes only).
+template <QuantDType kDType, bool kMultiply, bool kFinite = false, class TIn = float>
+void QuantizeValuesSpanT(const TIn* HWY_RESTRICT x, size_t n, float factor,
+                         uint16_t* HWY_RESTRICT values) {
+  static_assert(kDType != QuantDType::kInt8, "fp8 values only");
+  constexpr Fp8Format f = static_cast<Fp8Format>(kDType);
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t N = hn::Lanes(df);
+  const auto fv = hn::Set(df, factor);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto v = ScaledForQuantize<kMultiply, kFinite>(LoadAsF32(df, x + i), fv);
+    hn::StoreU(hn::TruncateTo(d16, Fp8ValueBf16Vec<f, kFinite>(df, v)), d16, values + i);
+  }
+  if (i < n) {
+    HWY_ALIGN float xin[hn::MaxLanes(df)] = {};
+    HWY_ALIGN uint16_t out[hn::MaxLanes(df)];
+    for (size_t j = 0; j < n - i; ++j) xin[j] = ScalarAsF32(x[i + j]);
+    const auto v = ScaledForQuantize<kMultiply, kFinite>(hn::Load(df, xin), fv);
+    hn::Store(hn::TruncateTo(d16, Fp8ValueBf16Vec<f, kFinite>(df, v)), d16, out);
+    std::memcpy(values + i, out, (n - i) * sizeof(uint16_t));
   }
 }
 

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "base/check.h"
 #include "fp8moe/quant.h"
 #include "quant/quant_internal.h"
 
@@ -63,6 +64,39 @@ void QuantizeSpanBf16(const uint16_t* x, size_t n, float factor, bool multiply, 
   QuantizeSpanOf<false>(x, n, &factor, multiply, finite, dtype, q);
 }
 
+// values [n] = bf16 bits of the values of the codes QuantizeSpanOf<false>
+// gives: the e4m3 formats of native fp8 only (QuantizeOneRowValues checks;
+// the others would be instances nothing calls).
+template <class TIn>
+void QuantizeValuesSpanOf(const TIn* x, size_t n, float factor, bool multiply, bool finite,
+                          QuantDType dtype, uint16_t* values) {
+#define FP8MOE_V(D)                                                                    \
+  if (finite) {                                                                        \
+    return multiply ? QuantizeValuesSpanT<D, true, true>(x, n, factor, values)         \
+                    : QuantizeValuesSpanT<D, false, true>(x, n, factor, values);       \
+  }                                                                                    \
+  return multiply ? QuantizeValuesSpanT<D, true, false>(x, n, factor, values)          \
+                  : QuantizeValuesSpanT<D, false, false>(x, n, factor, values)
+  switch (dtype) {
+    case QuantDType::kE4M3FN: FP8MOE_V(QuantDType::kE4M3FN);
+    case QuantDType::kE4M3FNUZ: FP8MOE_V(QuantDType::kE4M3FNUZ);
+    case QuantDType::kE5M2:
+    case QuantDType::kE5M2FNUZ:
+    case QuantDType::kInt8: return;
+  }
+#undef FP8MOE_V
+}
+
+void QuantizeValuesSpan(const float* x, size_t n, float factor, bool multiply, bool finite,
+                        QuantDType dtype, uint16_t* values) {
+  QuantizeValuesSpanOf(x, n, factor, multiply, finite, dtype, values);
+}
+
+void QuantizeValuesSpanBf16(const uint16_t* x, size_t n, float factor, bool multiply,
+                            bool finite, QuantDType dtype, uint16_t* values) {
+  QuantizeValuesSpanOf(x, n, factor, multiply, finite, dtype, values);
+}
+
 uint32_t AbsMaxBits(const float* x, size_t n) { return AbsMaxBitsT(x, n); }
 
 uint32_t AbsMaxBitsBf16(const uint16_t* x, size_t n) { return AbsMaxBitsBf16T(x, n); }
@@ -80,6 +114,8 @@ namespace fp8moe {
 
 HWY_EXPORT(QuantizeSpan);
 HWY_EXPORT(QuantizeSpanBf16);
+HWY_EXPORT(QuantizeValuesSpan);
+HWY_EXPORT(QuantizeValuesSpanBf16);
 HWY_EXPORT(AbsMaxBits);
 HWY_EXPORT(AbsMaxBitsBf16);
 HWY_EXPORT(AbsMaxAccumulate);
@@ -99,13 +135,22 @@ bool Reciprocal(const Calibration& calib) {
 }
 
 // x [n] by one scale; `finite`: every x is finite, known from an amax that
-// is (a finite amax gives a finite, non-zero scale: CalibratedScale).
-template <class T>
+// is (a finite amax gives a finite, non-zero scale: CalibratedScale). Into
+// codes q (uint8_t), or the bf16 bits of their values (uint16_t).
+template <class T, class TOut>
 void QuantizeOneScale(const T* x, int64_t n, float scale, bool finite, QuantDType dtype,
-                      const Calibration& calib, uint8_t* q) {
+                      const Calibration& calib, TOut* q) {
   const bool rcp = Reciprocal(calib);
   const float factor = rcp ? 1.0f / scale : scale;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<TOut, uint16_t>) {
+    if constexpr (std::is_same_v<T, float>) {
+      HWY_DYNAMIC_DISPATCH(QuantizeValuesSpan)(x, static_cast<size_t>(n), factor, rcp, finite,
+                                               dtype, q);
+    } else {
+      HWY_DYNAMIC_DISPATCH(QuantizeValuesSpanBf16)(x, static_cast<size_t>(n), factor, rcp,
+                                                   finite, dtype, q);
+    }
+  } else if constexpr (std::is_same_v<T, float>) {
     HWY_DYNAMIC_DISPATCH(QuantizeSpan)(x, static_cast<size_t>(n), &factor, false, rcp, finite,
                                        dtype, q);
   } else {
@@ -146,9 +191,9 @@ float AbsMax(const uint16_t* x, int64_t n) {
 }
 
 // QuantizeOneRow over f32 or bf16 bits (the same values, the same bits).
-template <class T>
+template <class T, class TOut>
 void QuantizeOneRowOf(const T* x, int64_t cols, int64_t block_size, QuantDType dtype,
-                      const Calibration& calib, uint8_t* q, float* scales) {
+                      const Calibration& calib, TOut* q, float* scales) {
   const int64_t nb = NumBlocks(cols, block_size);
   const int64_t bs = block_size > 0 ? block_size : cols;
   for (int64_t b = 0; b < nb; ++b) {
@@ -218,6 +263,18 @@ void QuantizeOneRow(const float* x, int64_t cols, int64_t block_size, QuantDType
 void QuantizeOneRowBf16(const uint16_t* x, int64_t cols, int64_t block_size, QuantDType dtype,
                         const Calibration& calib, uint8_t* q, float* scales) {
   QuantizeOneRowOf(x, cols, block_size, dtype, calib, q, scales);
+}
+
+void QuantizeOneRowValues(const float* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                          const Calibration& calib, uint16_t* values, float* scales) {
+  FP8MOE_DCHECK(dtype == QuantDType::kE4M3FN || dtype == QuantDType::kE4M3FNUZ);
+  QuantizeOneRowOf(x, cols, block_size, dtype, calib, values, scales);
+}
+
+void QuantizeOneRowValues(const uint16_t* x, int64_t cols, int64_t block_size, QuantDType dtype,
+                          const Calibration& calib, uint16_t* values, float* scales) {
+  FP8MOE_DCHECK(dtype == QuantDType::kE4M3FN || dtype == QuantDType::kE4M3FNUZ);
+  QuantizeOneRowOf(x, cols, block_size, dtype, calib, values, scales);
 }
 
 }  // namespace internal

@@ -64,9 +64,9 @@ std::string_view BackendName(BackendKind kind);  // "cpu", "reference"
 Result<BackendKind> ParseBackend(std::string_view name);
 
 // The kernel paths a call can take; each work item a kernel runs counts once
-// on its path, so tests can prove that a path is (still) taken. Three
+// on its path, so tests can prove that a path is (still) taken. Four
 // entries are not paths (kDirectNextItemPrefetch, kPackedRowBlocks,
-// kInItemLhsQuant: counted besides the item's path): a sum over the paths
+// kInItemLhsQuant, kInItemLhsValues: counted besides the item's path): a sum over the paths
 // skips them (IsKernelPath).
 enum class KernelPath : uint8_t {
   kPackedF32,         // packed panels, f32 FMA microkernel
@@ -88,6 +88,9 @@ enum class KernelPath : uint8_t {
   // Not a path: an item that quantized its own activation rows (native fp8,
   // int8) instead of a pre-pass over all rows.
   kInItemLhsQuant,
+  // Not a path: of those, a packed native fp8 item that wrote the values of
+  // its codes (bf16) and packed them, with no decode of codes.
+  kInItemLhsValues,
   kCount
 };
 std::string_view KernelPathName(KernelPath path);
@@ -127,7 +130,8 @@ class Context {
 
   // Work items run on `path` (or, for kDirectNextItemPrefetch, items that
   // prefetched their successor; for kPackedRowBlocks, packed items run in
-  // row-block order; for kInItemLhsQuant, items that quantized their rows)
+  // row-block order; for kInItemLhsQuant, items that quantized their rows;
+  // for kInItemLhsValues, those that packed the codes' values)
   // since the last ResetKernelCounts (thread-safe).
   int64_t KernelCount(KernelPath path) const;
   void CountKernel(KernelPath path, int64_t n = 1);

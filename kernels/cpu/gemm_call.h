@@ -89,7 +89,10 @@ struct Epilogue {
 // rows (or, in row-block order, each block of rows) into its worker's
 // buffer just before packing them, writes their scales, and packs A from
 // that buffer: the same codes and scales (QuantizeOneRow), without writing
-// them all to memory and reading them back.
+// them all to memory and reading them back. A packed fp8 item writes the
+// codes' values instead (bf16 bits, QuantizeOneRowValues: what packing
+// would decode the codes to), so its A is packed as bf16; a direct item
+// (and int8) keeps the codes, which its kernel reads raw.
 struct LhsQuantPlan {
   const void* x = nullptr;  // lhs [m, k], F32 or BF16 (bf16)
   bool bf16 = false;
@@ -99,6 +102,10 @@ struct LhsQuantPlan {
   Calibration calib;
   float* scales = nullptr;  // [m, blocks]: row r's at r * blocks
   int64_t blocks = 0;
+
+  // Bytes per activation element in a worker's buffer: the values' bf16
+  // (native fp8's e4m3 formats, packed items), else a code.
+  size_t BufferElementBytes() const { return dtype == QuantDType::kInt8 ? 1 : 2; }
 };
 
 struct WorkItem {

@@ -200,7 +200,8 @@ WorkerSizes SizeWorkers(const GemmCall& call, PanelKind kind) {
     // The rows one quantization covers: a chunk-order or direct item's, or
     // a row block's (at most kRowBlockMinRows either way in row-block order).
     const int64_t rows = s.row_blocks ? std::min(max_rows, kRowBlockMinRows) : max_rows;
-    s.codes = static_cast<size_t>(std::max<int64_t>(rows * call.lhs_quant->k, 1));
+    s.codes = static_cast<size_t>(std::max<int64_t>(rows * call.lhs_quant->k, 1)) *
+              call.lhs_quant->BufferElementBytes();
   }
   s.pack_width = std::max({s.kc + 1, kMC, RoundUp(max_cols, nr)});
   s.pack = PackScratch::Bytes(s.pack_width, s.kc);
@@ -300,15 +301,36 @@ ItemPlan PlanItem(const GemmCall& call, PanelKind kind, const WorkItem& it, cons
 }
 
 // LhsQuantPlan: quantizes the activation rows [row0, row0 + rows) into the
-// worker's codes buffer, writes their scales, and points the item's A there.
+// worker's buffer, writes their scales, and points the item's A there: a
+// packed fp8 item's as the bf16 values of the codes (A packed as bf16, no
+// decode; the products are the same, as every fp8 value is a bf16 value),
+// a direct item's (its kernel decodes A raw with B, RawFp8) and int8's as
+// the codes.
+bool PacksLhsValues(const GemmCall& call, const ItemPlan& ip) {
+  return call.lhs_quant != nullptr && call.lhs_quant->dtype != QuantDType::kInt8 &&
+         ip.direct == Direct::kNone;
+}
+
 void QuantizeRowsForItem(const GemmCall& call, int64_t row0, int64_t rows, Worker& w,
                          ItemPlan& ip) {
   const internal::LhsQuantPlan& q = *call.lhs_quant;
-  FP8MOE_DCHECK(static_cast<size_t>(rows * q.k) <= w.sizes->codes);
+  const bool values = PacksLhsValues(call, ip);
+  FP8MOE_DCHECK(static_cast<size_t>(rows * q.k) * (values ? 2 : 1) <= w.sizes->codes);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = row0 + i;
-    uint8_t* codes = w.codes + i * q.k;
     float* scales = q.scales + r * q.blocks;
+    if (values) {
+      uint16_t* v = reinterpret_cast<uint16_t*>(w.codes) + i * q.k;
+      if (q.bf16) {
+        internal::QuantizeOneRowValues(static_cast<const uint16_t*>(q.x) + r * q.k, q.k,
+                                       q.block, q.dtype, q.calib, v, scales);
+      } else {
+        internal::QuantizeOneRowValues(static_cast<const float*>(q.x) + r * q.k, q.k, q.block,
+                                       q.dtype, q.calib, v, scales);
+      }
+      continue;
+    }
+    uint8_t* codes = w.codes + i * q.k;
     if (q.bf16) {
       internal::QuantizeOneRowBf16(static_cast<const uint16_t*>(q.x) + r * q.k, q.k, q.block,
                                    q.dtype, q.calib, codes, scales);
@@ -317,6 +339,7 @@ void QuantizeRowsForItem(const GemmCall& call, int64_t row0, int64_t rows, Worke
                                q.calib, codes, scales);
     }
   }
+  ip.a.kind = values ? internal::SrcKind::kBf16 : call.a.kind;
   ip.a.data = w.codes;
   ip.a.first_row = row0;
 }
@@ -600,6 +623,7 @@ void RunItem(Context& ctx, const GemmCall& call, PanelKind kind, const WorkItem&
   if (following != nullptr && it.red_len > 0) ctx.CountKernel(KernelPath::kDirectNextItemPrefetch);
   ctx.CountKernel(direct ? DirectPath(ip.direct, call, ip.mr) : PackedPath(kind));
   if (call.lhs_quant != nullptr) ctx.CountKernel(KernelPath::kInItemLhsQuant);
+  if (PacksLhsValues(call, ip)) ctx.CountKernel(KernelPath::kInItemLhsValues);
   if (!direct && w.sizes->row_blocks && it.rows > kRowBlockMinRows) {
     ctx.CountKernel(KernelPath::kPackedRowBlocks);
     return RunPackedRowBlocks(call, it, ip, w);
