@@ -68,11 +68,32 @@ int BenchMoe(const BenchOptions& opt) {
       {"fp8 (hand-crafted)", {"quantization=fp8"}},
       {"nanoo_fp8", {"quantization=nanoo_fp8"}},
   };
-  if (!opt.shape.empty() &&
-      std::none_of(modes.begin(), modes.end(),
-                   [&](const Mode& m) { return m.name.find(opt.shape) != std::string::npos; })) {
-    std::string names;
-    for (const Mode& m : modes) names += (names.empty() ? "'" : ", '") + m.name + "'";
+  // --shape picks modes: a list "a,b" by their exact names (fake_qat and
+  // native fwd+dlhs alone), else every mode whose name contains it.
+  std::vector<std::string> exact;
+  if (opt.shape.find(',') != std::string::npos) {
+    for (size_t from = 0;;) {
+      const size_t comma = opt.shape.find(',', from);
+      exact.push_back(opt.shape.substr(from, comma - from));
+      if (comma == std::string::npos) break;
+      from = comma + 1;
+    }
+  }
+  auto selected = [&](const Mode& m) {
+    if (!exact.empty()) return std::find(exact.begin(), exact.end(), m.name) != exact.end();
+    return opt.shape.empty() || m.name.find(opt.shape) != std::string::npos;
+  };
+  std::string names;
+  for (const Mode& m : modes) names += (names.empty() ? "'" : ", '") + m.name + "'";
+  for (const std::string& e : exact) {
+    if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == e; })) {
+      std::fprintf(stderr, "error: --shape '%s': '%s' is no mode of bench moe (a list picks "
+                   "modes by their exact names); the modes: %s\n", opt.shape.c_str(), e.c_str(),
+                   names.c_str());
+      return 2;
+    }
+  }
+  if (std::none_of(modes.begin(), modes.end(), selected)) {
     std::fprintf(stderr, "error: --shape '%s' matches no mode of bench moe (there it picks "
                  "modes by name); the modes: %s\n", opt.shape.c_str(), names.c_str());
     return 2;
@@ -119,7 +140,7 @@ int BenchMoe(const BenchOptions& opt) {
   };
   std::vector<Run> runs;
   for (const Mode& m : modes) {
-    if (!opt.shape.empty() && m.name.find(opt.shape) == std::string::npos) continue;
+    if (!selected(m)) continue;
     Config cfgfile = std::move(LoadConfig(MoeConfigSchema(), "", m.flags)).value();
     Run& r = runs.emplace_back();
     r.mode = &m;

@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
                  "refuse requests needing more memory than this (bytes, or e.g. 8G, 512MiB; "
                  "0 = no cap; default: FP8MOE_MEMORY_CAP, else the available memory)");
   bench->add_option("--shape", bopt.shape,
-                    "bench gmm: the shape of this name, else shapes whose name contains it; bench moe: only such modes");
+                    "bench gmm: the shape of this name, else shapes whose name contains it; bench moe: "
+                    "only such modes, or a comma-separated list of exact mode names");
   bool fwd_only = false;
   bench->add_flag("--fwd-only", fwd_only, "bench gmm: forward passes only");
   bench->add_option("--tiles", bopt.fwd_tiles,

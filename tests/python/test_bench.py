@@ -349,6 +349,16 @@ def test_moe_interleaves_rounds_and_ratios_native_to_fake(fp8moe_bin):
         assert "median of 6 rounds' ratios, 96.8% interval" in line, line
         assert line.split("interval ")[1].split(":")[1].split()[0] in ("faster", "slower",
                                                                        "parity"), line
+    # A list picks modes by their exact names ("native fwd" is not taken with
+    # "native fwd+dlhs"); a name that is no mode is refused with the modes.
+    j, _ = run_bench(fp8moe_bin, "moe", "--tokens", "64", "--shape", "fake_qat,native fwd+dlhs",
+                     "--reps", "1", "--threads", "1")
+    assert [r["mode"] for r in j["rows"]] == ["fake_qat", "native fwd+dlhs"], j["rows"]
+    p = subprocess.run([fp8moe_bin, "bench", "moe", "--tokens", "64", "--shape",
+                        "fake_qat,native", "--reps", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 2, p.stderr
+    assert "'native' is no mode of bench moe" in p.stderr and "'native fwd+dlhs'" in p.stderr
     # Without fake_qat in the run there is no ratio (it printed "inf" before).
     p = subprocess.run([fp8moe_bin, "bench", "moe", "--tokens", "64", "--shape", "native",
                         "--reps", "1", "--threads", "1"], capture_output=True, text=True,
