@@ -247,7 +247,7 @@ Status MoeActivationHealth(Context& ctx, const MoeConfig& config,
                            const PreparedMoeWeights& prepared, MoeWorkspace* workspace,
                            Fp8Health* wi_lhs, Fp8Health* wo_lhs);
 
-// ---- One-call convenience API (tests, fp8moe op, bench moe) ----
+// ---- One-call convenience API (tests, fp8moe op, the Python package) ----
 // Each call prepares the weights and allocates a workspace of its own; a
 // training loop uses the functions above instead.
 

@@ -25,8 +25,8 @@ namespace fp8moe {
 
 // Bounds ValidateMoeConfig enforces beyond the DESIGN 3.5 rules: the sorted
 // buffer's factor (so ceil(factor * T * k) stays a row count), the expert
-// count (expert indices and group sizes are int32), and every tile flag at
-// most kMaxGmmTile (gmm.h).
+// count (expert indices and group sizes are int32), the token chunks, and
+// every tile flag at most kMaxGmmTile (gmm.h).
 inline constexpr double kMaxRaggedBufferFactor = 1024.0;
 inline constexpr int64_t kMaxNumExperts = 2147483647;
 inline constexpr int64_t kMaxMoeTokenChunks = 65536;

@@ -12,9 +12,12 @@
 // gives the same bits as an uninterrupted run.
 //
 // The trainer owns the f32 master weights and quantizes the expert weights
-// once per step (PrepareMoeWeights: the place where the FP8 weight
-// all-gather plugs in), runs the model's forward and backward, clips the
-// global gradient norm and applies AdamW.
+// once per step (PrepareMoeWeights), runs the model's forward and backward,
+// clips the global gradient norm and applies AdamW. On N ranks
+// (TrainOptions::comm) it runs FSDP (sharded masters and moments, the experts'
+// FP8 codes all-gathered once per step, gradients reduce-scattered) and the
+// ring of experts (ici_expert_parallelism), with checkpoints that resume on
+// any rank count (docs/distributed.md).
 #ifndef FP8MOE_TRAIN_H_
 #define FP8MOE_TRAIN_H_
 
@@ -141,9 +144,10 @@ struct TrainOptions {
 };
 
 // Whether the trainer runs on this layout of `ranks` ranks (from
-// CheckDistributedConfig): the ring of experts (expert > 1) is not
-// implemented yet, and the global batch must divide over the FSDP ranks.
-// The same answer on every rank.
+// CheckDistributedConfig): num_experts must divide over the expert ring
+// (layout.expert), the global batch over all `ranks`, and
+// num_moe_token_chunks may not exceed the tokens of one rank's layer call
+// (B / ranks x S). The same answer on every rank.
 Status CheckTrainLayout(const TrainConfig& config, const ParallelLayout& layout, int ranks);
 
 // Runs (or resumes) the run the config describes. Errors: InvalidArgument /
