@@ -1,4 +1,4 @@
-// Grow-only scratch memory for kernels, owned by a Context (DESIGN 9): a few
+// Grow-only scratch memory for kernels, owned by a Context (docs/design.md §7.1, §9): a few
 // buffers shared by the calling thread and one set per worker thread. Kept
 // from call to call, so a steady-state call neither allocates nor takes page
 // faults on fresh memory.

@@ -1,4 +1,4 @@
-// The seed of every random test (DESIGN 9): fresh each run, so the tests see
+// The seed of every random test (docs/design.md §12): fresh each run, so the tests see
 // new data every time, and replayable: FP8MOE_TEST_SEED=<n> makes every
 // random test of every test binary draw from seed n. Use it as
 //

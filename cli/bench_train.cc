@@ -1,5 +1,5 @@
 // `fp8moe bench train [key=value ...]`: trains one seed of the default model
-// in each QAT mode of DESIGN 3.4 (none = bf16, fake QAT, native forward,
+// in each QAT mode of docs/design.md §4 (none = bf16, fake QAT, native forward,
 // native forward + dLHS, fp8_full, int8) and prints, side by side, the final
 // eval loss, the mean step time, the allocations per step after the first
 // (target 0) and the peak memory; then draws the runs into one PNG with

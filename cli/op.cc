@@ -44,7 +44,7 @@ void AddCalibrationKeys(ConfigSchema* schema, const std::string& calibration_key
   AddKey(schema, {calibration_key, FlagType::kString, "absmax",
                   what + ": absmax, or fixed,a,b for amax = max(|a|, |b|)"});
   AddKey(schema, {"scale_arithmetic", FlagType::kString, "exact_divide",
-                  what + ": exact_divide (x / s, true f32 divisions, DESIGN 3.2) or "
+                  what + ": exact_divide (x / s, true f32 divisions, docs/design.md §3.2) or "
                   "xla_reciprocal (x * (1 / s), what qwix computes under jax.jit; tiny "
                   "scales floored at 1)",
                   {"exact_divide", "xla_reciprocal"}});

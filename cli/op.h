@@ -1,6 +1,6 @@
 // `fp8moe op NAME --in IN.safetensors --out OUT.safetensors [key=value ...]`:
 // one operation on tensors from a file, a language-neutral surface for tests
-// and other frameworks (DESIGN 6). Each op declares the keys it accepts as a
+// and other frameworks (docs/design.md §11). Each op declares the keys it accepts as a
 // ConfigSchema, so unknown keys and bad values get the same checked,
 // "did you mean" errors as the trainer's config.
 #ifndef FP8MOE_CLI_OP_H_

@@ -477,7 +477,7 @@ void CheckGmmFamily(const Case& c, const SafetensorsFile& fast) {
   std::vector<double> hb(habs.num_elements());
   for (size_t i = 0; i < hb.size(); ++i) hb[i] = Gamma(static_cast<double>(reduction)) * ValueAt(habs, i) + 1e-30;
   // The quantized forward computes (sum_k qa qw) * s_a * s_w in f32, left
-  // to right as XLA does (DESIGN 3.3); the reference sums in double. The
+  // to right as XLA does (docs/design.md §3.3); the reference sums in double. The
   // intermediate (sum_k qa qw) * s_a is about sum_k |x_k| |qw_k| <= qmax *
   // sum_k |x_k|: where that can pass FLT_MAX the f32 result is +-inf by
   // contract although the exact product is finite, so the row is not compared.

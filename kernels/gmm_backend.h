@@ -1,4 +1,4 @@
-// The seam between the GMM API and its implementations (DESIGN 9). gmm.cc
+// The seam between the GMM API and its implementations (docs/design.md §7.2). gmm.cc
 // validates a call once (gmm_problem.h) and hands it, with the checked
 // problem, to the backend its Context names:
 //   cpu        the fast SIMD kernels (kernels/cpu/cpu_backend.cc)

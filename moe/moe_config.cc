@@ -668,8 +668,8 @@ MoeQuantPlan PlanMoeQuantization(const MoeConfig& config) {
   MoeQuantPlan plan;
   const auto both = [](QuantDType d) { return GmmQuantDtypes{d, d}; };
   if (config.use_qwix_quantization) {
-    // Recipe mode: only fp8_full declares a GMM rule (seed 003, behaviour 2
-    // and 3); every other scheme leaves the GMMs unquantized.
+    // Recipe mode: only fp8_full declares a GMM rule (docs/design.md
+    // §4.1); every other scheme leaves the GMMs unquantized.
     if (config.quantization == MoeQuantization::kFp8Full) {
       plan.mode = MoeQatMode::kRecipeFp8Full;
       plan.fwd = both(QuantDType::kE4M3FN);

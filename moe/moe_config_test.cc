@@ -241,8 +241,8 @@ TEST(MoeConfigSchemaTest, ConvertsEveryTypedField) {
   EXPECT_EQ(m.act_quantization_calibration_method.FixedAmax(), 2.0f);
 }
 
-// ---- DESIGN 3.5 rules, one test each: the invalid case names the flag and
-// the fix; the fixed case loads. ----
+// ---- docs/design.md §4.2 rules (docs/config.md), one test each: the
+// invalid case names the flag and the fix; the fixed case loads. ----
 
 TEST(MoeConfigRulesTest, NativeFwdRequiresFakeQuant) {
   const std::string e =
@@ -554,7 +554,7 @@ TEST(MoeConfigRulesTest, ValuesAreTypeChecked) {
   EXPECT_CONTAINS(c.status().message(), "did you mean 'fp8'?");
 }
 
-// ---- Scheme -> GMM dtypes (seed 003, DESIGN 3.4) ----
+// ---- Scheme -> GMM dtypes (docs/design.md §4.1) ----
 
 // The forward GMM dtypes of `overrides` after validation.
 GmmQuantDtypes FwdDtypes(const Overrides& overrides) {

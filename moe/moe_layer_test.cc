@@ -1,5 +1,5 @@
-// The fast MoE layer: what its GMMs are handed in every scheme (seed 003),
-// the bit-identities DESIGN promises (native dLHS vs fake-QAT dLHS, thread
+// The fast MoE layer: what its GMMs are handed in every scheme (docs/design.md §4.1),
+// the bit-identities docs/design.md promises (native dLHS vs fake-QAT dLHS, thread
 // counts, remat policy, buffer policy), and clear errors. The comparison with
 // the dense reference and with finite differences is moe_layer_reference_test.cc.
 #include <omp.h>

@@ -22,7 +22,7 @@ namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// The forward GMM options of the mode (DESIGN 3.4).
+// The forward GMM options of the mode (docs/design.md §4).
 GmmOptions ForwardOptions(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
                           const GmmTiles& tiles) {
   GmmOptions o;

@@ -1,4 +1,4 @@
-// The MoE layer as stages (DESIGN 9; docs/distributed.md "The ring of
+// The MoE layer as stages (docs/design.md §7.3; docs/distributed.md "The ring of
 // experts"): route, dispatch, expert GMMs, combine, and the backward of each.
 // MoeForward / MoeBackward (moe/moe_layer.cc) are their composition. On one
 // rank dispatch and combine are the permute and the weighted unpermute of

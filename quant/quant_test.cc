@@ -1,4 +1,4 @@
-// Quantizers against their plain-loop twins, and the properties DESIGN 3.2
+// Quantizers against their plain-loop twins, and the properties docs/design.md §3.2
 // promises: scale formula, saturation, NaN/Inf confined to their scaling
 // group, tail rows never read, group tiles from valid rows only.
 #include <omp.h>
@@ -195,7 +195,7 @@ TEST(Quant, ScaleFormulaAndFixedCalibration) {
   std::vector<uint8_t> q(x.size());
   float s = 0;
   ASSERT_TRUE(QuantizeTensor(x.data(), 5, QuantDType::kE4M3FN, cal, q.data(), &s).ok());
-  EXPECT_EQ(s, 0.5f);  // DESIGN 3.2: fixed,-224,224 gives e4m3fn scale 0.5
+  EXPECT_EQ(s, 0.5f);  // docs/design.md §3.2: fixed,-224,224 gives e4m3fn scale 0.5
   EXPECT_EQ(DequantizeValue(q[1], s, QuantDType::kE4M3FN), -224.0f);  // clipped
   EXPECT_EQ(DequantizeValue(q[3], s, QuantDType::kE4M3FN), 224.0f);
   EXPECT_EQ(DequantizeValue(q[0], s, QuantDType::kE4M3FN), 1.0f);

@@ -88,7 +88,7 @@ inline void AbsMaxAccumulateT(const float* HWY_RESTRICT x, size_t n,
   }
 }
 
-// x / factor (kMultiply false: a true division, as DESIGN 3.2 asks) or
+// x / factor (kMultiply false: a true division, as docs/design.md §3.2 asks) or
 // x * factor (a reciprocal scale): what is rounded to a code. A NaN x keeps
 // its own bits (its sign picks the NaN code): x / s returns x's NaN, but in
 // x * (1 / s) with both NaN which one comes out depends on which operand the
@@ -100,7 +100,7 @@ HWY_INLINE V ScaledForQuantize(V x, V factor) {
                     : hn::IfThenElse(hn::IsNaN(x), x, hn::Mul(x, factor));
 }
 
-// Codes of x / factor (kMultiply false: a true division, as DESIGN 3.2 asks)
+// Codes of x / factor (kMultiply false: a true division, as docs/design.md §3.2 asks)
 // or x * factor (kMultiply true: factor is a reciprocal scale) in u32 lanes
 // (int8 codes as their byte value).
 // kFinite: the caller knows every x is finite and the factor finite and

@@ -1,5 +1,5 @@
 // Plain-loop twins of the quantizers in quantize.cc: one element at a time,
-// straight from the definitions in DESIGN 3.2.
+// straight from the definitions in docs/design.md §3.2.
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -1,5 +1,5 @@
 // Communicator: the ranks of a distributed job and the collectives between
-// them (DESIGN 5, 9). Layers above (the trainer, the MoE stages) take a
+// them (docs/design.md §6, §7.4). Layers above (the trainer, the MoE stages) take a
 // Communicator& and never know which implementation runs:
 //  - MakeSingleRankCommunicator(): one rank, collectives are copies. Always
 //    available, so the library works without MPI.

@@ -1,4 +1,4 @@
-// The explicit state a library call runs in (DESIGN 9): how many threads,
+// The explicit state a library call runs in (docs/design.md §7.1): how many threads,
 // which GMM backend, the kernels' scratch memory, a random number generator
 // and a metrics sink. Passed down by reference instead of thread-local or
 // global state, so that

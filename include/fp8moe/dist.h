@@ -1,4 +1,4 @@
-// Distributed building blocks the trainer calls (DESIGN 3.4, 5): the FSDP
+// Distributed building blocks the trainer calls (docs/design.md §4, §6): the FSDP
 // weight gather with FP8 codes ("gather8"), the quantized token all-gather of
 // the ring of experts, the bytes each moves, and the check that every rank
 // runs the same configuration on a matching layout. All run on any
@@ -35,7 +35,7 @@ class DistScratch {
 // ---- FSDP weight gather ----
 // An expert weight w [E, K, N] (f32 master, row-major) is sharded flat over
 // the ranks: rank r holds elements GetShardRange(E * K * N, size, r). The
-// per-channel scale spans the whole K (DESIGN 3.2), which a shard does not:
+// per-channel scale spans the whole K (docs/design.md §3.2), which a shard does not:
 // each rank takes the amax of its elements per (expert, channel), the ranks
 // all-reduce them with max (exact, order-free), every rank derives the same
 // scales, quantizes its own shard, and the codes are all-gathered (1 byte per

@@ -1,4 +1,4 @@
-// Grouped matmuls of the routed experts (DESIGN 2, 3.3, 3.4): the forward
+// Grouped matmuls of the routed experts (docs/design.md §2, §3.3, §4): the forward
 // GMM, the activation gradient dLHS and the weight gradient TGMM, in every
 // operand mode, ragged-safe and deterministic for any thread count.
 //
@@ -30,7 +30,7 @@
 
 namespace fp8moe {
 
-// How the operands of a GMM are represented (DESIGN 3.4).
+// How the operands of a GMM are represented (docs/design.md §4).
 //  kF32       f32 x f32, f32 accumulation.
 //  kBf16      bf16 x bf16, f32 accumulation.
 //  kFakeQat   rhs codes + per-channel scale are first dequantized to a BF16
@@ -124,7 +124,7 @@ Status GmmDlhs(const GmmOptions& options, const TensorView& dout,
                const TensorView& group_sizes, const TensorView& out,
                const TensorView* h = nullptr);
 
-// How TGMM treats its gradient operand (the fp8_full recipe, DESIGN 3.4).
+// How TGMM treats its gradient operand (the fp8_full recipe, docs/design.md §4).
 struct TgmmQuant {
   // Quantize dout with this fp8 dtype (kE5M2 or kE4M3FN), or not at all.
   std::optional<QuantDType> dout_dtype;

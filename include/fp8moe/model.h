@@ -1,4 +1,4 @@
-// A tiny decoder-only MoE transformer (DESIGN 1, 4): token embedding; L
+// A tiny decoder-only MoE transformer (docs/design.md §1, §5): token embedding; L
 // layers of (RMSNorm, causal multi-head attention with RoPE, residual,
 // RMSNorm, MoE FFN with SwiGLU experts, residual); final RMSNorm; LM head;
 // mean cross-entropy plus the MoE load-balancing losses. Forward and full

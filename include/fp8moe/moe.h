@@ -1,4 +1,4 @@
-// The routed-expert MoE layer (DESIGN 4) with every QAT mode of DESIGN 3.4:
+// The routed-expert MoE layer (docs/design.md §5) with every QAT mode of §4:
 // router, top-k, permute into a ragged buffer, wi GMM + SwiGLU, wo GMM,
 // unpermute and weighted combine; forward and backward.
 //

@@ -1,7 +1,7 @@
 // Configuration of the MoE layer and its quantization-aware training
-// (DESIGN 3.4, 3.5, 4): the flags with their MaxText names, a typed MoeConfig
+// (docs/design.md §4, §5): the flags with their MaxText names, a typed MoeConfig
 // converted and validated from a Config, and the pure mapping from a config
-// to the dtypes the expert GMMs are handed (seed 003).
+// to the dtypes the expert GMMs are handed (docs/design.md §4.1).
 //
 // Every invalid combination is an error whose message names the flag(s) and
 // the fix; nothing falls back silently. MoeConfigSchema()'s defaults are the
@@ -23,7 +23,7 @@
 
 namespace fp8moe {
 
-// Bounds ValidateMoeConfig enforces beyond the DESIGN 3.5 rules: the sorted
+// Bounds ValidateMoeConfig enforces beyond the rules of docs/design.md §4.2: the sorted
 // buffer's factor (so ceil(factor * T * k) stays a row count), the expert
 // count (expert indices and group sizes are int32), the token chunks, and
 // every tile flag at most kMaxGmmTile (gmm.h).
@@ -133,11 +133,11 @@ struct MoeConfig {
 // LoadConfig) to a MoeConfig and validates it with ValidateMoeConfig.
 Result<MoeConfig> MoeConfigFrom(const Config& c);
 
-// Checks every rule of DESIGN 3.5 and the value ranges. All violations are
+// Checks every rule of docs/design.md §4.2 and the value ranges. All violations are
 // reported in one InvalidArgument, each naming the flag(s) and the fix.
 Status ValidateMoeConfig(const MoeConfig& config);
 
-// The QAT mode of the routed-expert GMMs (DESIGN 3.4).
+// The QAT mode of the routed-expert GMMs (docs/design.md §4).
 enum class MoeQatMode : uint8_t {
   kNone,           // GMMs in `dtype`
   kFakeQat,        // fp8_moe_fake_quant: BF16 copy of the FP8 weight

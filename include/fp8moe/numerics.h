@@ -1,4 +1,4 @@
-// FP8, BF16 and int8 numerics, bit-exact with ml_dtypes (DESIGN 3.1).
+// FP8, BF16 and int8 numerics, bit-exact with ml_dtypes (docs/design.md §3.1).
 //
 // Scalar functions are the reference; the span functions are SIMD (Highway,
 // run-time dispatch) and give identical bits. Span functions split work over

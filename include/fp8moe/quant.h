@@ -1,4 +1,4 @@
-// Quantization to fp8 or int8 with f32 scales (DESIGN 3.2).
+// Quantization to fp8 or int8 with f32 scales (docs/design.md §3.2).
 //
 // For every scaling group: amax = max |x| over the group's valid elements
 // (NaN if any is NaN), scale = max(amax, 1e-12) / fmax in f32, and
@@ -38,7 +38,7 @@ Result<QuantDType> QuantDTypeOf(DType dtype);
 
 // How a scale and the codes are computed from amax (docs/numerics.md).
 //  kExactDivide    scale = max(amax, 1e-12) / fmax; q = cast(x / scale), both
-//                  true f32 divisions (DESIGN 3.2). The default.
+//                  true f32 divisions (docs/design.md §3.2). The default.
 //  kXlaReciprocal  what qwix's quantizer computes under jax.jit on XLA:CPU,
 //                  whose algebraic simplifier turns a division by a constant
 //                  or by a broadcast scale into a multiplication by its
@@ -119,7 +119,7 @@ Status QuantizeChannels(const float* w, int64_t experts, int64_t k, int64_t n,
                         QuantDType dtype, const Calibration& calib, uint8_t* q,
                         float* scales);
 
-// Ragged row groups (DESIGN 2): x [M, C] with rows sorted by group; group g
+// Ragged row groups (docs/design.md §2): x [M, C] with rows sorted by group; group g
 // owns rows [off_g, off_g + group_sizes[g]). Each group is cut into tiles of
 // tile_m rows and each (tile, channel) gets a scale over the tile's valid rows
 // only. scales [NumGroupTiles, C], tiles in group order; an empty group has no

@@ -1,4 +1,4 @@
-// The training loop (DESIGN 1, 6, 9): `fp8moe train [config.yml] [key=value]`.
+// The training loop (docs/design.md §1, §7, §11): `fp8moe train [config.yml] [key=value]`.
 //
 // A run lives in <base_output_directory>/<run_name>/:
 //   metrics.jsonl   one JSON object per step (loss, lr, grad_norm, tokens/s,

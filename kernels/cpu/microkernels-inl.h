@@ -280,7 +280,7 @@ HWY_NOINLINE bool MicroF32Direct(size_t kc, const float* HWY_RESTRICT ap,
   // per expert) runs out of vector ops before memory on AVX2 (~3.7 ops per
   // cycle, 8 per 16 codes). The 1 x 8 tile's loop in intrinsics on an
   // L2-resident strip: 23.6 GB/s of codes per thread, 25.9 paired, 27.8
-  // paired with NaNCodeWatch's max (docs/kernels.md, Decode). In `bench gmm`
+  // paired with NaNCodeWatch's max (docs/kernels.md, "Small groups"). In `bench gmm`
   // decode e64 (2 threads): 37-39 -> 42-44 GB/s where the streaming read did
   // 57-61, the same (38-40) where it did 45-48. AVX-512 decodes fp8 with byte
   // tables where it can (microkernels_avx3-inl.h), and its 4 blocks per

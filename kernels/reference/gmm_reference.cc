@@ -1,6 +1,6 @@
 // Plain-loop twins of the grouped matmuls in include/fp8moe/gmm.h: one output
 // element at a time, products summed in double, straight from the math in
-// gmm.h and DESIGN 3.3 / 3.4. Slow on purpose: they are the yardstick for the
+// gmm.h and docs/design.md §3.3, §4. Slow on purpose: they are the yardstick for the
 // fast kernels and for the op tests, so clarity wins over speed everywhere.
 //
 // Every function validates with the same internal::Check* as the fast kernel,

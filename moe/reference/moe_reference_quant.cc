@@ -1,7 +1,7 @@
 // The QAT operand helpers of the reference MoE layer: the weights as each mode
 // presents them and the three GMMs of one expert weight, in plain loops with
 // double sums, straight from the mode table of include/fp8moe/moe.h and
-// DESIGN 3.3 / 3.4. The quantizers are the plain-loop twins of quant.h, so no
+// docs/design.md §3.3, §4. The quantizers are the plain-loop twins of quant.h, so no
 // SIMD code sits under the reference.
 #include "moe/reference/moe_reference_quant.h"
 

@@ -215,7 +215,7 @@ def _gmm_bwd(o, res, dout):
         dl = dlhs(g, rhs, group_sizes, o.mode, out_dtype=lhs.dtype, tiles=o.tiles)
         dr = tgmm(lhs, g, group_sizes, o.mode, tiles=o.tiles).astype(rhs.dtype)
         return dl, dr, None, None
-    # Quantized modes: the backward runs in bf16 (DESIGN 3.4). dLHS reads the
+    # Quantized modes: the backward runs in bf16 (docs/design.md §4). dLHS reads the
     # codes (native_fp8: dequantized tile by tile inside the kernel, no copy;
     # fake_qat: through its BF16 copy; both give the same bits); int8 codes go
     # through a BF16 copy made here. The weight gradient reaches the float

@@ -35,7 +35,7 @@ def bf16_round(x):
 
 def quantize(x, fmt, axis):
     """Codes and f32 scales of x (f32), one scale per slice along `axis`
-    (DESIGN 3.2: scale = max(amax, 1e-12) / fmax, q = saturate(x / scale))."""
+    (docs/design.md §3.2: scale = max(amax, 1e-12) / fmax, q = saturate(x / scale))."""
     x = np.asarray(x, np.float32)
     amax = np.max(np.abs(x), axis=axis, keepdims=True)
     scale = (np.maximum(amax, np.float32(1e-12)) / np.float32(QMAX[fmt])).astype(np.float32)

@@ -163,7 +163,7 @@ def test_group_sizes_are_traced():
 # ---- quantized modes: ragged_dot on the dequantized operands ----
 
 def quantize_np(x, fmt, axis):
-    """DESIGN 3.2 in numpy: codes (as float64 values) and f32 scales."""
+    """docs/design.md §3.2 in numpy: codes (as float64 values) and f32 scales."""
     x = np.asarray(x, np.float32)
     amax = np.max(np.abs(x), axis=axis, keepdims=True)
     s = (np.maximum(amax, np.float32(1e-12)) / np.float32(QMAX[fmt])).astype(np.float32)

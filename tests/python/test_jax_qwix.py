@@ -90,7 +90,7 @@ def numpy_xla(x, fmt, axes):
 
 
 def numpy_exact(x, fmt, axes):
-    """DESIGN 3.2: true divisions and the 1e-12 epsilon."""
+    """docs/design.md §3.2: true divisions and the 1e-12 epsilon."""
     amax = np.max(np.abs(x), axis=axes, keepdims=True)
     s = (np.maximum(amax, np.float32(1e-12)) / FMAX[fmt]).astype(np.float32)
     with np.errstate(invalid="ignore"):

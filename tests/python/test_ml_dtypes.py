@@ -1,5 +1,5 @@
 """Differential check: `fp8moe op cast` / `op decode` against ml_dtypes, bit for
-bit, for the four fp8 formats and bf16 (DESIGN 3.1)."""
+bit, for the four fp8 formats and bf16 (docs/design.md §3.1)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -99,7 +99,7 @@ QMAX = {"e4m3fn": 448.0, "e4m3fnuz": 240.0, "e5m2": 57344.0, "e5m2fnuz": 57344.0
 
 
 def numpy_quantize(x, dtype, axis):
-    """DESIGN 3.2 in numpy: scale = max(amax, 1e-12) / fmax, q = sat(x / scale)."""
+    """docs/design.md §3.2 in numpy: scale = max(amax, 1e-12) / fmax, q = sat(x / scale)."""
     amax = np.max(np.abs(x), axis=axis, keepdims=True) if axis is not None else np.max(np.abs(x))
     scale = (np.maximum(amax, np.float32(1e-12)) / np.float32(QMAX[dtype])).astype(np.float32)
     v = (x / scale).astype(np.float32)

@@ -75,7 +75,7 @@ def test_decode_bf16_and_shapes_kept():
     assert got.shape == (3, 4, 5) and np.array_equal(got, x.astype(np.float32))
 
 
-# ---- quantize against a numpy model (exact_divide: DESIGN 3.2) ----
+# ---- quantize against a numpy model (exact_divide: docs/design.md §3.2) ----
 
 def model_codes(x, scale, dtype):
     v = (np.asarray(x, np.float32) / np.asarray(scale, np.float32)).astype(np.float32)
