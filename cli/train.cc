@@ -1,6 +1,7 @@
 // `fp8moe train [config.yml] [key=value ...]`.
 #include "cli/train.h"
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +19,11 @@ namespace {
 // Exit code of a failed run: 1 for a bug in fp8moe, 2 for everything the
 // user can fix (flags, data, checkpoints, disk space, divergence).
 int ExitCode(const Status& s) { return s.code() == StatusCode::kInternal ? 1 : 2; }
+
+// The longest a failing rank waits for the others to fail too (RunTrain's
+// fail): ranks that fail together arrive within milliseconds of each other,
+// even on a machine whose cores are all busy.
+constexpr double kEndWaitSeconds = 10;
 
 }  // namespace
 
@@ -65,18 +71,21 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   // hangs and ends the job: FP8MOE_COMM_TIMEOUT seconds (0: no limit), else
   // CommOptions' 600 s. Read before the config (the ranks compare configs
   // over the communicator); under mpirun on several machines pass it with
-  // -x FP8MOE_COMM_TIMEOUT.
+  // -x FP8MOE_COMM_TIMEOUT. A bad value is reported once the communicator
+  // is open, so that every rank can report it (fail, below).
   CommOptions comm_options;
+  Status timeout_status;
   if (const char* t = std::getenv("FP8MOE_COMM_TIMEOUT"); t != nullptr && *t != '\0') {
     char* end = nullptr;
     const double v = std::strtod(t, &end);
     if (end == t || *end != '\0' || !(v >= 0) || v > 1e9) {
-      std::fprintf(stderr, "error: FP8MOE_COMM_TIMEOUT='%s' is not a number of seconds in "
-                   "[0, 1e9] (0: no limit); unset it for the default of %g s\n", t,
-                   comm_options.timeout_seconds);
-      return 2;
+      timeout_status = InvalidArgument(
+          "FP8MOE_COMM_TIMEOUT='" + std::string(t) + "' is not a number of seconds in [0, 1e9] "
+          "(0: no limit); unset it for the default of " +
+          std::to_string(static_cast<int>(comm_options.timeout_seconds)) + " s");
+    } else {
+      comm_options.timeout_seconds = v;
     }
-    comm_options.timeout_seconds = v;
   }
   auto comm_or = (*world)->Open(comm_options);
   if (!comm_or.ok()) {
@@ -84,7 +93,20 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
     return 2;
   }
   Communicator& comm = **comm_or;
-  // Every rank reports its own errors (under mpirun with its rank).
+  // Every rank reports its own errors (under mpirun with its rank), then
+  // waits for the others before it exits: the launcher ends the whole job
+  // as soon as one rank exits with an error, and a peer still on its way to
+  // printing the same error was cut off ("the message on 1 of 2 ranks").
+  // So a failing rank prints, flushes and waits at a barrier of its own
+  // (World::BarrierWithin) for at most kEndWaitSeconds (or the comm
+  // timeout, if shorter). Where the ranks fail together (flags, a layout, a
+  // checkpoint they read differently or a save that failed, which they
+  // agree on; a dataset every rank refuses), every rank comes, each having
+  // printed, and all exit with the code. A rank whose error is its own (a
+  // file only it cannot read), its peers waiting for it in a collective,
+  // finds nobody there and ends the whole job (MPI_Abort) rather than
+  // leave them to the watchdog's timeout, as it always did, only that much
+  // later. An internal error (a bug, or MPI failing) ends the job at once.
   auto fail = [&](const Status& s, int code) {
     std::fflush(stdout);
     if (comm.size() > 1) {
@@ -93,8 +115,19 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
     } else {
       std::fprintf(stderr, "error: %s\n", s.message().c_str());
     }
+    std::fflush(stderr);
+    if (comm.size() == 1) return code;
+    if (s.code() == StatusCode::kInternal) comm.Abort(code, "ending the job");
+    const double limit = comm_options.timeout_seconds > 0
+                             ? std::min(kEndWaitSeconds, comm_options.timeout_seconds)
+                             : kEndWaitSeconds;
+    if (!(*world)->BarrierWithin(limit)) {
+      comm.Abort(code, "the other ranks did not stop with an error (the one above is this "
+                       "rank's alone); ending the job");
+    }
     return code;
   };
+  if (!timeout_status.ok()) return fail(timeout_status, 2);
   auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
   Result<ParallelLayout> layout = ParallelLayout{};
   // Before anything else every rank compares its configuration with the
@@ -118,16 +151,7 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   options.comm = &comm;
   options.threads_follow_load = threads_follow_load;
   auto summary = Train(*cfg, *raw, options);
-  if (!summary.ok()) {
-    if (comm.size() > 1) {
-      // An error may be this rank's alone (a file it cannot read or write),
-      // with its peers waiting in a collective: end the whole job now rather
-      // than leave them to the watchdog's timeout.
-      std::fflush(stdout);
-      comm.Abort(ExitCode(summary.status()), "error: " + summary.status().message());
-    }
-    return fail(summary.status(), ExitCode(summary.status()));
-  }
+  if (!summary.ok()) return fail(summary.status(), ExitCode(summary.status()));
   return 0;
 }
 

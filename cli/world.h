@@ -20,6 +20,10 @@ class World {
   virtual Result<std::unique_ptr<Communicator>> Open(const CommOptions& options) = 0;
   // "mpi (Open MPI v4.1.4 ...), 4 ranks" or "single rank (...)".
   virtual std::string Describe() const = 0;
+  // A failing rank's wait, after it printed its error, for every rank to
+  // fail too (MpiRuntime::BarrierWithin): true when all came within
+  // `seconds`; false means end the job (Communicator::Abort). One rank: true.
+  virtual bool BarrierWithin(double seconds) = 0;
 };
 
 // Starts MPI when an MPI launcher started this process, else one rank.

@@ -16,6 +16,7 @@ class MpiWorld final : public World {
     return "mpi (" + MpiLibraryVersion() + "), " + std::to_string(runtime_->world_size()) +
            " ranks";
   }
+  bool BarrierWithin(double seconds) override { return runtime_->BarrierWithin(seconds); }
 
  private:
   std::unique_ptr<MpiRuntime> runtime_;
@@ -29,6 +30,7 @@ class SingleWorld final : public World {
   std::string Describe() const override {
     return "single rank (not started by mpirun; run `mpirun -np N fp8moe ...` for N ranks)";
   }
+  bool BarrierWithin(double) override { return true; }
 };
 
 }  // namespace

@@ -6,10 +6,12 @@
 // Every rank runs every test; every rank draws every rank's inputs from one
 // seed, so each can compute the expected values itself.
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -332,6 +334,31 @@ TEST(MpiDist, SplitFormsGroups) {
     ASSERT_TRUE((*g)->AllReduce(&x, &sum, 1, DType::kI64, ReduceOp::kSum).ok());
     EXPECT_EQ(sum, want);
   }
+}
+
+// The failing rank's barrier (cli/train.cc): true once every rank has come,
+// false after its bound while the others are elsewhere, without ending the
+// job. (After false the caller ends the job; here the other ranks come later
+// instead and complete the barrier rank 0 left pending.)
+TEST(MpiDist, BarrierWithinWaitsForEveryRankForAtMostItsBound) {
+  Comms& w = World();
+  ASSERT_TRUE(w.ring->Barrier().ok());
+  EXPECT_TRUE(g_runtime->BarrierWithin(30));
+  ASSERT_TRUE(w.ring->Barrier().ok());
+  const auto start = std::chrono::steady_clock::now();
+  if (w.rank == 0) {
+    EXPECT_EQ(g_runtime->BarrierWithin(0.2), w.size == 1);
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (w.size > 1) {
+      EXPECT_GE(took, 0.2);
+      EXPECT_LT(took, 1.8);  // the others come at 2 s
+    }
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    EXPECT_TRUE(g_runtime->BarrierWithin(30));
+  }
+  ASSERT_TRUE(w.ring->Barrier().ok());
 }
 
 TEST(MpiDist, PointToPointChecksSizes) {

@@ -32,6 +32,9 @@ namespace {
 constexpr int kSpinPolls = 200;
 constexpr double kYieldSeconds = 0.005;
 constexpr long kPollSleepNs = 50'000;
+// How long a rank whose wait timed out lets the others report theirs before
+// it ends the job (OnTimeout).
+constexpr time_t kTimeoutReportSeconds = 1;
 double g_yield_seconds = kYieldSeconds;
 
 std::string MpiError(int code) {
@@ -131,11 +134,8 @@ class MpiCommunicator final : public Communicator, public internal::WatchdogClie
   std::string_view name() const override { return "mpi"; }
 
   [[noreturn]] void Abort(int exit_code, std::string_view message) override {
-    std::fprintf(stderr, "fp8moe rank %d/%d: %.*s\n", rank(), size(),
-                 static_cast<int>(message.size()), message.data());
-    std::fflush(stderr);
-    MPI_Abort(comm_, exit_code);
-    std::_Exit(exit_code);  // MPI_Abort does not return; if it did, still end
+    Report(message);
+    EndJob(exit_code);
   }
 
   [[noreturn]] void OnTimeout(const char* what, double seconds) override {
@@ -143,7 +143,16 @@ class MpiCommunicator final : public Communicator, public internal::WatchdogClie
     std::snprintf(msg, sizeof(msg),
                   "%s did not finish within %g s (a peer rank died or hangs); ending the job",
                   what, seconds);
-    Abort(1, msg);
+    Report(msg);
+    // Every rank that waits on the same dead or hung peer times out at about
+    // the same moment: they entered the call together, give or take their
+    // compute skew and the watchdog's 200 ms poll. The first to call
+    // MPI_Abort has the launcher end the others, which lost their message
+    // when it came first. So each prints first and then gives the others
+    // this long to print theirs.
+    timespec grace{kTimeoutReportSeconds, 0};
+    nanosleep(&grace, nullptr);
+    EndJob(1);
   }
 
  protected:
@@ -352,6 +361,17 @@ class MpiCommunicator final : public Communicator, public internal::WatchdogClie
     free_.push_back(slot);
   }
 
+  // "fp8moe rank R/N: message" on stderr, flushed.
+  void Report(std::string_view message) const {
+    std::fprintf(stderr, "fp8moe rank %d/%d: %.*s\n", rank(), size(),
+                 static_cast<int>(message.size()), message.data());
+    std::fflush(stderr);
+  }
+  [[noreturn]] void EndJob(int exit_code) {
+    MPI_Abort(comm_, exit_code);
+    std::_Exit(exit_code);  // MPI_Abort does not return; if it did, still end
+  }
+
   MPI_Comm comm_;
   CommOptions options_;
   internal::RingScratch scratch_;
@@ -375,6 +395,10 @@ std::string MpiLibraryVersion() {
   const size_t nl = s.find_first_of(std::string("\r\n\0", 3));
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
+
+struct MpiRuntime::ExitBarrier {
+  MPI_Comm comm = MPI_COMM_NULL;
+};
 
 Result<std::unique_ptr<MpiRuntime>> MpiRuntime::Start(const MpiRuntimeOptions& options) {
   if (g_runtime_started) {
@@ -402,6 +426,13 @@ Result<std::unique_ptr<MpiRuntime>> MpiRuntime::Start(const MpiRuntimeOptions& o
         std::to_string(provided) + "); fp8moe's watchdog needs it");
   }
   if (options.report_termination) InstallTerminationReport(rank, size);
+  // BarrierWithin's communicator, made now: duplicating is collective.
+  auto exit_barrier = std::make_unique<ExitBarrier>();
+  if (const int dup = MPI_Comm_dup(MPI_COMM_WORLD, &exit_barrier->comm); dup != MPI_SUCCESS) {
+    MPI_Finalize();
+    return FromMpi(dup, "Comm_dup");
+  }
+  MPI_Comm_set_errhandler(exit_barrier->comm, MPI_ERRORS_RETURN);
   // The ranks on this machine against its cores (DoWaitAll's polling).
   MPI_Comm local;
   if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local) ==
@@ -412,10 +443,35 @@ Result<std::unique_ptr<MpiRuntime>> MpiRuntime::Start(const MpiRuntimeOptions& o
     const long cores = sysconf(_SC_NPROCESSORS_ONLN);
     g_yield_seconds = cores > 0 && local_size > cores ? 0.0 : kYieldSeconds;
   }
-  return std::unique_ptr<MpiRuntime>(new MpiRuntime(rank, size));
+  return std::unique_ptr<MpiRuntime>(new MpiRuntime(rank, size, std::move(exit_barrier)));
 }
 
-MpiRuntime::~MpiRuntime() { MPI_Finalize(); }
+MpiRuntime::MpiRuntime(int rank, int size, std::unique_ptr<ExitBarrier> exit_barrier)
+    : rank_(rank), size_(size), exit_barrier_(std::move(exit_barrier)) {}
+
+MpiRuntime::~MpiRuntime() {
+  MPI_Comm_free(&exit_barrier_->comm);
+  MPI_Finalize();
+}
+
+bool MpiRuntime::BarrierWithin(double seconds) {
+  MPI_Request request;
+  if (MPI_Ibarrier(exit_barrier_->comm, &request) != MPI_SUCCESS) return false;
+  timespec start{};
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (done) return true;
+    timespec now{};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const double waited = static_cast<double>(now.tv_sec - start.tv_sec) +
+                          1e-9 * static_cast<double>(now.tv_nsec - start.tv_nsec);
+    if (waited >= seconds) return false;
+    timespec poll{0, 1'000'000};  // 1 ms: a rank that waits here burns no core
+    nanosleep(&poll, nullptr);
+  }
+}
 
 Result<std::unique_ptr<Communicator>> MpiRuntime::World(const CommOptions& options) {
   MPI_Comm comm;

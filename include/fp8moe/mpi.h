@@ -10,8 +10,9 @@
 //
 // Faults: every blocking call (collective, Barrier, WaitAll) runs under a
 // watchdog with options.timeout_seconds; when it expires (a peer died or
-// hangs) the rank prints "fp8moe rank R/N: ... did not finish within T s"
-// and calls MPI_Abort, which ends every rank. A rank that the launcher
+// hangs) the rank prints "fp8moe rank R/N: ... did not finish within T s",
+// waits a second for the other ranks waiting on the same peer to print
+// theirs, and calls MPI_Abort, which ends every rank. A rank that the launcher
 // terminates because another rank failed prints that it was terminated
 // (SIGTERM) before it exits. docs/distributed.md has the measured behaviour.
 #ifndef FP8MOE_MPI_H_
@@ -61,9 +62,22 @@ class MpiRuntime {
   // it, in the same order.
   Result<std::unique_ptr<Communicator>> World(const CommOptions& options = {});
 
+  // For a rank that is about to exit with an error it has printed: waits at
+  // most `seconds` (> 0) until every rank of the job has called this too,
+  // and returns true when they all did. Where all ranks fail together, none
+  // then exits (and so has the launcher end the others) before every one
+  // has printed. A barrier on a duplicate of MPI_COMM_WORLD of its own, so a
+  // rank may call it while its peers wait in a collective on another
+  // communicator. false: the time ran out, the others are busy elsewhere
+  // (the error is this rank's alone) and the barrier stays pending: end the
+  // job (Communicator::Abort) rather than return to MPI_Finalize.
+  bool BarrierWithin(double seconds);
+
  private:
-  MpiRuntime(int rank, int size) : rank_(rank), size_(size) {}
+  struct ExitBarrier;  // the communicator of BarrierWithin (holds an MPI_Comm)
+  MpiRuntime(int rank, int size, std::unique_ptr<ExitBarrier> exit_barrier);
   int rank_, size_;
+  std::unique_ptr<ExitBarrier> exit_barrier_;
 };
 
 }  // namespace fp8moe
