@@ -1,14 +1,18 @@
-// The fast GMM / dLHS / TGMM against their reference twins on fresh random
-// data, in every mode, with empty groups, NaN-poisoned tail rows and outputs,
-// odd shapes, every thread count and several tilings.
+// The GMM / dLHS / TGMM of every backend (the fast CPU kernels and the
+// reference twins) against the float64 oracle (gmm_oracle_test_util.h,
+// which shares no code with either) on fresh random data, in every mode,
+// with empty groups, NaN-poisoned tail rows and outputs, odd shapes, every
+// thread count and several tilings.
 //
-// Error bound of every f32-accumulating mode: the fast kernel and the
-// reference multiply the same values (the quantization pre-passes are shared
-// and exact), so they differ only by f32 summation: |fast - ref| <=
-// gamma_R * sum_r |a_r b_r| (gamma_R = R u / (1 - R u), u = 2^-24, R the
-// reduction length), times the scales. sum |a b| is computed by running the
-// reference on |A| and |B|. bf16 outputs add half a bf16 ulp; SwiGLU and
-// dSwiGLU propagate the bound through the activation. int8 is exact.
+// Error bound of every f32-accumulating mode: the oracle takes the exact
+// operand values the mode defines (the quantized activation included) and
+// sums their products in double, so a kernel differs from it only by its f32
+// rounding: |got - exact| <= gamma_R * sum_r |a_r b_r| (gamma_R = R u /
+// (1 - R u), u = 2^-24, R the roundings on the way: the reduction length,
+// plus the block scales of native fp8), with sum |a b| from the oracle too.
+// Gamma() adds 4u for the scales' products and the final rounding. bf16
+// outputs add 2^-8 of the result's magnitude; SwiGLU and dSwiGLU propagate
+// the bound through the activation. int8 sums exactly and rounds 3 times.
 #include <omp.h>
 
 #include <array>
@@ -32,6 +36,7 @@
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/line_walk.h"
 #include "kernels/cpu/prefetch_target.h"
+#include "kernels/gmm_oracle_test_util.h"
 #include "kernels/gmm_test_util.h"
 
 namespace fp8moe {
@@ -90,7 +95,23 @@ std::vector<FwdCase> AllFwdCases() {
   return v;
 }
 
-// Runs one forward case on a fresh random problem and checks it.
+// The reduction length r for Gamma(r), the bound of a forward element's f32
+// rounding error against the exact value, per sum |a b| of its products:
+// f32, bf16 and fake QAT round each of the K - 1 additions, and f32 each
+// product too (bf16 products are exact in f32): at most K roundings.
+// Native fp8 adds, per K-block, the block scale's product and the addition
+// of the block sums (at most K + blocks). int8 sums exactly (int32) and
+// rounds three times after (to f32, times each scale), within Gamma(0)'s
+// 4u. Gamma(r) = r u / (1 - r u) + 4u; the 4u covers the channel scale's
+// product and the final rounding of the result.
+int64_t FwdRoundings(const GmmOptions& o, int64_t k) {
+  if (o.mode == GmmMode::kInt8) return 0;
+  if (o.mode == GmmMode::kNativeFp8) return k + NumBlocks(k, o.lhs_quant_block_size);
+  return k;
+}
+
+// Runs one forward case on a fresh random problem on ctx's backend and
+// checks it against the float64 oracle (gmm_oracle_test_util.h).
 void CheckFwd(Context& ctx, TestRng& r, const FwdCase& c, int64_t m, int64_t k, int64_t n, int64_t e,
               const GmmTiles& tiles = {}) {
   SCOPED_TRACE(Name(c) + " M " + std::to_string(m) + " K " + std::to_string(k) + " N " +
@@ -113,51 +134,48 @@ void CheckFwd(Context& ctx, TestRng& r, const FwdCase& c, int64_t m, int64_t k, 
     o.lhs_calibration = o.lhs_calibration.With(ScaleArithmetic::kXlaReciprocal);
   }
   const int64_t oc = c.swiglu ? n / 2 : n;
-  Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
-  Tensor h = Poisoned(DType::kF32, {m, n}), href = Poisoned(DType::kF32, {m, n});
-  const TensorView* scale = w.Scale();
-  TensorView hv = h.view(), hrv = href.view();
-  ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.w.view(), scale, gs.view(), out.view(), c.swiglu ? &hv : nullptr).ok());
-  ASSERT_TRUE(reference::Gmm(o, lhs.view(), w.w.view(), scale, gs.view(), ref.view(),
-                             c.swiglu ? &hrv : nullptr).ok());
-  // sum |a b| per element of h, from the reference on absolute operands.
-  GmmOptions oa = o;
-  oa.epilogue = GmmEpilogue::kNone;
-  Tensor al = Abs(lhs), aw = Abs(w.w);
-  Tensor habs = Poisoned(DType::kF32, {m, n});
-  ASSERT_TRUE(reference::Gmm(oa, al.view(), aw.view(), scale, gs.view(), habs.view()).ok());
-  const bool exact = c.mode == GmmMode::kInt8;
-  Tensor zero_ref = Poisoned(DType::kF32, {m, n});
-  std::vector<double> hb(habs.num_elements());
-  for (size_t i = 0; i < hb.size(); ++i) {
-    hb[i] = (exact ? 4 * std::ldexp(1.0, -24) : Gamma(k)) * ValueAt(habs, i) + 1e-30;
-  }
+  Tensor out = Poisoned(c.out_dtype, {m, oc});
+  Tensor h = Poisoned(DType::kF32, {m, n});
+  TensorView hv = h.view();
+  ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.w.view(), w.Scale(), gs.view(), out.view(),
+                  c.swiglu ? &hv : nullptr).ok());
+  const OracleResult want = OracleGmm(o, lhs, w.w, w.codes ? &w.scale : nullptr, sizes);
+  const double gamma = Gamma(FwdRoundings(o, k));
+  std::vector<double> eh(want.abs_sum.size());
+  for (size_t i = 0; i < eh.size(); ++i) eh[i] = gamma * want.abs_sum[i] + 1e-30;
+  // A bf16 output is the f32 result rounded once more: half a bf16 ulp,
+  // 2^-8 of its magnitude, which is at most |want| + the f32 error.
+  auto bf16_rounding = [&](double want_abs, double e) {
+    return c.out_dtype == DType::kBF16 ? std::ldexp(want_abs + e, -8) : 0.0;
+  };
   if (!c.swiglu) {
-    std::vector<double> b = hb;
-    if (c.out_dtype == DType::kBF16) {
-      for (size_t i = 0; i < b.size(); ++i) b[i] += std::ldexp(std::fabs(ValueAt(ref, i)), -7) + hb[i];
-    }
-    ExpectWithin(out, ref, b, valid, "out");
+    std::vector<double> b = eh;
+    for (size_t i = 0; i < b.size(); ++i) b[i] += bf16_rounding(std::fabs(want.value[i]), eh[i]);
+    ExpectNear(out, want.value, b, valid, "out");
     return;
   }
-  ExpectWithin(h, href, hb, valid, "h");
-  std::vector<double> b(static_cast<size_t>(m * oc));
+  ExpectNear(h, want.value, eh, valid, "h");
+  // SwiGLU of the exact pre-activation: the f32 errors eg, eu of gate and
+  // up propagate through silu(g) u to first order as |silu'(g) u| eg +
+  // |silu(g)| eu, plus eg eu; the kernel's own f32 sigmoid and product add
+  // 1e-5 relative.
+  std::vector<double> want_out(static_cast<size_t>(m * oc), 0.0), b(want_out.size(), 0.0);
   for (int64_t i = 0; i < valid; ++i) {
     for (int64_t j = 0; j < oc; ++j) {
-      const double g = ValueAt(href, i * n + j), u = ValueAt(href, i * n + oc + j);
-      const double eg = hb[i * n + j], eu = hb[i * n + oc + j];
-      const double s = 1 / (1 + std::exp(-g));
-      const double ds = std::fabs(s * (1 + g * (1 - s)));
-      const double v = std::fabs(g * s * u);
-      double bound = ds * std::fabs(u) * eg + std::fabs(g * s) * eu + 1e-5 * v + 1e-30;
-      if (c.out_dtype == DType::kBF16) bound += std::ldexp(v, -7);
-      b[i * oc + j] = bound;
+      const size_t gi = static_cast<size_t>(i * n + j), ui = static_cast<size_t>(i * n + oc + j);
+      const double g = want.value[gi], u = want.value[ui];
+      const double v = OracleSilu(g) * u;
+      double bound = std::fabs(OracleSiluGrad(g) * u) * eh[gi] + std::fabs(OracleSilu(g)) * eh[ui] +
+                     eh[gi] * eh[ui] + 1e-5 * std::fabs(v) + 1e-30;
+      bound += bf16_rounding(std::fabs(v), bound);
+      want_out[static_cast<size_t>(i * oc + j)] = v;
+      b[static_cast<size_t>(i * oc + j)] = bound;
     }
   }
-  ExpectWithin(out, ref, b, valid, "out");
+  ExpectNear(out, want_out, b, valid, "out");
 }
 
-TEST(Gmm, EveryModeMatchesReferenceOnEveryBackend) {
+TEST(Gmm, EveryModeMatchesTheOracleOnEveryBackend) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   for (BackendKind b : AllBackends()) {
@@ -220,44 +238,43 @@ void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k
   const int64_t oc = c.dswiglu ? 2 * k : k;
   Tensor hsave = RandomF32(r, {m, 2 * k}, valid);
   TensorView hv = hsave.view();
-  Tensor out = Poisoned(c.out_dtype, {m, oc}), ref = Poisoned(c.out_dtype, {m, oc});
-  const TensorView* scale = w.Scale();
-  ASSERT_TRUE(GmmDlhs(ctx, o, dout.view(), w.w.view(), scale, gs.view(), out.view(),
+  Tensor out = Poisoned(c.out_dtype, {m, oc});
+  ASSERT_TRUE(GmmDlhs(ctx, o, dout.view(), w.w.view(), w.Scale(), gs.view(), out.view(),
                       c.dswiglu ? &hv : nullptr).ok());
-  ASSERT_TRUE(reference::GmmDlhs(o, dout.view(), w.w.view(), scale, gs.view(), ref.view(),
-                                 c.dswiglu ? &hv : nullptr).ok());
-  GmmOptions oa = o;
-  oa.epilogue = GmmEpilogue::kNone;
-  Tensor ad = Abs(dout), aw = Abs(w.w);
-  Tensor dabs = Poisoned(DType::kF32, {m, k}), da = Poisoned(DType::kF32, {m, k});
-  ASSERT_TRUE(reference::GmmDlhs(oa, ad.view(), aw.view(), scale, gs.view(), dabs.view()).ok());
-  ASSERT_TRUE(reference::GmmDlhs(oa, dout.view(), w.w.view(), scale, gs.view(), da.view()).ok());
-  std::vector<double> b(static_cast<size_t>(m * oc), 0.0);
+  // The product against the float64 oracle: N - 1 additions, and f32 mode's
+  // products, rounded (Gamma(N)); bf16 outputs round once more (2^-8 of
+  // at most |want| + that error).
+  const OracleResult da = OracleDlhs(o, dout, w.w, w.codes ? &w.scale : nullptr, sizes);
+  std::vector<double> want(static_cast<size_t>(m * oc), 0.0), b(want.size(), 0.0);
+  auto bf16_rounding = [&](double want_abs, double e) {
+    return c.out_dtype == DType::kBF16 ? std::ldexp(want_abs + e, -8) : 0.0;
+  };
   for (int64_t i = 0; i < valid; ++i) {
     for (int64_t j = 0; j < k; ++j) {
-      const double eda = Gamma(n) * ValueAt(dabs, i * k + j) + 1e-30;
+      const double a = da.value[static_cast<size_t>(i * k + j)];
+      const double eda = Gamma(n) * da.abs_sum[static_cast<size_t>(i * k + j)] + 1e-30;
       if (!c.dswiglu) {
-        b[i * k + j] = eda + (c.out_dtype == DType::kBF16
-                                  ? std::ldexp(std::fabs(ValueAt(ref, i * k + j)), -7) + eda
-                                  : 0);
+        want[static_cast<size_t>(i * k + j)] = a;
+        b[static_cast<size_t>(i * k + j)] = eda + bf16_rounding(std::fabs(a), eda);
         continue;
       }
+      // dgate = da up silu'(g), dup = da silu(g) with the saved h's gate g
+      // and up u: da's error times each coefficient, plus 1e-5 relative for
+      // the kernel's f32 sigmoid and products.
       const double g = ValueAt(hsave, i * 2 * k + j), u = ValueAt(hsave, i * 2 * k + k + j);
-      const double a = ValueAt(da, i * k + j);
-      const double s = 1 / (1 + std::exp(-g)), ds = s * (1 + g * (1 - s));
       for (int half = 0; half < 2; ++half) {
-        const double coef = half == 0 ? std::fabs(u * ds) : std::fabs(g * s);
-        const double v = std::fabs(a) * coef;
+        const double coef = half == 0 ? u * OracleSiluGrad(g) : OracleSilu(g);
         // silu'(g) = s (1 + g (1 - s)) cancels near g = -1.28, so its f32
         // rounding error scales with the terms, not with the result.
         const double terms = half == 0 ? std::fabs(u) * (1 + std::fabs(g)) : std::fabs(g);
-        double bound = coef * eda + 1e-5 * std::fabs(a) * terms + 1e-30;
-        if (c.out_dtype == DType::kBF16) bound += std::ldexp(v, -7);
-        b[i * oc + half * k + j] = bound;
+        double bound = std::fabs(coef) * eda + 1e-5 * std::fabs(a) * terms + 1e-30;
+        bound += bf16_rounding(std::fabs(a * coef), bound);
+        want[static_cast<size_t>(i * oc + half * k + j)] = a * coef;
+        b[static_cast<size_t>(i * oc + half * k + j)] = bound;
       }
     }
   }
-  ExpectWithin(out, ref, b, valid, "dlhs");
+  ExpectNear(out, want, b, valid, "dlhs");
 }
 
 std::vector<DlhsCase> AllDlhsCases() {
@@ -275,7 +292,7 @@ std::vector<DlhsCase> AllDlhsCases() {
   return v;
 }
 
-TEST(GmmDlhs, EveryModeMatchesReferenceOnEveryBackend) {
+TEST(GmmDlhs, EveryModeMatchesTheOracleOnEveryBackend) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   for (BackendKind b : AllBackends()) {
@@ -328,7 +345,7 @@ TEST(GmmDlhs, NativeFromCodesIsBitIdenticalToFakeQat) {
 // case per panel kind and epilogue against the reference, with odd N,
 // several reduction blocks and K-blocks. (Every mode on every target gives
 // the bits of the chunk order: RowBlockOrderGivesTheBitsOfChunkOrder.)
-TEST(Gmm, TallItemsInRowBlockOrderMatchReference) {
+TEST(Gmm, TallItemsInRowBlockOrderMatchTheOracle) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   Context ctx;
@@ -547,22 +564,23 @@ void CheckTgmm(Context& ctx, TestRng& r, const TgmmCase& c, int64_t m, int64_t k
   q.dout_dtype = c.quant;
   q.per_group = c.per_group;
   if (c.xla_reciprocal) q.calibration = q.calibration.With(ScaleArithmetic::kXlaReciprocal);
-  Tensor got = Poisoned(DType::kF32, {e, k, n}), want = Poisoned(DType::kF32, {e, k, n});
+  Tensor got = Poisoned(DType::kF32, {e, k, n});
   ASSERT_TRUE(Tgmm(ctx, o, q, lhs.view(), dout.view(), gs.view(), got.view()).ok());
-  ASSERT_TRUE(reference::Tgmm(o, q, lhs.view(), dout.view(), gs.view(), want.view()).ok());
-  Tensor al = Abs(lhs), ad = Abs(dout);
-  Tensor babs = Poisoned(DType::kF32, {e, k, n});
-  ASSERT_TRUE(reference::Tgmm(o, q, al.view(), ad.view(), gs.view(), babs.view()).ok());
+  // Against the float64 oracle: a group of R rows sums R products, each
+  // rounded in f32 mode (Gamma(R)); a quantized dout's scale may be applied
+  // to each product or to the sum (2 more roundings).
+  const OracleResult want = OracleTgmm(o, q, lhs, dout, sizes);
   for (size_t i = 0; i < got.num_elements(); ++i) {
     const int64_t g = static_cast<int64_t>(i) / (k * n);
-    const float gv = got.data_as<float>()[i], wv = want.data_as<float>()[i];
+    const float gv = got.data_as<float>()[i];
     ASSERT_FALSE(std::isnan(gv)) << "NaN at " << i;
     if (sizes[static_cast<size_t>(g)] == 0) {
       ASSERT_EQ(std::bit_cast<uint32_t>(gv), 0u) << "empty group " << g << " not zero";
       continue;
     }
-    const double bound = Gamma(sizes[static_cast<size_t>(g)]) * babs.data_as<float>()[i] * 1.0001 + 1e-30;
-    ASSERT_LE(std::fabs(static_cast<double>(gv) - wv), bound) << "element " << i;
+    const double bound = Gamma(sizes[static_cast<size_t>(g)] + 2) * want.abs_sum[i] + 1e-30;
+    ASSERT_LE(std::fabs(static_cast<double>(gv) - want.value[i]), bound)
+        << "element " << i << " got " << gv << " want " << want.value[i];
   }
 }
 
@@ -580,7 +598,7 @@ std::vector<TgmmCase> AllTgmmCases() {
   };
 }
 
-TEST(Tgmm, EveryModeMatchesReferenceOnEveryBackend) {
+TEST(Tgmm, EveryModeMatchesTheOracleOnEveryBackend) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   for (BackendKind b : AllBackends()) {
@@ -604,7 +622,7 @@ TEST(Tgmm, EveryModeMatchesReferenceOnEveryBackend) {
 // Groups of at most 12 rows with whole 32-column panels take the kernels that
 // read the weight without packing it (bf16-pair CPUs); odd K, several
 // reduction blocks, K-blocks and SwiGLU's two column runs included.
-TEST(Gmm, SmallGroupsMatchReference) {
+TEST(Gmm, SmallGroupsMatchTheOracle) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   Context ctx;
@@ -813,7 +831,7 @@ TEST(Gmm, DirectKernelsDecodeEveryFp8CodeAsThePackedPathDoes) {
 
 // The kernels of every SIMD target this CPU runs (AVX-512 with or without
 // bf16 dot products, AVX2, SSE4, scalar) against the reference.
-TEST(Gmm, EveryTargetMatchesReference) {
+TEST(Gmm, EveryTargetMatchesTheOracle) {
   FP8MOE_RANDOM_SEED(seed);
   TestRng r(seed);
   Context ctx;

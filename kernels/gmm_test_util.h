@@ -157,22 +157,33 @@ inline DType WeightDTypeOf(GmmMode mode) {
                                   : DType::kE4M3FN;
 }
 
-// Expects |got - want| <= bound element-wise over valid rows; tail rows 0.
-inline void ExpectWithin(const Tensor& got, const Tensor& want, const std::vector<double>& bound,
-                  int64_t valid_rows, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape());
+// Expects |got - want| <= bound element-wise over valid rows (want in
+// double, e.g. the float64 oracle's); tail rows 0.
+inline void ExpectNear(const Tensor& got, const std::vector<double>& want,
+                       const std::vector<double>& bound, int64_t valid_rows,
+                       const std::string& what) {
+  ASSERT_EQ(got.num_elements(), want.size());
   const int64_t cols = got.shape().back();
   const size_t valid = static_cast<size_t>(valid_rows * cols);
   for (size_t i = 0; i < got.num_elements(); ++i) {
-    const float g = ValueAt(got, i), w = ValueAt(want, i);
+    const float g = ValueAt(got, i);
     if (i >= valid && got.rank() == 2) {
       ASSERT_EQ(std::bit_cast<uint32_t>(g), 0u) << what << ": tail element " << i;
       continue;
     }
     ASSERT_FALSE(std::isnan(g)) << what << ": NaN at " << i;
-    ASSERT_LE(std::fabs(static_cast<double>(g) - w), bound[i])
-        << what << ": element " << i << " got " << g << " want " << w;
+    ASSERT_LE(std::fabs(static_cast<double>(g) - want[i]), bound[i])
+        << what << ": element " << i << " got " << g << " want " << want[i];
   }
+}
+
+// The same against another tensor's values.
+inline void ExpectWithin(const Tensor& got, const Tensor& want, const std::vector<double>& bound,
+                  int64_t valid_rows, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape());
+  std::vector<double> w(want.num_elements());
+  for (size_t i = 0; i < w.size(); ++i) w[i] = ValueAt(want, i);
+  ExpectNear(got, w, bound, valid_rows, what);
 }
 
 inline double Gamma(int64_t r) {
@@ -184,8 +195,9 @@ inline double Gamma(int64_t r) {
 //
 // Like ggml's test-backend-ops: every op x mode x epilogue x shape case below
 // runs on every backend a Context can name (the fast CPU kernels and the
-// plain-loop reference twins), each compared with the double reference
-// (reference::Gmm etc.) at the stated bounds.
+// plain-loop reference twins), each compared with the float64 oracle
+// (gmm_oracle_test_util.h), which shares no code with either, at the stated
+// bounds.
 
 inline const std::vector<BackendKind>& AllBackends() {
   static const std::vector<BackendKind> kinds = {BackendKind::kCpu, BackendKind::kReference};
