@@ -5,6 +5,7 @@
 // Correctness over every backend is gmm_test.cc's harness.
 #include <atomic>
 #include <bit>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -171,8 +172,44 @@ Status RunCase(Context& ctx, const PathCase& c, std::mt19937& rng) {
   return GmmDlhs(ctx, o, dout.t.view(), w.t.view(), w.scale_view(), gs.view(), out.view());
 }
 
+// No kernel path this CPU can run goes untested: every AVX-512 extension the
+// kernels use (AVX512-BF16 dot products, VNNI, VBMI) that the CPU has is in
+// use on some target test::SimdTargets() gives, and so in every test that
+// runs over them; so is every Highway target (AVX3, AVX2) the CPU supports,
+// which the build must therefore have compiled. A CPU without a feature
+// skips only the tests of that feature, with GTEST_SKIP and the reason, and
+// those run as ctest tests of their own (kernels/CMakeLists.txt), so that
+// the skip shows in ctest's summary.
+TEST(KernelPath, EveryFeatureOfThisCpuIsOnATestedTarget) {
+  const int64_t cpu = hwy::SupportedTargets();  // before any test forces one
+  Features any;
+  bool avx2 = false;
+  for (const test::SimdTarget& target : test::SimdTargets()) {
+    test::UseSimdTarget(target);
+    const Features f = FeaturesOf(target);
+    any.avx3 |= f.avx3;
+    any.bf16 |= f.bf16;
+    any.vnni |= f.vnni;
+    any.vbmi |= f.vbmi;
+    avx2 |= target.hwy == HWY_AVX2;
+  }
+  test::UseDefaultSimd();
+  const bool has_avx3 = (cpu & HWY_AVX3) != 0;
+  EXPECT_EQ(any.avx3, has_avx3) << "the CPU has AVX3 (AVX-512), the tested targets do not";
+  EXPECT_EQ(avx2, (cpu & HWY_AVX2) != 0) << "the CPU has AVX2, the tested targets do not";
+  EXPECT_EQ(any.bf16, has_avx3 && CpuHasAvx512Bf16Dot())
+      << "AVX512-BF16 dot products: the CPU and the tested targets disagree";
+  EXPECT_EQ(any.vnni, has_avx3 && __builtin_cpu_supports("avx512vnni"))
+      << "AVX512-VNNI: the CPU and the tested targets disagree";
+  EXPECT_EQ(any.vbmi, has_avx3 && __builtin_cpu_supports("avx512vbmi"))
+      << "AVX512-VBMI: the CPU and the tested targets disagree";
+  std::printf("this CPU's kernel features, each tested: AVX2 %d, AVX3 %d, bf16 dot %d, "
+              "VNNI %d, VBMI %d\n", avx2, any.avx3, any.bf16, any.vnni, any.vbmi);
+}
+
 // Without the byte tables (AVX512-BF16 CPUs without VBMI), native fp8
-// decode items take the u16 decode of the pair kernels.
+// decode items take the u16 decode of the pair kernels. On a CPU without
+// AVX512-BF16 it skips (GTEST_SKIP), as its own ctest test.
 TEST(KernelPath, Fp8DecodeWithoutByteTablesTakesTheU16Decode) {
   FP8MOE_RANDOM_SEED(seed);
   std::mt19937 rng(static_cast<uint32_t>(seed));
@@ -194,7 +231,11 @@ TEST(KernelPath, Fp8DecodeWithoutByteTablesTakesTheU16Decode) {
     ran = true;
   }
   test::UseDefaultSimd();
-  if (!ran) GTEST_SKIP() << "this CPU has no AVX512-BF16 dot products in use";
+  if (!ran) {
+    ASSERT_FALSE(CpuHasAvx512Bf16Dot()) << "the CPU has AVX512-BF16 but no target used it";
+    GTEST_SKIP() << "this CPU has no AVX512-BF16 (vdpbf16ps): the u16 decode of the pair "
+                    "kernels is for CPUs that have it";
+  }
 }
 
 // On every target this CPU runs, each representative case takes exactly the
