@@ -13,10 +13,24 @@ set(_flags ${MPIEXEC_PREFLAGS})
 if(_mpiexec_version MATCHES "Open MPI|OpenRTE")
   list(APPEND _flags --oversubscribe)
 endif()
-# Cache (internal) so fp8moe_add_mpi_test sees them from any directory.
+# The *_tcp variants: Open MPI without its shared-memory transport (vader),
+# the ranks talking over TCP on the loopback device as ranks on different
+# hosts talk over the network (ob1 is the point-to-point layer that uses
+# these transports), so that nothing assumes every rank sits on one host.
+# Not added with another MPI.
+set(_tcp_flags)
+if(_mpiexec_version MATCHES "Open MPI|OpenRTE")
+  set(_tcp_flags --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo)
+endif()
+# Cache (internal) so fp8moe_add_mpi_test and train/ see them from any directory.
 set(FP8MOE_MPIEXEC_FLAGS "${_flags}" CACHE INTERNAL "mpiexec flags of the MPI tests")
+set(FP8MOE_MPI_TCP_FLAGS "${_tcp_flags}" CACHE INTERNAL "mpiexec flags: TCP, no shared memory")
 set(FP8MOE_MPI_TEST_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
     CACHE INTERNAL "environment of the MPI tests")
+# The *_loaded variants run under this: a busy loop on every core, as on a
+# machine whose cores other work keeps busy (under_load.sh).
+set(FP8MOE_UNDER_LOAD bash ${CMAKE_CURRENT_SOURCE_DIR}/under_load.sh
+    CACHE INTERNAL "runs a command with every core busy")
 
 # fp8moe_add_mpi_test(NAME RANKS COMMAND...): COMMAND runs on RANKS ranks.
 function(fp8moe_add_mpi_test name ranks)
@@ -45,3 +59,21 @@ foreach(mode abort exit hang)
   set_tests_properties(dist_fault_${mode} PROPERTIES ENVIRONMENT "${FP8MOE_MPI_TEST_ENV}"
                        TIMEOUT 120 PROCESSORS 2)
 endforeach()
+# The ranks that wait on a hung one all report the watchdog's timeout, also
+# when every core is busy (the first to end the job used to cut the others
+# off).
+add_test(NAME dist_fault_hang_loaded
+         COMMAND ${FP8MOE_UNDER_LOAD} bash ${CMAKE_CURRENT_SOURCE_DIR}/fault_test.sh hang
+                 $<TARGET_FILE:dist_fault_test> ${MPIEXEC_EXECUTABLE} ${FP8MOE_MPIEXEC_FLAGS})
+set_tests_properties(dist_fault_hang_loaded PROPERTIES ENVIRONMENT "${FP8MOE_MPI_TEST_ENV}"
+                     TIMEOUT 120 PROCESSORS 2)
+# Without shared memory: the collectives, and a rank that dies.
+if(FP8MOE_MPI_TCP_FLAGS)
+  fp8moe_add_mpi_test(dist_mpi_np2_tcp 2 ${FP8MOE_MPI_TCP_FLAGS} $<TARGET_FILE:dist_mpi_test>)
+  add_test(NAME dist_fault_abort_tcp
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/fault_test.sh abort
+                   $<TARGET_FILE:dist_fault_test> ${MPIEXEC_EXECUTABLE} ${FP8MOE_MPIEXEC_FLAGS}
+                   ${FP8MOE_MPI_TCP_FLAGS})
+  set_tests_properties(dist_fault_abort_tcp PROPERTIES ENVIRONMENT "${FP8MOE_MPI_TEST_ENV}"
+                       TIMEOUT 120 PROCESSORS 2)
+endif()
