@@ -35,8 +35,10 @@ if not _TARGETS:
     raise ImportError(
         "fp8moe was built without its XLA FFI handlers: jax was not importable by the "
         "Python that built it, so jax.ffi.include_dir() (the XLA FFI headers) was "
-        "unknown. Rebuild with jax installed, either\n"
-        "  pip install --no-build-isolation .   (needs scikit-build-core and nanobind)\n"
+        "unknown. Rebuild with jax there, either\n"
+        "  pip install .   (pip's isolated build installs the jax pyproject.toml names)\n"
+        "or, with jax, scikit-build-core and nanobind installed,\n"
+        "  pip install --no-build-isolation .\n"
         "or\n"
         "  pip install . -Ccmake.define.FP8MOE_XLA_FFI_INCLUDE_DIR="
         "$(python -c 'import jax.ffi; print(jax.ffi.include_dir())')")
