@@ -75,6 +75,13 @@ inline double OracleValueAt(const Tensor& t, size_t i) {
   }
 }
 
+// Every element of t as OracleValueAt, decoded once.
+inline std::vector<double> OracleValues(const Tensor& t) {
+  std::vector<double> v(t.num_elements());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = OracleValueAt(t, i);
+  return v;
+}
+
 inline double OracleSilu(double g) { return g / (1.0 + std::exp(-g)); }
 // d silu / dg = s (1 + g (1 - s)), s = sigmoid(g).
 inline double OracleSiluGrad(double g) {
@@ -196,12 +203,13 @@ inline OracleResult OracleDlhs(const GmmOptions& o, const Tensor& dout, const Te
   const int64_t m = dout.shape()[0], n = dout.shape()[1], k = rhs.shape()[1];
   const std::vector<int64_t> off = OracleOffsets(sizes);
   const std::vector<double> w = OracleWeightValues(rhs, rhs_scale, o.mode != GmmMode::kF32);
+  const std::vector<double> d = OracleValues(dout);
   OracleResult da(static_cast<size_t>(m * k));
   for (size_t g = 0; g < sizes.size(); ++g) {
     for (int64_t i = off[g]; i < off[g + 1]; ++i) {
       for (int64_t r = 0; r < k; ++r) {
         da.Sum(i * k + r, 0, n, [&](int64_t c) {
-          return OracleValueAt(dout, static_cast<size_t>(i * n + c)) *
+          return d[static_cast<size_t>(i * n + c)] *
                  w[static_cast<size_t>((static_cast<int64_t>(g) * k + r) * n + c)];
         });
       }
@@ -247,12 +255,13 @@ inline OracleResult OracleTgmm(const GmmOptions& o, const TgmmQuant& quant, cons
       b[static_cast<size_t>(i)] = OracleValueAt(dout, static_cast<size_t>(i));
     }
   }
+  const std::vector<double> a = OracleValues(lhs);
   OracleResult d(static_cast<size_t>(e * k * n));
   for (int64_t g = 0; g < e; ++g) {
     for (int64_t r = 0; r < k; ++r) {
       for (int64_t c = 0; c < n; ++c) {
         d.Sum((g * k + r) * n + c, off[g], off[g + 1], [&](int64_t i) {
-          return OracleValueAt(lhs, static_cast<size_t>(i * k + r)) * b[static_cast<size_t>(i * n + c)];
+          return a[static_cast<size_t>(i * k + r)] * b[static_cast<size_t>(i * n + c)];
         });
       }
     }
