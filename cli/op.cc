@@ -85,15 +85,22 @@ uint64_t PlannedBytes(DType dtype, const Shape& shape) {
   return n;
 }
 
-Status PlanMemory(const std::string& op, const std::vector<PlannedTensor>& tensors,
-                  uint64_t scratch_bytes) {
-  uint64_t total = scratch_bytes, largest_bytes = 0;
-  const PlannedTensor* largest = nullptr;
+Status CheckPlannedShapes(const std::string& op, const std::vector<PlannedTensor>& tensors) {
   for (const PlannedTensor& t : tensors) {
     // Shapes are checked as Tensor::Create will check them, but named here.
     if (const auto n = CheckedNumElements(t.shape, DTypeSize(t.dtype)); !n.ok()) {
       return Status(n.status().code(), "op " + op + ": " + t.name + ": " + n.status().message());
     }
+  }
+  return OkStatus();
+}
+
+Status PlanMemory(const std::string& op, const std::vector<PlannedTensor>& tensors,
+                  uint64_t scratch_bytes) {
+  FP8MOE_RETURN_IF_ERROR(CheckPlannedShapes(op, tensors));
+  uint64_t total = scratch_bytes, largest_bytes = 0;
+  const PlannedTensor* largest = nullptr;
+  for (const PlannedTensor& t : tensors) {
     const uint64_t b = PlannedBytes(t.dtype, t.shape);
     total = SatAdd(total, b);
     if (largest == nullptr || b > largest_bytes) {
@@ -203,6 +210,10 @@ Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
   if (!config.ok()) {
     return Status(config.status().code(), "op " + name + ": " + config.status().message());
   }
+  if (op->check_keys) FP8MOE_RETURN_IF_ERROR(op->check_keys(*config));
+  // Every check before any work: the scan of check_finite reads every input
+  // element, so it comes after the op's own checks, which read shapes.
+  FP8MOE_ASSIGN_OR_RETURN(const OpWork work, op->prepare(in, *config));
   if (config->GetBool("check_finite")) {
     // U8 codes whose format a key names (decode's format=) are checked as
     // that format: U8 itself has no NaN.
@@ -220,21 +231,29 @@ Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
       }
     }
   }
-  return op->run(in, *config, out);
+  return work(out);
 }
 
 int RunOp(const std::string& name, const std::string& in_path,
           const std::string& out_path, const std::vector<std::string>& keys) {
-  // An unknown op or a bad key is reported before the input is read.
+  // An unknown op or a bad key (alone or with the op's other keys) is
+  // reported before the input is read.
   const OpDef* op = nullptr;
   for (const OpDef& o : AllOps()) {
     if (o.name == name) op = &o;
   }
   SafetensorsFile in;
   if (op != nullptr) {
-    if (auto c = LoadOpConfig(*op, keys); !c.ok()) {
+    auto c = LoadOpConfig(*op, keys);
+    if (!c.ok()) {
       std::fprintf(stderr, "error: op %s: %s\n", name.c_str(), c.status().message().c_str());
       return 2;
+    }
+    if (op->check_keys) {
+      if (const Status s = op->check_keys(*c); !s.ok()) {
+        std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+        return ExitCodeOf(s);
+      }
     }
     auto read = ReadSafetensors(in_path);
     if (!read.ok()) {

@@ -17,14 +17,26 @@
 
 namespace fp8moe::cli {
 
+// The work of an op whose request has passed every check: computes the
+// outputs and adds them to `out`.
+using OpWork = std::function<Status(SafetensorsFile* out)>;
+
+// An op checks a request completely before it allocates or computes
+// anything (issue 35): first the keys alone, then the tensors against them,
+// and only a request that passed both gets its work.
 struct OpDef {
   std::string name;
   std::string summary;  // one line for `fp8moe op --help`
   ConfigSchema keys;
-  // Reads inputs from `in`, adds outputs to `out`.
-  std::function<Status(const SafetensorsFile& in, const Config& keys,
-                       SafetensorsFile* out)>
-      run;
+  // What the keys say without the tensors (values that do not go together,
+  // a key that does not apply to the mode): `fp8moe op` runs this before it
+  // reads the input file. Null when the schema already says it all.
+  std::function<Status(const Config& keys)> check_keys;
+  // Every check that needs the tensors: names, dtypes, shapes and their
+  // agreement, tensors the keys make unused or missing, and the memory plan
+  // against the cap (PlanMemory). Allocates nothing; returns the work, which
+  // reads `in` and `keys` (both outlive it).
+  std::function<Result<OpWork>(const SafetensorsFile& in, const Config& keys)> prepare;
 };
 
 // Every op, in the order `fp8moe op --help` lists them. Each op's keys end
@@ -39,9 +51,10 @@ int ExitCodeOf(const Status& status);
 
 // Everything `fp8moe op` does between reading --in and writing --out, on
 // tensors in memory: finds op `name` (unknown: NotFound with "did you mean"),
-// loads `keys` ("key=value") against its schema, with check_finite=true
-// refuses non-finite inputs by name, and runs the op, which checks its memory
-// plan against the cap before allocating outputs. The op fuzzer calls this.
+// loads `keys` ("key=value") against its schema, checks the keys and then the
+// tensors and the memory plan (OpDef::check_keys, prepare), with
+// check_finite=true refuses non-finite inputs by name, and only then runs the
+// op's work. The op fuzzer calls this.
 Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
                       const std::vector<std::string>& keys, SafetensorsFile* out);
 
@@ -79,6 +92,10 @@ struct PlannedTensor {
   DType dtype;
   Shape shape;
 };
+// Every planned shape must be valid (no negative dimension, no element or
+// byte count past int64): the error names the op and the tensor. An op whose
+// later checks compute with these shapes runs this first.
+Status CheckPlannedShapes(const std::string& op, const std::vector<PlannedTensor>& tensors);
 // The op's memory plan, checked before anything is allocated: every planned
 // shape must be valid and all of them plus `scratch_bytes` must fit under the
 // memory cap (memory.h). The error (ResourceExhausted, exit 2) names the op,

@@ -17,6 +17,7 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
+#include "kernels/gmm_problem.h"
 
 namespace fp8moe::cli {
 namespace {
@@ -70,14 +71,6 @@ Result<Tensor> ToBf16(const Tensor& x) {
   return y;
 }
 
-// In modes bf16 and fake_qat an F32 operand is rounded to BF16 first.
-Result<Operand> FloatOperand(const Tensor* t, GmmMode mode) {
-  const bool bf16 = mode == GmmMode::kBf16 || mode == GmmMode::kFakeQat;
-  if (!bf16 || t->dtype() != DType::kF32) return Operand(t);
-  FP8MOE_ASSIGN_OR_RETURN(Tensor y, ToBf16(*t));
-  return Operand(std::move(y));
-}
-
 // An output poisoned with NaN, so an element the kernel fails to write shows
 // up in the tests instead of passing as whatever the allocator left there.
 Result<Tensor> PoisonedOutput(DType dtype, Shape shape) {
@@ -123,105 +116,6 @@ Result<GmmTiles> ParseTiles(const std::string& op, const Config& keys) {
   return tiles;
 }
 
-// ---- Memory plans (PlanMemory), from the input shapes before any copy ----
-
-// Dimension i of tensor `name` if it has rank `rank`, else 0 (a wrong shape
-// is reported by validation later; the plan just must not overstate it).
-int64_t DimOf(const SafetensorsFile& in, const char* name, int rank, int i) {
-  const Tensor* t = in.Find(name);
-  return t != nullptr && t->rank() == rank ? t->dim(i) : 0;
-}
-
-uint64_t U(int64_t v) { return v > 0 ? static_cast<uint64_t>(v) : 0; }
-
-// Per-thread packing buffers of the fast kernels for an output of rows x cols
-// and a reduction of `red`, with the tiles as the kernels clamp them.
-uint64_t PackingBytes(const GmmTiles& t, int64_t rows, int64_t cols, int64_t red) {
-  const uint64_t kc = std::min(U(t.k.value_or(256)), U(red)) + 2;
-  const uint64_t width = std::min(U(t.n.value_or(1024)), U(cols)) + 32;
-  const uint64_t m = std::min(U(t.m.value_or(512)), U(rows)) + 16;
-  const uint64_t per_thread =
-      SatAdd(SatAdd(SatMul(112 * 4, kc), SatMul(8 * width, kc)), SatMul(8 * m, width));
-  return SatMul(per_thread, U(omp_get_max_threads()));
-}
-
-// The plan of gmm, dlhs and tgmm: converted operands, outputs, the kernels'
-// pre-pass buffers and packing, or the reference twin's dense copies.
-Status PlanGmmFamily(const std::string& op, const SafetensorsFile& in, const GmmOptions& o,
-                     const Config& keys, bool dout_quant) {
-  const bool reference = keys.GetBool("reference");
-  const DType out_dt = OutDType(keys);
-  const bool bf16_mode = o.mode == GmmMode::kBf16 || o.mode == GmmMode::kFakeQat;
-  const char* rhs_name = in.Find("rhs_codes") != nullptr ? "rhs_codes" : "rhs";
-  std::vector<PlannedTensor> plan;
-  uint64_t scratch = 0;
-  int64_t m = 0, k = 0, n = 0, e = 0;
-  if (op == "tgmm") {
-    m = DimOf(in, "lhs", 2, 0);
-    k = DimOf(in, "lhs", 2, 1);
-    n = DimOf(in, "dout", 2, 1);
-    e = DimOf(in, "group_sizes", 1, 0);
-  } else {
-    e = DimOf(in, rhs_name, 3, 0);
-    k = DimOf(in, rhs_name, 3, 1);
-    n = DimOf(in, rhs_name, 3, 2);
-    m = op == "gmm" ? DimOf(in, "lhs", 2, 0) : DimOf(in, "dout", 2, 0);
-  }
-  const Tensor* lhs = in.Find(op == "dlhs" ? "dout" : "lhs");
-  if (bf16_mode && lhs != nullptr && lhs->dtype() == DType::kF32) {
-    plan.push_back({"the BF16 copy of '" + std::string(op == "dlhs" ? "dout" : "lhs") + "'",
-                    DType::kBF16, lhs->shape()});
-  }
-  const Tensor* dout = in.Find("dout");
-  if (op == "tgmm" && bf16_mode && !dout_quant && dout != nullptr &&
-      dout->dtype() == DType::kF32) {
-    plan.push_back({"the BF16 copy of 'dout'", DType::kBF16, dout->shape()});
-  }
-  const Tensor* rhs = in.Find("rhs");
-  const bool quantize_rhs = o.mode == GmmMode::kFakeQat || o.mode == GmmMode::kNativeFp8 ||
-                            o.mode == GmmMode::kInt8;
-  if (op != "tgmm" && rhs != nullptr && in.Find("rhs_codes") == nullptr) {
-    if (quantize_rhs) {
-      plan.push_back({"the F32 copy of 'rhs'", DType::kF32, rhs->shape()});
-      plan.push_back({"the codes of 'rhs'", DType::kU8, rhs->shape()});
-      plan.push_back({"the scales of 'rhs'", DType::kF32, {e, n}});
-    } else if (bf16_mode && rhs->dtype() == DType::kF32) {
-      plan.push_back({"the BF16 copy of 'rhs'", DType::kBF16, rhs->shape()});
-    }
-  }
-  if (op == "gmm") {
-    const bool swiglu = o.epilogue == GmmEpilogue::kSwiGlu;
-    plan.push_back({"output 'out'", out_dt, {m, swiglu ? n / 2 : n}});
-    if (swiglu) plan.push_back({"output 'h'", out_dt, {m, n}});
-  } else if (op == "dlhs") {
-    const int64_t k2 = k > std::numeric_limits<int64_t>::max() / 2
-                           ? std::numeric_limits<int64_t>::max()
-                           : 2 * k;
-    plan.push_back({"output 'dlhs'", out_dt, {m, o.epilogue == GmmEpilogue::kDSwiGlu ? k2 : k}});
-  } else {
-    plan.push_back({"output 'drhs'", DType::kF32, {e, k, n}});
-    if (out_dt == DType::kBF16) plan.push_back({"the BF16 'drhs'", DType::kBF16, {e, k, n}});
-  }
-  // Working memory, saturating: a few full-size copies at most.
-  const uint64_t mk = SatMul(U(m), U(k)), mn = SatMul(U(m), U(n));
-  const uint64_t ekn = SatMul(U(e), SatMul(U(k), U(n)));
-  if (reference) {
-    // The twins hold dense f32 copies of their operands and results.
-    scratch = SatAdd(scratch, SatMul(8, SatAdd(SatAdd(mk, mn), ekn)));
-  } else {
-    if (o.mode == GmmMode::kFakeQat) scratch = SatAdd(scratch, SatMul(2, ekn));
-    if (o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8) {
-      scratch = SatAdd(scratch, SatMul(5, mk));
-    }
-    if (dout_quant) scratch = SatAdd(scratch, SatAdd(SatMul(5, mn), SatMul(24, SatAdd(U(m), U(e)))));
-    const int64_t out_rows = op == "tgmm" ? k : m;
-    const int64_t out_cols = op == "dlhs" ? k : n;
-    const int64_t red = op == "gmm" ? k : op == "dlhs" ? n : m;
-    scratch = SatAdd(scratch, PackingBytes(o.tiles, out_rows, out_cols, red));
-  }
-  return PlanMemory(op, plan, scratch);
-}
-
 // mode, tiles and (where the op has them) fp8_dtype and epilogue.
 Result<GmmOptions> ParseOptions(const std::string& op, const Config& keys,
                                 bool has_fp8_dtype, bool has_epilogue) {
@@ -248,17 +142,103 @@ Result<GmmOptions> ParseOptions(const std::string& op, const Config& keys,
   return o;
 }
 
-// The weight as the library takes it: `rhs` values, or `rhs_codes` +
-// `rhs_scale`. A float `rhs` is converted for the mode: rounded to BF16
-// (bf16), or quantized per output channel with absmax to fp8_dtype
-// (fake_qat, native_fp8) or int8 (int8).
-struct Rhs {
-  Operand w;
-  std::optional<Operand> scale;
+// The keys of each op as options, checked without the tensors
+// (OpDef::check_keys).
+Result<GmmOptions> GmmKeys(const Config& keys) {
+  FP8MOE_ASSIGN_OR_RETURN(GmmOptions o, ParseOptions("gmm", keys, true, true));
+  o.lhs_quant_block_size = keys.GetInt("lhs_quant_block_size");
+  FP8MOE_ASSIGN_OR_RETURN(
+      o.lhs_calibration,
+      ParseCalibrationKeys("gmm", keys, "lhs_calibration",
+                           o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8,
+                           "to mode native_fp8 or int8 (they quantize lhs)"));
+  return o;
+}
+
+Result<TgmmQuant> TgmmKeys(const Config& keys) {
+  FP8MOE_RETURN_IF_ERROR(ParseOptions("tgmm", keys, false, false).status());
+  TgmmQuant quant;
+  const std::string& dq = keys.GetString("dout_quant");
+  if (dq != "none") {
+    quant.dout_dtype = dq == "e5m2" ? QuantDType::kE5M2 : QuantDType::kE4M3FN;
+    quant.per_group = keys.GetString("dout_quant_granularity") == "group";
+  } else if (keys.IsSet("dout_quant_granularity")) {
+    return InvalidArgument("op tgmm: dout_quant_granularity applies only when "
+                           "dout is quantized; set dout_quant=e5m2|e4m3 or drop it");
+  }
+  FP8MOE_ASSIGN_OR_RETURN(quant.calibration,
+                          ParseCalibrationKeys("tgmm", keys, "dout_calibration", dq != "none",
+                                               "when dout is quantized (dout_quant=e5m2|e4m3)"));
+  return quant;
+}
+
+// ---- Requests: every tensor checked and every conversion decided before
+// ---- anything is copied or allocated
+
+// An input tensor and the conversion the op applies to it for the mode
+// (docs/ops.md, "Convenience conversions").
+enum class Conversion {
+  kNone,
+  kToBf16,            // an F32 operand of modes bf16 and fake_qat
+  kQuantizeChannels,  // a float rhs of modes fake_qat, native_fp8, int8
 };
 
-Result<Rhs> GetRhs(const std::string& op, const SafetensorsFile& in,
-                   const GmmOptions& o, const Config& keys) {
+struct Input {
+  const Tensor* tensor = nullptr;
+  Conversion conversion = Conversion::kNone;
+  DType dtype = DType::kF32;  // as the library gets it, after the conversion
+
+  // The operand as the library will get it, for the library's checks only:
+  // data points at the input's bytes (non-null when there are elements, as
+  // the checks require) and is never read through.
+  TensorView CheckView() const {
+    return TensorView{const_cast<void*>(tensor->data()), dtype, tensor->shape()};
+  }
+};
+
+// A view with a dtype and shape only, for the library's checks of an output
+// or a converted operand that does not exist yet: they refuse a view with
+// elements and no data, and never read or write through it.
+TensorView ShapeOnly(DType dtype, Shape shape) {
+  static char placeholder;
+  return TensorView{&placeholder, dtype, std::move(shape)};
+}
+
+// In modes bf16 and fake_qat an F32 operand is rounded to BF16 first.
+Input FloatInput(const Tensor* t, GmmMode mode) {
+  const bool bf16 = mode == GmmMode::kBf16 || mode == GmmMode::kFakeQat;
+  if (bf16 && t->dtype() == DType::kF32) return {t, Conversion::kToBf16, DType::kBF16};
+  return {t, Conversion::kNone, t->dtype()};
+}
+
+Result<Operand> Convert(const Input& in) {
+  if (in.conversion == Conversion::kNone) return Operand(in.tensor);
+  FP8MOE_ASSIGN_OR_RETURN(Tensor y, ToBf16(*in.tensor));
+  return Operand(std::move(y));
+}
+
+// One call of gmm, dlhs or tgmm, checked: the operands, the conversions, the
+// keys as options and the shapes the library's checks found.
+struct GmmRequest {
+  std::string op;
+  GmmOptions o;
+  TgmmQuant quant;  // tgmm
+  bool reference = false;
+  DType out_dtype = DType::kF32;
+  Input lhs;   // gmm and tgmm: lhs; dlhs: dout
+  Input rhs;   // gmm and dlhs: values or codes
+  const Tensor* rhs_scale = nullptr;  // the scales of given codes
+  Input dout;  // tgmm
+  const Tensor* group_sizes = nullptr;
+  const Tensor* h = nullptr;  // dlhs
+  internal::GmmProblem problem;
+};
+
+// The weight: `rhs` values, or `rhs_codes` + `rhs_scale`. A float `rhs` is
+// converted for the mode: rounded to BF16 (bf16), or quantized per output
+// channel with absmax to fp8_dtype (fake_qat, native_fp8) or int8 (int8).
+Status ResolveRhs(const SafetensorsFile& in, const Config& keys, GmmRequest* r) {
+  const std::string& op = r->op;
   const Tensor* values = in.Find("rhs");
   const Tensor* codes = in.Find("rhs_codes");
   if (values != nullptr && codes != nullptr) {
@@ -266,24 +246,21 @@ Result<Rhs> GetRhs(const std::string& op, const SafetensorsFile& in,
                            "'rhs_codes'; give either rhs values or rhs_codes "
                            "+ rhs_scale");
   }
-  Rhs rhs;
   if (codes != nullptr) {
     FP8MOE_ASSIGN_OR_RETURN(
         codes, GetInput(op, in, "rhs_codes",
                         {DType::kE4M3FN, DType::kE4M3FNUZ, DType::kE5M2,
                          DType::kE5M2FNUZ, DType::kI8}));
-    FP8MOE_ASSIGN_OR_RETURN(const Tensor* scale,
-                            GetInput(op, in, "rhs_scale", {DType::kF32}));
-    if (o.mode == GmmMode::kFakeQat && keys.IsSet("fp8_dtype") &&
-        codes->dtype() != QuantStorageDType(o.fp8_dtype)) {
+    FP8MOE_ASSIGN_OR_RETURN(r->rhs_scale, GetInput(op, in, "rhs_scale", {DType::kF32}));
+    if (r->o.mode == GmmMode::kFakeQat && keys.IsSet("fp8_dtype") &&
+        codes->dtype() != QuantStorageDType(r->o.fp8_dtype)) {
       return InvalidArgument("op " + op + ": fp8_dtype=" +
                              keys.GetString("fp8_dtype") + " but 'rhs_codes' is " +
                              std::string(DTypeName(codes->dtype())) +
                              "; drop the key or make them agree");
     }
-    rhs.w = Operand(codes);
-    rhs.scale = Operand(scale);
-    return rhs;
+    r->rhs = {codes, Conversion::kNone, codes->dtype()};
+    return OkStatus();
   }
   if (in.Find("rhs_scale") != nullptr) {
     return InvalidArgument("op " + op + ": 'rhs_scale' was given without "
@@ -297,24 +274,41 @@ Result<Rhs> GetRhs(const std::string& op, const SafetensorsFile& in,
                     (have.empty() ? "no tensors" : have));
   }
   FP8MOE_ASSIGN_OR_RETURN(values, GetInput(op, in, "rhs", {DType::kF32, DType::kBF16}));
-  const bool quantize = o.mode == GmmMode::kFakeQat ||
-                        o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8;
-  if (!quantize) {
-    FP8MOE_ASSIGN_OR_RETURN(rhs.w, FloatOperand(values, o.mode));
-    return rhs;
+  const GmmMode mode = r->o.mode;
+  if (mode != GmmMode::kFakeQat && mode != GmmMode::kNativeFp8 && mode != GmmMode::kInt8) {
+    r->rhs = FloatInput(values, mode);
+    return OkStatus();
   }
   FP8MOE_RETURN_IF_ERROR(NeedRank(op, "rhs", *values, 3, "[E, K, N]"));
-  const int64_t e = values->dim(0), k = values->dim(1), n = values->dim(2);
-  // BF16 values widen exactly to f32 before quantizing.
-  std::vector<float> w(values->num_elements());
-  if (values->dtype() == DType::kBF16) {
-    Bf16ToF32Span(values->data_as<uint16_t>(), w.data(), w.size());
-  } else if (!w.empty()) {
-    std::memcpy(w.data(), values->data(), w.size() * sizeof(float));
+  const QuantDType qdt = mode == GmmMode::kInt8 ? QuantDType::kInt8 : r->o.fp8_dtype;
+  r->rhs = {values, Conversion::kQuantizeChannels, QuantStorageDType(qdt)};
+  return OkStatus();
+}
+
+// The rhs operand (and its scale) of a checked request, converted.
+struct Rhs {
+  Operand w;
+  std::optional<Operand> scale;
+};
+
+Result<Rhs> ConvertRhs(const GmmRequest& r) {
+  Rhs rhs;
+  if (r.rhs.conversion != Conversion::kQuantizeChannels) {
+    FP8MOE_ASSIGN_OR_RETURN(rhs.w, Convert(r.rhs));
+    if (r.rhs_scale != nullptr) rhs.scale = Operand(r.rhs_scale);
+    return rhs;
   }
-  const QuantDType qdt = o.mode == GmmMode::kInt8 ? QuantDType::kInt8 : o.fp8_dtype;
-  FP8MOE_ASSIGN_OR_RETURN(Tensor q,
-                          Tensor::Create(QuantStorageDType(qdt), values->shape()));
+  const Tensor& values = *r.rhs.tensor;
+  const int64_t e = values.dim(0), k = values.dim(1), n = values.dim(2);
+  // BF16 values widen exactly to f32 before quantizing.
+  std::vector<float> w(values.num_elements());
+  if (values.dtype() == DType::kBF16) {
+    Bf16ToF32Span(values.data_as<uint16_t>(), w.data(), w.size());
+  } else if (!w.empty()) {
+    std::memcpy(w.data(), values.data(), w.size() * sizeof(float));
+  }
+  const QuantDType qdt = r.o.mode == GmmMode::kInt8 ? QuantDType::kInt8 : r.o.fp8_dtype;
+  FP8MOE_ASSIGN_OR_RETURN(Tensor q, Tensor::Create(QuantStorageDType(qdt), values.shape()));
   FP8MOE_ASSIGN_OR_RETURN(Tensor s, Tensor::Create(DType::kF32, {e, n}));
   FP8MOE_RETURN_IF_ERROR(QuantizeChannels(w.data(), e, k, n, qdt, Calibration::AbsMax(),
                                           q.data_as<uint8_t>(), s.data_as<float>()));
@@ -323,134 +317,270 @@ Result<Rhs> GetRhs(const std::string& op, const SafetensorsFile& in,
   return rhs;
 }
 
-Status RunGmm(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
-  const std::string op = "gmm";
-  FP8MOE_ASSIGN_OR_RETURN(GmmOptions o, ParseOptions(op, keys, true, true));
-  o.lhs_quant_block_size = keys.GetInt("lhs_quant_block_size");
-  FP8MOE_ASSIGN_OR_RETURN(
-      o.lhs_calibration,
-      ParseCalibrationKeys(op, keys, "lhs_calibration",
-                           o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8,
-                           "to mode native_fp8 or int8 (they quantize lhs)"));
-  const bool reference = keys.GetBool("reference");
-  FP8MOE_RETURN_IF_ERROR(PlanGmmFamily(op, in, o, keys, false));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* lhs_in,
-                          GetInput(op, in, "lhs", {DType::kF32, DType::kBF16}));
-  FP8MOE_RETURN_IF_ERROR(NeedRank(op, "lhs", *lhs_in, 2, "[M, K]"));
+// The scale view of the checks: given, made by the quantization, or none.
+std::optional<TensorView> CheckScaleView(const GmmRequest& r) {
+  if (r.rhs_scale != nullptr) return r.rhs_scale->view();
+  if (r.rhs.conversion == Conversion::kQuantizeChannels) {
+    const Tensor& v = *r.rhs.tensor;
+    return ShapeOnly(DType::kF32, {v.dim(0), v.dim(2)});
+  }
+  return std::nullopt;
+}
+
+// ---- Memory plans (PlanMemory), from the checked request ----
+
+uint64_t U(int64_t v) { return v > 0 ? static_cast<uint64_t>(v) : 0; }
+
+// 2 * v, saturating: the dswiglu output's width, planned before anything
+// computes with it.
+int64_t Twice(int64_t v) {
+  return v > std::numeric_limits<int64_t>::max() / 2 ? std::numeric_limits<int64_t>::max()
+                                                     : 2 * v;
+}
+
+// Per-thread packing buffers of the fast kernels for an output of rows x cols
+// and a reduction of `red`, with the tiles as the kernels clamp them.
+uint64_t PackingBytes(const GmmTiles& t, int64_t rows, int64_t cols, int64_t red) {
+  const uint64_t kc = std::min(U(t.k.value_or(256)), U(red)) + 2;
+  const uint64_t width = std::min(U(t.n.value_or(1024)), U(cols)) + 32;
+  const uint64_t m = std::min(U(t.m.value_or(512)), U(rows)) + 16;
+  const uint64_t per_thread =
+      SatAdd(SatAdd(SatMul(112 * 4, kc), SatMul(8 * width, kc)), SatMul(8 * m, width));
+  return SatMul(per_thread, U(omp_get_max_threads()));
+}
+
+// The outputs of a request, from its operands' shapes (ranks checked).
+std::vector<PlannedTensor> PlannedOutputs(const GmmRequest& r) {
+  const Tensor& lhs = *r.lhs.tensor;
+  if (r.op == "gmm") {
+    const int64_t m = lhs.dim(0), n = r.rhs.tensor->dim(2);
+    if (r.o.epilogue != GmmEpilogue::kSwiGlu) return {{"output 'out'", r.out_dtype, {m, n}}};
+    return {{"output 'out'", r.out_dtype, {m, n / 2}}, {"output 'h'", r.out_dtype, {m, n}}};
+  }
+  if (r.op == "dlhs") {
+    const int64_t m = lhs.dim(0), k = r.rhs.tensor->dim(1);
+    return {{"output 'dlhs'", r.out_dtype,
+             {m, r.o.epilogue == GmmEpilogue::kDSwiGlu ? Twice(k) : k}}};
+  }
+  const Shape drhs = {r.group_sizes->dim(0), lhs.dim(1), r.dout.tensor->dim(1)};
+  std::vector<PlannedTensor> out = {{"output 'drhs'", DType::kF32, drhs}};
+  if (r.out_dtype == DType::kBF16) out.push_back({"the BF16 'drhs'", DType::kBF16, drhs});
+  return out;
+}
+
+// The plan of gmm, dlhs and tgmm: converted operands, outputs, the kernels'
+// pre-pass buffers and packing, or the reference twin's dense copies.
+Status PlanGmmFamily(const GmmRequest& r) {
+  const std::string& op = r.op;
+  const GmmOptions& o = r.o;
+  const internal::GmmProblem& p = r.problem;
+  std::vector<PlannedTensor> plan;
+  auto copy = [&](const Input& in, const std::string& name) {
+    if (in.conversion == Conversion::kToBf16) {
+      plan.push_back({"the BF16 copy of '" + name + "'", DType::kBF16, in.tensor->shape()});
+    } else if (in.conversion == Conversion::kQuantizeChannels) {
+      plan.push_back({"the F32 copy of '" + name + "'", DType::kF32, in.tensor->shape()});
+      plan.push_back({"the codes of '" + name + "'", DType::kU8, in.tensor->shape()});
+      plan.push_back({"the scales of '" + name + "'", DType::kF32, {p.e, p.n}});
+    }
+  };
+  copy(r.lhs, op == "dlhs" ? "dout" : "lhs");
+  if (op == "tgmm") {
+    copy(r.dout, "dout");
+  } else {
+    copy(r.rhs, "rhs");
+  }
+  for (PlannedTensor& t : PlannedOutputs(r)) plan.push_back(std::move(t));
+  // Working memory, saturating: a few full-size copies at most.
+  const int64_t m = p.m, k = p.k, n = p.n;
+  const uint64_t mk = SatMul(U(m), U(k)), mn = SatMul(U(m), U(n));
+  const uint64_t ekn = SatMul(U(p.e), SatMul(U(k), U(n)));
+  uint64_t scratch = 0;
+  if (r.reference) {
+    // The twins hold dense f32 copies of their operands and results.
+    scratch = SatAdd(scratch, SatMul(8, SatAdd(SatAdd(mk, mn), ekn)));
+  } else {
+    if (o.mode == GmmMode::kFakeQat) scratch = SatAdd(scratch, SatMul(2, ekn));
+    if (o.mode == GmmMode::kNativeFp8 || o.mode == GmmMode::kInt8) {
+      scratch = SatAdd(scratch, SatMul(5, mk));
+    }
+    if (r.quant.dout_dtype) {
+      scratch = SatAdd(scratch, SatAdd(SatMul(5, mn), SatMul(24, SatAdd(U(m), U(p.e)))));
+    }
+    const int64_t out_rows = op == "tgmm" ? k : m;
+    const int64_t out_cols = op == "dlhs" ? k : n;
+    const int64_t red = op == "gmm" ? k : op == "dlhs" ? n : m;
+    scratch = SatAdd(scratch, PackingBytes(o.tiles, out_rows, out_cols, red));
+  }
+  return PlanMemory(op, plan, scratch);
+}
+
+// The last checks of a request whose tensors are found and ranked: the
+// planned outputs' shapes, then the library's own checks of the call
+// (kernels/gmm_problem.h, the ones Gmm / GmmDlhs / Tgmm run first, on views
+// of the operands as converted and of the outputs), then the memory plan.
+Status CheckCall(GmmRequest* r) {
+  const std::vector<PlannedTensor> outputs = PlannedOutputs(*r);
+  FP8MOE_RETURN_IF_ERROR(CheckPlannedShapes(r->op, outputs));
+  const TensorView out = ShapeOnly(outputs[0].dtype, outputs[0].shape);
+  const TensorView gs = r->group_sizes->view();
+  Status s;
+  if (r->op == "tgmm") {
+    s = internal::CheckTgmm(r->o, r->quant, r->lhs.CheckView(), r->dout.CheckView(), gs, out,
+                            &r->problem);
+  } else {
+    const std::optional<TensorView> scale = CheckScaleView(*r);
+    const TensorView* scale_ptr = scale ? &*scale : nullptr;
+    if (r->op == "gmm") {
+      const TensorView h = outputs.size() > 1 ? ShapeOnly(outputs[1].dtype, outputs[1].shape)
+                                              : TensorView{};
+      s = internal::CheckGmm(r->o, r->lhs.CheckView(), r->rhs.CheckView(), scale_ptr, gs, out,
+                             outputs.size() > 1 ? &h : nullptr, &r->problem);
+    } else {
+      const TensorView h = r->h != nullptr ? r->h->view() : TensorView{};
+      s = internal::CheckDlhs(r->o, r->lhs.CheckView(), r->rhs.CheckView(), scale_ptr, gs, out,
+                              r->h != nullptr ? &h : nullptr, &r->problem);
+    }
+  }
+  FP8MOE_RETURN_IF_ERROR(Prefixed(r->op, s));
+  return PlanGmmFamily(*r);
+}
+
+// ---- The ops ----
+
+Result<GmmRequest> GmmCheck(const SafetensorsFile& in, const Config& keys) {
+  GmmRequest r;
+  r.op = "gmm";
+  FP8MOE_ASSIGN_OR_RETURN(r.o, GmmKeys(keys));
+  r.reference = keys.GetBool("reference");
+  r.out_dtype = OutDType(keys);
+  FP8MOE_ASSIGN_OR_RETURN(const Tensor* lhs, GetInput(r.op, in, "lhs", {DType::kF32, DType::kBF16}));
+  FP8MOE_RETURN_IF_ERROR(NeedRank(r.op, "lhs", *lhs, 2, "[M, K]"));
   // native_fp8 and int8 quantize lhs themselves, from F32 or BF16.
-  FP8MOE_ASSIGN_OR_RETURN(const Operand lhs, FloatOperand(lhs_in, o.mode));
-  FP8MOE_ASSIGN_OR_RETURN(const Rhs rhs, GetRhs(op, in, o, keys));
-  FP8MOE_RETURN_IF_ERROR(NeedRank(op, "rhs", rhs.w.tensor(), 3, "[E, K, N]"));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* gs,
-                          GetInput(op, in, "group_sizes", {DType::kI32}));
-  const int64_t m = lhs_in->dim(0), n = rhs.w.tensor().dim(2);
-  const bool swiglu = o.epilogue == GmmEpilogue::kSwiGlu;
-  FP8MOE_ASSIGN_OR_RETURN(Tensor result,
-                          PoisonedOutput(OutDType(keys), {m, swiglu ? n / 2 : n}));
+  r.lhs = FloatInput(lhs, r.o.mode);
+  FP8MOE_RETURN_IF_ERROR(ResolveRhs(in, keys, &r));
+  FP8MOE_RETURN_IF_ERROR(NeedRank(r.op, "rhs", *r.rhs.tensor, 3, "[E, K, N]"));
+  FP8MOE_ASSIGN_OR_RETURN(r.group_sizes, GetInput(r.op, in, "group_sizes", {DType::kI32}));
+  FP8MOE_RETURN_IF_ERROR(CheckCall(&r));
+  return r;
+}
+
+Status GmmWork(const GmmRequest& r, SafetensorsFile* out) {
+  FP8MOE_ASSIGN_OR_RETURN(const Operand lhs, Convert(r.lhs));
+  FP8MOE_ASSIGN_OR_RETURN(const Rhs rhs, ConvertRhs(r));
+  const std::vector<PlannedTensor> outputs = PlannedOutputs(r);
+  const bool swiglu = outputs.size() > 1;
+  FP8MOE_ASSIGN_OR_RETURN(Tensor result, PoisonedOutput(r.out_dtype, outputs[0].shape));
   Tensor h;
   if (swiglu) {
-    FP8MOE_ASSIGN_OR_RETURN(h, PoisonedOutput(OutDType(keys), {m, n}));
+    FP8MOE_ASSIGN_OR_RETURN(h, PoisonedOutput(r.out_dtype, outputs[1].shape));
   }
   const TensorView scale_view = rhs.scale ? rhs.scale->view() : TensorView{};
   const TensorView* scale = rhs.scale ? &scale_view : nullptr;
-  const TensorView gs_view = Operand(gs).view(), h_view = h.view();
+  const TensorView gs_view = Operand(r.group_sizes).view(), h_view = h.view();
   const TensorView* h_ptr = swiglu ? &h_view : nullptr;
   const Status s =
-      reference ? reference::Gmm(o, lhs.view(), rhs.w.view(), scale, gs_view,
-                                 result.view(), h_ptr)
-                : Gmm(o, lhs.view(), rhs.w.view(), scale, gs_view, result.view(), h_ptr);
-  FP8MOE_RETURN_IF_ERROR(Prefixed(op, s));
+      r.reference ? reference::Gmm(r.o, lhs.view(), rhs.w.view(), scale, gs_view,
+                                   result.view(), h_ptr)
+                  : Gmm(r.o, lhs.view(), rhs.w.view(), scale, gs_view, result.view(), h_ptr);
+  FP8MOE_RETURN_IF_ERROR(Prefixed(r.op, s));
   FP8MOE_RETURN_IF_ERROR(out->Add("out", std::move(result)));
   if (swiglu) FP8MOE_RETURN_IF_ERROR(out->Add("h", std::move(h)));
   return OkStatus();
 }
 
-Status RunDlhs(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
-  const std::string op = "dlhs";
-  FP8MOE_ASSIGN_OR_RETURN(const GmmOptions o, ParseOptions(op, keys, true, true));
-  const bool reference = keys.GetBool("reference");
-  FP8MOE_RETURN_IF_ERROR(PlanGmmFamily(op, in, o, keys, false));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* dout_in,
-                          GetInput(op, in, "dout", {DType::kF32, DType::kBF16}));
-  FP8MOE_RETURN_IF_ERROR(NeedRank(op, "dout", *dout_in, 2, "[M, N]"));
-  FP8MOE_ASSIGN_OR_RETURN(const Operand dout, FloatOperand(dout_in, o.mode));
-  FP8MOE_ASSIGN_OR_RETURN(const Rhs rhs, GetRhs(op, in, o, keys));
-  FP8MOE_RETURN_IF_ERROR(NeedRank(op, "rhs", rhs.w.tensor(), 3, "[E, K, N]"));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* gs,
-                          GetInput(op, in, "group_sizes", {DType::kI32}));
-  const Tensor* h = in.Find("h");
-  if (h != nullptr) {
-    FP8MOE_ASSIGN_OR_RETURN(h, GetInput(op, in, "h", {DType::kF32, DType::kBF16}));
-  } else if (o.epilogue == GmmEpilogue::kDSwiGlu) {
+Result<GmmRequest> DlhsCheck(const SafetensorsFile& in, const Config& keys) {
+  GmmRequest r;
+  r.op = "dlhs";
+  FP8MOE_ASSIGN_OR_RETURN(r.o, ParseOptions(r.op, keys, true, true));
+  r.reference = keys.GetBool("reference");
+  r.out_dtype = OutDType(keys);
+  FP8MOE_ASSIGN_OR_RETURN(const Tensor* dout,
+                          GetInput(r.op, in, "dout", {DType::kF32, DType::kBF16}));
+  FP8MOE_RETURN_IF_ERROR(NeedRank(r.op, "dout", *dout, 2, "[M, N]"));
+  r.lhs = FloatInput(dout, r.o.mode);
+  FP8MOE_RETURN_IF_ERROR(ResolveRhs(in, keys, &r));
+  FP8MOE_RETURN_IF_ERROR(NeedRank(r.op, "rhs", *r.rhs.tensor, 3, "[E, K, N]"));
+  FP8MOE_ASSIGN_OR_RETURN(r.group_sizes, GetInput(r.op, in, "group_sizes", {DType::kI32}));
+  if (in.Find("h") != nullptr) {
+    FP8MOE_ASSIGN_OR_RETURN(r.h, GetInput(r.op, in, "h", {DType::kF32, DType::kBF16}));
+  } else if (r.o.epilogue == GmmEpilogue::kDSwiGlu) {
     return NotFound("op dlhs: epilogue=dswiglu needs tensor 'h' (F32 or BF16 "
                     "[M, 2K]), the forward's saved pre-activation");
   }
-  const int64_t m = dout_in->dim(0), k = rhs.w.tensor().dim(1);
-  const bool dswiglu = o.epilogue == GmmEpilogue::kDSwiGlu;
-  FP8MOE_ASSIGN_OR_RETURN(Tensor result,
-                          PoisonedOutput(OutDType(keys), {m, dswiglu ? 2 * k : k}));
+  FP8MOE_RETURN_IF_ERROR(CheckCall(&r));
+  return r;
+}
+
+Status DlhsWork(const GmmRequest& r, SafetensorsFile* out) {
+  FP8MOE_ASSIGN_OR_RETURN(const Operand dout, Convert(r.lhs));
+  FP8MOE_ASSIGN_OR_RETURN(const Rhs rhs, ConvertRhs(r));
+  FP8MOE_ASSIGN_OR_RETURN(Tensor result, PoisonedOutput(r.out_dtype, PlannedOutputs(r)[0].shape));
   const TensorView scale_view = rhs.scale ? rhs.scale->view() : TensorView{};
   const TensorView* scale = rhs.scale ? &scale_view : nullptr;
-  const TensorView gs_view = Operand(gs).view();
-  const TensorView h_view = h != nullptr ? Operand(h).view() : TensorView{};
-  const TensorView* h_ptr = h != nullptr ? &h_view : nullptr;
+  const TensorView gs_view = Operand(r.group_sizes).view();
+  const TensorView h_view = r.h != nullptr ? Operand(r.h).view() : TensorView{};
+  const TensorView* h_ptr = r.h != nullptr ? &h_view : nullptr;
   const Status s =
-      reference ? reference::GmmDlhs(o, dout.view(), rhs.w.view(), scale, gs_view,
-                                     result.view(), h_ptr)
-                : GmmDlhs(o, dout.view(), rhs.w.view(), scale, gs_view,
-                          result.view(), h_ptr);
-  FP8MOE_RETURN_IF_ERROR(Prefixed(op, s));
+      r.reference ? reference::GmmDlhs(r.o, dout.view(), rhs.w.view(), scale, gs_view,
+                                       result.view(), h_ptr)
+                  : GmmDlhs(r.o, dout.view(), rhs.w.view(), scale, gs_view, result.view(),
+                            h_ptr);
+  FP8MOE_RETURN_IF_ERROR(Prefixed(r.op, s));
   return out->Add("dlhs", std::move(result));
 }
 
-Status RunTgmm(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
-  const std::string op = "tgmm";
-  FP8MOE_ASSIGN_OR_RETURN(const GmmOptions o, ParseOptions(op, keys, false, false));
-  const bool reference = keys.GetBool("reference");
-  TgmmQuant quant;
-  const std::string& dq = keys.GetString("dout_quant");
-  if (dq != "none") {
-    quant.dout_dtype = dq == "e5m2" ? QuantDType::kE5M2 : QuantDType::kE4M3FN;
-    quant.per_group = keys.GetString("dout_quant_granularity") == "group";
-  } else if (keys.IsSet("dout_quant_granularity")) {
-    return InvalidArgument("op tgmm: dout_quant_granularity applies only when "
-                           "dout is quantized; set dout_quant=e5m2|e4m3 or drop it");
-  }
-  FP8MOE_ASSIGN_OR_RETURN(quant.calibration,
-                          ParseCalibrationKeys(op, keys, "dout_calibration", dq != "none",
-                                               "when dout is quantized (dout_quant=e5m2|e4m3)"));
+Result<GmmRequest> TgmmCheck(const SafetensorsFile& in, const Config& keys) {
+  GmmRequest r;
+  r.op = "tgmm";
+  FP8MOE_ASSIGN_OR_RETURN(r.o, ParseOptions(r.op, keys, false, false));
+  FP8MOE_ASSIGN_OR_RETURN(r.quant, TgmmKeys(keys));
+  r.reference = keys.GetBool("reference");
+  r.out_dtype = OutDType(keys);
   FP8MOE_ASSIGN_OR_RETURN(
-      const Tensor* lhs_in,
-      GetInput(op, in, "lhs",
+      const Tensor* lhs,
+      GetInput(r.op, in, "lhs",
                {DType::kF32, DType::kBF16, DType::kE4M3FN, DType::kE4M3FNUZ,
                 DType::kE5M2, DType::kE5M2FNUZ}));
-  FP8MOE_RETURN_IF_ERROR(NeedRank(op, "lhs", *lhs_in, 2, "[M, K]"));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* dout_in,
-                          GetInput(op, in, "dout", {DType::kF32, DType::kBF16}));
-  FP8MOE_RETURN_IF_ERROR(NeedRank(op, "dout", *dout_in, 2, "[M, N]"));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* gs,
-                          GetInput(op, in, "group_sizes", {DType::kI32}));
-  FP8MOE_RETURN_IF_ERROR(NeedRank(op, "group_sizes", *gs, 1, "[E]"));
-  FP8MOE_RETURN_IF_ERROR(PlanGmmFamily(op, in, o, keys, quant.dout_dtype.has_value()));
-  FP8MOE_ASSIGN_OR_RETURN(const Operand lhs, FloatOperand(lhs_in, o.mode));
+  FP8MOE_RETURN_IF_ERROR(NeedRank(r.op, "lhs", *lhs, 2, "[M, K]"));
+  FP8MOE_ASSIGN_OR_RETURN(const Tensor* dout,
+                          GetInput(r.op, in, "dout", {DType::kF32, DType::kBF16}));
+  FP8MOE_RETURN_IF_ERROR(NeedRank(r.op, "dout", *dout, 2, "[M, N]"));
+  FP8MOE_ASSIGN_OR_RETURN(r.group_sizes, GetInput(r.op, in, "group_sizes", {DType::kI32}));
+  FP8MOE_RETURN_IF_ERROR(NeedRank(r.op, "group_sizes", *r.group_sizes, 1, "[E]"));
+  r.lhs = FloatInput(lhs, r.o.mode);
   // A quantized dout is quantized from F32 inside the call: never round it.
-  FP8MOE_ASSIGN_OR_RETURN(const Operand dout,
-                          quant.dout_dtype ? Result<Operand>(Operand(dout_in))
-                                           : FloatOperand(dout_in, o.mode));
+  r.dout = r.quant.dout_dtype ? Input{dout, Conversion::kNone, dout->dtype()}
+                              : FloatInput(dout, r.o.mode);
+  FP8MOE_RETURN_IF_ERROR(CheckCall(&r));
+  return r;
+}
+
+Status TgmmWork(const GmmRequest& r, SafetensorsFile* out) {
+  FP8MOE_ASSIGN_OR_RETURN(const Operand lhs, Convert(r.lhs));
+  FP8MOE_ASSIGN_OR_RETURN(const Operand dout, Convert(r.dout));
   // The library's drhs is F32; out_dtype=bf16 rounds it afterwards.
-  FP8MOE_ASSIGN_OR_RETURN(
-      Tensor drhs,
-      PoisonedOutput(DType::kF32, {gs->dim(0), lhs_in->dim(1), dout_in->dim(1)}));
-  const TensorView gs_view = Operand(gs).view();
+  FP8MOE_ASSIGN_OR_RETURN(Tensor drhs, PoisonedOutput(DType::kF32, PlannedOutputs(r)[0].shape));
+  const TensorView gs_view = Operand(r.group_sizes).view();
   const Status s =
-      reference ? reference::Tgmm(o, quant, lhs.view(), dout.view(), gs_view, drhs.view())
-                : Tgmm(o, quant, lhs.view(), dout.view(), gs_view, drhs.view());
-  FP8MOE_RETURN_IF_ERROR(Prefixed(op, s));
-  if (OutDType(keys) == DType::kBF16) {
+      r.reference
+          ? reference::Tgmm(r.o, r.quant, lhs.view(), dout.view(), gs_view, drhs.view())
+          : Tgmm(r.o, r.quant, lhs.view(), dout.view(), gs_view, drhs.view());
+  FP8MOE_RETURN_IF_ERROR(Prefixed(r.op, s));
+  if (r.out_dtype == DType::kBF16) {
     FP8MOE_ASSIGN_OR_RETURN(Tensor rounded, ToBf16(drhs));
     return out->Add("drhs", std::move(rounded));
   }
   return out->Add("drhs", std::move(drhs));
+}
+
+// OpDef::prepare of an op from its check and its work.
+template <typename Check, typename Work>
+auto Prepare(Check check, Work work) {
+  return [check, work](const SafetensorsFile& in, const Config& keys) -> Result<OpWork> {
+    FP8MOE_ASSIGN_OR_RETURN(GmmRequest r, check(in, keys));
+    return OpWork([work, r = std::move(r)](SafetensorsFile* out) { return work(r, out); });
+  };
 }
 
 // The first key of every GMM op.
@@ -484,7 +614,9 @@ void AddFp8DTypeKey(ConfigSchema* s) {
 
 void RegisterGmmOps(std::vector<OpDef>* ops) {
   OpDef gmm{"gmm", "lhs [M,K], rhs [E,K,N] or rhs_codes + rhs_scale, group_sizes "
-            "-> out [M,N] (swiglu: out [M,N/2], h [M,N])", {}, RunGmm};
+            "-> out [M,N] (swiglu: out [M,N/2], h [M,N])", {},
+            [](const Config& keys) { return GmmKeys(keys).status(); },
+            Prepare(GmmCheck, GmmWork)};
   AddModeKey(&gmm.keys);
   AddFp8DTypeKey(&gmm.keys);
   AddKey(&gmm.keys, {"lhs_quant_block_size", FlagType::kInt, "0",
@@ -499,7 +631,9 @@ void RegisterGmmOps(std::vector<OpDef>* ops) {
   ops->push_back(std::move(gmm));
 
   OpDef dlhs{"dlhs", "dout [M,N], rhs [E,K,N] or rhs_codes + rhs_scale, "
-             "group_sizes (, h) -> dlhs [M,K] (dswiglu: [M,2K])", {}, RunDlhs};
+             "group_sizes (, h) -> dlhs [M,K] (dswiglu: [M,2K])", {},
+             [](const Config& keys) { return ParseOptions("dlhs", keys, true, true).status(); },
+             Prepare(DlhsCheck, DlhsWork)};
   AddModeKey(&dlhs.keys);
   AddFp8DTypeKey(&dlhs.keys);
   AddKey(&dlhs.keys, {"epilogue", FlagType::kString, "none",
@@ -509,7 +643,9 @@ void RegisterGmmOps(std::vector<OpDef>* ops) {
   ops->push_back(std::move(dlhs));
 
   OpDef tgmm{"tgmm", "lhs [M,K] (or fp8 codes), dout [M,N], group_sizes "
-             "-> drhs [E,K,N]", {}, RunTgmm};
+             "-> drhs [E,K,N]", {},
+             [](const Config& keys) { return TgmmKeys(keys).status(); },
+             Prepare(TgmmCheck, TgmmWork)};
   AddModeKey(&tgmm.keys);
   AddKey(&tgmm.keys, {"dout_quant", FlagType::kString, "none",
                       "quantize the F32 dout inside the call (fp8_full recipe)",

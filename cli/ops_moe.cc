@@ -8,24 +8,18 @@
 #include "cli/op.h"
 #include "fp8moe/moe.h"
 #include "fp8moe/moe_config.h"
+#include "moe/moe_checks.h"
 
 namespace fp8moe::cli {
 namespace {
 
-struct MoeInputs {
-  const Tensor* x;
+// A checked call of the layer: the config and the input tensors.
+struct MoeRequest {
+  MoeConfig cfg;
+  const Tensor* x = nullptr;
   MoeWeights w;
+  const Tensor* dy = nullptr;  // moe_backward
 };
-
-Result<MoeInputs> Inputs(const std::string& op, const SafetensorsFile& in) {
-  MoeInputs m;
-  FP8MOE_ASSIGN_OR_RETURN(m.x, GetInput(op, in, "x", {DType::kF32}));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* router, GetInput(op, in, "router", {DType::kF32}));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* wi, GetInput(op, in, "wi", {DType::kF32}));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* wo, GetInput(op, in, "wo", {DType::kF32}));
-  m.w = {router->view(), wi->view(), wo->view()};
-  return m;
-}
 
 uint64_t U64(int64_t v) { return v > 0 ? static_cast<uint64_t>(v) : 0; }
 
@@ -40,19 +34,16 @@ Result<MoeConfig> ConfigOf(const std::string& op, const Config& keys) {
   return c;
 }
 
-// The layer's memory, estimated from the input shapes before it runs: the
-// router logits and routing tables, the sorted buffers (x_sorted, h, a,
-// y_sorted and, backward, their gradients), the weights as the QAT mode
+// The layer's memory, estimated from the checked input shapes before it
+// runs: the router logits and routing tables, the sorted buffers (x_sorted,
+// h, a, y_sorted and, backward, their gradients), the weights as the QAT mode
 // presents them, and the outputs. The layer counts rows in int32 group sizes,
 // so T * k beyond int32 is refused here too, with the reason.
-Status PlanMoe(const std::string& op, const SafetensorsFile& in, const MoeConfig& cfg,
-               bool backward) {
-  const Tensor* x = in.Find("x");
-  const Tensor* wi = in.Find("wi");
-  if (x == nullptr || x->rank() != 2 || wi == nullptr || wi->rank() != 3) {
-    return OkStatus();  // the layer reports the missing or misshapen tensor
-  }
-  const int64_t t = x->dim(0), d = x->dim(1), e = wi->dim(0), f2 = wi->dim(2);
+Status PlanMoe(const std::string& op, const MoeRequest& r, bool backward) {
+  const MoeConfig& cfg = r.cfg;
+  const Tensor* x = r.x;
+  const TensorView& wi = r.w.wi;
+  const int64_t t = x->dim(0), d = x->dim(1), e = wi.shape[0], f2 = wi.shape[2];
   const int64_t k = cfg.num_experts_per_tok;
   const int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   if (k > 0 && t > kInt32Max / k) {
@@ -85,14 +76,14 @@ Status PlanMoe(const std::string& op, const SafetensorsFile& in, const MoeConfig
     plan.push_back({"the gradient dh", act, {rows_i, f2}});
     plan.push_back({"the gradient dx_sorted", DType::kF32, {rows_i, d}});
     plan.push_back({"output 'dx'", DType::kF32, {t, d}});
-    plan.push_back({"output 'dwi'", DType::kF32, wi->shape()});
-    if (const Tensor* wo = in.Find("wo")) plan.push_back({"output 'dwo'", DType::kF32, wo->shape()});
+    plan.push_back({"output 'dwi'", DType::kF32, wi.shape});
+    plan.push_back({"output 'dwo'", DType::kF32, r.w.wo.shape});
   }
   // Routing tables (expert, weight, row maps: 24 bytes per pair, probs 4 per
   // logit) and up to three copies of each weight (bf16 copy or codes, the
   // fake-QAT dequantized copy, backward f32 copies), 6 bytes per element.
   uint64_t scratch = SatAdd(SatMul(24, pairs), SatMul(4, SatMul(U64(t), U64(e))));
-  const uint64_t weights = SatMul(2, PlannedBytes(DType::kF32, wi->shape()));  // wi + wo
+  const uint64_t weights = SatMul(2, PlannedBytes(DType::kF32, wi.shape));  // wi + wo
   scratch = SatAdd(scratch, SatMul(backward ? 3 : 2, weights));
   return PlanMemory(op, plan, scratch);
 }
@@ -106,29 +97,50 @@ Status AddForwardOutputs(MoeForwardResult* f, SafetensorsFile* out) {
   return out->Add("aux_loss", std::move(aux));
 }
 
-Status Forward(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
-  FP8MOE_ASSIGN_OR_RETURN(const MoeConfig cfg, ConfigOf("moe_forward", keys));
-  FP8MOE_ASSIGN_OR_RETURN(MoeInputs m, Inputs("moe_forward", in));
-  FP8MOE_RETURN_IF_ERROR(PlanMoe("moe_forward", in, cfg, false));
-  auto f = MoeForward(cfg, m.x->view(), m.w);
-  if (!f.ok()) return Prefixed("moe_forward", f.status());
-  return AddForwardOutputs(&*f, out);
+// The keys, then the tensors (names and dtypes here, shapes and their
+// agreement by the layer's own checks), then the memory plan: all before the
+// layer runs (issue 35: dy's shape was checked after the whole forward).
+Result<MoeRequest> CheckRequest(const std::string& op, const SafetensorsFile& in,
+                                const Config& keys, bool backward) {
+  MoeRequest r;
+  FP8MOE_ASSIGN_OR_RETURN(r.cfg, ConfigOf(op, keys));
+  FP8MOE_ASSIGN_OR_RETURN(r.x, GetInput(op, in, "x", {DType::kF32}));
+  FP8MOE_ASSIGN_OR_RETURN(const Tensor* router, GetInput(op, in, "router", {DType::kF32}));
+  FP8MOE_ASSIGN_OR_RETURN(const Tensor* wi, GetInput(op, in, "wi", {DType::kF32}));
+  FP8MOE_ASSIGN_OR_RETURN(const Tensor* wo, GetInput(op, in, "wo", {DType::kF32}));
+  r.w = {router->view(), wi->view(), wo->view()};
+  if (backward) {
+    FP8MOE_ASSIGN_OR_RETURN(r.dy, GetInput(op, in, "dy", {DType::kF32}));
+  }
+  const TensorView dy = backward ? r.dy->view() : TensorView{};
+  FP8MOE_RETURN_IF_ERROR(Prefixed(
+      op, internal::CheckMoeCall(r.cfg, r.x->view(), r.w, backward ? &dy : nullptr)));
+  FP8MOE_RETURN_IF_ERROR(PlanMoe(op, r, backward));
+  return r;
 }
 
-Status Backward(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
-  FP8MOE_ASSIGN_OR_RETURN(const MoeConfig cfg, ConfigOf("moe_backward", keys));
-  FP8MOE_ASSIGN_OR_RETURN(MoeInputs m, Inputs("moe_backward", in));
-  FP8MOE_ASSIGN_OR_RETURN(const Tensor* dy, GetInput("moe_backward", in, "dy", {DType::kF32}));
-  FP8MOE_RETURN_IF_ERROR(PlanMoe("moe_backward", in, cfg, true));
-  auto f = MoeForward(cfg, m.x->view(), m.w);
-  if (!f.ok()) return Prefixed("moe_backward", f.status());
-  auto g = MoeBackward(cfg, m.x->view(), m.w, *f, dy->view());
-  if (!g.ok()) return Prefixed("moe_backward", g.status());
-  FP8MOE_RETURN_IF_ERROR(AddForwardOutputs(&*f, out));
-  FP8MOE_RETURN_IF_ERROR(out->Add("dx", std::move(g->dx)));
-  FP8MOE_RETURN_IF_ERROR(out->Add("drouter", std::move(g->drouter)));
-  FP8MOE_RETURN_IF_ERROR(out->Add("dwi", std::move(g->dwi)));
-  return out->Add("dwo", std::move(g->dwo));
+Result<OpWork> Forward(const SafetensorsFile& in, const Config& keys) {
+  FP8MOE_ASSIGN_OR_RETURN(const MoeRequest r, CheckRequest("moe_forward", in, keys, false));
+  return OpWork([r](SafetensorsFile* out) -> Status {
+    auto f = MoeForward(r.cfg, r.x->view(), r.w);
+    if (!f.ok()) return Prefixed("moe_forward", f.status());
+    return AddForwardOutputs(&*f, out);
+  });
+}
+
+Result<OpWork> Backward(const SafetensorsFile& in, const Config& keys) {
+  FP8MOE_ASSIGN_OR_RETURN(const MoeRequest r, CheckRequest("moe_backward", in, keys, true));
+  return OpWork([r](SafetensorsFile* out) -> Status {
+    auto f = MoeForward(r.cfg, r.x->view(), r.w);
+    if (!f.ok()) return Prefixed("moe_backward", f.status());
+    auto g = MoeBackward(r.cfg, r.x->view(), r.w, *f, r.dy->view());
+    if (!g.ok()) return Prefixed("moe_backward", g.status());
+    FP8MOE_RETURN_IF_ERROR(AddForwardOutputs(&*f, out));
+    FP8MOE_RETURN_IF_ERROR(out->Add("dx", std::move(g->dx)));
+    FP8MOE_RETURN_IF_ERROR(out->Add("drouter", std::move(g->drouter)));
+    FP8MOE_RETURN_IF_ERROR(out->Add("dwi", std::move(g->dwi)));
+    return out->Add("dwo", std::move(g->dwo));
+  });
 }
 
 }  // namespace
@@ -136,10 +148,15 @@ Status Backward(const SafetensorsFile& in, const Config& keys, SafetensorsFile* 
 void RegisterMoeOps(std::vector<OpDef>* ops) {
   ops->push_back({"moe_forward",
                   "x [T,D], router [D,E], wi [E,D,2F], wo [E,F,D] -> y, group_sizes, aux_loss",
-                  MoeConfigSchema(), Forward});
+                  MoeConfigSchema(),
+                  // The flags alone: a bad combination is refused before the input is read.
+                  [](const Config& keys) { return ConfigOf("moe_forward", keys).status(); },
+                  Forward});
   ops->push_back({"moe_backward",
                   "moe_forward's inputs + dy [T,D] -> its outputs + dx, drouter, dwi, dwo",
-                  MoeConfigSchema(), Backward});
+                  MoeConfigSchema(),
+                  [](const Config& keys) { return ConfigOf("moe_backward", keys).status(); },
+                  Backward});
 }
 
 }  // namespace fp8moe::cli

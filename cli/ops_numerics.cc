@@ -20,12 +20,10 @@ const std::vector<std::string> kQuantDTypes = {"e4m3fn", "e4m3fnuz", "e5m2",
 // Largest finite bf16, 0x7F7F.
 const float kBf16Max = Bf16ToF32(0x7F7F);
 
-Status Cast(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
+Result<OpWork> Cast(const SafetensorsFile& in, const Config& keys) {
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* x, GetInput("cast", in, "x", {DType::kF32}));
   const std::string& format = keys.GetString("format");
   const bool saturate = keys.GetBool("saturate");
-  const size_t n = x->num_elements();
-  const float* xs = x->data_as<float>();
   const DType out_dtype =
       format == "bf16" ? DType::kBF16
                        : (ParseFp8Format(format).ok() ? Fp8FormatDType(*ParseFp8Format(format))
@@ -33,27 +31,31 @@ Status Cast(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out)
   std::vector<PlannedTensor> plan = {{"output 'y'", out_dtype, x->shape()}};
   if (format == "bf16" && saturate) plan.push_back({"the clipped copy of 'x'", DType::kF32, x->shape()});
   FP8MOE_RETURN_IF_ERROR(PlanMemory("cast", plan));
-  if (format == "bf16") {
-    FP8MOE_ASSIGN_OR_RETURN(Tensor y, Tensor::Create(DType::kBF16, x->shape()));
-    if (saturate) {  // clip to the largest finite bf16 first; NaN stays NaN
-      FP8MOE_ASSIGN_OR_RETURN(Tensor clipped, Tensor::Create(DType::kF32, x->shape()));
-      float* c = clipped.data_as<float>();
-      for (size_t i = 0; i < n; ++i) {
-        c[i] = std::isnan(xs[i]) ? xs[i] : std::fmin(std::fmax(xs[i], -kBf16Max), kBf16Max);
+  return OpWork([x, format, saturate](SafetensorsFile* out) -> Status {
+    const size_t n = x->num_elements();
+    const float* xs = x->data_as<float>();
+    if (format == "bf16") {
+      FP8MOE_ASSIGN_OR_RETURN(Tensor y, Tensor::Create(DType::kBF16, x->shape()));
+      if (saturate) {  // clip to the largest finite bf16 first; NaN stays NaN
+        FP8MOE_ASSIGN_OR_RETURN(Tensor clipped, Tensor::Create(DType::kF32, x->shape()));
+        float* c = clipped.data_as<float>();
+        for (size_t i = 0; i < n; ++i) {
+          c[i] = std::isnan(xs[i]) ? xs[i] : std::fmin(std::fmax(xs[i], -kBf16Max), kBf16Max);
+        }
+        F32ToBf16Span(c, y.data_as<uint16_t>(), n);
+      } else {
+        F32ToBf16Span(xs, y.data_as<uint16_t>(), n);
       }
-      F32ToBf16Span(c, y.data_as<uint16_t>(), n);
-    } else {
-      F32ToBf16Span(xs, y.data_as<uint16_t>(), n);
+      return out->Add("y", std::move(y));
     }
+    FP8MOE_ASSIGN_OR_RETURN(const Fp8Format f, ParseFp8Format(format));
+    FP8MOE_ASSIGN_OR_RETURN(Tensor y, Tensor::Create(Fp8FormatDType(f), x->shape()));
+    EncodeFp8Span(xs, y.data_as<uint8_t>(), n, f, saturate);
     return out->Add("y", std::move(y));
-  }
-  FP8MOE_ASSIGN_OR_RETURN(const Fp8Format f, ParseFp8Format(format));
-  FP8MOE_ASSIGN_OR_RETURN(Tensor y, Tensor::Create(Fp8FormatDType(f), x->shape()));
-  EncodeFp8Span(xs, y.data_as<uint8_t>(), n, f, saturate);
-  return out->Add("y", std::move(y));
+  });
 }
 
-Status Decode(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
+Result<OpWork> Decode(const SafetensorsFile& in, const Config& keys) {
   FP8MOE_ASSIGN_OR_RETURN(
       const Tensor* y,
       GetInput("decode", in, "y",
@@ -71,7 +73,7 @@ Status Decode(const SafetensorsFile& in, const Config& keys, SafetensorsFile* ou
     return InvalidArgument("op decode: format=" + format + " but tensor 'y' is " +
                            have + "; drop the key or pass format=" + have);
   }
-  const std::string& fmt = have.empty() ? format : have;
+  const std::string fmt = have.empty() ? format : have;
   // Every (dtype, format) pair must agree on the byte width, or the decoder
   // would read past the tensor: bf16 takes 2-byte values, fp8 formats 1.
   const size_t width = fmt == "bf16" ? 2 : 1;
@@ -84,14 +86,16 @@ Status Decode(const SafetensorsFile& in, const Config& keys, SafetensorsFile* ou
                            "fp8 format (e4m3fn, e4m3fnuz, e5m2, e5m2fnuz) for U8 codes");
   }
   FP8MOE_RETURN_IF_ERROR(PlanMemory("decode", {{"output 'x'", DType::kF32, y->shape()}}));
-  FP8MOE_ASSIGN_OR_RETURN(Tensor x, Tensor::Create(DType::kF32, y->shape()));
-  if (fmt == "bf16") {
-    Bf16ToF32Span(y->data_as<uint16_t>(), x.data_as<float>(), y->num_elements());
-  } else {
-    FP8MOE_ASSIGN_OR_RETURN(const Fp8Format f, ParseFp8Format(fmt));
-    DecodeFp8Span(y->data_as<uint8_t>(), x.data_as<float>(), y->num_elements(), f);
-  }
-  return out->Add("x", std::move(x));
+  return OpWork([y, fmt](SafetensorsFile* out) -> Status {
+    FP8MOE_ASSIGN_OR_RETURN(Tensor x, Tensor::Create(DType::kF32, y->shape()));
+    if (fmt == "bf16") {
+      Bf16ToF32Span(y->data_as<uint16_t>(), x.data_as<float>(), y->num_elements());
+    } else {
+      FP8MOE_ASSIGN_OR_RETURN(const Fp8Format f, ParseFp8Format(fmt));
+      DecodeFp8Span(y->data_as<uint8_t>(), x.data_as<float>(), y->num_elements(), f);
+    }
+    return out->Add("x", std::move(x));
+  });
 }
 
 // The layout of a quantize/dequantize request, from the keys and x's shape.
@@ -102,19 +106,27 @@ struct QuantLayout {
   Shape scale_shape;
 };
 
+// The keys of a quantize/dequantize request alone (OpDef::check_keys): the
+// block size and whether it applies, and the calibration keys.
+Status QuantKeys(const std::string& op, const Config& keys) {
+  const int64_t block = keys.GetInt("block_size");
+  if (block != 0 && block != 128 && block != 512) {
+    return InvalidArgument("op " + op + ": block_size=" + std::to_string(block) +
+                           " is not supported; use 0 (full row), 128 or 512");
+  }
+  if (block != 0 && keys.GetString("granularity") != "row") {
+    return InvalidArgument("op " + op + ": block_size applies to granularity=row "
+                           "only; drop it or set granularity=row");
+  }
+  return ParseCalibrationKeys(op, keys, "calibration", true, "").status();
+}
+
+// The layout from x's shape, for keys that passed QuantKeys.
 Result<QuantLayout> Layout(const std::string& op, const Shape& shape,
                            const Config& keys) {
   QuantLayout l;
   l.granularity = keys.GetString("granularity");
   l.block = keys.GetInt("block_size");
-  if (l.block != 0 && l.block != 128 && l.block != 512) {
-    return InvalidArgument("op " + op + ": block_size=" + std::to_string(l.block) +
-                           " is not supported; use 0 (full row), 128 or 512");
-  }
-  if (l.block != 0 && l.granularity != "row") {
-    return InvalidArgument("op " + op + ": block_size applies to granularity=row "
-                           "only; drop it or set granularity=row");
-  }
   if (l.granularity == "tensor") {
     l.scale_shape = {1};
   } else if (l.granularity == "row") {
@@ -138,7 +150,8 @@ Result<QuantLayout> Layout(const std::string& op, const Shape& shape,
   return l;
 }
 
-Status Quantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
+// For keys that passed QuantKeys.
+Result<OpWork> Quantize(const SafetensorsFile& in, const Config& keys) {
   FP8MOE_ASSIGN_OR_RETURN(const Tensor* x, GetInput("quantize", in, "x", {DType::kF32}));
   FP8MOE_ASSIGN_OR_RETURN(const QuantDType dt, ParseQuantDType(keys.GetString("dtype")));
   FP8MOE_ASSIGN_OR_RETURN(const Calibration cal,
@@ -146,27 +159,29 @@ Status Quantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile* 
   FP8MOE_ASSIGN_OR_RETURN(const QuantLayout l, Layout("quantize", x->shape(), keys));
   FP8MOE_RETURN_IF_ERROR(PlanMemory("quantize", {{"output 'q'", QuantStorageDType(dt), x->shape()},
                                                  {"output 'scale'", DType::kF32, l.scale_shape}}));
-  FP8MOE_ASSIGN_OR_RETURN(Tensor q, Tensor::Create(QuantStorageDType(dt), x->shape()));
-  FP8MOE_ASSIGN_OR_RETURN(Tensor scale, Tensor::Create(DType::kF32, l.scale_shape));
-  const float* xs = x->data_as<float>();
-  uint8_t* qs = q.data_as<uint8_t>();
-  float* ss = scale.data_as<float>();
-  if (l.granularity == "tensor") {
-    FP8MOE_RETURN_IF_ERROR(QuantizeTensor(xs, static_cast<int64_t>(x->num_elements()),
-                                          dt, cal, qs, ss));
-  } else if (l.granularity == "row") {
-    FP8MOE_RETURN_IF_ERROR(QuantizeRows(xs, l.rows, l.cols, l.rows, l.block, dt, cal, qs, ss));
-  } else {
-    FP8MOE_RETURN_IF_ERROR(QuantizeChannels(xs, l.experts, l.k, l.n, dt, cal, qs, ss));
-  }
-  FP8MOE_RETURN_IF_ERROR(out->Add("q", std::move(q)));
-  return out->Add("scale", std::move(scale));
+  return OpWork([x, dt, cal, l](SafetensorsFile* out) -> Status {
+    FP8MOE_ASSIGN_OR_RETURN(Tensor q, Tensor::Create(QuantStorageDType(dt), x->shape()));
+    FP8MOE_ASSIGN_OR_RETURN(Tensor scale, Tensor::Create(DType::kF32, l.scale_shape));
+    const float* xs = x->data_as<float>();
+    uint8_t* qs = q.data_as<uint8_t>();
+    float* ss = scale.data_as<float>();
+    if (l.granularity == "tensor") {
+      FP8MOE_RETURN_IF_ERROR(QuantizeTensor(xs, static_cast<int64_t>(x->num_elements()),
+                                            dt, cal, qs, ss));
+    } else if (l.granularity == "row") {
+      FP8MOE_RETURN_IF_ERROR(QuantizeRows(xs, l.rows, l.cols, l.rows, l.block, dt, cal, qs, ss));
+    } else {
+      FP8MOE_RETURN_IF_ERROR(QuantizeChannels(xs, l.experts, l.k, l.n, dt, cal, qs, ss));
+    }
+    FP8MOE_RETURN_IF_ERROR(out->Add("q", std::move(q)));
+    return out->Add("scale", std::move(scale));
+  });
 }
 
-Status Dequantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile* out) {
-  // Checked only: a misspelled calibration is an error here as in quantize.
-  FP8MOE_RETURN_IF_ERROR(
-      ParseCalibrationKeys("dequantize", keys, "calibration", true, "").status());
+// For keys that passed QuantKeys (which also checks the calibration keys,
+// although the scales already hold them: a misspelled one is an error here
+// as in quantize).
+Result<OpWork> Dequantize(const SafetensorsFile& in, const Config& keys) {
   FP8MOE_ASSIGN_OR_RETURN(
       const Tensor* q,
       GetInput("dequantize", in, "q",
@@ -188,18 +203,20 @@ Status Dequantize(const SafetensorsFile& in, const Config& keys, SafetensorsFile
                            " needs " + ShapeToString(l.scale_shape));
   }
   FP8MOE_RETURN_IF_ERROR(PlanMemory("dequantize", {{"output 'x'", DType::kF32, q->shape()}}));
-  FP8MOE_ASSIGN_OR_RETURN(Tensor x, Tensor::Create(DType::kF32, q->shape()));
-  const uint8_t* qs = q->data_as<uint8_t>();
-  const float* ss = scale->data_as<float>();
-  float* xs = x.data_as<float>();
-  if (l.granularity == "tensor") {
-    DequantizeTensor(qs, static_cast<int64_t>(q->num_elements()), ss[0], dt, xs);
-  } else if (l.granularity == "row") {
-    DequantizeRows(qs, l.rows, l.cols, l.block, ss, dt, xs);
-  } else {
-    DequantizeChannels(qs, l.experts, l.k, l.n, ss, dt, xs);
-  }
-  return out->Add("x", std::move(x));
+  return OpWork([q, scale, dt, l](SafetensorsFile* out) -> Status {
+    FP8MOE_ASSIGN_OR_RETURN(Tensor x, Tensor::Create(DType::kF32, q->shape()));
+    const uint8_t* qs = q->data_as<uint8_t>();
+    const float* ss = scale->data_as<float>();
+    float* xs = x.data_as<float>();
+    if (l.granularity == "tensor") {
+      DequantizeTensor(qs, static_cast<int64_t>(q->num_elements()), ss[0], dt, xs);
+    } else if (l.granularity == "row") {
+      DequantizeRows(qs, l.rows, l.cols, l.block, ss, dt, xs);
+    } else {
+      DequantizeChannels(qs, l.experts, l.k, l.n, ss, dt, xs);
+    }
+    return out->Add("x", std::move(x));
+  });
 }
 
 void AddQuantKeys(ConfigSchema* s, bool dtype_required) {
@@ -217,25 +234,27 @@ void AddQuantKeys(ConfigSchema* s, bool dtype_required) {
 }  // namespace
 
 void RegisterNumericsOps(std::vector<OpDef>* ops) {
-  OpDef cast{"cast", "x F32 -> y codes of `format` (round to nearest even)", {}, Cast};
+  OpDef cast{"cast", "x F32 -> y codes of `format` (round to nearest even)", {}, nullptr, Cast};
   AddKey(&cast.keys, {"format", FlagType::kString, "e4m3fn", "target format", kCastFormats});
   AddKey(&cast.keys, {"saturate", FlagType::kBool, "false",
                       "clip to the format's max first (false: ml_dtypes astype)"});
   ops->push_back(std::move(cast));
 
-  OpDef decode{"decode", "y codes (fp8 / bf16 / U8 with format=) -> x F32", {}, Decode};
+  OpDef decode{"decode", "y codes (fp8 / bf16 / U8 with format=) -> x F32", {}, nullptr, Decode};
   std::vector<std::string> fmts = kCastFormats;
   fmts.insert(fmts.begin(), "");
   AddKey(&decode.keys, {"format", FlagType::kString, "",
                         "format of a U8 input (fp8 and bf16 dtypes say it)", fmts});
   ops->push_back(std::move(decode));
 
-  OpDef quantize{"quantize", "x F32 -> q codes, scale F32", {}, Quantize};
+  OpDef quantize{"quantize", "x F32 -> q codes, scale F32", {},
+                 [](const Config& keys) { return QuantKeys("quantize", keys); }, Quantize};
   AddQuantKeys(&quantize.keys, true);
   AddCalibrationKeys(&quantize.keys, "calibration", "how the scales are found");
   ops->push_back(std::move(quantize));
 
-  OpDef dequantize{"dequantize", "q codes, scale F32 -> x F32", {}, Dequantize};
+  OpDef dequantize{"dequantize", "q codes, scale F32 -> x F32", {},
+                   [](const Config& keys) { return QuantKeys("dequantize", keys); }, Dequantize};
   AddQuantKeys(&dequantize.keys, false);
   AddCalibrationKeys(&dequantize.keys, "calibration",
                      "accepted and checked so quantize's keys can be reused; the scales "

@@ -15,6 +15,7 @@
 #include "base/default_context.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/moe.h"
+#include "moe/moe_checks.h"
 #include "moe/moe_chunks.h"
 #include "moe/moe_stages.h"
 #include "moe/moe_workspace.h"
@@ -136,6 +137,18 @@ Status CheckChunks(const MoeConfig& cfg, const TensorView& x) {
 
 }  // namespace
 
+namespace internal {
+
+Status CheckMoeCall(const MoeConfig& cfg, const TensorView& x, const MoeWeights& w,
+                    const TensorView* dy, const MoeOptions& options) {
+  FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
+  FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
+  FP8MOE_RETURN_IF_ERROR(CheckChunks(cfg, x));
+  return dy != nullptr ? CheckF32(*dy, x.shape, "dy") : OkStatus();
+}
+
+}  // namespace internal
+
 Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
                   const MoeWeights& w, const PreparedMoeWeights& prepared,
                   MoeWorkspace* workspace, const TensorView& y, MoeStepInfo* info,
@@ -205,10 +218,7 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
       return InvalidArgument("x has shape " + ShapeToString(x.shape) +
                              " but the forward ran on " + ShapeToString({s.T, s.D}));
     }
-    if (dy.dtype != DType::kF32 || dy.shape != Shape{s.T, s.D}) {
-      return InvalidArgument("dy must be F32 " + ShapeToString({s.T, s.D}) + "; got " +
-                             std::string(DTypeName(dy.dtype)) + " " + ShapeToString(dy.shape));
-    }
+    FP8MOE_RETURN_IF_ERROR(CheckF32(dy, x.shape, "dy"));
     FP8MOE_RETURN_IF_ERROR(CheckF32(grads.dx, x.shape, "dx"));
     FP8MOE_RETURN_IF_ERROR(CheckF32(grads.drouter, w.router.shape, "drouter"));
     FP8MOE_RETURN_IF_ERROR(CheckF32(grads.dwi, w.wi.shape, "dwi"));
@@ -263,8 +273,7 @@ Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const TensorView& x,
   // What fails before the layer's own checks still joins the ring's
   // agreement (AgreeOnRing), so that no other rank waits for this one.
   const Status before = [&]() -> Status {
-    FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
-    FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
+    FP8MOE_RETURN_IF_ERROR(internal::CheckMoeCall(cfg, x, w, nullptr, options));
     FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, w.wi, w.wo, &saved->prepared));
     FP8MOE_ASSIGN_OR_RETURN(out.y, Tensor::Create(DType::kF32, x.shape));
     return OkStatus();

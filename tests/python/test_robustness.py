@@ -349,6 +349,71 @@ def test_moe_zero_width_tokens(op, opname):
     assert out["y"].shape == (1, 0) and out["group_sizes"].sum() == 2
 
 
+# ---- 7. every check before any work (issue 35) -------------------------------------------
+
+def test_dlhs_unused_h_is_refused_before_the_work(op):
+    # Issue 35: dout [1, 0], rhs [1, 2^31, 0], group_sizes [0], h [1, 0],
+    # mode=f32 (no epilogue) allocated and poisoned its 8 GiB output, ran the
+    # kernel for ~18 s and only then said h is unused.
+    entries = {"dout": ("F32", [1, 0], b""), "rhs": ("F32", [1, 2**31, 0], b""),
+               "group_sizes": ("I32", [1], struct.pack("<i", 0)), "h": ("F32", [1, 0], b"")}
+    start = time.monotonic()
+    code, _, err = op("dlhs", raw(entries), "mode=f32")
+    elapsed = time.monotonic() - start
+    assert code == 2 and "h is only read by epilogue dswiglu" in err, err
+    assert elapsed < 5, f"{elapsed:.1f} s: the request was checked after the work"
+    # Before the memory plan too: the same answer under a cap the output
+    # could never fit (it used to be the cap's refusal).
+    code, _, err = op("dlhs", raw(entries), "mode=f32", pre=("--memory-cap", "4K"))
+    assert code == 2 and "h is only read by epilogue dswiglu" in err, err
+
+
+@pytest.mark.parametrize("opname,make,keys,needle", [
+    # gmm: the operands' agreement was checked by the kernel after the
+    # operands were copied and quantized and the output poisoned.
+    ("gmm", arrays(lhs=np.ones((4, 3), np.float32), rhs=np.ones((2, 2, 5), np.float32),
+                   group_sizes=np.array([2, 2], np.int32)),
+     ["mode=fake_qat"], "lhs columns must equal rhs's K = 2"),
+    ("tgmm", arrays(lhs=np.ones((4, 3), np.float32), dout=np.ones((4, 5), np.float32),
+                    group_sizes=np.array([2, 3], np.int32)),
+     ["mode=f32"], "sum(group_sizes) = 5"),
+    # moe_backward: dy's shape was checked after the whole forward.
+    ("moe_backward", arrays(**{**moe_inputs(), "dy": np.ones((7, 8), np.float32)}),
+     ["num_experts=2"], "dy must be F32 [6, 8]; got f32 [7, 8]"),
+    # moe_forward: num_moe_token_chunks against T after the weights were
+    # quantized.
+    ("moe_forward", arrays(**moe_inputs()), ["num_experts=2", "num_moe_token_chunks=7"],
+     "num_moe_token_chunks=7 exceeds the 6 tokens"),
+])
+def test_late_tensor_checks_come_before_the_memory_plan(op, opname, make, keys, needle):
+    # Each of these was checked only after the memory plan (and then after
+    # allocations and work): under a cap that no plan fits, the cap answered.
+    code, _, err = op(opname, make, *keys, pre=("--memory-cap", "4K"))
+    assert code == 2 and needle in err, err
+    code, _, err = op(opname, make, *keys)
+    assert code == 2 and needle in err, err
+
+
+@pytest.mark.parametrize("opname,keys,needle", [
+    ("quantize", ["block_size=100"], "block_size=100 is not supported"),
+    ("dequantize", ["granularity=tensor", "block_size=128"], "block_size applies to granularity=row"),
+    ("quantize", ["calibration=fixed,1"], "calibration"),
+    ("gmm", ["mode=bf16", "lhs_calibration=fixed,1,2"], "lhs_calibration applies"),
+    ("gmm", ["mode=f32", "fp8_dtype=e4m3fnuz"], "fp8_dtype applies"),
+    ("dlhs", ["tile_k=0"], "tile_k=0 is invalid"),
+    ("tgmm", ["dout_quant_granularity=tile"], "dout_quant_granularity applies only"),
+    ("moe_forward", ["num_experts=4", "fp8_moe_native_fwd=true"], "fp8_moe_fake_quant"),
+])
+def test_keys_are_checked_before_the_input_is_read(fp8moe_bin, tmp_path, opname, keys, needle):
+    # Keys that are wrong whatever the tensors were checked only after the
+    # whole input file was read (a missing one here: its error used to win).
+    p = subprocess.run([fp8moe_bin, "op", opname, "--in", str(tmp_path / "nope.safetensors"),
+                        "--out", str(tmp_path / "o.safetensors"), *keys],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 2 and needle in p.stderr, p.stderr
+    assert "nope.safetensors" not in p.stderr, p.stderr
+
+
 # ---- check_finite ------------------------------------------------------------------------
 
 def test_check_finite_names_tensor_count_and_first_index(op):
