@@ -79,10 +79,11 @@ Status PlanMoe(const std::string& op, const MoeRequest& r, bool backward) {
     plan.push_back({"output 'dwi'", DType::kF32, wi.shape});
     plan.push_back({"output 'dwo'", DType::kF32, r.w.wo.shape});
   }
-  // Routing tables (expert, weight, row maps: 24 bytes per pair, probs 4 per
-  // logit) and up to three copies of each weight (bf16 copy or codes, the
-  // fake-QAT dequantized copy, backward f32 copies), 6 bytes per element.
-  uint64_t scratch = SatAdd(SatMul(24, pairs), SatMul(4, SatMul(U64(t), U64(e))));
+  // Routing tables (expert, weights f32 and f64, row maps: 32 bytes per
+  // pair, probs 8 per logit) and up to three copies of each weight (bf16
+  // copy or codes, the fake-QAT dequantized copy, backward f32 copies), 6
+  // bytes per element.
+  uint64_t scratch = SatAdd(SatMul(32, pairs), SatMul(8, SatMul(U64(t), U64(e))));
   const uint64_t weights = SatMul(2, PlannedBytes(DType::kF32, wi.shape));  // wi + wo
   scratch = SatAdd(scratch, SatMul(backward ? 3 : 2, weights));
   return PlanMemory(op, plan, scratch);

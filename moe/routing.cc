@@ -42,6 +42,7 @@ void Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
   r.k = k;
   r.expert.resize(static_cast<size_t>(tokens * k));
   r.weight.resize(static_cast<size_t>(tokens * k));
+  r.softmax.resize(static_cast<size_t>(tokens * k));
   r.probs.resize(static_cast<size_t>(tokens * experts));
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
@@ -59,25 +60,25 @@ void Route(const float* logits, int64_t tokens, int64_t experts, int64_t k,
       }
       e[j] = static_cast<int32_t>(best);
     }
-    // Softmax over the k selected logits (e[0] holds the largest).
-    float sum = 0.0f;
+    // Softmax over the k selected logits (e[0] holds the largest), in
+    // double; the weights are it rounded once to f32 (after norm_topk_prob's
+    // division by the sum, ~1).
+    double* s = r.softmax.data() + t * k;
+    double sum = 0.0;
     for (int64_t j = 0; j < k; ++j) {
-      w[j] = std::exp(l[e[j]] - l[e[0]]);
-      sum += w[j];
+      s[j] = std::exp(static_cast<double>(l[e[j]]) - static_cast<double>(l[e[0]]));
+      sum += s[j];
     }
-    for (int64_t j = 0; j < k; ++j) w[j] /= sum;
-    if (norm_topk_prob) {
-      float s2 = 0.0f;
-      for (int64_t j = 0; j < k; ++j) s2 += w[j];
-      for (int64_t j = 0; j < k; ++j) w[j] /= s2;
-    }
-    // Softmax over all experts, for the load-balancing loss.
-    float mx = l[0];
-    for (int64_t x = 1; x < experts; ++x) mx = std::max(mx, l[x]);
-    float* p = r.probs.data() + t * experts;
-    float all = 0.0f;
+    double norm = 0.0;
+    for (int64_t j = 0; j < k; ++j) norm += (s[j] /= sum);
+    for (int64_t j = 0; j < k; ++j) w[j] = static_cast<float>(norm_topk_prob ? s[j] / norm : s[j]);
+    // Softmax over all experts, for the load-balancing loss, in double.
+    double mx = l[0];
+    for (int64_t x = 1; x < experts; ++x) mx = std::max(mx, static_cast<double>(l[x]));
+    double* p = r.probs.data() + t * experts;
+    double all = 0.0;
     for (int64_t x = 0; x < experts; ++x) {
-      p[x] = std::exp(l[x] - mx);
+      p[x] = std::exp(static_cast<double>(l[x]) - mx);
       all += p[x];
     }
     for (int64_t x = 0; x < experts; ++x) p[x] /= all;
@@ -126,33 +127,44 @@ void RouterBackward(const Routing& r, const std::vector<double>& f, const float*
                     bool norm_topk_prob, double lb_weight, float* dlogits) {
   const int64_t E = r.experts, k = r.k;
   const double lb = r.tokens > 0 ? lb_weight * static_cast<double>(E) / static_cast<double>(r.tokens) : 0.0;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < r.tokens; ++t) {
-    float* dl = dlogits + t * E;
-    // Load-balancing loss through p_e = mean softmax: dP/dl = P (1 - P).
-    const float* p = r.probs.data() + t * E;
-    double pf = 0.0;
-    for (int64_t e = 0; e < E; ++e) pf += p[e] * f[static_cast<size_t>(e)];
-    for (int64_t e = 0; e < E; ++e) {
-      dl[e] = static_cast<float>(lb * p[e] * (f[static_cast<size_t>(e)] - pf));
-    }
-    // Routing weights: softmax over the selected logits. With norm_topk_prob
-    // w' = w / sum(w), whose backward is g_w = (g' - sum(g' w')) / sum(w).
-    const float* w = r.weight.data() + t * k;
-    const float* g_in = dweight + t * k;
-    std::vector<double> g(static_cast<size_t>(k));
-    for (int64_t j = 0; j < k; ++j) g[static_cast<size_t>(j)] = g_in[j];
-    if (norm_topk_prob) {
-      double s = 0.0, gw = 0.0;
-      for (int64_t j = 0; j < k; ++j) s += w[j];  // ~1: w is already a softmax
-      for (int64_t j = 0; j < k; ++j) gw += g[static_cast<size_t>(j)] * w[j];
-      for (int64_t j = 0; j < k; ++j) g[static_cast<size_t>(j)] = (g[static_cast<size_t>(j)] - gw) / s;
-    }
-    double gw = 0.0;
-    for (int64_t j = 0; j < k; ++j) gw += g[static_cast<size_t>(j)] * w[j];
-    const int32_t* ex = r.expert.data() + t * k;
-    for (int64_t j = 0; j < k; ++j) {
-      dl[ex[j]] += static_cast<float>(w[j] * (g[static_cast<size_t>(j)] - gw));
+#pragma omp parallel
+  {
+    std::vector<double> row(static_cast<size_t>(E));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < r.tokens; ++t) {
+      // Load-balancing loss through p_e = mean softmax: dP/dl = P (1 - P).
+      // In double: 1 - P of a saturated softmax is not lost to rounding.
+      const double* p = r.probs.data() + t * E;
+      double pf = 0.0;
+      for (int64_t e = 0; e < E; ++e) pf += p[e] * f[static_cast<size_t>(e)];
+      for (int64_t e = 0; e < E; ++e) {
+        row[static_cast<size_t>(e)] = lb * p[e] * (f[static_cast<size_t>(e)] - pf);
+      }
+      // Routing weights: the softmax s over the selected logits, whose
+      // backward s_j (g_j - sum_i s_i g_i) is written s_j sum_i s_i (g_j - g_i)
+      // (sum_i s_i = 1). Where s saturates (s_0 ~ 1) the first form subtracts
+      // two numbers of the size of g to leave s_1 (g_0 - g_1): from the f32
+      // weights (s_0 rounded to 1, or within 3e-8 of 1 - s_1) that was all
+      // rounding (issue 35). The second has no such difference.
+      // norm_topk_prob, w = s / S with S = sum s, only shifts g by a
+      // constant, which the differences drop, and divides it by S.
+      const double* s = r.softmax.data() + t * k;
+      const float* g = dweight + t * k;
+      double S = 1.0;
+      if (norm_topk_prob) {
+        S = 0.0;
+        for (int64_t j = 0; j < k; ++j) S += s[j];
+      }
+      const int32_t* ex = r.expert.data() + t * k;
+      for (int64_t j = 0; j < k; ++j) {
+        double d = 0.0;
+        for (int64_t i = 0; i < k; ++i) {
+          d += s[i] * (static_cast<double>(g[j]) - static_cast<double>(g[i]));
+        }
+        row[static_cast<size_t>(ex[j])] += s[j] * d / S;
+      }
+      float* dl = dlogits + t * E;
+      for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<float>(row[static_cast<size_t>(e)]);
     }
   }
 }

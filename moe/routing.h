@@ -16,8 +16,11 @@ namespace fp8moe::internal {
 struct Routing {
   int64_t tokens = 0, experts = 0, k = 0;
   std::vector<int32_t> expert;       // [T, k] chosen experts, slot j = j-th largest
-  std::vector<float> weight;         // [T, k] routing weights
-  std::vector<float> probs;          // [T, E] softmax over all logits (aux loss)
+  std::vector<float> weight;         // [T, k] routing weights (norm_topk_prob applied)
+  // In double, for the backward: where a softmax saturates its small values
+  // keep their digits, and 1 - p is not lost to f32 rounding (issue 35).
+  std::vector<double> softmax;       // [T, k] softmax over the k selected logits
+  std::vector<double> probs;         // [T, E] softmax over all logits (aux loss)
   std::vector<int32_t> group_sizes;  // [E]
   std::vector<int64_t> row_of_pair;  // [T*k] buffer row of pair p = t*k + j
   std::vector<int64_t> pair_of_row;  // [T*k] inverse: pair of valid row i
@@ -58,7 +61,8 @@ double LoadBalanceLoss(const Routing& r, const std::vector<double>& f, double we
 
 // dlogits [T, E] of the router: from dweight [T, k] (the loss's gradient
 // with respect to the routing weights) and the load-balancing loss with
-// fractions f.
+// fractions f. Computed in double from the double softmaxes, each token's
+// row rounded to f32 once.
 void RouterBackward(const Routing& r, const std::vector<double>& f, const float* dweight,
                     bool norm_topk_prob, double lb_weight, float* dlogits);
 

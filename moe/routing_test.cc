@@ -56,7 +56,7 @@ std::vector<double> RefSoftmax(const std::vector<double>& v) {
 // got (f32 exp of f32 differences, f32 sums) against the double softmax:
 // the difference l - max rounds by u |l - max|, exp and the sums add a few
 // ulp each.
-void ExpectSoftmaxClose(float got, double want, double diff, int64_t n, const char* what) {
+void ExpectSoftmaxClose(double got, double want, double diff, int64_t n, const char* what) {
   if (std::isnan(want)) {
     ASSERT_TRUE(std::isnan(got)) << what << " got " << got << " want NaN";
     return;
@@ -320,7 +320,7 @@ TEST(Route, LoadBalanceLossAndBackwardMatchPlainLoops) {
     std::vector<float> dl(static_cast<size_t>(t * e));
     RouterBackward(r, frac, dw.data(), norm, 0.01, dl.data());
     for (int64_t i = 0; i < t; ++i) {
-      const float* p = r.probs.data() + i * e;
+      const double* p = r.probs.data() + i * e;
       const float* w = r.weight.data() + i * k;
       std::vector<double> want(static_cast<size_t>(e), 0.0), f(static_cast<size_t>(e));
       double pf = 0;

@@ -567,6 +567,75 @@ def test_moe_ops_run_and_agree(run_op):
         assert bwd[name].shape == shape and np.isfinite(bwd[name]).all()
 
 
+def _saturating_moe_inputs(rng, t=64, d=32, f=16, e=4, gap_window=None):
+    """Issue 35's recipe, drawn in its order: rows 0-3 of x scaled x200 put
+    their logits hundreds apart, so the softmax over the selected logits
+    saturates (one weight ~1). With gap_window (lo, hi) rows 0-3 are drawn
+    again until their top two logits, scaled, are lo to hi apart: the range
+    where the f32 form lost everything (the issue's seed 22 had one at 16.9)."""
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    router = (rng.standard_normal((d, e)) / np.sqrt(d)).astype(np.float32)
+    for i in range(4 if gap_window else 0):
+        while True:
+            top2 = np.sort(200 * as_f64(x[i]) @ as_f64(router))[-2:]
+            if gap_window[0] <= top2[1] - top2[0] <= gap_window[1]:
+                break
+            x[i] = rng.standard_normal(d).astype(np.float32)
+    x[:4] *= 200
+    return dict(x=x, router=router,
+                wi=(rng.standard_normal((e, d, 2 * f)) / np.sqrt(d)).astype(np.float32),
+                wo=(rng.standard_normal((e, f, d)) / np.sqrt(f)).astype(np.float32),
+                dy=rng.standard_normal((t, d)).astype(np.float32))
+
+
+def _moe_f64(t, k=2):
+    """y, dx, drouter of the MoE layer (docs/moe.md, dtype=float32, no
+    load-balancing loss) in float64: top-k of x @ router (ties to the lower
+    expert), softmax over the k selected, experts silu(x wi_gate) * (x wi_up)
+    @ wo, combined with the weights; the gradients of sum(y * dy). The
+    softmax's backward is written w_j sum_i w_i (g_j - g_i), which does not
+    cancel where a weight is ~1."""
+    x, router, wi, wo, dy = (as_f64(t[n]) for n in ("x", "router", "wi", "wo", "dy"))
+    f = wo.shape[1]
+    logits = x @ router
+    top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    sel = np.take_along_axis(logits, top, 1)
+    z = np.exp(sel - sel[:, :1])
+    w = z / z.sum(1, keepdims=True)
+    y, dx, dw = np.zeros_like(x), np.zeros_like(x), np.zeros_like(w)
+    for j in range(k):
+        for e in range(router.shape[1]):
+            rows = top[:, j] == e
+            h = x[rows] @ wi[e]
+            gate, up = h[:, :f], h[:, f:]
+            sig = 1 / (1 + np.exp(-gate))
+            ye = (gate * sig * up) @ wo[e]
+            y[rows] += w[rows, j:j + 1] * ye
+            dw[rows, j] = (dy[rows] * ye).sum(1)
+            da = (w[rows, j:j + 1] * dy[rows]) @ wo[e].T
+            dh = np.concatenate([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], 1)
+            dx[rows] += dh @ wi[e].T
+    dsel = w * (w[:, None, :] * (dw[:, :, None] - dw[:, None, :])).sum(2)
+    dlogits = np.zeros_like(logits)
+    np.put_along_axis(dlogits, top, dsel, 1)
+    return dict(y=y, dx=dx + dlogits @ router.T, drouter=x.T @ dlogits)
+
+
+@pytest.mark.parametrize("seed,gap_window", [(22, None), (None, (12, 20))],
+                         ids=["issue35", "fresh"])
+def test_moe_backward_saturated_routing_softmax_matches_float64(run_op, seed, gap_window):
+    # Issue 35: with seed 22 drouter was off by 1.2e-1 of its largest entry
+    # (the f32 softmax backward w_j (g_j - sum w_i g_i) cancels where w ~ 1).
+    ins = _saturating_moe_inputs(np.random.default_rng(seed), gap_window=gap_window)
+    code, out, err = run_op("moe_backward", ins, "num_experts=4", "dtype=float32",
+                            "load_balance_loss_weight=0")
+    assert code == 0, err
+    want = _moe_f64(ins)
+    for name in ("y", "dx", "drouter"):
+        rel = np.abs(out[name] - want[name]).max() / np.abs(want[name]).max()
+        assert rel <= 1e-4, f"{name}: {rel:.2e} of its largest entry"
+
+
 @pytest.mark.parametrize("keys,needle", [
     (["num_expert=4"], "did you mean 'num_experts'"),
     (["num_experts=4", "fp8_moe_native_fwd=true"], "fp8_moe_fake_quant"),
