@@ -111,6 +111,11 @@ double MaxRelative(const std::vector<double>& a, const std::vector<double>& b) {
   return worst;
 }
 
+// The bound on the 20-step loss drift of a quantized mode, 2 ranks against
+// one: see EveryQatModeStaysWithinItsBound for why it is loose and what the
+// sharp checks are.
+constexpr double kQatDrift = 2e-3;
+
 const std::vector<std::string> kF32 = {"fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=",
                                        "fp8_moe_native_fwd=false",
                                        "fp8_moe_native_bwd_dlhs=false", "dtype=float32"};
@@ -138,21 +143,22 @@ TEST(TrainDist, F32LossesMatchOneRankWithin1e5On2And4Ranks) {
   }
 }
 
-// Every QAT mode: 2 ranks against one, 20 steps. The first step's loss
-// matches to 1e-6 in every mode (gather8 gives QuantizeChannels' codes).
-// After it the gradients differ from one rank's by the order of their
-// summation (f32, ~1e-8 relative in the f32 mode); in a quantized mode such a
-// difference can move a weight across a rounding boundary of its code, a
-// whole quantization step, and the runs drift apart a little. Measured
-// (2026-11-30, these shapes): none/bf16 3.6e-5, fake_qat 2.7e-5, native_fwd
-// and native_fwd_dlhs 3.0e-5, native_fwd_dlhs with a fixed weight calibration
-// 2.2e-8 (fixed scales: only a weight itself crossing a code boundary
-// counts, while with absmax a channel's largest weight moving by an ulp
-// rescales the whole channel), hand_crafted int8 9.3e-4, fp8_full 1.4e-3.
-// fp8_full is further off by design: its gradient scales are per (expert
-// group, channel) over the group's rows, and each rank's group holds only
-// its slice of the batch. Why int8 drifts more than the fp8 modes was not
-// investigated. Bounds: ~4-6x the measured values.
+// Every QAT mode: 2 ranks against one, 20 steps. Step 1 sees the same
+// weights, so its loss and its gradient norm match to 1e-6 in every mode
+// (gather8 gives QuantizeChannels' codes; only the order of the f32 sums
+// differs, ~1e-8) but fp8_full, whose gradient scales are per (expert group,
+// channel) over the group's rows, and each rank's group holds only its slice
+// of the batch (1e-4 measured, bound 1e-3). These step-1 checks are the sharp
+// ones. After step 1, in a quantized mode a summation-order difference can
+// move a weight across a rounding boundary of its code, a whole quantization
+// step, and the runs drift apart chaotically: the drift depends on the
+// machine's kernels (AVX-512 Zen 4: fake_qat 2.7e-5, native 3.0e-5; AVX2
+// Zen: fake_qat 6.4e-4, native 3.4e-4) and is as large as a 0.1% change of
+// the learning rate makes (3.6e-4..6.1e-4 here). So the 20-step drift bound,
+// kQatDrift = 2e-3, catches only gross errors (a 1% learning-rate change
+// drifts 1.0e-3..2.3e-3). With a fixed weight calibration only a weight
+// itself crossing a code boundary counts (2.2e-8 .. 6.3e-6); int8 and
+// fp8_full drift more (9.3e-4, 1.7e-3) and keep their own bounds.
 TEST(TrainDist, EveryQatModeStaysWithinItsBound) {
   struct Mode {
     const char* name;
@@ -161,13 +167,13 @@ TEST(TrainDist, EveryQatModeStaysWithinItsBound) {
   };
   const std::vector<Mode> modes = {
       {"none bf16", {"fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=",
-                     "fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, 2e-4},
-      {"fake_qat", {"fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, 2e-4},
-      {"native_fwd", {"fp8_moe_native_bwd_dlhs=false"}, 2e-4},
-      {"native_fwd_dlhs", {}, 2e-4},
+                     "fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, kQatDrift},
+      {"fake_qat", {"fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, kQatDrift},
+      {"native_fwd", {"fp8_moe_native_bwd_dlhs=false"}, kQatDrift},
+      {"native_fwd_dlhs", {}, kQatDrift},
       // A fixed weight calibration: the experts are gathered whole in f32
       // (its straight-through mask reads the master).
-      {"native fixed calib", {"weight_quantization_calibration_method=fixed,-1,1"}, 2e-4},
+      {"native fixed calib", {"weight_quantization_calibration_method=fixed,-1,1"}, 1e-4},
       {"hand_crafted int8", {"fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=",
                              "fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false",
                              "quantization=int8"}, 5e-3},
@@ -192,6 +198,9 @@ TEST(TrainDist, EveryQatModeStaysWithinItsBound) {
     // Step 1 sees the same weights: the same codes (gather8 gives
     // QuantizeChannels' bits), so only the order of the ranks' means differs.
     EXPECT_NEAR(two.losses[0], one.losses[0], 1e-6 * one.losses[0]);
+    const bool group_scales = std::string(m.name) == "fp8_full";
+    EXPECT_NEAR(two.grad_norms[0], one.grad_norms[0],
+                (group_scales ? 1e-3 : 1e-6) * one.grad_norms[0]);
   }
 }
 
@@ -253,11 +262,11 @@ TEST(TrainDist, ExpertParallelLossesMatchOneRank) {
   const std::vector<Mode> modes = {
       {"f32", kF32, 1e-5},
       {"none bf16", {"fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=",
-                     "fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, 2e-4},
-      {"fake_qat", {"fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, 2e-4},
-      {"native_fwd_dlhs", {}, 2e-4},
+                     "fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, kQatDrift},
+      {"fake_qat", {"fp8_moe_native_fwd=false", "fp8_moe_native_bwd_dlhs=false"}, kQatDrift},
+      {"native_fwd_dlhs", {}, kQatDrift},
       // The quantized token all-gather: one rank runs the same round trip.
-      {"native quant tokens", {"moe_quantize_token_all_gather=true"}, 2e-4},
+      {"native quant tokens", {"moe_quantize_token_all_gather=true"}, kQatDrift},
   };
   for (const Mode& m : modes) {
     const auto flags = With(Tiny("ep", 20), m.flags);
@@ -276,6 +285,7 @@ TEST(TrainDist, ExpertParallelLossesMatchOneRank) {
                   m.bound, std::fabs(n.losses[0] - one.losses[0]) / one.losses[0]);
       EXPECT_LT(rel, m.bound);
       EXPECT_NEAR(n.losses[0], one.losses[0], 1e-6 * one.losses[0]);
+      EXPECT_NEAR(n.grad_norms[0], one.grad_norms[0], 1e-6 * one.grad_norms[0]);
       EXPECT_NEAR(*n.summary.final_eval_loss, *one.summary.final_eval_loss,
                   m.bound * *one.summary.final_eval_loss);
     }
@@ -299,7 +309,7 @@ TEST(TrainDist, TokenChunksTrainLikeOneChunk) {
       {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "num_moe_token_chunks=3"}},
   };
   const std::vector<std::pair<std::vector<std::string>, double>> modes = {{kF32, 1e-5},
-                                                                          {{}, 2e-4}};
+                                                                          {{}, kQatDrift}};
   for (const auto& [mode, bound] : modes) {
     const auto flags = With(Tiny("chunks", 20), mode);
     RunResult one = RunRanks(1, flags, true);
@@ -316,12 +326,14 @@ TEST(TrainDist, TokenChunksTrainLikeOneChunk) {
                   what.c_str(), rel, bound);
       EXPECT_LT(rel, bound);
       // Step 1's loss is the forward of the same weights: the same bits on
-      // one rank (y is bit-exact in chunks), 1e-6 on rings.
+      // one rank (y is bit-exact in chunks), 1e-6 on rings; its gradient
+      // differs by the order of the chunks' partial sums.
       if (c.ranks == 1) {
         EXPECT_EQ(n.losses[0], one.losses[0]);
       } else {
         EXPECT_NEAR(n.losses[0], one.losses[0], 1e-6 * one.losses[0]);
       }
+      EXPECT_NEAR(n.grad_norms[0], one.grad_norms[0], 1e-6 * one.grad_norms[0]);
     }
   }
 }
