@@ -11,11 +11,16 @@
 
 #include <CLI/CLI.hpp>
 
-#include "cli/bench.h"
-#include "cli/openblas_core.h"
+#include "bench/bench_comm.h"
+#include "bench/bench_gmm.h"
+#include "bench/bench_moe.h"
+#include "bench/bench_quant.h"
+#include "bench/bench_train.h"
+#include "bench/openblas_core.h"
+#include "bench/sgemm_ceiling.h"
 #include "cli/op.h"
 #include "cli/train.h"
-#include "cli/world.h"
+#include "dist/world.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/safetensors.h"
@@ -28,7 +33,7 @@ int Info() {
   std::printf("simd target: %s (chosen at run time)\n", fp8moe::SimdTargetName());
   std::printf("threads: %d (OpenMP; set OMP_NUM_THREADS to change)\n",
               omp_get_max_threads());
-  std::printf("mpi: %s\n", fp8moe::cli::MpiInfo().c_str());
+  std::printf("mpi: %s\n", fp8moe::MpiInfo().c_str());
   const uint64_t cap = fp8moe::MemoryCap();
   std::printf("memory cap: %s, from %s\n",
               cap == 0 ? "none" : fp8moe::FormatBytes(cap).c_str(),
@@ -214,8 +219,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (bench_what == "train") {
-      omp_set_num_threads(bopt.threads);
-      return fp8moe::cli::BenchTrain(bench_keys, bopt.json);
+      return fp8moe::bench::BenchTrain(bopt, bench_keys, fp8moe::cli::RunReport);
     }
     if (!bench_keys.empty()) {
       std::fprintf(stderr, "error: bench %s takes no key=value settings\n", bench_what.c_str());

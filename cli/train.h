@@ -1,4 +1,5 @@
-// `fp8moe train`, `fp8moe report` and `fp8moe bench train`.
+// `fp8moe train` and `fp8moe report` (which `fp8moe bench train` draws its
+// runs with: bench/bench_train.h).
 #ifndef FP8MOE_CLI_TRAIN_H_
 #define FP8MOE_CLI_TRAIN_H_
 
@@ -14,9 +15,6 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config);
 // fp8moe report RUN_DIR [RUN_DIR ...] [--out PNG]: one PNG with loss
 // curves, step times, per-expert load and FP8 health (gnuplot).
 int RunReport(const std::vector<std::string>& run_dirs, const std::string& out);
-
-// fp8moe bench train [key=value ...]: one seed in every QAT mode.
-int BenchTrain(const std::vector<std::string>& keys, bool json);
 
 }  // namespace fp8moe::cli
 

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-DECODE = dict(e=8, m=64, k=2048, n=4096)  # the `decode` shape of cli/bench_gmm.cc
+DECODE = dict(e=8, m=64, k=2048, n=4096)  # the `decode` shape of bench/bench_gmm.cc
 PEAK_NAMES = {"f32_fma", "bf16_dot", "int16_pairs", "int16_vnni", "int8_vnni"}
 GOOD_CORES = {"avx2": {"Haswell", "Zen"}, "avx512": {"SkylakeX", "Cooperlake", "SapphireRapids"}}
 
@@ -137,7 +137,7 @@ def test_gmm_json_has_ceilings_and_consistent_ratios(fp8moe_bin):
 
 def check_interval(iv, a, b):
     """A PairedRatioInterval in JSON against the round times it came from:
-    the median and the order statistics of the sign test (cli/bench_util.h;
+    the median and the order statistics of the sign test (bench/bench_util.h;
     its table is checked in bench_util_test.cc)."""
     ratios = sorted(x / y for x, y in zip(a, b))
     n = len(ratios)

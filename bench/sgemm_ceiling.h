@@ -1,8 +1,8 @@
 // OpenBLAS sgemm as a benchmark's ceiling, only from a core that is right
-// for this CPU (cli/openblas_core.h says how OpenBLAS picks its core and why
+// for this CPU (bench/openblas_core.h says how OpenBLAS picks its core and why
 // a wrong one cannot be replaced inside the process).
-#ifndef FP8MOE_CLI_SGEMM_CEILING_H_
-#define FP8MOE_CLI_SGEMM_CEILING_H_
+#ifndef FP8MOE_BENCH_SGEMM_CEILING_H_
+#define FP8MOE_BENCH_SGEMM_CEILING_H_
 
 #include <cstdint>
 #include <memory>
@@ -10,6 +10,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "bench/bench_options.h"
 
 namespace fp8moe::bench {
 
@@ -90,6 +92,12 @@ SgemmCeiling MeasureSgemmCeiling(const std::vector<SgemmShape>& shapes, int thre
 std::vector<std::string> SgemmNotes(const SgemmCeiling& c);
 nlohmann::json SgemmJson(const SgemmCeiling& c, const std::vector<SgemmShape>& shapes);
 
+// `fp8moe bench sgemm`: OpenBLAS sgemm in this process as loaded, on
+// sgemm_sizes (the other benches run it in a child with OPENBLAS_CORETYPE set
+// when the loaded core is a fallback); with sgemm_serve, SgemmRounds' child.
+// Reads json, threads, reps, sgemm_sizes, sgemm_serve.
+int BenchSgemm(const BenchOptions& opt);
+
 }  // namespace fp8moe::bench
 
-#endif  // FP8MOE_CLI_SGEMM_CEILING_H_
+#endif  // FP8MOE_BENCH_SGEMM_CEILING_H_

@@ -2,7 +2,7 @@
 // the CPU, else in a child process (this same binary, `fp8moe bench sgemm
 // --sizes ... --json`) whose OPENBLAS_CORETYPE names a right core; OpenBLAS
 // reads that variable only while it is being loaded.
-#include "cli/sgemm_ceiling.h"
+#include "bench/sgemm_ceiling.h"
 
 #include <cblas.h>
 #include <fcntl.h>
@@ -20,9 +20,8 @@
 #include <sstream>
 #include <thread>
 
-#include "cli/bench.h"
-#include "cli/bench_util.h"
-#include "cli/openblas_core.h"
+#include "bench/bench_util.h"
+#include "bench/openblas_core.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/tensor.h"
 

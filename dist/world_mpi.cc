@@ -1,9 +1,9 @@
 // StartWorld with MPI linked: MPI under an MPI launcher, else one rank (MPI
 // stays uninitialised, so `fp8moe` runs without mpirun as before).
-#include "cli/world.h"
+#include "dist/world.h"
 #include "fp8moe/mpi.h"
 
-namespace fp8moe::cli {
+namespace fp8moe {
 namespace {
 
 class MpiWorld final : public World {
@@ -46,4 +46,4 @@ std::string MpiInfo() {
                                                 : " (linked; `mpirun -np N fp8moe ...` runs N ranks)");
 }
 
-}  // namespace fp8moe::cli
+}  // namespace fp8moe

@@ -5,6 +5,8 @@
 // (target 0) and the peak memory; then draws the runs into one PNG with
 // `fp8moe report`. The default schedule takes a few minutes in all; steps=
 // sets a longer one. Native's final eval loss must be within 1% of none's.
+#include <omp.h>
+
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -13,11 +15,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cli/train.h"
+#include "bench/bench_train.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/train.h"
 
-namespace fp8moe::cli {
+namespace fp8moe::bench {
 namespace fs = std::filesystem;
 
 namespace {
@@ -107,7 +109,10 @@ Status ClearBenchRun(const fs::path& dir) {
 
 }  // namespace
 
-int BenchTrain(const std::vector<std::string>& keys, bool json_out) {
+int BenchTrain(const BenchOptions& opt, const std::vector<std::string>& keys,
+               const DrawRuns& draw_runs) {
+  omp_set_num_threads(opt.threads);
+  const bool json_out = opt.json;
   // The bench's own defaults, before the user's keys: a short schedule, no
   // checkpoints, its own output directory.
   if (Status st = CheckKeys(keys); !st.ok()) {
@@ -226,8 +231,7 @@ int BenchTrain(const std::vector<std::string>& keys, bool json_out) {
                 "library high-water mark of the run\n");
   }
   std::fflush(stdout);
-  const int rc = RunReport(dirs, png);
-  return rc;
+  return draw_runs(dirs, png);
 }
 
-}  // namespace fp8moe::cli
+}  // namespace fp8moe::bench

@@ -1,6 +1,10 @@
-// Entry points of `fp8moe bench ...`.
-#ifndef FP8MOE_CLI_BENCH_H_
-#define FP8MOE_CLI_BENCH_H_
+// The options of `fp8moe bench ...`, as the command parses them (cli/main.cc);
+// each bench reads the ones its comment names. Every bench returns the
+// command's exit code: 0 done, 1 a runtime failure (a buffer refused, a
+// child process or a rank that failed), 2 a bad request (an option out of
+// place, a name that matches nothing, a run too big for the memory).
+#ifndef FP8MOE_BENCH_BENCH_OPTIONS_H_
+#define FP8MOE_BENCH_BENCH_OPTIONS_H_
 
 #include <cstdint>
 #include <string>
@@ -25,15 +29,6 @@ struct BenchOptions {
   int64_t max_payload = int64_t{64} << 20;  // bench comm: largest payload in bytes
 };
 
-int BenchQuant(const BenchOptions& opt);
-int BenchGmm(const BenchOptions& opt);
-int BenchMoe(const BenchOptions& opt);
-// OpenBLAS sgemm in this process as loaded (the other benches run it in a
-// child with OPENBLAS_CORETYPE set when the loaded core is a fallback).
-int BenchSgemm(const BenchOptions& opt);
-// Under mpirun: ring collectives vs MPI's own, and the gathers' bytes.
-int BenchComm(const BenchOptions& opt);
-
 }  // namespace fp8moe::bench
 
-#endif  // FP8MOE_CLI_BENCH_H_
+#endif  // FP8MOE_BENCH_BENCH_OPTIONS_H_

@@ -7,8 +7,8 @@
 // measures the AVX2 peak; instructions Highway 1.0.3 lacks (vdpbf16ps,
 // vpdpbusd, vpdpwssd) are raw intrinsics of that target with the CPU checked
 // at run time, like the kernels that use them.
-#ifndef FP8MOE_CLI_MACHINE_PEAKS_H_
-#define FP8MOE_CLI_MACHINE_PEAKS_H_
+#ifndef FP8MOE_BENCH_MACHINE_PEAKS_H_
+#define FP8MOE_BENCH_MACHINE_PEAKS_H_
 
 #include <cstdint>
 #include <string>
@@ -74,4 +74,4 @@ MachinePeaks MeasurePeaks(int threads);
 
 }  // namespace fp8moe::bench
 
-#endif  // FP8MOE_CLI_MACHINE_PEAKS_H_
+#endif  // FP8MOE_BENCH_MACHINE_PEAKS_H_

@@ -21,9 +21,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cli/bench.h"
-#include "cli/bench_util.h"
-#include "cli/sgemm_ceiling.h"
+#include "bench/bench_moe.h"
+#include "bench/bench_util.h"
+#include "bench/sgemm_ceiling.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/moe.h"
 #include "fp8moe/numerics.h"

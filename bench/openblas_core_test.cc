@@ -1,4 +1,4 @@
-#include "cli/openblas_core.h"
+#include "bench/openblas_core.h"
 
 #include <string>
 #include <vector>

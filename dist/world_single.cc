@@ -1,8 +1,8 @@
 // StartWorld without MPI: always one rank.
-#include "cli/world.h"
+#include "dist/world.h"
 #include "fp8moe/mpi.h"
 
-namespace fp8moe::cli {
+namespace fp8moe {
 namespace {
 
 class SingleWorld final : public World {
@@ -27,4 +27,4 @@ Result<std::unique_ptr<World>> StartWorld() {
 
 std::string MpiInfo() { return "none (built without MPI: one rank only)"; }
 
-}  // namespace fp8moe::cli
+}  // namespace fp8moe

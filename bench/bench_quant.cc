@@ -17,8 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cli/bench.h"
-#include "cli/bench_util.h"
+#include "bench/bench_quant.h"
+#include "bench/bench_util.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "fp8moe/tensor.h"

@@ -19,9 +19,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cli/bench.h"
-#include "cli/bench_util.h"
-#include "cli/sgemm_ceiling.h"
+#include "bench/bench_gmm.h"
+#include "bench/bench_util.h"
+#include "bench/sgemm_ceiling.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"

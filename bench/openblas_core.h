@@ -16,11 +16,11 @@
 //    SkylakeX on an AVX2-only CPU loads and then dies of SIGILL in sgemm.
 //  - The core cannot change after loading, so a benchmark that finds a core
 //    below the CPU's ISA measures sgemm again in a child process started with
-//    OPENBLAS_CORETYPE set to one of CandidateCores() (cli/sgemm_ceiling.h).
-//    sgemm on Cooperlake is SkylakeX's kernel; on Zen it is Haswell's kernel
-//    with other blocking.
-#ifndef FP8MOE_CLI_OPENBLAS_CORE_H_
-#define FP8MOE_CLI_OPENBLAS_CORE_H_
+//    OPENBLAS_CORETYPE set to one of AdviseCore()'s coretypes
+//    (bench/sgemm_ceiling.h). sgemm on Cooperlake is SkylakeX's kernel; on
+//    Zen it is Haswell's kernel with other blocking.
+#ifndef FP8MOE_BENCH_OPENBLAS_CORE_H_
+#define FP8MOE_BENCH_OPENBLAS_CORE_H_
 
 #include <string>
 #include <string_view>
@@ -66,4 +66,4 @@ CoreAdvice AdviseCore(std::string_view corename, const CpuIsa& isa);
 
 }  // namespace fp8moe::bench
 
-#endif  // FP8MOE_CLI_OPENBLAS_CORE_H_
+#endif  // FP8MOE_BENCH_OPENBLAS_CORE_H_

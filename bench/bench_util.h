@@ -4,9 +4,9 @@
 // Ceilings (docs/benchmarks.md): the machine's register-only arithmetic
 // peaks and its streaming read and memcpy bandwidths (MachineCeilings, for
 // every bench, `bench train` and `bench comm` included), and OpenBLAS sgemm
-// from a core right for the CPU (cli/sgemm_ceiling.h).
-#ifndef FP8MOE_CLI_BENCH_UTIL_H_
-#define FP8MOE_CLI_BENCH_UTIL_H_
+// from a core right for the CPU (bench/sgemm_ceiling.h).
+#ifndef FP8MOE_BENCH_BENCH_UTIL_H_
+#define FP8MOE_BENCH_BENCH_UTIL_H_
 
 #include <cstddef>
 #include <functional>
@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cli/machine_peaks.h"
+#include "bench/machine_peaks.h"
 #include "fp8moe/tensor.h"
 
 namespace fp8moe::bench {
@@ -160,4 +160,4 @@ std::string SizeText(size_t bytes);
 
 }  // namespace fp8moe::bench
 
-#endif  // FP8MOE_CLI_BENCH_UTIL_H_
+#endif  // FP8MOE_BENCH_BENCH_UTIL_H_

@@ -9,7 +9,7 @@
 // P = 2 on Zen 3 and Skylake (8 chains); SSE4 has no FMA, and its mul + add
 // chain is 6 cycles long on Zen 3's 2 mul + 2 add pipes (12 chains). 12
 // chains fit the 16 registers of AVX2/SSE4; AVX-512 has 32 and gets 16.
-#include "cli/machine_peaks.h"
+#include "bench/machine_peaks.h"
 
 #include <omp.h>
 
@@ -19,7 +19,7 @@
 #include <ctime>
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "cli/machine_peaks.cc"
+#define HWY_TARGET_INCLUDE "bench/machine_peaks.cc"
 #include "fp8moe/numerics.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"

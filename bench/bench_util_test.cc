@@ -2,7 +2,7 @@
 // (the measuring itself depends on the machine and is covered by
 // tests/python/test_bench.py); PairedRatioInterval: the statistics of the
 // ratios between modes timed in the same rounds.
-#include "cli/bench_util.h"
+#include "bench/bench_util.h"
 
 #include <functional>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "cli/bench_util.h"
+#include "bench/bench_util.h"
 
 #include "fp8moe/tensor.h"
 

@@ -21,9 +21,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cli/bench.h"
-#include "cli/bench_util.h"
-#include "cli/world.h"
+#include "bench/bench_comm.h"
+#include "bench/bench_util.h"
+#include "dist/world.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/dist.h"
 
@@ -94,7 +94,7 @@ int BenchComm(const BenchOptions& opt) {
                  static_cast<long long>(opt.min_payload), static_cast<long long>(opt.max_payload));
     return 2;
   }
-  auto world = cli::StartWorld();
+  auto world = StartWorld();
   if (!world.ok()) {
     std::fprintf(stderr, "error: %s\n", world.status().ToString().c_str());
     return 1;

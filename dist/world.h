@@ -1,9 +1,10 @@
 // The ranks this process runs with, for the commands that communicate (bench
 // comm, train). Two implementations, chosen at build time by CMake:
 // world_mpi.cc (MPI found: MPI under mpirun, one rank otherwise) and
-// world_single.cc (built without MPI: always one rank).
-#ifndef FP8MOE_CLI_WORLD_H_
-#define FP8MOE_CLI_WORLD_H_
+// world_single.cc (built without MPI: always one rank). Library
+// fp8moe_world, for the command and its benches; not installed.
+#ifndef FP8MOE_DIST_WORLD_H_
+#define FP8MOE_DIST_WORLD_H_
 
 #include <memory>
 #include <string>
@@ -11,7 +12,7 @@
 #include "fp8moe/communicator.h"
 #include "fp8moe/status.h"
 
-namespace fp8moe::cli {
+namespace fp8moe {
 
 class World {
  public:
@@ -33,6 +34,6 @@ Result<std::unique_ptr<World>> StartWorld();
 // initialises MPI.
 std::string MpiInfo();
 
-}  // namespace fp8moe::cli
+}  // namespace fp8moe
 
-#endif  // FP8MOE_CLI_WORLD_H_
+#endif  // FP8MOE_DIST_WORLD_H_
