@@ -29,19 +29,6 @@
 namespace fp8moe::bench {
 namespace {
 
-Tensor RandomF32(std::mt19937& rng, Shape s, float sd) {
-  Tensor t = MustCreate(DType::kF32, std::move(s));
-  std::normal_distribution<float> nd(0.0f, sd);
-  for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = nd(rng);
-  return t;
-}
-
-Tensor ToBf16(const Tensor& f) {
-  Tensor t = MustCreate(DType::kBF16, f.shape());
-  F32ToBf16Span(f.data_as<float>(), t.data_as<uint16_t>(), f.num_elements());
-  return t;
-}
-
 struct Shape4 {
   std::string name;
   int64_t e, m, k, n;

@@ -31,13 +31,6 @@
 namespace fp8moe::bench {
 namespace {
 
-Tensor RandomF32(std::mt19937& rng, Shape s, float sd) {
-  Tensor t = MustCreate(DType::kF32, std::move(s));
-  std::normal_distribution<float> nd(0.0f, sd);
-  for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = nd(rng);
-  return t;
-}
-
 struct Mode {
   std::string name;
   std::vector<std::string> flags;

@@ -1,5 +1,6 @@
 #include "bench/bench_util.h"
 
+#include "fp8moe/numerics.h"
 #include "fp8moe/tensor.h"
 
 #include <omp.h>
@@ -25,6 +26,19 @@ void MustSucceed(const Status& status) {
     std::fprintf(stderr, "error: %s\n", status.ToString().c_str());
     std::exit(1);
   }
+}
+
+Tensor RandomF32(std::mt19937& rng, Shape shape, float sd) {
+  Tensor t = MustCreate(DType::kF32, std::move(shape));
+  std::normal_distribution<float> nd(0.0f, sd);
+  for (size_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = nd(rng);
+  return t;
+}
+
+Tensor ToBf16(const Tensor& f) {
+  Tensor t = MustCreate(DType::kBF16, f.shape());
+  F32ToBf16Span(f.data_as<float>(), t.data_as<uint16_t>(), f.num_elements());
+  return t;
 }
 
 double NowSeconds() {

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,13 @@ double NowSeconds();
 Tensor MustCreate(DType dtype, Shape shape);
 // Exits with status 1, printing the error, unless `status` is ok.
 void MustSucceed(const Status& status);
+
+// A new f32 tensor of `shape` drawn from N(0, sd^2) by `rng`, element by
+// element in order (the same seed gives the same operands run after run).
+Tensor RandomF32(std::mt19937& rng, Shape shape, float sd);
+// f32 `f` rounded to bf16 (F32ToBf16Span: to nearest even), a new tensor of
+// f's shape.
+Tensor ToBf16(const Tensor& f);
 
 // Runs fn once to warm up, then `reps` times; returns the fastest time in
 // seconds (the least disturbed by other work on a shared machine).

@@ -1,11 +1,18 @@
 // MergeCeilings: the bookkeeping of the benches' second ceiling measurement
 // (the measuring itself depends on the machine and is covered by
 // tests/python/test_bench.py); PairedRatioInterval: the statistics of the
-// ratios between modes timed in the same rounds.
+// ratios between modes timed in the same rounds; RandomF32 and ToBf16: the
+// operands of bench gmm and bench moe.
 #include "bench/bench_util.h"
 
+#include <cmath>
+#include <cstring>
 #include <functional>
+#include <limits>
+#include <random>
 #include <vector>
+
+#include "fp8moe/numerics.h"
 
 #include "gtest/gtest.h"
 
@@ -169,6 +176,47 @@ TEST(SecondsInterleaved, WarmsUpOnceThenTimesEveryFunctionEachRound) {
   const std::vector<double> best = BestSecondsInterleaved(2, fns);
   EXPECT_EQ(best.size(), 3u);
   EXPECT_EQ(calls[0], 8);
+}
+
+TEST(RandomF32, SameSeedSameValuesDrawnWithTheAskedSpread) {
+  std::mt19937 a(7), b(7);
+  const Tensor x = RandomF32(a, {64, 96}, 0.03f), y = RandomF32(b, {64, 96}, 0.03f);
+  ASSERT_EQ(x.dtype(), DType::kF32);
+  ASSERT_EQ(x.shape(), (Shape{64, 96}));
+  EXPECT_EQ(std::memcmp(x.data(), y.data(), x.num_elements() * 4), 0);
+  double sum = 0, sum2 = 0;
+  for (size_t i = 0; i < x.num_elements(); ++i) {
+    const double v = x.data_as<float>()[i];
+    sum += v;
+    sum2 += v * v;
+  }
+  const double n = static_cast<double>(x.num_elements());
+  EXPECT_NEAR(sum / n, 0.0, 0.002);
+  EXPECT_NEAR(std::sqrt(sum2 / n - (sum / n) * (sum / n)), 0.03, 0.0015);
+  // The next draw goes on from where the last one stopped.
+  const Tensor z = RandomF32(a, {64, 96}, 0.03f);
+  EXPECT_NE(std::memcmp(x.data(), z.data(), x.num_elements() * 4), 0);
+}
+
+TEST(ToBf16, EveryElementRoundedToNearestEvenInItsPlace) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> values = {1.0f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -0.0f, inf, -inf,
+                                     1e-40f, -1e30f, 3.14159f, std::nanf("")};
+  // 1 + 2^-8 is a tie that rounds to the even 1.0; 1 + 3 * 2^-8 one that
+  // rounds up to 1 + 2^-6.
+  const std::vector<uint16_t> expected = {0x3F80, 0x3F80, 0x3F82, 0x8000, 0x7F80, 0xFF80};
+  Tensor f = MustCreate(DType::kF32, {2, 5});
+  std::memcpy(f.data(), values.data(), values.size() * 4);
+  const Tensor b = ToBf16(f);
+  ASSERT_EQ(b.dtype(), DType::kBF16);
+  ASSERT_EQ(b.shape(), (Shape{2, 5}));
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t got = b.data_as<uint16_t>()[i];
+    if (i < expected.size()) {
+      EXPECT_EQ(got, expected[i]) << i;
+    }
+    EXPECT_EQ(got, F32ToBf16(values[i])) << i;
+  }
 }
 
 }  // namespace
