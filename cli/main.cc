@@ -52,22 +52,21 @@ std::string OpList() {
   return s;
 }
 
-}  // namespace
+// `fp8moe bench`: what its options fill, for RunBench.
+struct BenchArgs {
+  fp8moe::bench::BenchOptions opt;
+  std::string what;               // quant, gmm, moe, train, sgemm or comm
+  std::vector<std::string> keys;  // bench train's key=value flags
+  bool fwd_only = false;
+};
 
-int main(int argc, char** argv) {
-  CLI::App app{"fp8moe: FP8 quantization-aware training of Mixture-of-Experts models"};
-  app.require_subcommand(1);
-  app.set_version_flag("--version", std::string(fp8moe::kVersion));
-
-  auto* info = app.add_subcommand("info", "version, SIMD target, threads, MPI and the memory cap");
-
-  fp8moe::bench::BenchOptions bopt;
+CLI::App* AddBenchCommand(CLI::App& app, BenchArgs* args) {
+  fp8moe::bench::BenchOptions& bopt = args->opt;
   bopt.threads = omp_get_max_threads();
-  std::string bench_what;
   auto* bench = app.add_subcommand(
       "bench", "benchmarks with their own ceilings: quant, gmm, moe, train, comm (sgemm: the "
                "OpenBLAS ceiling alone)");
-  bench->add_option("what", bench_what,
+  bench->add_option("what", args->what,
                     "which benchmark: quant, gmm, moe, train, sgemm or comm (comm: under "
                     "mpirun -np N)")
       ->required()
@@ -85,18 +84,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1024));
   bench->add_option("--reps", bopt.reps, "timed repetitions (best is kept)")
       ->check(CLI::Range(1, 1000));
-  std::string simd;
-  app.add_option("--simd", simd, "restrict SIMD dispatch to this target and below (e.g. AVX2)")
-      ->envname("FP8MOE_SIMD");
-  std::string memory_cap;
-  app.add_option("--memory-cap", memory_cap,
-                 "refuse requests needing more memory than this (bytes, or e.g. 8G, 512MiB; "
-                 "0 = no cap; default: FP8MOE_MEMORY_CAP, else the available memory)");
   bench->add_option("--shape", bopt.shape,
                     "bench gmm: the shape of this name, else shapes whose name contains it; bench moe: "
                     "only such modes, or a comma-separated list of exact mode names");
-  bool fwd_only = false;
-  bench->add_flag("--fwd-only", fwd_only, "bench gmm: forward passes only");
+  bench->add_flag("--fwd-only", args->fwd_only, "bench gmm: forward passes only");
   bench->add_option("--tiles", bopt.fwd_tiles,
                     "bench gmm: forward tiles M K N (0 keeps a default; k must be even)")
       ->expected(3)
@@ -112,38 +103,51 @@ int main(int argc, char** argv) {
                     "bench quant: elements per pass (rounded down to rows of 1024, at least 8 "
                     "rows: 8192)")
       ->check(CLI::Range(int64_t{8192}, int64_t{1} << 32));
+  bench->add_option("keys", args->keys, "bench train: key=value flags of fp8moe train (e.g. steps=1200)");
+  return bench;
+}
 
-  std::vector<std::string> train_args;
-  bool print_base_config = false;
-  auto* train = app.add_subcommand("train", "train a MoE transformer: fp8moe train [config.yml] [key=value ...]");
-  train->add_option("args", train_args, "a config file first (optional), then key=value flags (configs/base.yml)");
-  train->add_flag("--print-base-config", print_base_config, "print configs/base.yml as the flag schema makes it");
-  std::vector<std::string> report_dirs;
-  std::string report_out;
-  auto* report = app.add_subcommand("report", "plot runs into one PNG: fp8moe report RUN_DIR [RUN_DIR ...]");
-  report->add_option("runs", report_dirs, "run directories (each with a metrics.jsonl)")->required();
-  report->add_option("--out", report_out, "the PNG (default: RUN_DIR/report.png of the first run)");
-  std::vector<std::string> bench_keys;
-  bench->add_option("keys", bench_keys, "bench train: key=value flags of fp8moe train (e.g. steps=1200)");
+// The bench options CLI11's checks cannot judge alone, then the bench itself.
+int RunBench(BenchArgs& args) {
+  fp8moe::bench::BenchOptions& bopt = args.opt;
+  const std::string& bench_what = args.what;
+  bopt.all_passes = !args.fwd_only;
+  fp8moe::bench::IsaTier tier;
+  if (!bopt.sgemm_core.empty() && !fp8moe::bench::CoreTier(bopt.sgemm_core, &tier)) {
+    std::fprintf(stderr, "error: --sgemm-core: '%s' is not an OpenBLAS core name; use one of: %s\n",
+                 bopt.sgemm_core.c_str(), fp8moe::bench::KnownCoreNames().c_str());
+    return 2;
+  }
+  if (bopt.fwd_tiles.size() == 3 && bopt.fwd_tiles[1] % 2 != 0) {
+    std::fprintf(stderr,
+                 "error: --tiles: k = %lld is odd; the kernels reduce k in pairs, so use an even "
+                 "k (or 0 for the default)\n",
+                 static_cast<long long>(bopt.fwd_tiles[1]));
+    return 2;
+  }
+  if (bopt.sgemm_serve && bench_what != "sgemm") {
+    std::fprintf(stderr, "error: --serve is an option of bench sgemm only, not of bench %s\n",
+                 bench_what.c_str());
+    return 2;
+  }
+  if (bench_what == "train") {
+    return fp8moe::bench::BenchTrain(bopt, args.keys, fp8moe::cli::RunReport);
+  }
+  if (!args.keys.empty()) {
+    std::fprintf(stderr, "error: bench %s takes no key=value settings\n", bench_what.c_str());
+    return 2;
+  }
+  if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
+  if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
+  if (bench_what == "sgemm") return fp8moe::bench::BenchSgemm(bopt);
+  if (bench_what == "comm") return fp8moe::bench::BenchComm(bopt);
+  return fp8moe::bench::BenchQuant(bopt);
+}
 
-  std::string op_name, in_path, out_path;
-  std::vector<std::string> op_keys;
-  auto* op = app.add_subcommand("op", "run one operation on tensors from a safetensors file");
-  op->add_option("name", op_name, "the op")->required();
-  op->add_option("keys", op_keys, "key=value settings of the op");
-  op->add_option("--in", in_path, "input .safetensors")->required();
-  op->add_option("--out", out_path, "output .safetensors (written atomically)")->required();
-  op->footer(OpList());
-  // --simd and --memory-cap may also follow the subcommand.
-  op->fallthrough();
-  bench->fallthrough();
-  train->fallthrough();
-  info->fallthrough();
-  report->fallthrough();
-
-  // The first word that is not an option (nor --simd's or --memory-cap's
-  // value) must name a subcommand; CLI11 would say only "A subcommand is
-  // required".
+// The first word that is not an option (nor --simd's or --memory-cap's
+// value) must name a subcommand; CLI11 would say only "A subcommand is
+// required". False, after saying so, when it names none.
+bool FirstWordNamesASubcommand(CLI::App& app, int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--simd" || a == "--memory-cap") {
@@ -153,20 +157,20 @@ int main(int argc, char** argv) {
     if (a.starts_with("-")) continue;
     std::vector<std::string> names;
     for (const auto* sub : app.get_subcommands({})) names.push_back(sub->get_name());
-    if (std::find(names.begin(), names.end(), a) != names.end()) break;
+    if (std::find(names.begin(), names.end(), a) != names.end()) return true;
     std::string list;
     for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
     std::fprintf(stderr, "error: unknown subcommand '%s'; the subcommands: %s (fp8moe --help)\n",
                  a.c_str(), list.c_str());
-    return 2;
+    return false;
   }
+  return true;
+}
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+// The settings every subcommand runs under: --simd, FP8MOE_BF16_DOT,
+// FP8MOE_MEMORY_CAP and --memory-cap, each refused (exit 2) when malformed;
+// 0 when all are applied.
+int ApplyProcessSettings(const std::string& simd, const std::string& memory_cap) {
   if (!simd.empty()) {
     const fp8moe::Status s = fp8moe::RestrictSimdTarget(simd);
     if (!s.ok()) {
@@ -195,42 +199,65 @@ int main(int argc, char** argv) {
     }
     fp8moe::SetMemoryCap(*cap, "--memory-cap");
   }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"fp8moe: FP8 quantization-aware training of Mixture-of-Experts models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string(fp8moe::kVersion));
+
+  auto* info = app.add_subcommand("info", "version, SIMD target, threads, MPI and the memory cap");
+  BenchArgs bench_args;
+  auto* bench = AddBenchCommand(app, &bench_args);
+  std::string simd;
+  app.add_option("--simd", simd, "restrict SIMD dispatch to this target and below (e.g. AVX2)")
+      ->envname("FP8MOE_SIMD");
+  std::string memory_cap;
+  app.add_option("--memory-cap", memory_cap,
+                 "refuse requests needing more memory than this (bytes, or e.g. 8G, 512MiB; "
+                 "0 = no cap; default: FP8MOE_MEMORY_CAP, else the available memory)");
+
+  std::vector<std::string> train_args;
+  bool print_base_config = false;
+  auto* train = app.add_subcommand("train", "train a MoE transformer: fp8moe train [config.yml] [key=value ...]");
+  train->add_option("args", train_args, "a config file first (optional), then key=value flags (configs/base.yml)");
+  train->add_flag("--print-base-config", print_base_config, "print configs/base.yml as the flag schema makes it");
+  std::vector<std::string> report_dirs;
+  std::string report_out;
+  auto* report = app.add_subcommand("report", "plot runs into one PNG: fp8moe report RUN_DIR [RUN_DIR ...]");
+  report->add_option("runs", report_dirs, "run directories (each with a metrics.jsonl)")->required();
+  report->add_option("--out", report_out, "the PNG (default: RUN_DIR/report.png of the first run)");
+
+  std::string op_name, in_path, out_path;
+  std::vector<std::string> op_keys;
+  auto* op = app.add_subcommand("op", "run one operation on tensors from a safetensors file");
+  op->add_option("name", op_name, "the op")->required();
+  op->add_option("keys", op_keys, "key=value settings of the op");
+  op->add_option("--in", in_path, "input .safetensors")->required();
+  op->add_option("--out", out_path, "output .safetensors (written atomically)")->required();
+  op->footer(OpList());
+  // --simd and --memory-cap may also follow the subcommand.
+  op->fallthrough();
+  bench->fallthrough();
+  train->fallthrough();
+  info->fallthrough();
+  report->fallthrough();
+
+  if (!FirstWordNamesASubcommand(app, argc, argv)) return 2;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  if (const int rc = ApplyProcessSettings(simd, memory_cap); rc != 0) return rc;
   // An interrupted op never leaves a partial or temporary output file.
   fp8moe::RemoveTempFilesOnSignals();
   if (*info) return Info();
-  if (*bench) {
-    bopt.all_passes = !fwd_only;
-    fp8moe::bench::IsaTier tier;
-    if (!bopt.sgemm_core.empty() && !fp8moe::bench::CoreTier(bopt.sgemm_core, &tier)) {
-      std::fprintf(stderr, "error: --sgemm-core: '%s' is not an OpenBLAS core name; use one of: %s\n",
-                   bopt.sgemm_core.c_str(), fp8moe::bench::KnownCoreNames().c_str());
-      return 2;
-    }
-    if (bopt.fwd_tiles.size() == 3 && bopt.fwd_tiles[1] % 2 != 0) {
-      std::fprintf(stderr,
-                   "error: --tiles: k = %lld is odd; the kernels reduce k in pairs, so use an even "
-                   "k (or 0 for the default)\n",
-                   static_cast<long long>(bopt.fwd_tiles[1]));
-      return 2;
-    }
-    if (bopt.sgemm_serve && bench_what != "sgemm") {
-      std::fprintf(stderr, "error: --serve is an option of bench sgemm only, not of bench %s\n",
-                   bench_what.c_str());
-      return 2;
-    }
-    if (bench_what == "train") {
-      return fp8moe::bench::BenchTrain(bopt, bench_keys, fp8moe::cli::RunReport);
-    }
-    if (!bench_keys.empty()) {
-      std::fprintf(stderr, "error: bench %s takes no key=value settings\n", bench_what.c_str());
-      return 2;
-    }
-    if (bench_what == "gmm") return fp8moe::bench::BenchGmm(bopt);
-    if (bench_what == "moe") return fp8moe::bench::BenchMoe(bopt);
-    if (bench_what == "sgemm") return fp8moe::bench::BenchSgemm(bopt);
-    if (bench_what == "comm") return fp8moe::bench::BenchComm(bopt);
-    return fp8moe::bench::BenchQuant(bopt);
-  }
+  if (*bench) return RunBench(bench_args);
   if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);
   if (*train) return fp8moe::cli::RunTrain(train_args, print_base_config);
   if (*report) return fp8moe::cli::RunReport(report_dirs, report_out);
