@@ -442,6 +442,12 @@ bool Config::IsSet(std::string_view key) const {
   return entries_[it->second].is_set;
 }
 
+std::string Config::ValueYaml(std::string_view key) const {
+  const auto it = index_.find(key);
+  if (it == index_.end()) Die("Config::ValueYaml: unknown key " + Quoted(key));
+  return ValueToYaml(entries_[it->second].value);
+}
+
 std::string Config::ToYaml() const {
   std::string out;
   for (const Entry& entry : entries_) {

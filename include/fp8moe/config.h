@@ -81,6 +81,10 @@ class Config {
   // holds its default. Aborts on an unknown key.
   bool IsSet(std::string_view key) const;
 
+  // The value of flag `key` as YAML text: what ToYaml writes after "key: ".
+  // Aborts on an unknown key.
+  std::string ValueYaml(std::string_view key) const;
+
   // Every flag with its current value, preceded by its doc (and its choices)
   // as comments, in schema order. LoadConfig reads it back to the same values.
   std::string ToYaml() const;

@@ -1,7 +1,9 @@
 // Configuration of the MoE layer and its quantization-aware training
-// (docs/design.md §4, §5): the flags with their MaxText names, a typed MoeConfig
-// converted and validated from a Config, and the pure mapping from a config
-// to the dtypes the expert GMMs are handed (docs/design.md §4.1).
+// (docs/design.md §4, §5): the typed MoeConfig, its flag table (each flag's
+// MaxText name, type, doc and choices bound to its field; the defaults are
+// the struct's), the layer's rules (ValidateMoeConfig, apart from the table),
+// and the pure mapping from a config to the dtypes the expert GMMs are handed
+// (docs/design.md §4.1).
 //
 // Every invalid combination is an error whose message names the flag(s) and
 // the fix; nothing falls back silently. MoeConfigSchema()'s defaults are the
@@ -17,6 +19,7 @@
 
 #include "fp8moe/config.h"
 #include "fp8moe/dtype.h"
+#include "fp8moe/flag_table.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/quant.h"
 #include "fp8moe/status.h"
@@ -31,12 +34,18 @@ inline constexpr double kMaxRaggedBufferFactor = 1024.0;
 inline constexpr int64_t kMaxNumExperts = 2147483647;
 inline constexpr int64_t kMaxMoeTokenChunks = 65536;
 
-// The MoE and QAT flags, each with its MaxText name, type, default, a doc
-// line and (for enums) its choices.
+struct MoeConfig;
+
+// The MoE and QAT flags bound to MoeConfig's fields, in base.yml's order
+// and sections (flag_table.h). The trainer nests it in its own table.
+const FlagTable<MoeConfig>& MoeConfigFlags();
+
+// MoeConfigFlags().Schema(): each flag with its MaxText name, type, the
+// default of MoeConfig{}, a doc line and (for enums) its choices.
 ConfigSchema MoeConfigSchema();
 
 // Adds the flags of MoeConfigSchema() to `schema` in the same order, so a
-// larger schema (the trainer's) can hold them. Fails if a name is taken.
+// larger schema can hold them. Fails if a name is taken.
 Status AddMoeConfigFlags(ConfigSchema* schema);
 
 // The `quantization` flag: a hand-crafted scheme or the fp8_full recipe.
@@ -78,8 +87,8 @@ struct MoeGmmTiles {
   GmmTiles fwd, dlhs, drhs;
 };
 
-// Typed MoE / QAT configuration; field names are the flag names. The
-// defaults are the schema's.
+// Typed MoE / QAT configuration; field names are the flag names. These
+// initializers are the flags' defaults (MoeConfigSchema reads them).
 struct MoeConfig {
   // Activation and GMM operand type in unquantized mode: kBF16 or kF32.
   DType dtype = DType::kBF16;
@@ -94,9 +103,9 @@ struct MoeConfig {
 
   MoeQuantization quantization = MoeQuantization::kNone;
   bool use_qwix_quantization = false;  // "recipe mode"
-  Calibration weight_quantization_calibration_method;
-  Calibration act_quantization_calibration_method;
-  Calibration bwd_quantization_calibration_method;
+  Calibration weight_quantization_calibration_method = {};
+  Calibration act_quantization_calibration_method = {};
+  Calibration bwd_quantization_calibration_method = {};
   QuantDType bwd_quantization_dtype = QuantDType::kE5M2;  // or kE4M3FN
   bool moe_bwd_inkernel_quant = false;
 
@@ -125,12 +134,13 @@ struct MoeConfig {
   // At most T (a layer call with fewer tokens is an error).
   int64_t num_moe_token_chunks = 1;
 
-  MoeGmmTiles wi_tiles;  // wi_tile_{fwd,dlhs,drhs}_*
-  MoeGmmTiles wo_tiles;  // wo_tile_{fwd,dlhs,drhs}_*
+  MoeGmmTiles wi_tiles = {};  // wi_tile_{fwd,dlhs,drhs}_*
+  MoeGmmTiles wo_tiles = {};  // wo_tile_{fwd,dlhs,drhs}_*
 };
 
 // Converts `c` (which must hold every flag of MoeConfigSchema(), e.g. from
-// LoadConfig) to a MoeConfig and validates it with ValidateMoeConfig.
+// LoadConfig) to a MoeConfig through MoeConfigFlags() and validates it with
+// ValidateMoeConfig.
 Result<MoeConfig> MoeConfigFrom(const Config& c);
 
 // Checks every rule of docs/design.md §4.2 and the value ranges. All violations are

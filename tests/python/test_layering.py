@@ -37,7 +37,7 @@ PUBLIC = {
     "numerics.h": "numerics", "finite.h": "numerics",
     "quant.h": "quant",
     "gmm.h": "kernels",
-    "safetensors.h": "io", "config.h": "io",
+    "safetensors.h": "io", "config.h": "io", "flag_table.h": "io",
     "communicator.h": "dist", "dist.h": "dist", "mpi.h": "dist",
     "moe.h": "moe", "moe_config.h": "moe",
     "model.h": "model", "data.h": "model",
