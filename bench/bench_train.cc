@@ -176,7 +176,7 @@ int BenchTrain(const BenchOptions& opt, const std::vector<std::string>& keys,
     }
     TrainOptions o;
     o.quiet = true;
-    auto s = Train(*cfg, *raw, o);
+    auto s = Train(*cfg, o);
     if (!s.ok()) {
       std::fprintf(stderr, "\nerror: %s: %s\n", m.name, s.status().message().c_str());
       return s.status().code() == StatusCode::kInternal ? 1 : 2;

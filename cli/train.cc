@@ -128,29 +128,25 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
     return code;
   };
   if (!timeout_status.ok()) return fail(timeout_status, 2);
-  auto raw = LoadConfig(TrainConfigSchema(), yaml, overrides);
-  Result<ParallelLayout> layout = ParallelLayout{};
+  auto cfg = LoadTrainConfig(yaml, overrides);
   // Before anything else every rank compares its configuration with the
-  // others' (a rank whose flags did not parse takes part with its error as
-  // its configuration), so flags that differ across ranks are one clear
-  // error on every rank, never a hang.
-  {
-    const std::string text =
-        raw.ok() ? raw->ToYaml() : std::string(kInvalidConfigText) + raw.status().message();
-    const int64_t fsdp = raw.ok() ? raw->GetInt("ici_fsdp_parallelism") : -1;
-    const int64_t expert = raw.ok() ? raw->GetInt("ici_expert_parallelism") : 1;
-    layout = CheckDistributedConfig(comm, text, fsdp, expert);
-    if (!layout.ok()) return fail(layout.status(), 2);
+  // others' (CheckTrainLayout, once), so flags that differ across ranks are
+  // one clear error on every rank, never a hang. A rank whose flags did not
+  // parse takes part with its error as its configuration, then reports it
+  // (where every rank has the same flags, every rank reports the same).
+  if (!cfg.ok()) {
+    const std::string text = std::string(kInvalidConfigText) + cfg.status().message();
+    if (auto agreed = CheckDistributedConfig(comm, text, -1, 1); !agreed.ok()) {
+      return fail(agreed.status(), 2);
+    }
+    return fail(cfg.status(), 2);
   }
-  // From here every rank has the same config, so these answers agree.
-  if (!raw.ok()) return fail(raw.status(), 2);
-  auto cfg = TrainConfigFrom(*raw);
-  if (!cfg.ok()) return fail(cfg.status(), 2);
-  if (Status s = CheckTrainLayout(*cfg, *layout, comm.size()); !s.ok()) return fail(s, 2);
+  auto layout = CheckTrainLayout(*cfg, comm);
+  if (!layout.ok()) return fail(layout.status(), 2);
   TrainOptions options;
   options.comm = &comm;
   options.threads_follow_load = threads_follow_load;
-  auto summary = Train(*cfg, *raw, options);
+  auto summary = Train(*cfg, *layout, options);
   if (!summary.ok()) return fail(summary.status(), ExitCode(summary.status()));
   return 0;
 }

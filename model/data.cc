@@ -206,6 +206,36 @@ class TextDataset : public Dataset {
 
 }  // namespace
 
+const FlagTable<DataConfig>& DataConfigFlags() {
+  static const FlagTable<DataConfig>* const table = [] {
+    auto* t = new FlagTable<DataConfig>;
+    t->String("dataset_type", &DataConfig::type,
+              "synthetic: a seeded mixture of Markov sources with an exact loss floor; text: "
+              "the bytes of dataset_path.",
+              {"synthetic", "text"});
+    t->String("dataset_path", &DataConfig::path, "The text file of dataset_type=text.");
+    t->Int("data_shuffle_seed", &DataConfig::seed,
+           "Seed of the synthetic corpus and of the order of text windows.", {.min = 0});
+    t->Int("synthetic_num_sources", &DataConfig::num_sources,
+           "Synthetic: Markov sources in the mixture; each sequence starts with its source's "
+           "marker token.");
+    t->Int("synthetic_alphabet_size", &DataConfig::alphabet_size,
+           "Synthetic: symbols shared by the sources (tokens after the markers).");
+    t->Int("synthetic_branching", &DataConfig::branching,
+           "Synthetic: random successors drawn for each symbol of each source.");
+    t->Float("eval_split_fraction", &DataConfig::eval_fraction,
+             "Text: the last fraction of the file kept for evaluation.",
+             {.min = 0,
+              .max = 1,
+              .min_open = true,
+              .max_open = true,
+              .show_value = true,
+              .note = ": the share of the data held out for eval"});
+    return t;
+  }();
+  return *table;
+}
+
 Result<std::unique_ptr<Dataset>> OpenDataset(const DataConfig& c) {
   if (c.seq_len < 1 || c.batch < 1) {
     return InvalidArgument("max_target_length and per_device_batch_size must be positive");

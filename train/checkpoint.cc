@@ -212,7 +212,7 @@ void PruneCheckpoints(const std::string& dir, int keep) {
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i].second, ec);
 }
 
-Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
+Status SaveCheckpoint(const std::string& path, const TrainConfig& config,
                       const std::vector<CheckpointTensor>& layout,
                       const CheckpointSource& source, const TrainState& state, bool write) {
   // The checksum is streamed in name order: a layout in any other order
@@ -234,7 +234,7 @@ Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const 
   meta["nonfinite_steps"] = std::to_string(state.nonfinite_steps);
   meta["model_signature"] = ModelSignature(config.model);
   meta["quantization_mode"] = std::string(MoeQatModeName(PlanMoeQuantization(config.model.moe).mode));
-  meta["config"] = raw.ToYaml();
+  FP8MOE_ASSIGN_OR_RETURN(meta["config"], TrainConfigYaml(config));
   Checksum sum = ChecksumOfMetadata(meta);
   meta["checksum"] = kChecksumPlaceholder;
 
@@ -420,31 +420,19 @@ std::string ValueText(const Config& c, const FlagSpec& f) {
   return {};
 }
 
-bool IsBookkeeping(const std::string& key) {
-  static const char* const kKeys[] = {
-      "run_name", "base_output_directory", "enable_checkpointing", "checkpoint_period",
-      "log_period", "eval_interval", "eval_steps", "ici_fsdp_parallelism",
-      "ici_expert_parallelism", "ici_tensor_parallelism", "num_moe_token_chunks",
-      "remat_policy"};
-  for (const char* k : kKeys) {
-    if (key == k) return true;
-  }
-  // Tiles give the same bits (docs/kernels.md), the in-kernel quantization
-  // tile aside, which moe_bwd_inkernel_quant's users set on purpose.
-  return key.find("_tile_") != std::string::npos;
-}
-
 }  // namespace
 
-std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml, const Config& now) {
+std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml,
+                                                const TrainConfig& now) {
   std::vector<ConfigChange> out;
-  const ConfigSchema schema = TrainConfigSchema();
-  auto saved = LoadConfigText(schema, saved_yaml, "the checkpoint's config", {});
-  if (!saved.ok()) return out;
-  for (const FlagSpec& f : schema.flags()) {
-    if (IsBookkeeping(f.name)) continue;
-    std::string a = ValueText(*saved, f), b = ValueText(now, f);
-    if (a != b) out.push_back({f.name, std::move(a), std::move(b)});
+  const FlagTable<TrainConfig>& table = TrainConfigFlags();
+  auto saved = LoadConfigText(table.Schema(), saved_yaml, "the checkpoint's config", {});
+  auto current = table.ToConfig(now);
+  if (!saved.ok() || !current.ok()) return out;
+  for (const FlagRow<TrainConfig>& row : table.rows()) {
+    if (row.resume_neutral) continue;
+    std::string a = ValueText(*saved, row.spec), b = ValueText(*current, row.spec);
+    if (a != b) out.push_back({row.spec.name, std::move(a), std::move(b)});
   }
   return out;
 }

@@ -39,11 +39,13 @@ struct TrainState {
 using ConfigChange = TrainSummary::ConfigChange;
 
 // The flags of `now` whose values differ from those in `saved_yaml` (a
-// checkpoint's "config" metadata), bookkeeping flags left out (run and
-// output names, checkpoint, log and eval periods, the rank layout, tiles,
-// token chunks, remat: none of them changes what is trained). Empty when
-// `saved_yaml` does not parse with this version's schema.
-std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml, const Config& now);
+// checkpoint's "config" metadata), in TrainConfigFlags() order, leaving out
+// the bookkeeping flags the table marks ResumeNeutral (run and output names,
+// checkpoint, log and eval periods, the rank layout, tiles, token chunks,
+// remat: none of them changes what is trained). Empty when `saved_yaml` does
+// not parse with this version's schema.
+std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml,
+                                                const TrainConfig& now);
 
 // "V=256 D=64 L=2 H=4 hd=16 F=128 E=4 k=2": what the weights' shapes depend on.
 std::string ModelSignature(const ModelConfig& model);
@@ -91,7 +93,8 @@ using CheckpointSource = std::function<Status(const CheckpointTensor& t, float* 
 // after the last call and leaves `path` as it was), and with write = false
 // nothing is written at all: the other ranks of a job run this too, so
 // their gathers match the writing rank's.
-Status SaveCheckpoint(const std::string& path, const TrainConfig& config, const Config& raw,
+// The metadata's "config" is TrainConfigYaml(config).
+Status SaveCheckpoint(const std::string& path, const TrainConfig& config,
                       const std::vector<CheckpointTensor>& layout,
                       const CheckpointSource& source,
                       const TrainState& state, bool write = true);

@@ -58,12 +58,10 @@ RunResult RunRanks(int ranks, const std::vector<std::string>& flags, bool fresh,
   RunResult out;
   std::mutex mu;
   if (fresh) {
-    auto raw = LoadConfig(TrainConfigSchema(), "", flags);
-    if (raw.ok()) {
+    auto cfg = LoadTrainConfig("", flags);
+    if (cfg.ok()) {
       std::error_code ec;
-      fs::remove_all(fs::path(raw->GetString("base_output_directory")) /
-                         raw->GetString("run_name"),
-                     ec);
+      fs::remove_all(fs::path(cfg->base_output_directory) / cfg->run_name, ec);
     }
   }
   out.errors.resize(static_cast<size_t>(ranks));
@@ -75,9 +73,7 @@ RunResult RunRanks(int ranks, const std::vector<std::string>& flags, bool fresh,
         omp_set_num_threads(1);
         std::vector<std::string> f = flags;
         if (!per_rank.empty()) f = With(f, per_rank[static_cast<size_t>(comm.rank())]);
-        auto raw = LoadConfig(TrainConfigSchema(), "", f);
-        if (!raw.ok()) return raw.status();
-        auto cfg = TrainConfigFrom(*raw);
+        auto cfg = LoadTrainConfig("", f);
         if (!cfg.ok()) return cfg.status();
         TrainOptions o;
         o.quiet = true;
@@ -90,7 +86,7 @@ RunResult RunRanks(int ranks, const std::vector<std::string>& flags, bool fresh,
             out.expert_bytes.push_back(r.expert_gather_bytes);
           };
         }
-        auto s = Train(*cfg, *raw, o);
+        auto s = Train(*cfg, o);
         std::lock_guard<std::mutex> lock(mu);
         if (!s.ok()) {
           out.errors[static_cast<size_t>(comm.rank())] = s.status().message();

@@ -107,12 +107,12 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   plan.activation_bytes = Saturate(L * per_layer + global);
   // The data: the synthetic corpus's transition tables (doubles), or the
   // whole text file.
-  if (c.dataset_type == "text") {
+  if (c.data.type == "text") {
     std::error_code ec;
-    const auto size = std::filesystem::file_size(c.dataset_path, ec);
+    const auto size = std::filesystem::file_size(c.data.path, ec);
     plan.data_bytes = ec ? 0 : static_cast<uint64_t>(size);
   } else {
-    const U M = Pos(c.synthetic_num_sources), A = Pos(c.synthetic_alphabet_size);
+    const U M = Pos(c.data.num_sources), A = Pos(c.data.alphabet_size);
     plan.data_bytes = Saturate(8 * (M * A * A + M * A + 3 * A));
   }
   // The kernels' scratch (Context's arena: tiles, quantized operand blocks,

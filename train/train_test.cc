@@ -15,6 +15,8 @@
 
 #include <gtest/gtest.h>
 
+#include "base/number_text.h"
+#include "fp8moe/flag_table.h"
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
 #include "train/optimizer.h"
@@ -108,6 +110,125 @@ TEST(Train, BaseYamlIsTheSchemaWrittenOut) {
   ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
   // `fp8moe train` trains in native FP8 QAT by default.
   EXPECT_EQ(PlanMoeQuantization(cfg->model.moe).mode, MoeQatMode::kNativeFwdDlhs);
+}
+
+// Values of flag `f` other than its default, for the round trip below: the
+// other bool, a larger number, the other choices; for a string without
+// choices a plain word and a calibration's form (the calibrations refuse the
+// word).
+std::vector<std::string> OtherValues(const FlagSpec& f) {
+  switch (f.type) {
+    case FlagType::kBool:
+      return {f.default_value == "true" ? "false" : "true"};
+    case FlagType::kInt:
+      return {std::to_string(std::stoll(f.default_value) + 3)};
+    case FlagType::kFloat:
+      return {internal::ShortestDecimal(std::stod(f.default_value) * 1.5 + 0.1)};
+    case FlagType::kString: {
+      if (f.choices.empty()) return {"alt_value", "fixed,-3.5,7.25"};
+      std::vector<std::string> out;
+      for (const std::string& c : f.choices) {
+        if (c != f.default_value) out.push_back(c);
+      }
+      return out;
+    }
+  }
+  return {};
+}
+
+// Every flag of `fp8moe train`, set to a value other than its default, reads
+// into its field and back out: the config's YAML (what checkpoints store and
+// the ranks fingerprint) loads back to the same value and the same YAML. A
+// flag added to the table is covered here without a line of its own.
+TEST(TrainConfigTable, EveryFlagRoundTripsThroughTheConfigsYaml) {
+  const FlagTable<TrainConfig>& table = TrainConfigFlags();
+  const ConfigSchema schema = TrainConfigSchema();
+  ASSERT_EQ(schema.flags().size(), table.rows().size());
+  const Config defaults(schema);
+  for (const FlagSpec& f : schema.flags()) {
+    SCOPED_TRACE(f.name);
+    bool covered = false;
+    for (const std::string& value : OtherValues(f)) {
+      Config c(schema);
+      ASSERT_TRUE(c.Set(f.name, value).ok()) << value;
+      ASSERT_NE(c.ValueYaml(f.name), defaults.ValueYaml(f.name)) << value;
+      TrainConfig t;
+      (void)table.Read(c, &t);  // a value out of its range still sets the field
+      auto written = table.ToConfig(t);
+      ASSERT_TRUE(written.ok()) << written.status().ToString();
+      if (written->ValueYaml(f.name) != c.ValueYaml(f.name)) continue;  // refused: next value
+      covered = true;
+      auto yaml = TrainConfigYaml(t);
+      ASSERT_TRUE(yaml.ok()) << yaml.status().ToString();
+      auto back = LoadConfigText(schema, *yaml, "the config's yaml", {});
+      ASSERT_TRUE(back.ok()) << back.status().ToString();
+      EXPECT_EQ(back->ValueYaml(f.name), c.ValueYaml(f.name));
+      TrainConfig r;
+      (void)table.Read(*back, &r);
+      EXPECT_EQ(*TrainConfigYaml(r), *yaml);
+      break;
+    }
+    EXPECT_TRUE(covered) << "no other value of " << f.name << " read into its field and back";
+  }
+  // The defaults: TrainConfig{} is what the schema's defaults convert to.
+  auto d = TrainConfigFrom(defaults);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(*TrainConfigYaml(*d), *TrainConfigYaml(TrainConfig{}));
+  EXPECT_EQ(*TrainConfigYaml(*d), defaults.ToYaml());
+}
+
+// The flags a resumed run may change without a warning: the bookkeeping ones
+// (names, periods, the rank layout, tiles, token chunks, remat).
+TEST(TrainConfigTable, BookkeepingFlagsAreTheResumeNeutralRows) {
+  std::vector<std::string> neutral;
+  for (const auto& row : TrainConfigFlags().rows()) {
+    if (row.resume_neutral && row.spec.name.find("_tile_") == std::string::npos) {
+      neutral.push_back(row.spec.name);
+    }
+    if (row.spec.name.find("_tile_") != std::string::npos) {
+      EXPECT_TRUE(row.resume_neutral) << row.spec.name;
+    }
+  }
+  EXPECT_EQ(neutral, (std::vector<std::string>{
+                         "run_name", "base_output_directory", "enable_checkpointing",
+                         "checkpoint_period", "log_period", "eval_interval", "eval_steps",
+                         "ici_fsdp_parallelism", "ici_expert_parallelism",
+                         "ici_tensor_parallelism", "remat_policy", "num_moe_token_chunks"}));
+}
+
+// Each flag's range, from the table, in the messages the trainer always gave.
+TEST(TrainConfigTable, RangesReadAsTheTrainersMessages) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"steps=0", "invalid training configuration: steps=0 must be at least 1"},
+      {"learning_rate=0", "invalid training configuration: learning_rate must be positive"},
+      {"adam_b1=1", "invalid training configuration: adam_b1 must be in [0, 1)"},
+      {"warmup_steps_fraction=2",
+       "invalid training configuration: warmup_steps_fraction must be in [0, 1]"},
+      {"adam_eps=1e-40",
+       "invalid training configuration: adam_eps must be at least 1.2e-38 (the smallest normal "
+       "float32; the AdamW update runs in float32)"},
+      {"gradient_clipping_threshold=-1",
+       "invalid training configuration: gradient_clipping_threshold must not be negative (0 "
+       "turns clipping off)"},
+      {"data_shuffle_seed=-1",
+       "invalid training configuration: data_shuffle_seed must not be negative"},
+      {"checkpoint_period=-1",
+       "invalid training configuration: checkpoint_period must not be negative (0: only at "
+       "the end)"},
+      {"eval_steps=0",
+       "invalid training configuration: eval_steps=0 must be in [1, 1000000] (batches per "
+       "evaluation)"},
+      {"log_period=0", "invalid training configuration: log_period must be at least 1"},
+      {"eval_split_fraction=1",
+       "invalid training configuration: eval_split_fraction=1 must be between 0 and 1 "
+       "(exclusive): the share of the data held out for eval"},
+  };
+  for (const auto& [flag, message] : cases) {
+    auto c = LoadTrainConfig("", {flag});
+    ASSERT_FALSE(c.ok()) << flag;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(c.status().message(), message);
+  }
 }
 
 TEST(Train, LossFallsAndTheRunDirectoryIsComplete) {

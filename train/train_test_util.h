@@ -52,9 +52,7 @@ inline Result<TrainSummary> RunTiny(std::vector<std::string> flags, const TrainO
   // busy machine OpenMP's barriers make a second thread slow. (The bits do
   // not depend on the thread count: model_test checks that.)
   omp_set_num_threads(1);
-  auto raw = LoadConfig(TrainConfigSchema(), "", flags);
-  if (!raw.ok()) return raw.status();
-  auto cfg = TrainConfigFrom(*raw);
+  auto cfg = LoadTrainConfig("", flags);
   if (!cfg.ok()) return cfg.status();
   if (fresh) {
     std::error_code ec;
@@ -62,7 +60,7 @@ inline Result<TrainSummary> RunTiny(std::vector<std::string> flags, const TrainO
   }
   TrainOptions q = o;
   q.quiet = true;
-  return Train(*cfg, *raw, q);
+  return Train(*cfg, q);
 }
 
 inline std::string Bytes(const std::string& path) {

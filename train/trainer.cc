@@ -162,13 +162,22 @@ json HealthJson(const Fp8Health& h) {
 
 }  // namespace
 
-Status CheckTrainLayout(const TrainConfig& c, const ParallelLayout& layout, int ranks) {
-  if (layout.expert > 1 && c.model.moe.num_experts % layout.expert != 0) {
+Result<TrainLayout> CheckTrainLayout(const TrainConfig& c, Communicator& comm) {
+  // The ranks first: the same config everywhere and a mesh that covers them
+  // (every rank sees every fingerprint, so every rank reports the same error).
+  FP8MOE_ASSIGN_OR_RETURN(const std::string yaml, TrainConfigYaml(c));
+  TrainLayout out;
+  FP8MOE_ASSIGN_OR_RETURN(out.mesh, CheckDistributedConfig(comm, yaml, c.ici_fsdp_parallelism,
+                                                           c.ici_expert_parallelism));
+  const ParallelLayout& mesh = out.mesh;
+  const int ranks = comm.size();
+  out.ranks = ranks;
+  if (mesh.expert > 1 && c.model.moe.num_experts % mesh.expert != 0) {
     return InvalidArgument("num_experts=" + std::to_string(c.model.moe.num_experts) +
                            " does not divide over ici_expert_parallelism=" +
-                           std::to_string(layout.expert) +
+                           std::to_string(mesh.expert) +
                            " ranks (the ring of experts holds E / P experts per rank); make "
-                           "num_experts a multiple of " + std::to_string(layout.expert) +
+                           "num_experts a multiple of " + std::to_string(mesh.expert) +
                            " or change ici_expert_parallelism");
   }
   // Every rank of the job takes its own slice of the global batch (with
@@ -177,13 +186,16 @@ Status CheckTrainLayout(const TrainConfig& c, const ParallelLayout& layout, int 
     return InvalidArgument("per_device_batch_size=" + std::to_string(c.model.batch) +
                            " (the global batch) does not divide over the " +
                            std::to_string(ranks) + " ranks (ici_fsdp_parallelism=" +
-                           std::to_string(layout.fsdp) + " x ici_expert_parallelism=" +
-                           std::to_string(layout.expert) + "); make it a multiple of " +
+                           std::to_string(mesh.fsdp) + " x ici_expert_parallelism=" +
+                           std::to_string(mesh.expert) + "); make it a multiple of " +
                            std::to_string(ranks));
   }
+  out.global_batch = c.model.batch;
+  out.sequences = out.fewest_sequences = c.model.batch / ranks;
+  out.first_sequence = comm.rank() * out.sequences;
   // Each MoE layer call splits a rank's B/N x S tokens into the chunks (it
   // would refuse the call at the first step, after the run had started).
-  const int64_t tokens = c.model.batch / ranks * c.model.seq_len;
+  const int64_t tokens = out.fewest_sequences * c.model.seq_len;
   if (c.model.moe.num_moe_token_chunks > tokens) {
     return InvalidArgument("num_moe_token_chunks=" + std::to_string(c.model.moe.num_moe_token_chunks) +
                            " exceeds the " + std::to_string(tokens) + " tokens each MoE layer call " +
@@ -194,21 +206,34 @@ Status CheckTrainLayout(const TrainConfig& c, const ParallelLayout& layout, int 
                            " x max_target_length=" + std::to_string(c.model.seq_len) +
                            "); use at most " + std::to_string(tokens) + " chunks");
   }
-  return OkStatus();
+  return out;
 }
 
-Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainOptions& opt_in) {
-  // ---- The ranks: checked before any work (docs/distributed.md) ----
+Result<TrainSummary> Train(const TrainConfig& c, const TrainOptions& options) {
+  TrainOptions o = options;
+  std::unique_ptr<Communicator> own_comm;
+  if (o.comm == nullptr) {
+    own_comm = MakeSingleRankCommunicator();
+    o.comm = own_comm.get();
+  }
+  FP8MOE_ASSIGN_OR_RETURN(const TrainLayout layout, CheckTrainLayout(c, *o.comm));
+  return Train(c, layout, o);
+}
+
+Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
+                           const TrainOptions& opt_in) {
   std::unique_ptr<Communicator> own_comm;
   Communicator* comm = opt_in.comm;
   if (comm == nullptr) {
     own_comm = MakeSingleRankCommunicator();
     comm = own_comm.get();
   }
-  FP8MOE_ASSIGN_OR_RETURN(const ParallelLayout layout,
-                          CheckDistributedConfig(*comm, raw.ToYaml(), c.ici_fsdp_parallelism,
-                                                 c.ici_expert_parallelism));
-  FP8MOE_RETURN_IF_ERROR(CheckTrainLayout(c, layout, comm->size()));
+  if (layout.ranks != comm->size() || layout.sequences < 1) {
+    return Internal("Train was given a layout of " + std::to_string(layout.ranks) +
+                    " ranks for a job of " + std::to_string(comm->size()) +
+                    "; pass the layout CheckTrainLayout gave for this config and communicator");
+  }
+  const ParallelLayout& mesh = layout.mesh;
   const int F = comm->size();  // ranks that split the batch: all of them
   const bool lead = comm->rank() == 0;  // writes files and prints
   TrainOptions opt = opt_in;
@@ -216,21 +241,23 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   // Expert parallelism: the expert ring (the P consecutive ranks of one
   // fsdp_index) and the group of the F ranks that hold the same experts.
   std::unique_ptr<Communicator> ring, expert_group;
-  if (layout.expert > 1) {
-    FP8MOE_ASSIGN_OR_RETURN(ring, comm->Split(layout.fsdp_index, layout.expert_index));
-    FP8MOE_ASSIGN_OR_RETURN(expert_group, comm->Split(layout.expert_index, layout.fsdp_index));
+  if (mesh.expert > 1) {
+    FP8MOE_ASSIGN_OR_RETURN(ring, comm->Split(mesh.fsdp_index, mesh.expert_index));
+    FP8MOE_ASSIGN_OR_RETURN(expert_group, comm->Split(mesh.expert_index, mesh.fsdp_index));
   }
-  // This rank's model runs B/N sequences; the data reader the global B.
+  // This rank's model runs its share of the sequences; the data reader the
+  // whole global batch.
+  ModelConfig mc = c.model;
+  mc.batch = layout.global_batch;
   ModelConfig local_mc = c.model;
-  local_mc.batch = c.model.batch / F;
-  const ModelConfig& mc = c.model;
+  local_mc.batch = layout.sequences;
   // The whole run's memory against the cap, before a directory is created or
   // a byte allocated.
   FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(mc));
-  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c, layout.fsdp, layout.expert));
+  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c, mesh.fsdp, mesh.expert));
   TrainSummary sum;
   sum.memory_plan_bytes =
-      static_cast<int64_t>(std::min<uint64_t>(PlanTrainMemory(c, layout.fsdp, layout.expert).total_bytes,
+      static_cast<int64_t>(std::min<uint64_t>(PlanTrainMemory(c, mesh.fsdp, mesh.expert).total_bytes,
                                               std::numeric_limits<int64_t>::max()));
   sum.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc.moe).mode));
   if (PlanMoeQuantization(mc.moe).mode == MoeQatMode::kHandCrafted) {
@@ -239,18 +266,17 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   const fs::path run_dir = fs::path(c.base_output_directory) / c.run_name;
   const fs::path ckpt_dir = run_dir / "checkpoints";
   sum.run_dir = run_dir.string();
+  // The config as it is saved (checkpoints, summary.json): CheckTrainLayout
+  // wrote it already, so this cannot fail here.
+  const Result<std::string> config_yaml = TrainConfigYaml(c);
+  FP8MOE_RETURN_IF_ERROR(config_yaml.status());
   // The data first: a run refused for its dataset leaves no directory behind.
-  DataConfig dc;
-  dc.type = c.dataset_type;
-  dc.path = c.dataset_path;
+  // The dataset's flags are the table's; its shape is the model's and the
+  // global batch.
+  DataConfig dc = c.data;
   dc.seq_len = mc.seq_len;
-  dc.batch = mc.batch;
   dc.vocab_size = mc.vocab_size;
-  dc.seed = c.data_shuffle_seed;
-  dc.num_sources = c.synthetic_num_sources;
-  dc.alphabet_size = c.synthetic_alphabet_size;
-  dc.branching = c.synthetic_branching;
-  dc.eval_fraction = c.eval_split_fraction;
+  dc.batch = mc.batch;
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> data, OpenDataset(dc));
   sum.entropy_floor = data->EntropyFloor();
 
@@ -303,7 +329,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   }
 
   ContextOptions co;
-  co.seed = c.data_shuffle_seed;
+  co.seed = c.data.seed;
   Context ctx(co);
   // The masters and the AdamW moments live only in the FSDP shards, and no
   // rank ever holds a whole set of them: the initial weights are drawn a
@@ -336,7 +362,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     }
     ctx.rng().set_state(state.rng);
     sum.resumed_from = state.step;
-    sum.resume_changes = internal::ConfigChangesOnResume(state.config_yaml, raw);
+    sum.resume_changes = internal::ConfigChangesOnResume(state.config_yaml, c);
   }
   // params: the weights the model reads, gathered each step; grads: this
   // rank's gradient. The expert weights reach the GMMs as gathered codes
@@ -428,7 +454,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
   std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
   // This rank's slice of the global batch: sequences [i B/N, (i + 1) B/N) for
   // rank i of the job (i = fsdp_index * P + expert_index).
-  const size_t slice = static_cast<size_t>(comm->rank() * local_mc.batch * mc.seq_len);
+  const size_t slice = static_cast<size_t>(layout.first_sequence * mc.seq_len);
   const int32_t* my_inputs = inputs.data() + slice;
   const int32_t* my_targets = targets.data() + slice;
   ExpertWeightSource* expert_source = f32_experts ? nullptr : fsdp.get();
@@ -475,7 +501,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
     // checkpoint is ever visible) and tells the others how it went, which
     // also holds them until the file is complete.
     Status s = internal::SaveCheckpoint(
-        path, c, raw, ckpt_layout,
+        path, c, ckpt_layout,
         [&](const internal::CheckpointTensor& t, float* out) {
           return fsdp->GatherTensor(t, out);
         },
@@ -736,7 +762,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const Config& raw, const TrainO
                 return a;
               }()},
              {"wall_time_s", Now() - t_start},
-             {"config", raw.ToYaml()}};
+             {"config", *config_yaml}};
   if (lead) {
     FP8MOE_RETURN_IF_ERROR(
         WriteTextAtomically((run_dir / "summary.json").string(), sj.dump(2) + "\n"));

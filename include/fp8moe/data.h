@@ -23,15 +23,19 @@
 #include <string>
 #include <vector>
 
+#include "fp8moe/flag_table.h"
 #include "fp8moe/status.h"
 
 namespace fp8moe {
 
+// The initializers of the fields a flag sets are the flags' defaults
+// (DataConfigFlags reads them). seq_len, batch and vocab_size have no flag of
+// their own: the trainer copies them from the model and the global batch.
 struct DataConfig {
   std::string type = "synthetic";  // dataset_type: synthetic or text
   std::string path;                // dataset_path (text)
-  int64_t seq_len = 64;            // S
-  int64_t batch = 16;              // B
+  int64_t seq_len = 64;            // S (max_target_length)
+  int64_t batch = 16;              // B: sequences of one NextTrainBatch
   int64_t vocab_size = 256;
   uint64_t seed = 0;               // data_shuffle_seed
   int64_t num_sources = 4;         // synthetic_num_sources (M)
@@ -39,6 +43,11 @@ struct DataConfig {
   int64_t branching = 4;           // synthetic_branching: successors per symbol
   double eval_fraction = 0.1;      // eval_split_fraction (text)
 };
+
+// The flags of the data (dataset_type, dataset_path, data_shuffle_seed, the
+// synthetic_* shape, eval_split_fraction) bound to DataConfig's fields; the
+// trainer nests it in its table.
+const FlagTable<DataConfig>& DataConfigFlags();
 
 class Dataset {
  public:

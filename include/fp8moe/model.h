@@ -26,6 +26,8 @@
 
 namespace fp8moe {
 
+// The initializers of the fields a flag sets are the flags' defaults
+// (ModelConfigFlags reads them).
 struct ModelConfig {
   int64_t vocab_size = 256;    // V
   int64_t emb_dim = 64;        // D (base_emb_dim)
@@ -34,11 +36,16 @@ struct ModelConfig {
   int64_t head_dim = 16;       // hd (even: RoPE rotates pairs)
   int64_t mlp_dim = 128;       // F (base_moe_mlp_dim)
   int64_t seq_len = 64;        // S (max_target_length)
-  int64_t batch = 16;          // B (per_device_batch_size)
+  int64_t batch = 16;          // B: the sequences of one Step (per_device_batch_size)
   double rope_max_timescale = 10000.0;
   double norm_eps = 1e-6;      // normalization_layer_epsilon
   MoeConfig moe;
 };
+
+// The shape flags (vocab_size, base_emb_dim, ..., max_target_length, the
+// RoPE and norm constants) bound to ModelConfig's fields; batch has its
+// flag in the trainer's table and moe its own (MoeConfigFlags).
+const FlagTable<ModelConfig>& ModelConfigFlags();
 
 // Checks the shape flags (positive sizes, an even head_dim, E and k within
 // the MoE rules); the message names the flag and the fix.

@@ -29,16 +29,51 @@
 
 #include "fp8moe/communicator.h"
 #include "fp8moe/config.h"
+#include "fp8moe/data.h"
 #include "fp8moe/dist.h"
+#include "fp8moe/flag_table.h"
 #include "fp8moe/model.h"
 #include "fp8moe/status.h"
 
 namespace fp8moe {
 
-// Every flag of `fp8moe train`: the trainer's own (MaxText's names where it
-// has them) followed by the MoE and QAT flags (AddMoeConfigFlags), whose
-// defaults here select native FP8 QAT (fp8_moe_native_fwd +
-// fp8_moe_native_bwd_dlhs) and the small model of configs/base.yml.
+// The typed trainer settings; field names follow the flags (the table below
+// binds each flag to its field). These initializers are the defaults of
+// `fp8moe train` (configs/base.yml): the small model, its MoE layer in native
+// FP8 QAT (fp8_moe_native_fwd + fp8_moe_native_bwd_dlhs) with 4 experts, and
+// the synthetic corpus.
+struct TrainConfig {
+  ModelConfig model{.moe = {.num_experts = 4,
+                            .fp8_moe_fake_quant = true,
+                            .fp8_fake_quant_hoist = Fp8FakeQuantHoist::kGather8,
+                            .fp8_moe_native_fwd = true,
+                            .fp8_moe_native_bwd_dlhs = true}};
+  // The dataset's flags; seq_len, vocab_size (the model's) and batch (the
+  // global batch) are set by TrainConfigFrom and Train.
+  DataConfig data;
+  std::string run_name = "fp8moe_run", base_output_directory = "runs";
+  bool enable_checkpointing = true;
+  int64_t checkpoint_period = 500, log_period = 50;
+  uint64_t init_weights_seed = 0;
+  int64_t steps = 1200;
+  double learning_rate = 0.003, warmup_steps_fraction = 0.05,
+         cosine_learning_rate_final_fraction = 0.1;
+  double adam_b1 = 0.9, adam_b2 = 0.95, adam_eps = 1e-8, adam_weight_decay = 0.01;
+  double gradient_clipping_threshold = 1.0;
+  int64_t max_nonfinite_steps = 5;
+  int64_t eval_interval = 100, eval_steps = 8;
+  // MaxText's mesh axes (-1: the ranks the other leaves); checked against the
+  // job by CheckDistributedConfig before any work.
+  int64_t ici_fsdp_parallelism = -1, ici_expert_parallelism = 1;
+};
+
+// Every flag of `fp8moe train` bound to its TrainConfig field, in base.yml's
+// sections: the trainer's own (MaxText's names where it has them), the
+// model's (ModelConfigFlags), the data's (DataConfigFlags) and the MoE and QAT
+// flags (MoeConfigFlags), with TrainConfig{}'s values as the defaults.
+const FlagTable<TrainConfig>& TrainConfigFlags();
+
+// TrainConfigFlags().Schema(): what LoadConfig reads for `fp8moe train`.
 ConfigSchema TrainConfigSchema();
 
 // configs/base.yml as it must read: every flag of TrainConfigSchema() at its
@@ -46,29 +81,21 @@ ConfigSchema TrainConfigSchema();
 // `fp8moe train --print-base-config` prints it.
 std::string BaseConfigYaml();
 
-// The typed trainer settings (field names follow the flags).
-struct TrainConfig {
-  ModelConfig model;
-  std::string run_name, base_output_directory;
-  int64_t steps = 0;
-  double learning_rate = 0, warmup_steps_fraction = 0, cosine_learning_rate_final_fraction = 0;
-  double adam_b1 = 0, adam_b2 = 0, adam_eps = 0, adam_weight_decay = 0;
-  double gradient_clipping_threshold = 0;
-  uint64_t init_weights_seed = 0, data_shuffle_seed = 0;
-  bool enable_checkpointing = true;
-  int64_t checkpoint_period = 0, eval_interval = 0, eval_steps = 0, log_period = 0;
-  int64_t max_nonfinite_steps = 0;
-  std::string dataset_type, dataset_path;
-  int64_t synthetic_num_sources = 0, synthetic_alphabet_size = 0, synthetic_branching = 0;
-  double eval_split_fraction = 0;
-  // MaxText's mesh axes (-1: the ranks the other leaves); checked against the
-  // job by CheckDistributedConfig before any work.
-  int64_t ici_fsdp_parallelism = -1, ici_expert_parallelism = 1;
-};
-
-// Converts and validates a Config of TrainConfigSchema(); every problem is
-// named with its flag and fix in one InvalidArgument.
+// Converts and validates a Config of TrainConfigSchema(): the MoE layer's
+// rules first (ValidateMoeConfig's report), then every value outside its
+// flag's range and every rule of the trainer named with its flag and fix in
+// one InvalidArgument, then the model's shape (ValidateModelConfig).
 Result<TrainConfig> TrainConfigFrom(const Config& config);
+
+// LoadConfig(TrainConfigSchema(), yaml_path, overrides), then TrainConfigFrom.
+Result<TrainConfig> LoadTrainConfig(const std::string& yaml_path,
+                                    const std::vector<std::string>& overrides);
+
+// The config as YAML: every flag at its value under its doc, as a config
+// file; LoadTrainConfig of it gives the same TrainConfig. Checkpoints and
+// summary.json store it, and the ranks compare its fingerprint. Fails only
+// for a field no flag value expresses (set by hand, not by TrainConfigFrom).
+Result<std::string> TrainConfigYaml(const TrainConfig& config);
 
 // What one rank of a training run holds at its peak, from the config and the
 // layout alone (bytes; each saturates at UINT64_MAX): `fsdp` x `expert`
@@ -139,25 +166,42 @@ struct TrainOptions {
   // Tests: stop (as if killed) right after this many steps of this process.
   int64_t stop_after_steps = 0;
   // The ranks of the job (every rank calls Train with the same config);
-  // null: one rank. Train runs CheckDistributedConfig on it first.
+  // null: one rank.
   Communicator* comm = nullptr;
 };
 
-// Whether the trainer runs on this layout of `ranks` ranks (from
-// CheckDistributedConfig): num_experts must divide over the expert ring
-// (layout.expert), the global batch over all `ranks`, and
-// num_moe_token_chunks may not exceed the tokens of one rank's layer call
-// (B / ranks x S). The same answer on every rank.
-Status CheckTrainLayout(const TrainConfig& config, const ParallelLayout& layout, int ranks);
+// How the ranks of a run share its work: CheckTrainLayout's answer, the same
+// on every rank but for this rank's own place and sequences.
+struct TrainLayout {
+  ParallelLayout mesh;           // ici_fsdp x ici_expert, and this rank's place in it
+  int ranks = 1;                 // of the job: mesh.fsdp * mesh.expert
+  int64_t global_batch = 0;      // sequences of one step (global_batch_size_to_train_on)
+  int64_t first_sequence = 0;    // this rank's sequences of the global batch:
+  int64_t sequences = 0;         //   [first_sequence, first_sequence + sequences)
+  int64_t fewest_sequences = 0;  // the smallest share of any rank
+};
 
-// Runs (or resumes) the run the config describes. Errors: InvalidArgument /
-// NotFound / FailedPrecondition for bad input (flags, data, a checkpoint of
-// another model or mode), IoError when the run directory or a checkpoint
-// cannot be written (the previous checkpoint stays intact), DataLoss for an
-// unreadable checkpoint, OutOfRange after max_nonfinite_steps non-finite
-// steps.
-Result<TrainSummary> Train(const TrainConfig& config, const Config& raw,
-                           const TrainOptions& options = {});
+// Every rank of `comm` calls this first, before any work. The ranks compare
+// their configs (CheckDistributedConfig on TrainConfigYaml: a flag that
+// differs is one error on every rank, naming it), the mesh must cover the
+// ranks, and the trainer must run on it: num_experts divides over the ring
+// of experts, the global batch divides over the ranks (every rank takes its
+// own slice, expert-parallel ones too) and a rank's tokens hold
+// num_moe_token_chunks chunks. The same answer on every rank.
+Result<TrainLayout> CheckTrainLayout(const TrainConfig& config, Communicator& comm);
+
+// Runs (or resumes) the run the config describes on the layout
+// CheckTrainLayout gave for this config and options.comm (every rank calls
+// it with the same config). Errors: InvalidArgument / NotFound /
+// FailedPrecondition for bad input (flags, data, a checkpoint of another
+// model or mode), IoError when the run directory or a checkpoint cannot be
+// written (the previous checkpoint stays intact), DataLoss for an unreadable
+// checkpoint, OutOfRange after max_nonfinite_steps non-finite steps.
+Result<TrainSummary> Train(const TrainConfig& config, const TrainLayout& layout,
+                           const TrainOptions& options);
+
+// CheckTrainLayout on options.comm (one rank when null), then Train.
+Result<TrainSummary> Train(const TrainConfig& config, const TrainOptions& options = {});
 
 }  // namespace fp8moe
 

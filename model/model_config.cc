@@ -1,0 +1,30 @@
+// The model's flags (ModelConfigFlags in include/fp8moe/model.h): MaxText's
+// names for the shape of the decoder, bound to ModelConfig's fields.
+#include "fp8moe/flag_table.h"
+#include "fp8moe/model.h"
+
+namespace fp8moe {
+
+const FlagTable<ModelConfig>& ModelConfigFlags() {
+  static const FlagTable<ModelConfig>* const table = [] {
+    using M = ModelConfig;
+    auto* t = new FlagTable<ModelConfig>;
+    t->Int("vocab_size", &M::vocab_size, "Vocabulary size V (256: byte tokens).");
+    t->Int("base_emb_dim", &M::emb_dim, "Model width D.");
+    t->Int("base_num_decoder_layers", &M::num_layers, "Decoder layers L.");
+    t->Int("base_num_query_heads", &M::num_heads, "Attention heads H.");
+    t->Int("head_dim", &M::head_dim, "Width of one attention head (even: RoPE pairs).");
+    t->Int("base_moe_mlp_dim", &M::mlp_dim,
+           "Hidden width F of each SwiGLU expert (wi is [E, D, 2F], wo [E, F, D]).");
+    t->Int("max_target_length", &M::seq_len, "Sequence length S of a training example.");
+    t->Float("rope_max_timescale", &M::rope_max_timescale,
+             "RoPE: the rotation of dimension pair i at position p is p / "
+             "rope_max_timescale^(2i / head_dim).");
+    t->Float("normalization_layer_epsilon", &M::norm_eps,
+             "RMSNorm epsilon under the square root.");
+    return t;
+  }();
+  return *table;
+}
+
+}  // namespace fp8moe
