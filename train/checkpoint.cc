@@ -146,6 +146,51 @@ void AddTensor(Checksum* c, const std::string& name, DType dtype, const Shape& s
   c->Add(data, bytes);
 }
 
+// A checkpoint without global_batch_size_to_train_on (`config_yaml` its
+// config) was written when per_device_batch_size meant the global batch: it
+// continues only with the same global batch, which on N ranks is now
+// per_device_batch_size = its value / N.
+Status CheckOldBatchMeaning(const std::string& path, const std::string& config_yaml,
+                            const TrainConfig& config, const TrainLayout& run) {
+  auto saved = LoadConfigText(TrainConfigSchema(), config_yaml, path + " (its config)", {});
+  if (!saved.ok()) {
+    return DataLoss("checkpoint '" + path + "' records no global_batch_size_to_train_on and " +
+                    "its config does not load: " + saved.status().message() + "; " + kFixHint);
+  }
+  const double old = saved->GetFloat("per_device_batch_size");
+  if (old == static_cast<double>(run.global_batch)) return OkStatus();
+  const std::string n = std::to_string(run.ranks) + (run.ranks == 1 ? " rank" : " ranks");
+  return FailedPrecondition(
+      "checkpoint '" + path + "' was written when per_device_batch_size meant the global " +
+      "batch (per_device_batch_size=" + ShortestDecimal(old) + " there: " + ShortestDecimal(old) +
+      " sequences a step); it now counts the sequences of each rank, as in MaxText, so "
+      "per_device_batch_size=" + ShortestDecimal(config.per_device_batch_size) + " on " + n +
+      " is a global batch (global_batch_size_to_train_on) of " +
+      std::to_string(run.global_batch) + ": resume with per_device_batch_size=" +
+      ShortestDecimal(old / run.ranks) + " (" + ShortestDecimal(old) + " / " + n +
+      ") to continue it, or use another run_name to start a new run");
+}
+
+// The global_batch_size_to_train_on a checkpoint records, or 0 for one of the
+// old meaning that this run (`run`) may continue (CheckOldBatchMeaning).
+Result<int64_t> GlobalBatchOf(const std::string& path, const Metadata& metadata,
+                              const TrainConfig& config, const TrainLayout& run) {
+  const auto it = metadata.find("global_batch_size_to_train_on");
+  if (it == metadata.end()) {
+    const auto yaml = metadata.find("config");
+    FP8MOE_RETURN_IF_ERROR(CheckOldBatchMeaning(
+        path, yaml == metadata.end() ? std::string() : yaml->second, config, run));
+    return int64_t{0};
+  }
+  FP8MOE_ASSIGN_OR_RETURN(const int64_t g,
+                          MetaInt(metadata, "global_batch_size_to_train_on", path));
+  if (g < 1) {
+    return DataLoss("checkpoint '" + path + "' records global_batch_size_to_train_on=" +
+                    it->second + "; " + kFixHint);
+  }
+  return g;
+}
+
 // The placeholder a streamed save writes before the data is hashed: the
 // width of Checksum::Hex, so the header keeps its length.
 constexpr const char* kChecksumPlaceholder = "0000000000000000";
@@ -235,6 +280,8 @@ Status SaveCheckpoint(const std::string& path, const TrainConfig& config,
   meta["model_signature"] = ModelSignature(config.model);
   meta["quantization_mode"] = std::string(MoeQatModeName(PlanMoeQuantization(config.model.moe).mode));
   FP8MOE_ASSIGN_OR_RETURN(meta["config"], TrainConfigYaml(config));
+  // Also the mark of per_device_batch_size's meaning (LoadCheckpoint).
+  meta["global_batch_size_to_train_on"] = std::to_string(state.global_batch);
   Checksum sum = ChecksumOfMetadata(meta);
   meta["checksum"] = kChecksumPlaceholder;
 
@@ -263,8 +310,8 @@ Status SaveCheckpoint(const std::string& path, const TrainConfig& config,
 }
 
 Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
-                      const std::vector<CheckpointTensor>& layout, const CheckpointSink& sink,
-                      TrainState* state) {
+                      const TrainLayout& run, const std::vector<CheckpointTensor>& layout,
+                      const CheckpointSink& sink, TrainState* state) {
   // Everything is checked before `sink` sees a tensor or *state changes.
   auto opened = SafetensorsReader::Open(path);
   if (!opened.ok()) {
@@ -352,6 +399,7 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
     }
   }
   TrainState s;
+  FP8MOE_ASSIGN_OR_RETURN(s.global_batch, GlobalBatchOf(path, metadata, config, run));
   FP8MOE_ASSIGN_OR_RETURN(s.step, MetaInt(metadata, "step", path));
   FP8MOE_ASSIGN_OR_RETURN(s.nonfinite_steps, MetaInt(metadata, "nonfinite_steps", path));
   const int64_t named_step = StepOf(fs::path(path).filename().string());
@@ -423,16 +471,26 @@ std::string ValueText(const Config& c, const FlagSpec& f) {
 }  // namespace
 
 std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml,
-                                                const TrainConfig& now) {
+                                                int64_t saved_global, const TrainConfig& now,
+                                                int64_t now_global) {
   std::vector<ConfigChange> out;
   const FlagTable<TrainConfig>& table = TrainConfigFlags();
   auto saved = LoadConfigText(table.Schema(), saved_yaml, "the checkpoint's config", {});
   auto current = table.ToConfig(now);
-  if (!saved.ok() || !current.ok()) return out;
-  for (const FlagRow<TrainConfig>& row : table.rows()) {
-    if (row.resume_neutral) continue;
-    std::string a = ValueText(*saved, row.spec), b = ValueText(*current, row.spec);
-    if (a != b) out.push_back({row.spec.name, std::move(a), std::move(b)});
+  if (saved.ok() && current.ok()) {
+    for (const FlagRow<TrainConfig>& row : table.rows()) {
+      if (row.resume_neutral) continue;
+      std::string a = ValueText(*saved, row.spec), b = ValueText(*current, row.spec);
+      if (a != b) out.push_back({row.spec.name, std::move(a), std::move(b)});
+    }
+  }
+  // What per_device_batch_size (resume-neutral) and the ranks make: the
+  // same flag on another rank count trains another global batch. (A
+  // checkpoint of the old meaning records none; LoadCheckpoint found its
+  // global batch equal.)
+  if (saved_global != 0 && saved_global != now_global) {
+    out.push_back({"global_batch_size_to_train_on", std::to_string(saved_global),
+                   std::to_string(now_global)});
   }
   return out;
 }

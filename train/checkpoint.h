@@ -31,6 +31,10 @@ struct TrainState {
   std::vector<uint64_t> data_position;
   int64_t nonfinite_steps = 0;
   std::string config_yaml;  // the run's whole config when it was saved
+  // global_batch_size_to_train_on; 0 in a checkpoint written before
+  // per_device_batch_size meant the sequences of one rank (MaxText's meaning),
+  // when it was the global batch.
+  int64_t global_batch = 0;
   uint64_t checksum = 0;    // the file's checksum (CheckpointChecksum), when loaded
 };
 
@@ -42,10 +46,15 @@ using ConfigChange = TrainSummary::ConfigChange;
 // checkpoint's "config" metadata), in TrainConfigFlags() order, leaving out
 // the bookkeeping flags the table marks ResumeNeutral (run and output names,
 // checkpoint, log and eval periods, the rank layout, tiles, token chunks,
-// remat: none of them changes what is trained). Empty when `saved_yaml` does
-// not parse with this version's schema.
+// remat, per_device_batch_size: none of them changes what is trained by
+// itself); then global_batch_size_to_train_on when `saved_global` (0: a
+// checkpoint of the old meaning, whose global batch LoadCheckpoint has found
+// equal) differs from `now_global`.
+// The flags are empty when `saved_yaml` does not parse with this version's
+// schema.
 std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml,
-                                                const TrainConfig& now);
+                                                int64_t saved_global, const TrainConfig& now,
+                                                int64_t now_global);
 
 // "V=256 D=64 L=2 H=4 hd=16 F=128 E=4 k=2": what the weights' shapes depend on.
 std::string ModelSignature(const ModelConfig& model);
@@ -93,7 +102,8 @@ using CheckpointSource = std::function<Status(const CheckpointTensor& t, float* 
 // after the last call and leaves `path` as it was), and with write = false
 // nothing is written at all: the other ranks of a job run this too, so
 // their gathers match the writing rank's.
-// The metadata's "config" is TrainConfigYaml(config).
+// The metadata's "config" is TrainConfigYaml(config), and
+// "global_batch_size_to_train_on" state.global_batch.
 Status SaveCheckpoint(const std::string& path, const TrainConfig& config,
                       const std::vector<CheckpointTensor>& layout,
                       const CheckpointSource& source,
@@ -107,12 +117,15 @@ using CheckpointSink = std::function<void(const CheckpointTensor& t, const float
 // only then hands `sink` every tensor of `layout` (a second
 // read) and fills *state. A checkpoint of another model shape or QAT mode
 // is a FailedPrecondition naming both; a malformed one DataLoss; either
-// changes nothing. A read error in the second pass (the file changed or the
+// changes nothing. A checkpoint without global_batch_size_to_train_on was
+// written when per_device_batch_size meant the global batch: it resumes only
+// where this run's global batch (`run`, CheckTrainLayout's) is that number,
+// else a FailedPrecondition says which per_device_batch_size continues it. A read error in the second pass (the file changed or the
 // disk failed after it was checked) is returned after `sink` may have
 // received some tensors.
 Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
-                      const std::vector<CheckpointTensor>& layout, const CheckpointSink& sink,
-                      TrainState* state);
+                      const TrainLayout& run, const std::vector<CheckpointTensor>& layout,
+                      const CheckpointSink& sink, TrainState* state);
 
 // Removes all but the newest `keep` checkpoints of `dir`.
 void PruneCheckpoints(const std::string& dir, int keep);

@@ -12,6 +12,9 @@
 namespace fp8moe {
 namespace {
 
+// The most sequences one rank runs: an int32 size of the kernels.
+constexpr int64_t kMaxModelDim = 2147483647;
+
 // Batches of one evaluation: a million is already hours; more only looks
 // like a hang (and eval batch indices times the batch size stay in int64).
 constexpr int64_t kMaxEvalSteps = 1000000;
@@ -48,9 +51,20 @@ FlagTable<TrainConfig> MakeTrainFlags() {
       .ResumeNeutral();
   t.Section("Model shape (a decoder-only MoE transformer; names follow MaxText)");
   t.Nest(&T::model, ModelConfigFlags());
-  t.Int("per_device_batch_size", Field(&T::model, &ModelConfig::batch),
-        "Sequences B per step: the global batch; on N ranks (mpirun) each takes B/N of "
-        "them (B must divide by N).");
+  t.Float("per_device_batch_size", &T::per_device_batch_size,
+          "Sequences each rank trains on per step (MaxText's meaning: per device). The global "
+          "batch global_batch_size_to_train_on is per_device_batch_size x the ranks of the job "
+          "(1 without mpirun) and must be a whole number: a fraction such as 1.5 on 2 ranks "
+          "gives 3 sequences, 2 on one rank and 1 on the other. The data order depends on the "
+          "global batch alone.",
+          {.min = 0,
+           .max = static_cast<double>(kMaxModelDim),
+           .min_open = true,
+           .show_value = true,
+           .note = " (the sequences of one rank)"})
+      // What is trained is the global batch (compared on resume), which the
+      // same flag changes with the ranks and another flag can keep.
+      .ResumeNeutral();
   t.Int("init_weights_seed", &T::init_weights_seed, "Seed of the initial weights.", not_negative);
   t.Section("Optimizer (AdamW) and schedule");
   t.Int("steps", &T::steps, "Training steps.", {.min = 1, .show_value = true});
@@ -95,9 +109,9 @@ FlagTable<TrainConfig> MakeTrainFlags() {
   t.Int("ici_fsdp_parallelism", &T::ici_fsdp_parallelism,
         "Ranks that shard the weights and optimizer state (FSDP); -1: the ranks "
         "ici_expert_parallelism leaves. ici_fsdp_parallelism * ici_expert_parallelism must "
-        "equal the ranks of the job (1 without mpirun). The batch per_device_batch_size is "
-        "the global batch, split over all the ranks, so a run gives the same model on any "
-        "rank count.")
+        "equal the ranks of the job (1 without mpirun). Every rank is a data-parallel device: "
+        "the global batch is per_device_batch_size x the ranks, and the same global batch "
+        "gives the same model on any rank count.")
       .ResumeNeutral();
   t.Int("ici_expert_parallelism", &T::ici_expert_parallelism,
         "Ranks that split the experts (the ring of experts): each holds num_experts / P "
@@ -196,6 +210,10 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
     for (size_t i = 1; i < problems.size(); ++i) msg += "; " + problems[i];
     return InvalidArgument(msg);
   }
+  // A rank's model runs at most ceil(per_device_batch_size) sequences
+  // (CheckTrainLayout splits the global batch); the data reader the global
+  // batch, which Train sets.
+  t.model.batch = static_cast<int64_t>(std::ceil(t.per_device_batch_size));
   t.data.seq_len = t.model.seq_len;
   t.data.vocab_size = t.model.vocab_size;
   t.data.batch = t.model.batch;

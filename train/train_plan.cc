@@ -32,11 +32,17 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   // Every size is at most 2^31 (Pos) and each product below has at most four
   // such factors, so 128-bit arithmetic cannot overflow.
   const ModelConfig& m = c.model;
-  const U B = Pos(m.batch), S = Pos(m.seq_len), N = B * S, D = Pos(m.emb_dim),
+  // The global batch per_device_batch_size x ranks (CheckTrainLayout), and
+  // at most ceil(per_device_batch_size) = m.batch sequences on a rank.
+  const U Pe = std::max<U>(Pos(expert), 1), ranks = std::max<U>(Pos(fsdp), 1) * Pe;
+  const double global_batch =
+      std::ceil(c.per_device_batch_size * static_cast<double>(ranks) - 1e-6);
+  const U B = Pos(global_batch < 9e18 ? static_cast<int64_t>(std::max(global_batch, 0.0))
+                                 : std::numeric_limits<int64_t>::max()),
+          S = Pos(m.seq_len), N = B * S, D = Pos(m.emb_dim),
           H = Pos(m.num_heads), HD = H * Pos(m.head_dim), V = Pos(m.vocab_size),
           F = Pos(m.mlp_dim), E = Pos(m.moe.num_experts), L = Pos(m.num_layers),
           k = Pos(m.moe.num_experts_per_tok);
-  const U Pe = std::max<U>(Pos(expert), 1), ranks = std::max<U>(Pos(fsdp), 1) * Pe;
   TrainMemoryPlan plan;
   // f32 sets of the parameters (train/trainer.cc, train/fsdp.h):
   // - the weights the model reads: the dense ones whole, and the experts
@@ -72,14 +78,15 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   // final norm, logits and their gradient, the model's backward buffers and
   // the token ids.
   //
-  // Per rank: each of the ranks runs its slice of the batch, Bl sequences
-  // (Nl tokens; train/trainer.cc); the MoE layer of a ring rank works on the
-  // Pe slices its ring gathers (Ng tokens, all of whose pairs may route to
-  // this rank's experts) and keeps the ring's buffers (moe_workspace.h: the
-  // gathered tokens, the partial outputs and their gradients, f32, and the
-  // codes of a quantized gather: at most 28 bytes a gathered token and model
-  // dimension; the gathered routing, 24 bytes a pair). One rank: Nl = Ng = N.
-  const U Bl = (B + ranks - 1) / ranks, Nl = Bl * S, Ng = std::min(N, Pe * Nl);
+  // Per rank: each of the ranks runs its slice of the batch, at most Bl
+  // sequences (Nl tokens; train/trainer.cc); the MoE layer of a ring rank
+  // works on the Pe slices its ring gathers (Ng tokens, all of whose pairs
+  // may route to this rank's experts) and keeps the ring's buffers
+  // (moe_workspace.h: the gathered tokens, the partial outputs and their
+  // gradients, f32, and the codes of a quantized gather: at most 28 bytes a
+  // gathered token and model dimension; the gathered routing, 24 bytes a
+  // pair). One rank: Nl = Ng = N.
+  const U Bl = std::min(Pos(m.batch), B), Nl = Bl * S, Ng = std::min(N, Pe * Nl);
   const U pairs = Ng * k;
   U rows = pairs;
   if (m.moe.ragged_buffer_factor > 0) {  // validated <= kMaxRaggedBufferFactor
@@ -134,7 +141,7 @@ Status CheckTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expert) {
           (ranks > 1 ? "; each of " + std::to_string(ranks) + " ranks holds" : "") + ": weights, gradients, master and AdamW shards and the checkpoint buffer " +
           FormatBytes(p.weights_bytes) + "; expert weights for the GMMs " +
           FormatBytes(p.expert_bytes) + "; activations of " +
-          (ranks > 1 ? "this rank's 1/" + std::to_string(ranks) + " of " : std::string()) +
+          (ranks > 1 ? "this rank's " : std::string()) +
           "per_device_batch_size x max_target_length tokens " + FormatBytes(p.activation_bytes) + "; data " +
           FormatBytes(p.data_bytes) + "; kernel scratch " +
           FormatBytes(p.scratch_bytes) + ")",

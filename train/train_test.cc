@@ -19,6 +19,7 @@
 #include "fp8moe/flag_table.h"
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
+#include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/train_test_util.h"
 
@@ -178,7 +179,8 @@ TEST(TrainConfigTable, EveryFlagRoundTripsThroughTheConfigsYaml) {
 }
 
 // The flags a resumed run may change without a warning: the bookkeeping ones
-// (names, periods, the rank layout, tiles, token chunks, remat).
+// (names, periods, the rank layout, tiles, token chunks, remat), and
+// per_device_batch_size, whose global batch the resume compares instead.
 TEST(TrainConfigTable, BookkeepingFlagsAreTheResumeNeutralRows) {
   std::vector<std::string> neutral;
   for (const auto& row : TrainConfigFlags().rows()) {
@@ -191,7 +193,8 @@ TEST(TrainConfigTable, BookkeepingFlagsAreTheResumeNeutralRows) {
   }
   EXPECT_EQ(neutral, (std::vector<std::string>{
                          "run_name", "base_output_directory", "enable_checkpointing",
-                         "checkpoint_period", "log_period", "eval_interval", "eval_steps",
+                         "checkpoint_period", "log_period", "per_device_batch_size",
+                         "eval_interval", "eval_steps",
                          "ici_fsdp_parallelism", "ici_expert_parallelism",
                          "ici_tensor_parallelism", "remat_policy", "num_moe_token_chunks"}));
 }
@@ -314,6 +317,30 @@ TEST(Train, RefusesACheckpointOfAnotherModelOrMode) {
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.status().message().find("QAT mode native_fwd_dlhs"), std::string::npos)
       << s.status().message();
+}
+
+// global_batch_size_to_train_on: in the summary and in every checkpoint; a
+// checkpoint that records a global batch below one sequence is malformed.
+TEST(Train, TheGlobalBatchIsRecordedAndChecked) {
+  auto s = RunTiny(Tiny("global"), {}, true);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->global_batch_size_to_train_on, 4);
+  const std::string path = s->run_dir + "/checkpoints/step_00000012.safetensors";
+  auto f = ReadSafetensors(path);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->metadata["global_batch_size_to_train_on"], "4");
+  f->metadata["global_batch_size_to_train_on"] = "0";
+  f->metadata.erase("checksum");
+  f->metadata["checksum"] = internal::CheckpointChecksum(*f);
+  ASSERT_TRUE(WriteSafetensors(path, *f).ok());
+  std::vector<std::string> more = Tiny("global");
+  more.push_back("steps=14");
+  auto r = RunTiny(more);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r.status().message().find("records global_batch_size_to_train_on=0"),
+            std::string::npos)
+      << r.status().message();
 }
 
 TEST(Train, StopsAfterMaxNonfiniteSteps) {

@@ -34,6 +34,9 @@ using nlohmann::json;
 
 namespace {
 
+// The largest global batch: its sequences are indices of int32 tensors.
+constexpr int64_t kMaxGlobalBatch = 2147483647;
+
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -156,8 +159,88 @@ class RunLock {
   int fd_ = -1;
 };
 
+// Multiplies every gradient of `grads` by `factor`.
+void ScaleGradients(ModelParams* grads, float factor) {
+  for (auto& [name, t] : grads->Named()) {
+    float* d = t->data_as<float>();
+    for (size_t i = 0; i < t->num_elements(); ++i) d[i] *= factor;
+  }
+}
+
 json HealthJson(const Fp8Health& h) {
   return {{"saturated", h.saturated}, {"flushed", h.flushed}, {"values", h.values}};
+}
+
+// The global batch of `c` on out->ranks ranks and this rank's share of it,
+// MaxText's way: every rank of the job is a data-parallel device (with the
+// ring of experts too, which all-gathers its ranks' tokens), so
+// global_batch_size_to_train_on = per_device_batch_size x ranks. It must be
+// a whole number of sequences, and the data reader reads it whole, so the
+// data order depends on it alone, never on the rank count. Rank r takes the
+// consecutive sequences after those of ranks 0..r-1: G / N each, the first
+// G % N ranks one more (a fractional per_device_batch_size). Every rank
+// needs at least one sequence, and the ranks of a ring of experts the same
+// number. Fills out->global_batch and the shares; the same on every rank.
+Status SplitGlobalBatch(const TrainConfig& c, int rank, TrainLayout* out) {
+  const int n = out->ranks;
+  const double p = c.per_device_batch_size;
+  const std::string on = "per_device_batch_size=" + internal::ShortestDecimal(p) + " on " +
+                         std::to_string(n) + (n == 1 ? " rank" : " ranks");
+  const std::string given = on + " is a global batch (global_batch_size_to_train_on) of ";
+  const double product = p * static_cast<double>(n);
+  if (!(product <= static_cast<double>(kMaxGlobalBatch) + 0.5)) {
+    return InvalidArgument(given + internal::ShortestDecimal(product) + " sequences, more than " +
+                           std::to_string(kMaxGlobalBatch) + "; lower per_device_batch_size");
+  }
+  // p x n of a p written with every digit (old / n, say) is within a few
+  // ulps of the whole number it means.
+  const double whole = std::round(product);
+  if (std::fabs(product - whole) > 1e-6) {
+    // The whole global batches next to it, of at least one sequence a rank.
+    const double lo = std::max(std::floor(product), static_cast<double>(n));
+    const double hi = std::max(std::ceil(product), static_cast<double>(n));
+    const std::string step = n == 1 ? "a whole number" : "a multiple of 1/" + std::to_string(n);
+    return InvalidArgument(given + internal::ShortestDecimal(product) +
+                           " sequences, not a whole number; set per_device_batch_size to " +
+                           step + " (such as " +
+                           (lo < hi ? internal::ShortestDecimal(lo / n) + " or " : std::string()) +
+                           internal::ShortestDecimal(hi / n) + ")");
+  }
+  const int64_t g = static_cast<int64_t>(whole);
+  if (g < n) {
+    return InvalidArgument(
+        given + std::to_string(g) + (g == 1 ? " sequence" : " sequences") + ", fewer than the " +
+        std::to_string(n) + (n == 1 ? " rank" : " ranks") +
+        ": every rank trains on at least one whole sequence; set per_device_batch_size to at "
+        "least 1" +
+        (g >= 1 ? ", or run on at most " + std::to_string(g) + (g == 1 ? " rank" : " ranks")
+                : std::string()));
+  }
+  if (out->mesh.expert > 1 && g % n != 0) {
+    return InvalidArgument(
+        given + std::to_string(g) + " sequences, which does not divide over the " +
+        std::to_string(n) + " ranks, but with ici_expert_parallelism=" +
+        std::to_string(out->mesh.expert) +
+        " the ranks of a ring of experts hold the same number of sequences (the ring "
+        "all-gathers their tokens); set per_device_batch_size to a whole number");
+  }
+  // The sizes the kernels hold in int32 (as ValidateModelConfig bounds one
+  // rank's): the routed rows of the whole batch bound those of any ring.
+  const __int128 rows = static_cast<__int128>(g) * c.model.seq_len * c.model.moe.num_experts_per_tok;
+  if (rows > (1 << 30)) {
+    return InvalidArgument("global_batch_size_to_train_on=" + std::to_string(g) + " (" + on +
+                           ") x max_target_length=" + std::to_string(c.model.seq_len) +
+                           " x num_experts_per_tok=" +
+                           std::to_string(c.model.moe.num_experts_per_tok) +
+                           " is more than 2^30 routed rows for one step (group sizes are int32); "
+                           "lower per_device_batch_size or max_target_length");
+  }
+  out->global_batch = g;
+  out->fewest_sequences = g / n;
+  const int64_t extra = g % n;
+  out->sequences = g / n + (rank < extra ? 1 : 0);
+  out->first_sequence = rank * (g / n) + std::min<int64_t>(rank, extra);
+  return OkStatus();
 }
 
 }  // namespace
@@ -180,31 +263,23 @@ Result<TrainLayout> CheckTrainLayout(const TrainConfig& c, Communicator& comm) {
                            "num_experts a multiple of " + std::to_string(mesh.expert) +
                            " or change ici_expert_parallelism");
   }
-  // Every rank of the job takes its own slice of the global batch (with
-  // expert parallelism too: the ring all-gathers its ranks' tokens).
-  if (c.model.batch % ranks != 0) {
-    return InvalidArgument("per_device_batch_size=" + std::to_string(c.model.batch) +
-                           " (the global batch) does not divide over the " +
-                           std::to_string(ranks) + " ranks (ici_fsdp_parallelism=" +
-                           std::to_string(mesh.fsdp) + " x ici_expert_parallelism=" +
-                           std::to_string(mesh.expert) + "); make it a multiple of " +
-                           std::to_string(ranks));
-  }
-  out.global_batch = c.model.batch;
-  out.sequences = out.fewest_sequences = c.model.batch / ranks;
-  out.first_sequence = comm.rank() * out.sequences;
-  // Each MoE layer call splits a rank's B/N x S tokens into the chunks (it
-  // would refuse the call at the first step, after the run had started).
+  FP8MOE_RETURN_IF_ERROR(SplitGlobalBatch(c, comm.rank(), &out));
+  // Each MoE layer call splits a rank's sequences x S tokens into the chunks
+  // (it would refuse the call at the first step, after the run had started).
   const int64_t tokens = out.fewest_sequences * c.model.seq_len;
   if (c.model.moe.num_moe_token_chunks > tokens) {
-    return InvalidArgument("num_moe_token_chunks=" + std::to_string(c.model.moe.num_moe_token_chunks) +
-                           " exceeds the " + std::to_string(tokens) + " tokens each MoE layer call " +
-                           (ranks == 1 ? std::string("has")
-                                       : "has on each of the " + std::to_string(ranks) + " ranks") +
-                           " (per_device_batch_size=" +
-                           std::to_string(c.model.batch) + " / " + std::to_string(ranks) +
-                           " x max_target_length=" + std::to_string(c.model.seq_len) +
-                           "); use at most " + std::to_string(tokens) + " chunks");
+    const bool even = out.fewest_sequences * ranks == out.global_batch;
+    return InvalidArgument(
+        "num_moe_token_chunks=" + std::to_string(c.model.moe.num_moe_token_chunks) +
+        " exceeds the " + std::to_string(tokens) + " tokens each MoE layer call " +
+        (ranks == 1 ? std::string("has")
+         : even     ? "has on each of the " + std::to_string(ranks) + " ranks"
+                    : std::string("has on the ranks with the fewest sequences")) +
+        " (" +
+        (even ? "per_device_batch_size=" + internal::ShortestDecimal(c.per_device_batch_size)
+              : "their " + std::to_string(out.fewest_sequences) + " sequences") +
+        " x max_target_length=" + std::to_string(c.model.seq_len) + "); use at most " +
+        std::to_string(tokens) + " chunks");
   }
   return out;
 }
@@ -279,6 +354,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
   dc.batch = mc.batch;
   FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> data, OpenDataset(dc));
   sum.entropy_floor = data->EntropyFloor();
+  sum.global_batch_size_to_train_on = layout.global_batch;
 
   std::error_code ec;
   fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
@@ -351,7 +427,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
     FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, to_master));
   } else {
     const Status loaded = internal::LoadCheckpoint(
-        *latest, c, ckpt_layout,
+        *latest, c, layout, ckpt_layout,
         [&](const internal::CheckpointTensor& t, const float* whole) { fsdp->LoadTensor(t, whole); },
         &state);
     FP8MOE_RETURN_IF_ERROR(AgreeOnCheckpoint(*comm, *latest, loaded, state.checksum));
@@ -362,7 +438,8 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
     }
     ctx.rng().set_state(state.rng);
     sum.resumed_from = state.step;
-    sum.resume_changes = internal::ConfigChangesOnResume(state.config_yaml, c);
+    sum.resume_changes = internal::ConfigChangesOnResume(state.config_yaml, state.global_batch, c,
+                                                         layout.global_batch);
   }
   // params: the weights the model reads, gathered each step; grads: this
   // rank's gradient. The expert weights reach the GMMs as gathered codes
@@ -418,10 +495,13 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
 
   const bool tty = !opt.quiet && ::isatty(::fileno(stderr)) != 0;
   if (!opt.quiet) {
-    std::printf("fp8moe train: %s\n  model %s, S=%lld, B=%lld; QAT mode %s\n  data %s\n",
+    std::printf("fp8moe train: %s\n  model %s, S=%lld, B=%lld; QAT mode %s\n  data %s\n"
+                "  global_batch_size_to_train_on %lld (per_device_batch_size=%s x %d rank%s)\n",
                 run_dir.string().c_str(), internal::ModelSignature(mc).c_str(),
                 static_cast<long long>(mc.seq_len), static_cast<long long>(mc.batch),
-                sum.quantization_mode.c_str(), data->Describe().c_str());
+                sum.quantization_mode.c_str(), data->Describe().c_str(),
+                static_cast<long long>(layout.global_batch),
+                internal::ShortestDecimal(c.per_device_batch_size).c_str(), F, F == 1 ? "" : "s");
     if (sum.entropy_floor) std::printf("  entropy floor %.4f nats/token\n", *sum.entropy_floor);
     if (sum.resumed_from > 0) {
       std::printf("  resumed from step %lld\n", static_cast<long long>(sum.resumed_from));
@@ -452,9 +532,15 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
   std::vector<PreparedMoeWeights> prepared;
   const int64_t N = mc.batch * mc.seq_len;  // tokens of the global batch
   std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
-  // This rank's slice of the global batch: sequences [i B/N, (i + 1) B/N) for
-  // rank i of the job (i = fsdp_index * P + expert_index).
+  // This rank's slice of the global batch (SplitGlobalBatch): consecutive
+  // sequences after those of the ranks before it (rank i of the job is
+  // fsdp_index * P + expert_index).
   const size_t slice = static_cast<size_t>(layout.first_sequence * mc.seq_len);
+  // A rank's means are over its own sequences; the global batch's mean is
+  // sum_r (sequences_r / G) mean_r, i.e. the mean over the ranks of
+  // share * mean_r. With equal shares share is exactly 1 and changes no bit.
+  const double share = static_cast<double>(layout.sequences) * static_cast<double>(F) /
+                       static_cast<double>(layout.global_batch);
   const int32_t* my_inputs = inputs.data() + slice;
   const int32_t* my_targets = targets.data() + slice;
   ExpertWeightSource* expert_source = f32_experts ? nullptr : fsdp.get();
@@ -471,9 +557,10 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
   std::vector<double> recent_losses;
   std::optional<double> last_eval;
 
-  // The mean over the ranks of a per-rank mean (every rank holds B/F
-  // sequences): the global batch's mean, the same bits on every rank.
+  // The mean over the ranks of per-rank means weighted by their shares: the
+  // global batch's mean, the same bits on every rank.
   auto global_mean = [&](std::vector<double> v) -> Result<std::vector<double>> {
+    for (double& x : v) x *= share;
     FP8MOE_ASSIGN_OR_RETURN(std::vector<double> s, internal::SumOverRanks(*comm, v));
     for (double& x : s) x /= static_cast<double>(F);
     return s;
@@ -493,6 +580,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
   };
   auto save = [&](int64_t step) -> Status {
     state.step = step;
+    state.global_batch = layout.global_batch;
     state.rng = ctx.rng().state();
     state.data_position = data->Position();
     const std::string path = internal::CheckpointPath(ckpt_dir.string(), step);
@@ -566,7 +654,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
     // Losses, router loads and reruns of the global batch, in one
     // collective (the counts are exact in double).
     if (F > 1) {
-      std::vector<double> v = {info.loss, info.aux_loss,
+      std::vector<double> v = {info.loss * share, info.aux_loss * share,
                                static_cast<double>(info.dropless_reruns)};
       for (const auto& layer : info.expert_load) v.insert(v.end(), layer.begin(), layer.end());
       FP8MOE_ASSIGN_OR_RETURN(v, internal::SumOverRanks(*comm, v));
@@ -578,6 +666,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
         for (int32_t& x : layer) x = static_cast<int32_t>(v[i++]);
       }
     }
+    // ReduceGradients averages the ranks' gradients: weighted by the shares,
+    // that is the gradient of the global batch's mean loss.
+    if (share != 1.0) ScaleGradients(&grads, static_cast<float>(share));
     FP8MOE_RETURN_IF_ERROR(fsdp->ReduceGradients(grads));
     StepReport rep;
     rep.step = s + 1;
@@ -741,6 +832,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
   sum.threads_max = threads_max;
 
   json sj = {{"steps", sum.steps},
+             {"global_batch_size_to_train_on", sum.global_batch_size_to_train_on},
              {"resumed_from", sum.resumed_from},
              {"final_loss", recent_losses.empty() ? json(nullptr) : json(sum.final_loss)},
              {"final_eval_loss", *sum.final_eval_loss},

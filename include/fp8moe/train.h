@@ -51,6 +51,12 @@ struct TrainConfig {
   // The dataset's flags; seq_len, vocab_size (the model's) and batch (the
   // global batch) are set by TrainConfigFrom and Train.
   DataConfig data;
+  // MaxText's meaning: the sequences each rank (each device) trains on per
+  // step, so global_batch_size_to_train_on = per_device_batch_size x the
+  // ranks of the job (CheckTrainLayout; a fraction where that is a whole
+  // number). TrainConfigFrom sets model.batch, the most sequences one rank's
+  // model runs, to its ceiling.
+  double per_device_batch_size = 16;
   std::string run_name = "fp8moe_run", base_output_directory = "runs";
   bool enable_checkpointing = true;
   int64_t checkpoint_period = 500, log_period = 50;
@@ -135,6 +141,7 @@ struct StepReport {
 
 struct TrainSummary {
   std::string run_dir;
+  int64_t global_batch_size_to_train_on = 0;  // sequences of one step, all ranks
   int64_t steps = 0;             // steps run in total (resumed ones included)
   int64_t resumed_from = 0;      // 0: a fresh start
   double final_loss = 0;         // mean training loss of the last log_period steps
@@ -185,9 +192,13 @@ struct TrainLayout {
 // their configs (CheckDistributedConfig on TrainConfigYaml: a flag that
 // differs is one error on every rank, naming it), the mesh must cover the
 // ranks, and the trainer must run on it: num_experts divides over the ring
-// of experts, the global batch divides over the ranks (every rank takes its
-// own slice, expert-parallel ones too) and a rank's tokens hold
-// num_moe_token_chunks chunks. The same answer on every rank.
+// of experts; the global batch, per_device_batch_size x ranks (every rank is
+// a data-parallel device, expert-parallel ones too, as in MaxText), is a
+// whole number of at least one sequence a rank and at most 2^31 - 1,
+// split in consecutive shares (G / N each, the first G % N ranks one more;
+// equal shares on a ring of experts); and a rank's tokens hold
+// num_moe_token_chunks chunks. The data order depends on the global batch
+// alone. The same answer on every rank.
 Result<TrainLayout> CheckTrainLayout(const TrainConfig& config, Communicator& comm);
 
 // Runs (or resumes) the run the config describes on the layout

@@ -259,8 +259,10 @@ MPI = shutil.which("mpirun")
 def test_mpirun_ranks_write_one_run_once(fp8moe_bin, tmp_path, ranks):
     """Under mpirun the ranks train one run (FSDP): rank 0 alone holds the run
     lock and writes, so metrics.jsonl has every logged step once and the
-    summary and checkpoints are one rank's. Uneven ranks refuse a global batch
-    that does not divide, on every rank, with nothing written."""
+    summary and checkpoints are one rank's; the global batch is
+    per_device_batch_size x the ranks. A per_device_batch_size whose global
+    batch is not a whole number is refused on every rank, with nothing
+    written."""
     import json
     env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMP_NUM_THREADS="1")
@@ -274,12 +276,16 @@ def test_mpirun_ranks_write_one_run_once(fp8moe_bin, tmp_path, ranks):
     assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
     steps = [json.loads(line)["step"] for line in (tmp_path / "mpi" / "metrics.jsonl").open()]
     assert steps == sorted(set(steps)) and steps[-1] == 4, steps
-    assert (tmp_path / "mpi" / "summary.json").exists()
-    cmd[cmd.index(f"per_device_batch_size={batch}")] = f"per_device_batch_size={batch + 1}"
+    summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
+    assert summary["global_batch_size_to_train_on"] == batch * ranks, summary
+    # 1.25 x 2 = 2.5 and 1.25 x 3 = 3.75 sequences.
+    cmd[cmd.index(f"per_device_batch_size={batch}")] = "per_device_batch_size=1.25"
     cmd[cmd.index("run_name=mpi")] = "run_name=uneven"
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    assert p.stderr.count(f"does not divide over the {ranks} ranks") == ranks, p.stderr
+    assert p.stderr.count(f"per_device_batch_size=1.25 on {ranks} ranks is a global batch "
+                          "(global_batch_size_to_train_on) of ") == ranks, p.stderr
+    assert p.stderr.count("not a whole number") == ranks, p.stderr
     assert not (tmp_path / "uneven").exists()
 
 
