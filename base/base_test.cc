@@ -29,6 +29,28 @@ Result<int> Quarter(int x) {
   return Half(h);
 }
 
+// For 20000 values of random bits (the finite ones): `shortest(v)` reads
+// back as v through `parse`, and v with one significant digit fewer does not.
+template <class T, class Bits, class Shortest, class Parse>
+void ExpectShortestOnRandomBits(uint64_t seed, Shortest shortest, Parse parse) {
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 20000; ++i) {
+    T v;
+    const Bits bits = static_cast<Bits>(rng());
+    std::memcpy(&v, &bits, sizeof v);
+    if (!std::isfinite(v)) continue;
+    const std::string t = shortest(v);
+    ASSERT_EQ(parse(t.c_str()), v) << t;
+    char fewer[400];
+    int digits = 0;  // significant digits in t: from its first non-zero digit
+    for (char c : t.substr(0, t.find('e'))) digits += (c >= '1' && c <= '9') || (digits > 0 && c == '0');
+    if (digits > 1) {
+      std::snprintf(fewer, sizeof fewer, "%.*g", digits - 1, static_cast<double>(v));
+      ASSERT_NE(parse(fewer), v) << t << " vs " << fewer;
+    }
+  }
+}
+
 TEST(FloatText, ShortestDecimalReadsBackAndIsShortest) {
   using internal::ShortestDecimal;
   EXPECT_EQ(ShortestDecimal(0.1), "0.1");
@@ -44,22 +66,23 @@ TEST(FloatText, ShortestDecimalReadsBackAndIsShortest) {
   EXPECT_EQ(ShortestDecimal(std::numeric_limits<double>::denorm_min()), "5e-324");
   // Any double reads back exactly, and one digit fewer would not.
   FP8MOE_RANDOM_SEED(seed);
-  std::mt19937_64 rng(seed);
-  for (int i = 0; i < 20000; ++i) {
-    double v;
-    const uint64_t bits = rng();
-    std::memcpy(&v, &bits, sizeof v);
-    if (!std::isfinite(v)) continue;
-    const std::string t = ShortestDecimal(v);
-    ASSERT_EQ(std::strtod(t.c_str(), nullptr), v) << t;
-    char fewer[400];
-    int digits = 0;  // significant digits in t: from its first non-zero digit
-    for (char c : t.substr(0, t.find('e'))) digits += (c >= '1' && c <= '9') || (digits > 0 && c == '0');
-    if (digits > 1) {
-      std::snprintf(fewer, sizeof fewer, "%.*g", digits - 1, v);
-      ASSERT_NE(std::strtod(fewer, nullptr), v) << t << " vs " << fewer;
-    }
-  }
+  ExpectShortestOnRandomBits<double, uint64_t>(
+      seed, ShortestDecimal, [](const char* t) { return std::strtod(t, nullptr); });
+}
+
+TEST(NumberText, ShortestFloatDecimalReadsBackAsTheFloat) {
+  using internal::ShortestFloatDecimal;
+  EXPECT_EQ(ShortestFloatDecimal(0.1f), "0.1");
+  EXPECT_EQ(ShortestFloatDecimal(-224.0f), "-224");
+  EXPECT_EQ(ShortestFloatDecimal(0.0f), "0");
+  EXPECT_EQ(ShortestFloatDecimal(-0.0f), "-0");
+  EXPECT_EQ(ShortestFloatDecimal(std::numeric_limits<float>::max()), "3.4028235e+38");
+  EXPECT_EQ(ShortestFloatDecimal(std::numeric_limits<float>::denorm_min()), "1e-45");
+  EXPECT_EQ(ShortestFloatDecimal(std::numeric_limits<float>::infinity()), "inf");
+  // Any float reads back exactly (strtof), and one digit fewer would not.
+  FP8MOE_RANDOM_SEED(seed);
+  ExpectShortestOnRandomBits<float, uint32_t>(
+      seed, ShortestFloatDecimal, [](const char* t) { return std::strtof(t, nullptr); });
 }
 
 TEST(NumberText, Hex64IsSixteenLowerCaseDigits) {

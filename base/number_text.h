@@ -24,6 +24,17 @@ inline std::string ShortestDecimal(double v) {
   return buf;
 }
 
+// The same for a float read back with strtof: 0.1f is "0.1" (its double,
+// ShortestDecimal's, "0.10000000149011612"). A calibration flag's numbers.
+inline std::string ShortestFloatDecimal(float v) {
+  char buf[32];
+  for (int p = 1; p <= 9; ++p) {
+    std::snprintf(buf, sizeof buf, "%.*g", p, static_cast<double>(v));
+    if (std::strtof(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
 // v as 16 lower-case hex digits, "00000000deadbeef": checkpoint checksums
 // and config fingerprints.
 inline std::string Hex64(uint64_t v) {

@@ -1,13 +1,12 @@
 #include "fp8moe/moe_config.h"
 
+#include "base/number_text.h"
 #include "fp8moe/flag_table.h"
 
 #include <array>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
@@ -91,15 +90,8 @@ const std::optional<int64_t>& TileField(const MoeConfig& c, const TileFlag& f) {
 // rounds to 6 digits).
 std::string CalibrationText(const Calibration& c) {
   if (c.kind == Calibration::Kind::kAbsMax) return "absmax";
-  auto shortest = [](float v) {
-    char buf[32];
-    for (int p = 1; p <= 9; ++p) {
-      std::snprintf(buf, sizeof(buf), "%.*g", p, static_cast<double>(v));
-      if (std::strtof(buf, nullptr) == v) break;
-    }
-    return std::string(buf);
-  };
-  return "fixed," + shortest(c.lo) + "," + shortest(c.hi);
+  return "fixed," + internal::ShortestFloatDecimal(c.lo) + "," +
+         internal::ShortestFloatDecimal(c.hi);
 }
 
 // The row of a calibration flag: "absmax" or "fixed,a,b".
