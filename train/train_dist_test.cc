@@ -120,6 +120,12 @@ RunResult RunRanks(int ranks, std::vector<std::string> flags, bool fresh,
   return out;
 }
 
+// The run failed, and every rank's error contains `part`.
+void ExpectEveryRankSays(const RunResult& r, const std::string& part) {
+  ASSERT_FALSE(r.status.ok());
+  for (const std::string& e : r.errors) EXPECT_NE(e.find(part), std::string::npos) << e;
+}
+
 double MaxRelative(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0;
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
@@ -474,40 +480,26 @@ TEST(TrainDist, BadLayoutsAreOneClearErrorOnEveryRank) {
   const auto flags = Tiny("bad", 2);
   {
     RunResult r = RunRanks(2, With(flags, {"ici_fsdp_parallelism=3"}), true);
-    ASSERT_FALSE(r.status.ok());
-    for (const std::string& e : r.errors) {
-      EXPECT_NE(e.find("ici_fsdp_parallelism"), std::string::npos) << e;
-    }
+    ExpectEveryRankSays(r, "ici_fsdp_parallelism");
     EXPECT_EQ(r.errors[0], r.errors[1]);
   }
   {
     RunResult r = RunRanks(2, With(flags, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2",
                                            "num_experts=3"}),
                            true);
-    ASSERT_FALSE(r.status.ok());
-    for (const std::string& e : r.errors) {
-      EXPECT_NE(e.find("num_experts=3 does not divide over ici_expert_parallelism=2"),
-                std::string::npos) << e;
-    }
+    ExpectEveryRankSays(r, "num_experts=3 does not divide over ici_expert_parallelism=2");
   }
   {
     RunResult r = RunRanks(2, flags, true, 0, {{"learning_rate=0.001"}, {}});
-    ASSERT_FALSE(r.status.ok());
-    for (const std::string& e : r.errors) {
-      EXPECT_NE(e.find("config fingerprint"), std::string::npos) << e;
-    }
+    ExpectEveryRankSays(r, "config fingerprint");
   }
   {
     // A global batch of 0.5 sequences.
     RunResult r = RunRanks(2, With(flags, {"per_device_batch_size=0.25"}), true);
-    ASSERT_FALSE(r.status.ok());
-    for (const std::string& e : r.errors) {
-      EXPECT_NE(e.find("per_device_batch_size=0.25 on 2 ranks is a global batch "
-                       "(global_batch_size_to_train_on) of 0.5 sequences, not a whole number; "
-                       "set per_device_batch_size to a multiple of 1/2 (such as 1)"),
-                std::string::npos)
-          << e;
-    }
+    ExpectEveryRankSays(r,
+                        "per_device_batch_size=0.25 on 2 ranks is a global batch "
+                        "(global_batch_size_to_train_on) of 0.5 sequences, not a whole number; "
+                        "set per_device_batch_size to a multiple of 1/2 (such as 1)");
   }
 }
 
@@ -678,19 +670,13 @@ TEST(TrainDist, ACheckpointOfTheOldMeaningResumesOnlyWithTheFlagConverted) {
       continue;
     }
     RunResult refused = RunRanks(2, With(pieces, {"per_device_batch_size=12"}), false);
-    ASSERT_FALSE(refused.status.ok());
-    for (const std::string& e : refused.errors) {
-      EXPECT_NE(e.find("was written when per_device_batch_size meant the global batch "
-                       "(per_device_batch_size=12 there: 12 sequences a step); it now counts "
-                       "the sequences of each rank, as in MaxText, so "),
-                std::string::npos)
-          << e;
-      EXPECT_NE(e.find("per_device_batch_size=12 on 2 ranks is a global batch "
-                       "(global_batch_size_to_train_on) of 24: resume with "
-                       "per_device_batch_size=6 (12 / 2 ranks)"),
-                std::string::npos)
-          << e;
-    }
+    ExpectEveryRankSays(refused,
+                        "was written when per_device_batch_size meant the global batch "
+                        "(per_device_batch_size=12 there: 12 sequences a step); it now counts "
+                        "the sequences of each rank, as in MaxText, so "
+                        "per_device_batch_size=12 on 2 ranks is a global batch "
+                        "(global_batch_size_to_train_on) of 24: resume with "
+                        "per_device_batch_size=6 (12 / 2 ranks)");
     RunResult rest = RunRanks(2, With(pieces, {"per_device_batch_size=6"}), false);
     ASSERT_TRUE(rest.status.ok()) << rest.status.ToString();
     EXPECT_EQ(rest.summary.resumed_from, 4);
