@@ -120,9 +120,9 @@ using CheckpointSink = std::function<void(const CheckpointTensor& t, const float
 // changes nothing. A checkpoint without global_batch_size_to_train_on was
 // written when per_device_batch_size meant the global batch: it resumes only
 // where this run's global batch (`run`, CheckTrainLayout's) is that number,
-// else a FailedPrecondition says which per_device_batch_size continues it. A read error in the second pass (the file changed or the
-// disk failed after it was checked) is returned after `sink` may have
-// received some tensors.
+// else a FailedPrecondition says which per_device_batch_size continues it.
+// A read error in the second pass (the file changed or the disk failed after
+// it was checked) is returned after `sink` may have received some tensors.
 Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
                       const TrainLayout& run, const std::vector<CheckpointTensor>& layout,
                       const CheckpointSink& sink, TrainState* state);

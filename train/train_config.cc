@@ -211,12 +211,9 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
     return InvalidArgument(msg);
   }
   // A rank's model runs at most ceil(per_device_batch_size) sequences
-  // (CheckTrainLayout splits the global batch); the data reader the global
-  // batch, which Train sets.
+  // (CheckTrainLayout splits the global batch); the data reader's shape is
+  // the model's and the global batch, which Train sets.
   t.model.batch = static_cast<int64_t>(std::ceil(t.per_device_batch_size));
-  t.data.seq_len = t.model.seq_len;
-  t.data.vocab_size = t.model.vocab_size;
-  t.data.batch = t.model.batch;
   FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(t.model));
   return t;
 }

@@ -48,8 +48,8 @@ struct TrainConfig {
                             .fp8_fake_quant_hoist = Fp8FakeQuantHoist::kGather8,
                             .fp8_moe_native_fwd = true,
                             .fp8_moe_native_bwd_dlhs = true}};
-  // The dataset's flags; seq_len, vocab_size (the model's) and batch (the
-  // global batch) are set by TrainConfigFrom and Train.
+  // The dataset's flags; its seq_len, vocab_size (the model's) and batch
+  // (the global batch, CheckTrainLayout's) are set by Train.
   DataConfig data;
   // MaxText's meaning: the sequences each rank (each device) trains on per
   // step, so global_batch_size_to_train_on = per_device_batch_size x the
