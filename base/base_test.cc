@@ -106,6 +106,34 @@ TEST(Tensor, AlignedAndChecked) {
   EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
 }
 
+// Shape holds its dimensions inline and reads like the std::vector it
+// replaced: size, [], iteration, comparison, push_back up to kMaxRank.
+TEST(Shape, InlineDimensionsReadLikeAVector) {
+  Shape s{2, 3, 4};
+  EXPECT_EQ(s.size(), 3u);
+  EXPECT_EQ(s[1], 3);
+  EXPECT_EQ(s.back(), 4);
+  int64_t product = 1;
+  for (int64_t d : s) product *= d;
+  EXPECT_EQ(product, 24);
+  EXPECT_EQ(s, (Shape{2, 3, 4}));
+  EXPECT_NE(s, (Shape{2, 3}));
+  EXPECT_NE(s, (Shape{2, 3, 5}));
+  Shape t = s;
+  t.pop_back();
+  EXPECT_EQ(t, (Shape{2, 3}));
+  t.push_back(4);  // the popped dimension was cleared: equal again
+  EXPECT_EQ(t, s);
+  EXPECT_EQ(ShapeToString(s), "[2, 3, 4]");
+  EXPECT_EQ(Shape(3, 7), (Shape{7, 7, 7}));
+  EXPECT_TRUE(Shape().empty());
+  Shape full;
+  for (int i = 0; i < kMaxRank; ++i) full.push_back(1);
+  EXPECT_EQ(full.size(), static_cast<size_t>(kMaxRank));
+  EXPECT_DEATH(full.push_back(1), "at most");
+  EXPECT_DEATH((void)s.at(3), "dimension 3 of the shape \\[2, 3, 4\\]");
+}
+
 TEST(Rng, DeterministicAndRestorable) {
   Rng a(42), b(42), c(43);
   for (int i = 0; i < 100; ++i) {

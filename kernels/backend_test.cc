@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "base/heap_count_test_util.h"
 #include "base/scratch_arena.h"
 #include "base/test_seed.h"
 #include "base/test_util.h"
@@ -24,26 +25,6 @@
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
 #include "kernels/cpu/gemm_call.h"
-
-// Every operator new of this test binary counts here, so a test can show
-// that a call makes no heap allocation at all: the library's own accounting
-// (GetMemoryStats) sees its tensors and scratch, not a std::vector.
-namespace {
-std::atomic<int64_t> g_heap_allocations{0};
-}  // namespace
-
-void* operator new(std::size_t size) {
-  g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-// GCC sees free() after inlining this replacement next to a new-expression
-// and warns of a mismatch; both sides are replaced here (malloc / free).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#pragma GCC diagnostic pop
 
 namespace fp8moe {
 namespace {
@@ -536,10 +517,10 @@ TEST(Scratch, RepeatedCallsAllocateNothing) {
   Context ctx;
   u.Run(ctx, gs_v);
   const MemoryStats before = GetMemoryStats();
-  const int64_t heap_before = g_heap_allocations.load();
+  const int64_t heap_before = test::HeapAllocations();
   EXPECT_GT(ctx.scratch().bytes(), 0u);
   for (int rep = 0; rep < 3; ++rep) u.Run(ctx, gs_v);
-  const int64_t heap_after = g_heap_allocations.load();
+  const int64_t heap_after = test::HeapAllocations();
   const MemoryStats after = GetMemoryStats();
   EXPECT_EQ(after.allocations, before.allocations) << "a repeated call allocated";
   // Nor any hidden std::vector (the TGMM gradient quantizer's tiles and amax
@@ -575,7 +556,7 @@ TEST(Scratch, OtherGroupSizesOfTheSameShapesAllocateNothing) {
       {static_cast<int32_t>(m), 0, 0, 0}, {0, 0, 0, 0}, {13, 1, 0, 7},
       {40, 40, 40, 40}, {0, static_cast<int32_t>(m) - 1, 1, 0}};
   const int64_t before = GetMemoryStats().allocations;
-  const int64_t heap_before = g_heap_allocations.load();
+  const int64_t heap_before = test::HeapAllocations();
   for (const auto& r : routings) {
     std::copy(r.begin(), r.end(), sizes);
     u.Run(ctx, gs_v);
@@ -590,7 +571,7 @@ TEST(Scratch, OtherGroupSizesOfTheSameShapesAllocateNothing) {
     u.Run(ctx, gs_v);
   }
   EXPECT_EQ(GetMemoryStats().allocations, before) << "other group sizes allocated";
-  EXPECT_EQ(g_heap_allocations.load(), heap_before) << "other group sizes allocated on the heap";
+  EXPECT_EQ(test::HeapAllocations(), heap_before) << "other group sizes allocated on the heap";
 }
 
 // The calls without a Context run on DefaultContext(): the same promise.

@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "base/heap_count_test_util.h"
 #include "base/test_seed.h"
 #include "base/test_util.h"
 #include "model/layers.h"
@@ -361,6 +362,22 @@ TEST(ModelLayers, EdgeValuesStayFinite) {
   internal::RmsNormForward(ctx, x.data(), g.data(), 1, 8, 1e-6f, y.data(), inv.data());
   for (float v : y) EXPECT_EQ(v, 0.0f);
   EXPECT_TRUE(std::isfinite(inv[0]));
+}
+
+// Linear builds three TensorViews per call; their shapes are held inline
+// (fp8moe/tensor.h), so once the GMM's scratch has grown a call makes no heap
+// allocation at all (every operator new of this binary is counted).
+TEST(ModelLayers, LinearMakesNoHeapAllocation) {
+  const int64_t m = 5, k = 7, n = 3;
+  std::vector<float> x(m * k, 0.5f), w(k * n, 0.25f), out(m * n);
+  Tensor group = Tensor::Create(DType::kI32, {1}).value();
+  group.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+  Context ctx;
+  ASSERT_TRUE(internal::Linear(ctx, group.view(), x.data(), w.data(), m, k, n, out.data()).ok());
+  const int64_t before = test::HeapAllocations();
+  ASSERT_TRUE(internal::Linear(ctx, group.view(), x.data(), w.data(), m, k, n, out.data()).ok());
+  EXPECT_EQ(test::HeapAllocations(), before);
+  EXPECT_EQ(out[0], 0.5f * 0.25f * k);
 }
 
 }  // namespace
