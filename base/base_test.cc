@@ -5,8 +5,8 @@
 #include <cstring>
 #include <limits>
 #include <random>
-#include <set>
 
+#include "base/kernel_counters.h"
 #include "base/number_text.h"
 #include "base/scratch_arena.h"
 #include "base/test_seed.h"
@@ -188,27 +188,13 @@ TEST(Context, OptionsCountersAndScratch) {
   EXPECT_EQ(ctx.metrics(), &sink);
   EXPECT_GE(DefaultContext().threads(), 1);
   EXPECT_EQ(DefaultContext().backend(), BackendKind::kCpu);
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 0);
-  ctx.CountKernel(KernelPath::kPackedF32, 2);
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 2);
-  ctx.ResetKernelCounts();
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 0);
-  std::set<std::string_view> names;
-  for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
-    names.insert(KernelPathName(static_cast<KernelPath>(i)));
-  }
-  EXPECT_EQ(names.size(), static_cast<size_t>(KernelPath::kCount));
-  // Four counters are not paths: a sum over the paths skips them.
-  int paths = 0;
-  for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
-    paths += IsKernelPath(static_cast<KernelPath>(i)) ? 1 : 0;
-  }
-  EXPECT_EQ(paths, static_cast<int>(KernelPath::kCount) - 4);
-  EXPECT_FALSE(IsKernelPath(KernelPath::kDirectNextItemPrefetch));
-  EXPECT_FALSE(IsKernelPath(KernelPath::kPackedRowBlocks));
-  EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsQuant));
-  EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsValues));
-  EXPECT_TRUE(IsKernelPath(KernelPath::kReference));
+  // The kernels' counters (kernels/cpu/kernel_path.h names the slots).
+  EXPECT_EQ(ctx.kernel_counters().Get(3), 0);
+  ctx.kernel_counters().Add(3, 2);
+  EXPECT_EQ(ctx.kernel_counters().Get(3), 2);
+  EXPECT_EQ(ctx.kernel_counters().Get(4), 0);
+  ctx.kernel_counters().Reset();
+  EXPECT_EQ(ctx.kernel_counters().Get(3), 0);
   EXPECT_EQ(*ParseBackend(BackendName(BackendKind::kCpu)), BackendKind::kCpu);
   EXPECT_FALSE(ParseBackend("gpu").ok());
 

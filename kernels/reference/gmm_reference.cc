@@ -15,6 +15,7 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
+#include "kernels/cpu/kernel_path.h"
 #include "kernels/gmm_backend.h"
 #include "kernels/gmm_problem.h"
 
@@ -22,6 +23,7 @@ namespace fp8moe::reference {
 namespace {
 
 using internal::GmmProblem;
+using internal::KernelPath;
 
 size_t Idx(int64_t i) { return static_cast<size_t>(i); }
 
@@ -309,19 +311,19 @@ class ReferenceBackend final : public internal::GmmBackend {
   Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
              const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
              const TensorView& out, const TensorView* h_out) override {
-    ctx.CountKernel(KernelPath::kReference);
+    CountKernel(ctx, KernelPath::kReference);
     return GmmChecked(p, o, lhs, rhs, rhs_scale, out, h_out);
   }
   Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& dout,
               const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
               const TensorView& out, const TensorView* h) override {
-    ctx.CountKernel(KernelPath::kReference);
+    CountKernel(ctx, KernelPath::kReference);
     return DlhsChecked(p, o, dout, rhs, rhs_scale, out, h);
   }
   Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TgmmQuant& quant,
               const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
               const TensorView& drhs) override {
-    ctx.CountKernel(KernelPath::kReference);
+    CountKernel(ctx, KernelPath::kReference);
     return TgmmChecked(p, o, quant, lhs, dout, group_sizes, drhs);
   }
 };
