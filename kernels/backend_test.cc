@@ -1,4 +1,4 @@
-// The backend seam (gmm_backend.h, docs/design.md §7.2) seen from a Context: which
+// The backend seam (kernels/backend.h, docs/design.md §7.2) seen from a Context: which
 // kernel path ran (so a path that silently stops being taken fails here,
 // not only in a benchmark), a repeated call allocates nothing, the thread
 // count of a Context never changes the bits, and scratch is released.

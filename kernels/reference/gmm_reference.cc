@@ -6,7 +6,7 @@
 // Every function validates with the same internal::Check* as the fast kernel,
 // reads only the valid rows of lhs / dout / h (tail rows may hold NaN) and
 // writes every element of its outputs, tail rows as 0. The same code is the
-// "reference" GMM backend (gmm_backend.h): a Context with BackendKind::
+// "reference" backend (kernels/backend.h): a Context with BackendKind::
 // kReference runs every call here, counting KernelPath::kReference.
 #include <algorithm>
 #include <cstdint>
@@ -16,8 +16,9 @@
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
 #include "kernels/cpu/kernel_path.h"
-#include "kernels/gmm_backend.h"
+#include "kernels/backend.h"
 #include "kernels/gmm_problem.h"
+#include "kernels/reference/ops_reference.h"
 
 namespace fp8moe::reference {
 namespace {
@@ -304,10 +305,12 @@ Status TgmmChecked(const GmmProblem& p, const GmmOptions& options, const TgmmQua
   return OkStatus();
 }
 
-// The reference twins as a backend: every call counts once on kReference.
-class ReferenceBackend final : public internal::GmmBackend {
+// The reference twins as a backend: every GMM call counts once on
+// kReference; the other ops are kernels/reference/ops_reference.cc.
+class ReferenceBackendImpl final : public internal::Backend {
  public:
   BackendKind kind() const override { return BackendKind::kReference; }
+  bool Supports(const internal::OpArgs&) const override { return true; }
   Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
              const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
              const TensorView& out, const TensorView* h_out) override {
@@ -325,6 +328,47 @@ class ReferenceBackend final : public internal::GmmBackend {
               const TensorView& drhs) override {
     CountKernel(ctx, KernelPath::kReference);
     return TgmmChecked(p, o, quant, lhs, dout, group_sizes, drhs);
+  }
+
+  Status EmbeddingGather(Context&, const internal::EmbeddingGatherArgs& a) override {
+    reference::EmbeddingGather(a);
+    return OkStatus();
+  }
+  Status EmbeddingScatterAdd(Context&, const internal::EmbeddingScatterAddArgs& a) override {
+    reference::EmbeddingScatterAdd(a);
+    return OkStatus();
+  }
+  Status Add(Context&, const internal::AddArgs& a) override {
+    reference::Add(a);
+    return OkStatus();
+  }
+  Status RmsNormForward(Context&, const internal::RmsNormForwardArgs& a) override {
+    reference::RmsNormForward(a);
+    return OkStatus();
+  }
+  Status RmsNormBackward(Context&, const internal::RmsNormBackwardArgs& a) override {
+    reference::RmsNormBackward(a);
+    return OkStatus();
+  }
+  Status Rope(Context&, const internal::RopeArgs& a) override {
+    reference::Rope(a);
+    return OkStatus();
+  }
+  Status AttentionForward(Context&, const internal::AttentionForwardArgs& a) override {
+    reference::AttentionForward(a);
+    return OkStatus();
+  }
+  Status AttentionBackward(Context&, const internal::AttentionBackwardArgs& a) override {
+    reference::AttentionBackward(a);
+    return OkStatus();
+  }
+  Status CrossEntropy(Context&, const internal::CrossEntropyArgs& a) override {
+    reference::CrossEntropy(a);
+    return OkStatus();
+  }
+  Status AdamW(Context&, const internal::AdamWArgs& a) override {
+    reference::AdamW(a);
+    return OkStatus();
   }
 };
 
@@ -362,8 +406,8 @@ Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView&
 }  // namespace fp8moe::reference
 
 namespace fp8moe::internal {
-GmmBackend& ReferenceGmmBackend() {
-  static reference::ReferenceBackend backend;
+Backend& ReferenceBackend() {
+  static reference::ReferenceBackendImpl backend;
   return backend;
 }
 }  // namespace fp8moe::internal
