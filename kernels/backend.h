@@ -166,6 +166,12 @@ Backend& ReferenceBackend();
 // The backend a Context names.
 Backend& BackendOf(const Context& ctx);
 
+// Tests only: makes every Context of `kind` run on `backend` (null: the
+// kind's own again) and returns the one it replaces, so that a test can stand
+// in a backend that supports some ops only, as a device backend would. Not
+// for concurrent use with calls on contexts of that kind.
+Backend* SetBackendForTesting(BackendKind kind, Backend* backend);
+
 }  // namespace fp8moe::internal
 
 #endif  // FP8MOE_KERNELS_BACKEND_H_
