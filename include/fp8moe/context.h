@@ -1,5 +1,5 @@
 // The explicit state a library call runs in (docs/design.md §7.1): how many threads,
-// which GMM backend, the kernels' scratch memory, a random number generator
+// which backend, the kernels' scratch memory, a random number generator
 // and a metrics sink. Passed down by reference instead of thread-local or
 // global state, so that
 //  - a trainer owns one Context for the whole run and, after the first step,
@@ -55,9 +55,10 @@ class Rng {
   State s_{};
 };
 
-// Which implementation the grouped matmuls of a context run on.
+// Which implementation the ops of a context run on (the GMMs and the model
+// step's other ops, docs/design.md §7.2).
 enum class BackendKind : uint8_t {
-  kCpu,        // the fast SIMD kernels (kernels/cpu)
+  kCpu,        // the fast implementations (kernels/cpu)
   kReference,  // the plain-loop twins (kernels/reference)
 };
 std::string_view BackendName(BackendKind kind);  // "cpu", "reference"
