@@ -161,6 +161,55 @@ class Backend {
   virtual Status AdamW(Context& ctx, const AdamWArgs& a) = 0;
 };
 
+// A backend whose ops besides the GMMs are the static functions of `Ops`,
+// each `void Name(Context&, const NameArgs&)` on checked arguments: the cpu
+// backend (CpuOps, kernels/cpu/cpu_ops.h) and the reference backend
+// (ReferenceOps, kernels/reference/ops_reference.h) are this over their code.
+template <class Ops>
+class OpsBackend : public Backend {
+ public:
+  Status EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) final {
+    Ops::EmbeddingGather(ctx, a);
+    return OkStatus();
+  }
+  Status EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) final {
+    Ops::EmbeddingScatterAdd(ctx, a);
+    return OkStatus();
+  }
+  Status Add(Context& ctx, const AddArgs& a) final {
+    Ops::Add(ctx, a);
+    return OkStatus();
+  }
+  Status RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) final {
+    Ops::RmsNormForward(ctx, a);
+    return OkStatus();
+  }
+  Status RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) final {
+    Ops::RmsNormBackward(ctx, a);
+    return OkStatus();
+  }
+  Status Rope(Context& ctx, const RopeArgs& a) final {
+    Ops::Rope(ctx, a);
+    return OkStatus();
+  }
+  Status AttentionForward(Context& ctx, const AttentionForwardArgs& a) final {
+    Ops::AttentionForward(ctx, a);
+    return OkStatus();
+  }
+  Status AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) final {
+    Ops::AttentionBackward(ctx, a);
+    return OkStatus();
+  }
+  Status CrossEntropy(Context& ctx, const CrossEntropyArgs& a) final {
+    Ops::CrossEntropy(ctx, a);
+    return OkStatus();
+  }
+  Status AdamW(Context& ctx, const AdamWArgs& a) final {
+    Ops::AdamW(ctx, a);
+    return OkStatus();
+  }
+};
+
 Backend& CpuBackend();
 Backend& ReferenceBackend();
 // The backend a Context names.

@@ -238,20 +238,20 @@ void AttentionBackwardT(const float* qkv, const float* probs, const float* dout,
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-namespace fp8moe::internal::cpu {
+namespace fp8moe::internal {
 
 HWY_EXPORT(AttentionForwardT);
 HWY_EXPORT(AttentionBackwardT);
 
-void AttentionForward(Context& ctx, const AttentionForwardArgs& a) {
+void CpuOps::AttentionForward(Context& ctx, const AttentionForwardArgs& a) {
   HWY_DYNAMIC_DISPATCH(AttentionForwardT)(a.qkv, a.batch, a.seq, a.heads, a.hd, ctx.threads(),
                                           a.probs, a.out);
 }
 
-void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) {
+void CpuOps::AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) {
   HWY_DYNAMIC_DISPATCH(AttentionBackwardT)(a.qkv, a.probs, a.dout, a.batch, a.seq, a.heads, a.hd,
                                            ctx.threads(), a.dqkv);
 }
 
-}  // namespace fp8moe::internal::cpu
+}  // namespace fp8moe::internal
 #endif  // HWY_ONCE

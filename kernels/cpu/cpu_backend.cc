@@ -285,7 +285,7 @@ GemmCall& FreshCall(Context& ctx) {
   return call;
 }
 
-class CpuBackendImpl final : public Backend {
+class CpuBackendImpl final : public OpsBackend<CpuOps> {
  public:
   BackendKind kind() const override { return BackendKind::kCpu; }
   bool Supports(const OpArgs&) const override { return true; }  // every op, every case
@@ -299,46 +299,7 @@ class CpuBackendImpl final : public Backend {
               const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
               const TensorView& drhs) override;
 
-  Status EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) override {
-    cpu::EmbeddingGather(ctx, a);
-    return OkStatus();
-  }
-  Status EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) override {
-    cpu::EmbeddingScatterAdd(ctx, a);
-    return OkStatus();
-  }
-  Status Add(Context& ctx, const AddArgs& a) override {
-    cpu::Add(ctx, a);
-    return OkStatus();
-  }
-  Status RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) override {
-    cpu::RmsNormForward(ctx, a);
-    return OkStatus();
-  }
-  Status RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) override {
-    cpu::RmsNormBackward(ctx, a);
-    return OkStatus();
-  }
-  Status Rope(Context& ctx, const RopeArgs& a) override {
-    cpu::Rope(ctx, a);
-    return OkStatus();
-  }
-  Status AttentionForward(Context& ctx, const AttentionForwardArgs& a) override {
-    cpu::AttentionForward(ctx, a);
-    return OkStatus();
-  }
-  Status AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) override {
-    cpu::AttentionBackward(ctx, a);
-    return OkStatus();
-  }
-  Status CrossEntropy(Context& ctx, const CrossEntropyArgs& a) override {
-    cpu::CrossEntropy(ctx, a);
-    return OkStatus();
-  }
-  Status AdamW(Context& ctx, const AdamWArgs& a) override {
-    cpu::AdamW(ctx, a);
-    return OkStatus();
-  }
+  // The other ops: OpsBackend<CpuOps> (kernels/cpu/cpu_ops.h).
 };
 
 Status CpuBackendImpl::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,

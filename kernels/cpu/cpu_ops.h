@@ -8,19 +8,22 @@
 
 #include "kernels/backend.h"
 
-namespace fp8moe::internal::cpu {
+namespace fp8moe::internal {
 
-void EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a);      // cpu/model_ops.cc
-void EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a);
-void Add(Context& ctx, const AddArgs& a);
-void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a);
-void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
-void Rope(Context& ctx, const RopeArgs& a);
-void AdamW(Context& ctx, const AdamWArgs& a);
-void AttentionForward(Context& ctx, const AttentionForwardArgs& a);    // cpu/attention.cc
-void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
-void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);            // cpu/cross_entropy.cc
+// Shapes: kernels/ops.h, at each entry point.
+struct CpuOps {
+  static void EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a);  // cpu/model_ops.cc
+  static void EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a);
+  static void Add(Context& ctx, const AddArgs& a);
+  static void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a);
+  static void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
+  static void Rope(Context& ctx, const RopeArgs& a);
+  static void AdamW(Context& ctx, const AdamWArgs& a);
+  static void AttentionForward(Context& ctx, const AttentionForwardArgs& a);  // cpu/attention.cc
+  static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
+  static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);  // cpu/cross_entropy.cc
+};
 
-}  // namespace fp8moe::internal::cpu
+}  // namespace fp8moe::internal
 
 #endif  // FP8MOE_KERNELS_CPU_CPU_OPS_H_

@@ -72,11 +72,11 @@ void CrossEntropyRowsT(const float* logits, const int32_t* targets, int64_t rows
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-namespace fp8moe::internal::cpu {
+namespace fp8moe::internal {
 
 HWY_EXPORT(CrossEntropyRowsT);
 
-void CrossEntropy(Context& ctx, const CrossEntropyArgs& a) {
+void CpuOps::CrossEntropy(Context& ctx, const CrossEntropyArgs& a) {
   static thread_local std::vector<double> row_loss;
   if (row_loss.size() < static_cast<size_t>(a.rows)) row_loss.resize(static_cast<size_t>(a.rows));
   HWY_DYNAMIC_DISPATCH(CrossEntropyRowsT)(a.logits, a.targets, a.rows, a.v, ctx.threads(),
@@ -86,5 +86,5 @@ void CrossEntropy(Context& ctx, const CrossEntropyArgs& a) {
   *a.loss = total * (a.rows > 0 ? 1.0 / static_cast<double>(a.rows) : 0.0);
 }
 
-}  // namespace fp8moe::internal::cpu
+}  // namespace fp8moe::internal
 #endif  // HWY_ONCE

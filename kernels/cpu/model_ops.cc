@@ -9,9 +9,9 @@
 
 #include "kernels/cpu/cpu_ops.h"
 
-namespace fp8moe::internal::cpu {
+namespace fp8moe::internal {
 
-void EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) {
+void CpuOps::EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) {
   (void)ctx;
   for (int64_t i = 0; i < a.n; ++i) {
     std::memcpy(a.out + i * a.d, a.table + a.tokens[i] * a.d,
@@ -19,7 +19,7 @@ void EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) {
   }
 }
 
-void EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) {
+void CpuOps::EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) {
   (void)ctx;
   std::fill(a.dtable, a.dtable + a.vocab * a.d, 0.0f);
   for (int64_t i = 0; i < a.n; ++i) {  // in token order: deterministic
@@ -29,12 +29,12 @@ void EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) {
   }
 }
 
-void Add(Context& ctx, const AddArgs& a) {
+void CpuOps::Add(Context& ctx, const AddArgs& a) {
   (void)ctx;
   for (int64_t i = 0; i < a.n; ++i) a.out[i] = a.a[i] + a.b[i];
 }
 
-void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) {
+void CpuOps::RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) {
   const float* x = a.x;
   const float* g = a.g;
   const int64_t rows = a.rows, d = a.d;
@@ -50,7 +50,7 @@ void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) {
   }
 }
 
-void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) {
+void CpuOps::RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) {
   const float* x = a.x;
   const float* g = a.g;
   const float* dy = a.dy;
@@ -81,7 +81,7 @@ void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) {
   }
 }
 
-void Rope(Context& ctx, const RopeArgs& a) {
+void CpuOps::Rope(Context& ctx, const RopeArgs& a) {
   const int64_t heads = a.heads, hd = a.hd, seq = a.seq;
   const int64_t half = hd / 2, width = 3 * heads * hd;
   const float sign = a.inverse ? -1.0f : 1.0f;
@@ -103,7 +103,7 @@ void Rope(Context& ctx, const RopeArgs& a) {
   }
 }
 
-void AdamW(Context& ctx, const AdamWArgs& a) {
+void CpuOps::AdamW(Context& ctx, const AdamWArgs& a) {
   const AdamWConstants& k = a.k;
   const float b1 = k.b1, b2 = k.b2, c1 = k.c1, c2 = k.c2, eps = k.eps, lrf = k.lr;
   const float scale = k.grad_scale, wd = k.weight_decay;
@@ -121,4 +121,4 @@ void AdamW(Context& ctx, const AdamWArgs& a) {
   }
 }
 
-}  // namespace fp8moe::internal::cpu
+}  // namespace fp8moe::internal

@@ -306,8 +306,8 @@ Status TgmmChecked(const GmmProblem& p, const GmmOptions& options, const TgmmQua
 }
 
 // The reference twins as a backend: every GMM call counts once on
-// kReference; the other ops are kernels/reference/ops_reference.cc.
-class ReferenceBackendImpl final : public internal::Backend {
+// kReference; the other ops are ReferenceOps (kernels/reference/ops_reference.cc).
+class ReferenceBackendImpl final : public internal::OpsBackend<internal::ReferenceOps> {
  public:
   BackendKind kind() const override { return BackendKind::kReference; }
   bool Supports(const internal::OpArgs&) const override { return true; }
@@ -328,47 +328,6 @@ class ReferenceBackendImpl final : public internal::Backend {
               const TensorView& drhs) override {
     CountKernel(ctx, KernelPath::kReference);
     return TgmmChecked(p, o, quant, lhs, dout, group_sizes, drhs);
-  }
-
-  Status EmbeddingGather(Context&, const internal::EmbeddingGatherArgs& a) override {
-    reference::EmbeddingGather(a);
-    return OkStatus();
-  }
-  Status EmbeddingScatterAdd(Context&, const internal::EmbeddingScatterAddArgs& a) override {
-    reference::EmbeddingScatterAdd(a);
-    return OkStatus();
-  }
-  Status Add(Context&, const internal::AddArgs& a) override {
-    reference::Add(a);
-    return OkStatus();
-  }
-  Status RmsNormForward(Context&, const internal::RmsNormForwardArgs& a) override {
-    reference::RmsNormForward(a);
-    return OkStatus();
-  }
-  Status RmsNormBackward(Context&, const internal::RmsNormBackwardArgs& a) override {
-    reference::RmsNormBackward(a);
-    return OkStatus();
-  }
-  Status Rope(Context&, const internal::RopeArgs& a) override {
-    reference::Rope(a);
-    return OkStatus();
-  }
-  Status AttentionForward(Context&, const internal::AttentionForwardArgs& a) override {
-    reference::AttentionForward(a);
-    return OkStatus();
-  }
-  Status AttentionBackward(Context&, const internal::AttentionBackwardArgs& a) override {
-    reference::AttentionBackward(a);
-    return OkStatus();
-  }
-  Status CrossEntropy(Context&, const internal::CrossEntropyArgs& a) override {
-    reference::CrossEntropy(a);
-    return OkStatus();
-  }
-  Status AdamW(Context&, const internal::AdamWArgs& a) override {
-    reference::AdamW(a);
-    return OkStatus();
   }
 };
 

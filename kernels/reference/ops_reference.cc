@@ -5,28 +5,26 @@
 #include <limits>
 #include <vector>
 
-namespace fp8moe::reference {
+namespace fp8moe::internal {
 
-using namespace internal;  // NOLINT: the argument structs
-
-void EmbeddingGather(const EmbeddingGatherArgs& a) {
+void ReferenceOps::EmbeddingGather(Context&, const EmbeddingGatherArgs& a) {
   for (int64_t i = 0; i < a.n; ++i) {
     for (int64_t c = 0; c < a.d; ++c) a.out[i * a.d + c] = a.table[a.tokens[i] * a.d + c];
   }
 }
 
-void EmbeddingScatterAdd(const EmbeddingScatterAddArgs& a) {
+void ReferenceOps::EmbeddingScatterAdd(Context&, const EmbeddingScatterAddArgs& a) {
   for (int64_t j = 0; j < a.vocab * a.d; ++j) a.dtable[j] = 0.0f;
   for (int64_t i = 0; i < a.n; ++i) {
     for (int64_t c = 0; c < a.d; ++c) a.dtable[a.tokens[i] * a.d + c] += a.dout[i * a.d + c];
   }
 }
 
-void Add(const AddArgs& a) {
+void ReferenceOps::Add(Context&, const AddArgs& a) {
   for (int64_t i = 0; i < a.n; ++i) a.out[i] = a.a[i] + a.b[i];
 }
 
-void RmsNormForward(const RmsNormForwardArgs& a) {
+void ReferenceOps::RmsNormForward(Context&, const RmsNormForwardArgs& a) {
   for (int64_t r = 0; r < a.rows; ++r) {
     double ss = 0;
     for (int64_t i = 0; i < a.d; ++i) {
@@ -40,7 +38,7 @@ void RmsNormForward(const RmsNormForwardArgs& a) {
   }
 }
 
-void RmsNormBackward(const RmsNormBackwardArgs& a) {
+void ReferenceOps::RmsNormBackward(Context&, const RmsNormBackwardArgs& a) {
   // y = g * xhat, xhat = x * inv: dx = inv * (g dy - xhat * mean(g dy xhat)),
   // dg = sum over rows of dy * xhat.
   for (int64_t r = 0; r < a.rows; ++r) {
@@ -67,7 +65,7 @@ void RmsNormBackward(const RmsNormBackwardArgs& a) {
   }
 }
 
-void Rope(const RopeArgs& a) {
+void ReferenceOps::Rope(Context&, const RopeArgs& a) {
   const int64_t half = a.hd / 2, width = 3 * a.heads * a.hd;
   for (int64_t b = 0; b < a.batch; ++b) {
     for (int64_t p = 0; p < a.seq; ++p) {
@@ -97,7 +95,7 @@ double Qkv(const float* qkv, int64_t heads, int64_t hd, int64_t row, int64_t par
 
 }  // namespace
 
-void AttentionForward(const AttentionForwardArgs& a) {
+void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
   const int64_t S = a.seq, H = a.heads, hd = a.hd;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   std::vector<double> p(static_cast<size_t>(S));
@@ -135,7 +133,7 @@ void AttentionForward(const AttentionForwardArgs& a) {
   }
 }
 
-void AttentionBackward(const AttentionBackwardArgs& a) {
+void ReferenceOps::AttentionBackward(Context&, const AttentionBackwardArgs& a) {
   // With P the forward's probabilities (an input) and dO the output's
   // gradient: dV_j = sum_i P_ij dO_i; dP_ij = dO_i . V_j;
   // dS_ij = P_ij (dP_ij - sum_j' P_ij' dP_ij') * scale; dQ_i = sum_j dS_ij K_j;
@@ -184,7 +182,7 @@ void AttentionBackward(const AttentionBackwardArgs& a) {
   }
 }
 
-void CrossEntropy(const CrossEntropyArgs& a) {
+void ReferenceOps::CrossEntropy(Context&, const CrossEntropyArgs& a) {
   // loss_r = log(sum_i exp(l_i - m)) + m - l_target, in double;
   // dlogits = (softmax - onehot) / rows.
   double total = 0;
@@ -206,7 +204,7 @@ void CrossEntropy(const CrossEntropyArgs& a) {
   *a.loss = a.rows > 0 ? total / static_cast<double>(a.rows) : 0.0;
 }
 
-void AdamW(const AdamWArgs& a) {
+void ReferenceOps::AdamW(Context&, const AdamWArgs& a) {
   const AdamWConstants& k = a.k;
   for (int64_t i = 0; i < a.n; ++i) {
     const float g = a.g[i] * k.grad_scale;
@@ -217,4 +215,4 @@ void AdamW(const AdamWArgs& a) {
   }
 }
 
-}  // namespace fp8moe::reference
+}  // namespace fp8moe::internal

@@ -9,19 +9,23 @@
 
 #include "kernels/backend.h"
 
-namespace fp8moe::reference {
+namespace fp8moe::internal {
 
-void EmbeddingGather(const internal::EmbeddingGatherArgs& a);
-void EmbeddingScatterAdd(const internal::EmbeddingScatterAddArgs& a);
-void Add(const internal::AddArgs& a);
-void RmsNormForward(const internal::RmsNormForwardArgs& a);
-void RmsNormBackward(const internal::RmsNormBackwardArgs& a);
-void Rope(const internal::RopeArgs& a);
-void AttentionForward(const internal::AttentionForwardArgs& a);
-void AttentionBackward(const internal::AttentionBackwardArgs& a);
-void CrossEntropy(const internal::CrossEntropyArgs& a);
-void AdamW(const internal::AdamWArgs& a);
+// Shapes: kernels/ops.h, at each entry point. One thread; the Context is
+// not read.
+struct ReferenceOps {
+  static void EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a);
+  static void EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a);
+  static void Add(Context& ctx, const AddArgs& a);
+  static void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a);
+  static void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
+  static void Rope(Context& ctx, const RopeArgs& a);
+  static void AttentionForward(Context& ctx, const AttentionForwardArgs& a);
+  static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
+  static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);
+  static void AdamW(Context& ctx, const AdamWArgs& a);
+};
 
-}  // namespace fp8moe::reference
+}  // namespace fp8moe::internal
 
 #endif  // FP8MOE_KERNELS_REFERENCE_OPS_REFERENCE_H_
