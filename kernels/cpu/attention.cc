@@ -1,7 +1,9 @@
 // Causal softmax attention, the cpu backend's (kernels/ops.h:
-// AttentionForward, AttentionBackward), vectorized per Highway target. The float64 twin is reference::Attention
-// (model/reference/layers_reference.h); layers_test compares the two on every
-// SIMD target and checks the backward by finite differences.
+// AttentionForward, AttentionBackward), vectorized per Highway target. The
+// reference backend's (ReferenceOps) is the same formula in double;
+// kernels/backend_ops_test.cc compares the two. model/layers_test.cc holds
+// this to the model's float64 twin (model/reference/layers_reference.h) on
+// every SIMD target and checks the backward by finite differences.
 //
 // qkv [B*S, 3*H*hd]: row s of batch b holds q | k | v; head h's columns start
 // at h*hd in each third. One (batch, head) runs on one thread, so the bits do

@@ -1,7 +1,9 @@
 // The loss, the cpu backend's (kernels/ops.h: CrossEntropy), its exp on
-// Highway vectors per SIMD target. The float64 twin is reference::CrossEntropy
-// (model/reference/layers_reference.h); layers_test compares the two on every
-// SIMD target, at the edges of the f32 range too.
+// Highway vectors per SIMD target. The reference backend's (ReferenceOps) is
+// the same formula in double; kernels/backend_ops_test.cc compares the two.
+// model/layers_test.cc holds this to the model's float64 twin
+// (model/reference/layers_reference.h) on every SIMD target, at the edges of
+// the f32 range too.
 //
 // Per row of logits l [v]: m = max l; e_i = exp(l_i - m) in f32 lanes
 // (arguments <= 0, where Highway's Exp is valid); s = sum e_i in double, in
