@@ -29,7 +29,7 @@ struct Mode {
   // Bounds, each argued in the test's comment below.
   double loss_rel;  // every step's loss
   double grad_rel;  // step 1: |g_cpu - g_ref| / |g_ref| per tensor (L2)
-  double step_rel;  // after the update: |p_cpu - p_ref| / |p_ref - p_0| per tensor (L2)
+  double step_rel;  // after the update: |p_cpu - p_ref| / |p_ref - p_0| over every weight (L2)
   double drift;     // the loss of the later steps; 0: the step-1 bounds hold at every step
 };
 
@@ -104,52 +104,57 @@ std::pair<double, double> DiffNorm(const Tensor& a, const Tensor& b) {
 // arithmetic: the cpu GMMs sum in blocks with FMA, attention and the loss
 // in f32 vectors; the reference sums the GMMs in its own order and
 // attention and the loss in double. Each op's results differ by a few f32
-// roundings of the magnitudes it sums (kernels/backend_ops_test.cc).
-//  - Step 1 starts both from the same weights, so only that arithmetic
-//    differs. The loss, a mean over B*S tokens, moves by ~1e-8 relative
-//    (measured <= 2.5e-8 in every mode): bound 1e-6. Where nothing is
-//    rounded to bf16 or fp8 (f32) a gradient tensor moves by a few 1e-7 of
-//    its norm (<= 8.3e-7: the backward repeats the forward's sums about
-//    three times per layer): bound 2e-5. Where operands are rounded (bf16,
-//    fake QAT, native, int8, fp8_full) a rounding difference now and then
-//    moves one element across a rounding boundary, a whole bf16 (2^-8) or
-//    fp8 (up to 2^-2) step; in the expert weights' gradient [E, D, 2F] that
-//    element is one of the ~14 rows an expert sums (B*S*k/E), so such a
-//    tensor may move by up to ~1e-2 of its norm (measured <= 3.6e-3, in wi):
-//    bound 3e-2. AdamW's first update is about lr * sign(g); the weights'
-//    change differs only where g changes sign (measured <= 2.5e-5 in f32,
-//    <= 7e-4 quantized): bounds 1e-3 and 5e-2.
-//  - Later steps start from weights that differ by those amounts. In f32
-//    the step stays a smooth function of them and the step-1 bounds hold
-//    at every step. In a rounded mode a weight or activation that crosses a
-//    rounding boundary changes its expert's output by a whole step and the
-//    runs drift apart chaotically, as 2 ranks against 1 do
-//    (train_dist_test.cc, kQatDrift): the later losses are held to 2e-3
-//    (measured <= 2e-4 over steps 2-3), which catches gross errors only;
-//    step 1 is the sharp check.
-// The gradient and update bounds are L2 norms over a tensor: a wrong op (a
-// missing scale, a wrong sign, a skipped row) moves a tensor by its own
-// size and fails them by orders of magnitude.
+// roundings of the magnitudes it sums (kernels/backend_ops_test.cc). The
+// "measured" figures are the largest over 60 to 140 fresh seeds on an AVX2
+// machine.
+//  - f32: the step is a smooth function of those roundings except where a
+//    token's top-k choice is within a rounding of a tie and flips. The loss
+//    moves by ~2e-8 relative, up to 1.2e-6 with such a flip: bound 1e-5.
+//    A gradient tensor moves by a few 1e-7 of its norm (measured <= 1.4e-6;
+//    the backward repeats the forward's sums about three times per layer):
+//    bound 2e-5. AdamW's first update is about lr * sign(g), so the weights'
+//    change differs only where g changes sign (measured <= 9.3e-4 of it, as
+//    an L2 norm over every weight): bound 1e-2. Later steps start from
+//    weights that differ by as little and the same bounds hold at every
+//    step.
+//  - bf16 and the quantized modes round operands to bf16 / fp8 / int8: a
+//    rounding difference now and then moves one element across a rounding
+//    boundary, a whole bf16 (2^-8) or fp8 (up to 2^-2) step, which the
+//    later layers carry on. Step 1 (the same weights): the loss within 2e-4
+//    (measured <= 4.8e-5, int8), a gradient tensor within 5e-2 of its norm
+//    (<= 1.1e-2, fp8_full; such an element is one of the ~14 rows an expert
+//    sums, B*S*k/E), the weights' change within 0.3 of itself (<= 5.2e-2:
+//    where a gradient element changes sign AdamW moves it by 2 lr the other
+//    way). Later steps start from weights that differ, and a weight that
+//    crosses a rounding boundary of its code changes its expert's output by
+//    a whole step: the runs drift apart chaotically, as 2 ranks against 1 do
+//    (train_dist_test.cc, kQatDrift), and only the loss is held, to 1e-2
+//    (measured <= 2.2e-3 over steps 2-3): a gross-error check; step 1 is
+//    the sharp one.
+// The gradient and update bounds are L2 norms (per tensor; over every
+// weight): a wrong op (a missing scale, a wrong sign, a skipped row) moves a
+// tensor by its own size (0.57 and 0.78 of it in the mutations tried) and
+// fails them.
 const std::vector<Mode>& Modes() {
   static const std::vector<Mode> modes = {
-      {"f32", {"dtype=float32"}, 1e-6, 2e-5, 1e-3, 0},
-      {"none bf16", {}, 1e-6, 3e-2, 5e-2, 2e-3},
-      {"fake_qat", {"fp8_moe_fake_quant=true"}, 1e-6, 3e-2, 5e-2, 2e-3},
+      {"f32", {"dtype=float32"}, 1e-5, 2e-5, 1e-2, 0},
+      {"none bf16", {}, 2e-4, 5e-2, 0.3, 1e-2},
+      {"fake_qat", {"fp8_moe_fake_quant=true"}, 2e-4, 5e-2, 0.3, 1e-2},
       {"native_fwd",
        {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true"},
-       1e-6,
-       3e-2,
+       2e-4,
        5e-2,
-       2e-3},
+       0.3,
+       1e-2},
       {"native_fwd_dlhs",
        {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
         "fp8_moe_native_bwd_dlhs=true"},
-       1e-6,
-       3e-2,
+       2e-4,
        5e-2,
-       2e-3},
-      {"hand_crafted int8", {"quantization=int8"}, 1e-6, 3e-2, 5e-2, 2e-3},
-      {"fp8_full", {"quantization=fp8_full", "use_qwix_quantization=true"}, 1e-6, 3e-2, 5e-2, 2e-3},
+       0.3,
+       1e-2},
+      {"hand_crafted int8", {"quantization=int8"}, 2e-4, 5e-2, 0.3, 1e-2},
+      {"fp8_full", {"quantization=fp8_full", "use_qwix_quantization=true"}, 2e-4, 5e-2, 0.3, 1e-2},
   };
   return modes;
 }
@@ -190,6 +195,7 @@ TEST(StepBackends, EveryQatModeGivesTheSameStepOnTheReferenceAndTheCpuBackend) {
       if (!sharp) continue;
       const auto pr = ref.p.Named(), pc = cpu.p.Named(), p0 = ref.p0.Named();
       const auto gr = ref.g.Named(), gc = cpu.g.Named();
+      double d2 = 0, moved2 = 0;  // over every weight: AdamW's change is ~lr per element
       for (size_t k = 0; k < pr.size(); ++k) {
         if (t == 1) {
           const auto [d, n] = DiffNorm(*gc[k].second, *gr[k].second);
@@ -198,12 +204,14 @@ TEST(StepBackends, EveryQatModeGivesTheSameStepOnTheReferenceAndTheCpuBackend) {
           worst_grad = std::max(worst_grad, r);
           EXPECT_LE(r, mode.grad_rel) << "gradient of " << gr[k].first;
         }
-        const auto [d, _] = DiffNorm(*pc[k].second, *pr[k].second);
-        const auto [moved, __] = DiffNorm(*pr[k].second, *p0[k].second);
-        const double r = moved > 0 ? d / moved : d;
-        worst_step = std::max(worst_step, r);
-        EXPECT_LE(r, mode.step_rel) << "step " << t << ": weights " << pr[k].first;
+        const double d = DiffNorm(*pc[k].second, *pr[k].second).first;
+        const double moved = DiffNorm(*pr[k].second, *p0[k].second).first;
+        d2 += d * d;
+        moved2 += moved * moved;
       }
+      const double r = std::sqrt(d2 / moved2);
+      worst_step = std::max(worst_step, r);
+      EXPECT_LE(r, mode.step_rel) << "step " << t << ": the weights";
     }
     std::printf(
         "%-18s cpu vs reference: step-1 loss %.2e (bound %.0e), gradient %.2e "
