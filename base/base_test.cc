@@ -5,8 +5,8 @@
 #include <cstring>
 #include <limits>
 #include <random>
-#include <set>
 
+#include "base/kernel_counters.h"
 #include "base/number_text.h"
 #include "base/scratch_arena.h"
 #include "base/test_seed.h"
@@ -129,6 +129,34 @@ TEST(Tensor, AlignedAndChecked) {
   EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
 }
 
+// Shape holds its dimensions inline and reads like the std::vector it
+// replaced: size, [], iteration, comparison, push_back up to kMaxRank.
+TEST(Shape, InlineDimensionsReadLikeAVector) {
+  Shape s{2, 3, 4};
+  EXPECT_EQ(s.size(), 3u);
+  EXPECT_EQ(s[1], 3);
+  EXPECT_EQ(s.back(), 4);
+  int64_t product = 1;
+  for (int64_t d : s) product *= d;
+  EXPECT_EQ(product, 24);
+  EXPECT_EQ(s, (Shape{2, 3, 4}));
+  EXPECT_NE(s, (Shape{2, 3}));
+  EXPECT_NE(s, (Shape{2, 3, 5}));
+  Shape t = s;
+  t.pop_back();
+  EXPECT_EQ(t, (Shape{2, 3}));
+  t.push_back(4);  // the popped dimension was cleared: equal again
+  EXPECT_EQ(t, s);
+  EXPECT_EQ(ShapeToString(s), "[2, 3, 4]");
+  EXPECT_EQ(Shape(3, 7), (Shape{7, 7, 7}));
+  EXPECT_TRUE(Shape().empty());
+  Shape full;
+  for (int i = 0; i < kMaxRank; ++i) full.push_back(1);
+  EXPECT_EQ(full.size(), static_cast<size_t>(kMaxRank));
+  EXPECT_DEATH(full.push_back(1), "at most");
+  EXPECT_DEATH((void)s.at(3), "dimension 3 of the shape \\[2, 3, 4\\]");
+}
+
 TEST(Rng, DeterministicAndRestorable) {
   Rng a(42), b(42), c(43);
   for (int i = 0; i < 100; ++i) {
@@ -183,27 +211,13 @@ TEST(Context, OptionsCountersAndScratch) {
   EXPECT_EQ(ctx.metrics(), &sink);
   EXPECT_GE(DefaultContext().threads(), 1);
   EXPECT_EQ(DefaultContext().backend(), BackendKind::kCpu);
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 0);
-  ctx.CountKernel(KernelPath::kPackedF32, 2);
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 2);
-  ctx.ResetKernelCounts();
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32), 0);
-  std::set<std::string_view> names;
-  for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
-    names.insert(KernelPathName(static_cast<KernelPath>(i)));
-  }
-  EXPECT_EQ(names.size(), static_cast<size_t>(KernelPath::kCount));
-  // Four counters are not paths: a sum over the paths skips them.
-  int paths = 0;
-  for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
-    paths += IsKernelPath(static_cast<KernelPath>(i)) ? 1 : 0;
-  }
-  EXPECT_EQ(paths, static_cast<int>(KernelPath::kCount) - 4);
-  EXPECT_FALSE(IsKernelPath(KernelPath::kDirectNextItemPrefetch));
-  EXPECT_FALSE(IsKernelPath(KernelPath::kPackedRowBlocks));
-  EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsQuant));
-  EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsValues));
-  EXPECT_TRUE(IsKernelPath(KernelPath::kReference));
+  // The kernels' counters (kernels/cpu/kernel_path.h names the slots).
+  EXPECT_EQ(ctx.kernel_counters().Get(3), 0);
+  ctx.kernel_counters().Add(3, 2);
+  EXPECT_EQ(ctx.kernel_counters().Get(3), 2);
+  EXPECT_EQ(ctx.kernel_counters().Get(4), 0);
+  ctx.kernel_counters().Reset();
+  EXPECT_EQ(ctx.kernel_counters().Get(3), 0);
   EXPECT_EQ(*ParseBackend(BackendName(BackendKind::kCpu)), BackendKind::kCpu);
   EXPECT_FALSE(ParseBackend("gpu").ok());
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "base/default_context.h"
+#include "base/kernel_counters.h"
 #include "base/scratch_arena.h"
 #include "fp8moe/memory.h"
 
@@ -73,22 +74,6 @@ Result<BackendKind> ParseBackend(std::string_view name) {
                          "'; expected cpu or reference");
 }
 
-std::string_view KernelPathName(KernelPath path) {
-  static constexpr std::string_view kNames[] = {
-      "packed_f32",  "packed_bf16_pairs", "packed_i16_pairs", "packed_i16_vnni",
-      "direct_f32",  "direct_bf16_pairs", "direct_fp8_vbmi",  "direct_i8_vnni", "direct_raw_fp8",
-      "reference",   "direct_next_item_prefetch", "packed_row_blocks",
-      "in_item_lhs_quant", "in_item_lhs_values"};
-  static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(KernelPath::kCount));
-  return kNames[static_cast<size_t>(path)];
-}
-
-bool IsKernelPath(KernelPath path) {
-  return path != KernelPath::kDirectNextItemPrefetch && path != KernelPath::kPackedRowBlocks &&
-         path != KernelPath::kInItemLhsQuant && path != KernelPath::kInItemLhsValues &&
-         path != KernelPath::kCount;
-}
-
 // ---- Scratch ----
 
 namespace internal {
@@ -140,7 +125,7 @@ struct Context::Impl {
   Rng rng;
   MetricsSink* metrics = nullptr;
   internal::ScratchArena scratch;
-  std::atomic<int64_t> counts[static_cast<size_t>(KernelPath::kCount)] = {};
+  internal::KernelCounters counters;
 };
 
 Context::Context(const ContextOptions& options) : impl_(std::make_unique<Impl>()) {
@@ -162,15 +147,8 @@ void Context::set_metrics(MetricsSink* sink) { impl_->metrics = sink; }
 internal::ScratchArena& Context::scratch() { return impl_->scratch; }
 void Context::ReleaseScratch() { impl_->scratch.Release(); }
 
-int64_t Context::KernelCount(KernelPath path) const {
-  return impl_->counts[static_cast<size_t>(path)].load(std::memory_order_relaxed);
-}
-void Context::CountKernel(KernelPath path, int64_t n) {
-  impl_->counts[static_cast<size_t>(path)].fetch_add(n, std::memory_order_relaxed);
-}
-void Context::ResetKernelCounts() {
-  for (auto& c : impl_->counts) c.store(0, std::memory_order_relaxed);
-}
+internal::KernelCounters& Context::kernel_counters() { return impl_->counters; }
+const internal::KernelCounters& Context::kernel_counters() const { return impl_->counters; }
 
 Context& DefaultContext() {
   static Context* ctx = new Context();  // never destroyed: outlives every caller

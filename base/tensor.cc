@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -95,6 +96,18 @@ std::string ShapeToString(const Shape& shape) {
     s += std::to_string(shape[i]);
   }
   return s + "]";
+}
+
+void Shape::TooManyDims() {
+  std::fprintf(stderr, "fp8moe: a Shape holds at most %d dimensions (kMaxRank); a reader of "
+               "outside shapes must refuse more before building one\n", kMaxRank);
+  std::abort();
+}
+
+void Shape::OutOfRange(size_t i) const {
+  std::fprintf(stderr, "fp8moe: dimension %zu of the shape %s does not exist\n", i,
+               ShapeToString(*this).c_str());
+  std::abort();
 }
 
 size_t NumElements(const Shape& shape) {

@@ -165,7 +165,11 @@ Status ParseEntry(const std::string& name, const Json& v, uint64_t buffer_size,
   if (!shape->is_array()) {
     return EntryError(name, "field \"shape\" is not an array");
   }
-  e->shape.reserve(shape->size());
+  if (shape->size() > static_cast<size_t>(kMaxRank)) {
+    return InvalidArgument("safetensors header: tensor " + Quote(name) + " has " +
+                           std::to_string(shape->size()) + " dimensions; fp8moe holds at most " +
+                           std::to_string(kMaxRank) + " (kMaxRank in fp8moe/tensor.h)");
+  }
   for (size_t i = 0; i < shape->size(); ++i) {
     uint64_t d = 0;
     FP8MOE_RETURN_IF_ERROR(ToUint(name, "shape dimension ", i, "", (*shape)[i],

@@ -365,6 +365,20 @@ TEST(SafetensorsParse, UnknownDType) {
       {"\"w\"", "\"F8_E8M0\"", "F32", "BF16", "F8_E4M3", "BOOL"});
 }
 
+// A Shape holds kMaxRank dimensions: a tensor of more is refused by name
+// (kMaxRank of them still parses).
+TEST(SafetensorsParse, MoreDimensionsThanAShapeHolds) {
+  std::string dims = "1";
+  for (int i = 1; i < kMaxRank; ++i) dims += ",1";
+  ASSERT_TRUE(Parse(MakeFile(R"({"w":{"dtype":"U8","shape":[)" + dims +
+                             R"(],"data_offsets":[0,1]}})", {7}))
+                  .ok());
+  ExpectError(MakeFile(R"({"w":{"dtype":"U8","shape":[)" + dims +
+                           R"(,1],"data_offsets":[0,1]}})", {7}),
+              StatusCode::kInvalidArgument,
+              {"\"w\"", std::to_string(kMaxRank + 1) + " dimensions", "at most"});
+}
+
 TEST(SafetensorsParse, NegativeDimension) {
   ExpectError(
       MakeFile(R"({"w":{"dtype":"U8","shape":[2,-3],"data_offsets":[0,0]}})"),

@@ -1,4 +1,4 @@
-// The backend seam (gmm_backend.h, docs/design.md §7.2) seen from a Context: which
+// The backend seam (kernels/backend.h, docs/design.md §7.2) seen from a Context: which
 // kernel path ran (so a path that silently stops being taken fails here,
 // not only in a benchmark), a repeated call allocates nothing, the thread
 // count of a Context never changes the bits, and scratch is released.
@@ -10,11 +10,14 @@
 #include <cstring>
 #include <new>
 #include <random>
+#include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "base/heap_count_test_util.h"
 #include "base/scratch_arena.h"
 #include "base/test_seed.h"
 #include "base/test_util.h"
@@ -24,29 +27,13 @@
 #include "fp8moe/quant.h"
 #include "hwy/targets.h"
 #include "kernels/cpu/gemm_call.h"
-
-// Every operator new of this test binary counts here, so a test can show
-// that a call makes no heap allocation at all: the library's own accounting
-// (GetMemoryStats) sees its tensors and scratch, not a std::vector.
-namespace {
-std::atomic<int64_t> g_heap_allocations{0};
-}  // namespace
-
-void* operator new(std::size_t size) {
-  g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-// GCC sees free() after inlining this replacement next to a new-expression
-// and warns of a mismatch; both sides are replaced here (malloc / free).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#pragma GCC diagnostic pop
+#include "kernels/cpu/kernel_path.h"
 
 namespace fp8moe {
 namespace {
+
+using internal::KernelPath;
+using internal::ResetKernelCounts;
 
 Tensor Make(DType d, Shape s) { return std::move(Tensor::Create(d, std::move(s))).value(); }
 
@@ -207,6 +194,33 @@ TEST(KernelPath, EveryFeatureOfThisCpuIsOnATestedTarget) {
               "VNNI %d, VBMI %d\n", avx2, any.avx3, any.bf16, any.vnni, any.vbmi);
 }
 
+// The counters of a Context by path: counted, reset, every path named, and
+// the four entries that are not paths left out of a sum over the paths.
+TEST(KernelPath, CountsNamesAndTheEntriesThatAreNotPaths) {
+  Context ctx;
+  EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedF32), 0);
+  CountKernel(ctx, KernelPath::kPackedF32, 2);
+  EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedF32), 2);
+  EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedBf16Pairs), 0);
+  ResetKernelCounts(ctx);
+  EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedF32), 0);
+  std::set<std::string_view> names;
+  for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
+    names.insert(KernelPathName(static_cast<KernelPath>(i)));
+  }
+  EXPECT_EQ(names.size(), static_cast<size_t>(KernelPath::kCount));
+  int paths = 0;
+  for (int i = 0; i < static_cast<int>(KernelPath::kCount); ++i) {
+    paths += IsKernelPath(static_cast<KernelPath>(i)) ? 1 : 0;
+  }
+  EXPECT_EQ(paths, static_cast<int>(KernelPath::kCount) - 4);
+  EXPECT_FALSE(IsKernelPath(KernelPath::kDirectNextItemPrefetch));
+  EXPECT_FALSE(IsKernelPath(KernelPath::kPackedRowBlocks));
+  EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsQuant));
+  EXPECT_FALSE(IsKernelPath(KernelPath::kInItemLhsValues));
+  EXPECT_TRUE(IsKernelPath(KernelPath::kReference));
+}
+
 // Without the byte tables (AVX512-BF16 CPUs without VBMI), native fp8
 // decode items take the u16 decode of the pair kernels. On a CPU without
 // AVX512-BF16 it skips (GTEST_SKIP), as its own ctest test.
@@ -224,8 +238,8 @@ TEST(KernelPath, Fp8DecodeWithoutByteTablesTakesTheU16Decode) {
       const PathCase c{"decode native_fp8", Op::kFwd, GmmMode::kNativeFp8, DType::kBF16,
                        DType::kE4M3FN, 8, rows, 256, 256};
       ASSERT_TRUE(RunCase(ctx, c, rng).ok());
-      EXPECT_GT(ctx.KernelCount(KernelPath::kDirectBf16Pairs), 0);
-      EXPECT_EQ(ctx.KernelCount(KernelPath::kDirectFp8Vbmi), 0);
+      EXPECT_GT(KernelCount(ctx, KernelPath::kDirectBf16Pairs), 0);
+      EXPECT_EQ(KernelCount(ctx, KernelPath::kDirectFp8Vbmi), 0);
     }
     internal::SetFp8ByteTableDecode(true);
     ran = true;
@@ -254,11 +268,11 @@ TEST(KernelPath, EachCaseTakesItsKernelOnEveryTarget) {
       Context ctx;
       ASSERT_TRUE(RunCase(ctx, c, rng).ok());
       const KernelPath want = ExpectedPath(c, f);
-      EXPECT_GT(ctx.KernelCount(want), 0) << "expected " << KernelPathName(want);
+      EXPECT_GT(KernelCount(ctx, want), 0) << "expected " << KernelPathName(want);
       for (size_t i = 0; i < static_cast<size_t>(KernelPath::kCount); ++i) {
         const auto path = static_cast<KernelPath>(i);
         if (path != want && IsKernelPath(path)) {
-          EXPECT_EQ(ctx.KernelCount(path), 0) << KernelPathName(path) << " ran instead of "
+          EXPECT_EQ(KernelCount(ctx, path), 0) << KernelPathName(path) << " ran instead of "
                                               << KernelPathName(want);
         }
       }
@@ -289,14 +303,14 @@ TEST(KernelPath, DirectItemsPrefetchTheNextItem) {
         // item ahead and prefetch it.
         ASSERT_TRUE(RunCase(ctx, {"decode", Op::kFwd, mode, DType::kBF16, wd, 24, 1, 512, 256},
                             rng).ok());
-        const int64_t ahead = ctx.KernelCount(KernelPath::kDirectNextItemPrefetch);
+        const int64_t ahead = KernelCount(ctx, KernelPath::kDirectNextItemPrefetch);
         EXPECT_GE(ahead, 24 - 2 * threads);
         EXPECT_LT(ahead, 24);
         // 24 items of 200 rows: packed.
-        ctx.ResetKernelCounts();
+        ResetKernelCounts(ctx);
         ASSERT_TRUE(RunCase(ctx, {"big", Op::kFwd, mode, DType::kBF16, wd, 24, 200, 64, 64},
                             rng).ok());
-        EXPECT_EQ(ctx.KernelCount(KernelPath::kDirectNextItemPrefetch), 0);
+        EXPECT_EQ(KernelCount(ctx, KernelPath::kDirectNextItemPrefetch), 0);
       }
     }
   }
@@ -330,19 +344,19 @@ TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
         // 600 + 600.
         const int64_t items = threads == 1 ? 4 : 8;
         for (const Op op : {Op::kFwd, Op::kDlhs}) {
-          ctx.ResetKernelCounts();
+          ResetKernelCounts(ctx);
           const GmmMode m = op == Op::kDlhs && mode == GmmMode::kNativeFp8 ? GmmMode::kBf16 : mode;
           ASSERT_TRUE(RunCase(ctx, {"tall", op, m, act, wd, 4, 1200, 64, 96}, rng).ok());
-          EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), items);
+          EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedRowBlocks), items);
         }
-        ctx.ResetKernelCounts();
+        ResetKernelCounts(ctx);
         ASSERT_TRUE(RunCase(ctx, {"tall", Op::kTgmm, mode == GmmMode::kF32 ? mode : GmmMode::kBf16,
                                   act, act, 4, 1200, 64, 96}, rng).ok());
-        EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+        EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedRowBlocks), 0);
         // Groups of 300 rows: packed, in chunk order.
-        ctx.ResetKernelCounts();
+        ResetKernelCounts(ctx);
         ASSERT_TRUE(RunCase(ctx, {"short", Op::kFwd, mode, act, wd, 8, 300, 64, 96}, rng).ok());
-        EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 0);
+        EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedRowBlocks), 0);
       }
     }
     // dLHS over a 2048 x 1024 f32 weight (8 MiB of f32 panels at 1024
@@ -360,7 +374,7 @@ TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
       GmmOptions o;
       o.mode = GmmMode::kF32;
       ASSERT_TRUE(GmmDlhs(ctx, o, dout.view(), w.view(), nullptr, gs.view(), dl.view()).ok());
-      EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), 4) << target.label;
+      EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedRowBlocks), 4) << target.label;
       EXPECT_EQ(dl.data_as<float>()[1099 * 1024 + 1023], 512.0f);
     }
     // A forward over B of 1100 x 1024 f32 (5 MiB in f32 panels of 256
@@ -379,7 +393,7 @@ TEST(KernelPath, TallPackedItemsRunInRowBlockOrder) {
       o.tiles.m = 4096;
       if (set_n) o.tiles.n = 1024;
       ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.view(), nullptr, gs.view(), out.view()).ok());
-      EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedRowBlocks), set_n ? 0 : 2) << target.label;
+      EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedRowBlocks), set_n ? 0 : 2) << target.label;
       EXPECT_EQ(out.data_as<float>()[599 * 1024 + 1023], 550.0f);
     }
   }
@@ -409,24 +423,24 @@ TEST(KernelPath, ItemsQuantizeTheirOwnActivationRows) {
         Context ctx(co);
         ASSERT_TRUE(RunCase(ctx, {"fwd", Op::kFwd, mode, DType::kBF16, wd, 4, rows, 64, 96},
                             rng).ok());
-        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsQuant), 4);
+        EXPECT_EQ(KernelCount(ctx, KernelPath::kInItemLhsQuant), 4);
         // Packed native fp8 items pack the codes' values (bf16); direct items
         // and int8 keep the codes.
         int64_t direct = 0;
         for (KernelPath p : {KernelPath::kDirectF32, KernelPath::kDirectBf16Pairs,
                              KernelPath::kDirectFp8Vbmi, KernelPath::kDirectI8Vnni,
                              KernelPath::kDirectRawFp8}) {
-          direct += ctx.KernelCount(p);
+          direct += KernelCount(ctx, p);
         }
         // (Native fp8's 2-row items are direct on every target; int8's only
         // with VNNI.)
         if (mode == GmmMode::kNativeFp8) {
           EXPECT_EQ(direct, rows == 2 ? 4 : 0);
         }
-        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsValues),
+        EXPECT_EQ(KernelCount(ctx, KernelPath::kInItemLhsValues),
                   mode == GmmMode::kNativeFp8 ? 4 - direct : 0);
         // 32-column tiles: three items per row range, one pre-pass.
-        ctx.ResetKernelCounts();
+        ResetKernelCounts(ctx);
         const int64_t m = 4 * rows;
         Tensor gs = Groups(4, rows);
         Tensor lhs = Make(DType::kBF16, {m, 64}), out = Make(DType::kF32, {m, 96});
@@ -439,8 +453,8 @@ TEST(KernelPath, ItemsQuantizeTheirOwnActivationRows) {
         o.tiles.n = 32;
         TensorView sv = scale.view();
         ASSERT_TRUE(Gmm(ctx, o, lhs.view(), w.view(), &sv, gs.view(), out.view()).ok());
-        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsQuant), 0);
-        EXPECT_EQ(ctx.KernelCount(KernelPath::kInItemLhsValues), 0);
+        EXPECT_EQ(KernelCount(ctx, KernelPath::kInItemLhsQuant), 0);
+        EXPECT_EQ(KernelCount(ctx, KernelPath::kInItemLhsValues), 0);
         // Every output is 64 x 1 x (code value) x 0.5: int8 codes 2 at the
         // activation scale 1/127 (codes 127), fp8 0x38 = 1.0.
         const float want = mode == GmmMode::kInt8 ? 64.0f * 127 * 2 * 0.5f / 127 : 32.0f;
@@ -459,10 +473,10 @@ TEST(KernelPath, ReferenceBackendRunsTheReference) {
   Context ctx(opts);
   const PathCase c{"small", Op::kFwd, GmmMode::kBf16, DType::kBF16, DType::kBF16, 2, 5, 16, 16};
   ASSERT_TRUE(RunCase(ctx, c, rng).ok());
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kReference), 1);
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kPackedF32) + ctx.KernelCount(KernelPath::kDirectF32), 0);
-  ctx.ResetKernelCounts();
-  EXPECT_EQ(ctx.KernelCount(KernelPath::kReference), 0);
+  EXPECT_EQ(KernelCount(ctx, KernelPath::kReference), 1);
+  EXPECT_EQ(KernelCount(ctx, KernelPath::kPackedF32) + KernelCount(ctx, KernelPath::kDirectF32), 0);
+  ResetKernelCounts(ctx);
+  EXPECT_EQ(KernelCount(ctx, KernelPath::kReference), 0);
 }
 
 // ---- Scratch: a repeated call allocates nothing ----------------------------------
@@ -536,10 +550,10 @@ TEST(Scratch, RepeatedCallsAllocateNothing) {
   Context ctx;
   u.Run(ctx, gs_v);
   const MemoryStats before = GetMemoryStats();
-  const int64_t heap_before = g_heap_allocations.load();
+  const int64_t heap_before = test::HeapAllocations();
   EXPECT_GT(ctx.scratch().bytes(), 0u);
   for (int rep = 0; rep < 3; ++rep) u.Run(ctx, gs_v);
-  const int64_t heap_after = g_heap_allocations.load();
+  const int64_t heap_after = test::HeapAllocations();
   const MemoryStats after = GetMemoryStats();
   EXPECT_EQ(after.allocations, before.allocations) << "a repeated call allocated";
   // Nor any hidden std::vector (the TGMM gradient quantizer's tiles and amax
@@ -575,7 +589,7 @@ TEST(Scratch, OtherGroupSizesOfTheSameShapesAllocateNothing) {
       {static_cast<int32_t>(m), 0, 0, 0}, {0, 0, 0, 0}, {13, 1, 0, 7},
       {40, 40, 40, 40}, {0, static_cast<int32_t>(m) - 1, 1, 0}};
   const int64_t before = GetMemoryStats().allocations;
-  const int64_t heap_before = g_heap_allocations.load();
+  const int64_t heap_before = test::HeapAllocations();
   for (const auto& r : routings) {
     std::copy(r.begin(), r.end(), sizes);
     u.Run(ctx, gs_v);
@@ -590,7 +604,7 @@ TEST(Scratch, OtherGroupSizesOfTheSameShapesAllocateNothing) {
     u.Run(ctx, gs_v);
   }
   EXPECT_EQ(GetMemoryStats().allocations, before) << "other group sizes allocated";
-  EXPECT_EQ(g_heap_allocations.load(), heap_before) << "other group sizes allocated on the heap";
+  EXPECT_EQ(test::HeapAllocations(), heap_before) << "other group sizes allocated on the heap";
 }
 
 // The calls without a Context run on DefaultContext(): the same promise.

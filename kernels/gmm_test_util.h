@@ -19,8 +19,12 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
+#include "kernels/cpu/kernel_path.h"
 
 namespace fp8moe::gmm_test {
+
+using internal::KernelPath;
+using internal::ResetKernelCounts;
 
 inline const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -216,14 +220,14 @@ inline void ExpectRanOn(const Context& ctx, BackendKind b) {
   for (size_t i = 0; i < static_cast<size_t>(KernelPath::kCount); ++i) {
     if (static_cast<KernelPath>(i) != KernelPath::kReference &&
         IsKernelPath(static_cast<KernelPath>(i))) {
-      fast += ctx.KernelCount(static_cast<KernelPath>(i));
+      fast += KernelCount(ctx, static_cast<KernelPath>(i));
     }
   }
   if (b == BackendKind::kReference) {
-    EXPECT_GT(ctx.KernelCount(KernelPath::kReference), 0);
+    EXPECT_GT(KernelCount(ctx, KernelPath::kReference), 0);
     EXPECT_EQ(fast, 0);
   } else {
-    EXPECT_EQ(ctx.KernelCount(KernelPath::kReference), 0);
+    EXPECT_EQ(KernelCount(ctx, KernelPath::kReference), 0);
     EXPECT_GT(fast, 0);
   }
 }

@@ -10,47 +10,6 @@
 
 namespace fp8moe::internal {
 
-void RmsNormForward(Context& ctx, const float* x, const float* g, int64_t rows, int64_t d,
-                    float eps, float* y, float* inv_rms) {
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * d;
-    double ss = 0;
-    for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
-    inv_rms[r] = inv;
-    float* yr = y + r * d;
-    for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * inv * g[i];
-  }
-}
-
-void RmsNormBackward(Context& ctx, const float* x, const float* g, const float* inv_rms,
-                     const float* dy, int64_t rows, int64_t d, float* dx, float* dg) {
-  // dx = inv * (g*dy - xhat * mean(g*dy*xhat)), xhat = x * inv.
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * d;
-    const float* dyr = dy + r * d;
-    const double inv = inv_rms[r];
-    double dot = 0;
-    for (int64_t i = 0; i < d; ++i) dot += static_cast<double>(g[i]) * dyr[i] * xr[i] * inv;
-    const double mean = dot / static_cast<double>(d);
-    float* dxr = dx + r * d;
-    for (int64_t i = 0; i < d; ++i) {
-      dxr[i] += static_cast<float>(inv * (static_cast<double>(g[i]) * dyr[i] - xr[i] * inv * mean));
-    }
-  }
-  // dg: per column over rows in row order (parallel over columns).
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-  for (int64_t i = 0; i < d; ++i) {
-    double s = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      s += static_cast<double>(dy[r * d + i]) * x[r * d + i] * inv_rms[r];
-    }
-    dg[i] = static_cast<float>(s);
-  }
-}
-
 void RopeTables(int64_t seq, int64_t hd, double max_timescale, float* cos, float* sin) {
   const int64_t half = hd / 2;
   for (int64_t p = 0; p < seq; ++p) {
@@ -62,32 +21,6 @@ void RopeTables(int64_t seq, int64_t hd, double max_timescale, float* cos, float
     }
   }
 }
-
-void RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
-               const float* cos, const float* sin, bool inverse) {
-  const int64_t half = hd / 2, width = 3 * heads * hd;
-  const float sign = inverse ? -1.0f : 1.0f;
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-  for (int64_t r = 0; r < batch * seq; ++r) {
-    const int64_t p = r % seq;
-    const float* c = cos + p * half;
-    const float* s = sin + p * half;
-    for (int64_t part = 0; part < 2; ++part) {  // q, then k
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = qkv + r * width + part * heads * hd + h * hd;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half], si = sign * s[i];
-          v[i] = a * c[i] - b * si;
-          v[i + half] = b * c[i] + a * si;
-        }
-      }
-    }
-  }
-}
-
-// AttentionForward and AttentionBackward: model/attention.cc (per SIMD target).
-
-// CrossEntropy: model/cross_entropy.cc (per SIMD target).
 
 Status Linear(Context& ctx, const TensorView& group, const float* x, const float* w, int64_t m,
               int64_t k, int64_t n, float* out) {

@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "base/heap_count_test_util.h"
 #include "base/test_seed.h"
 #include "base/test_util.h"
 #include "model/layers.h"
@@ -63,12 +64,14 @@ TEST(ModelLayers, RmsNormMatchesReferenceAndFiniteDifferences) {
   Context ctx;
   std::vector<float> xf = F32(x), gf = F32(g), dyf = F32(dy), y(rows * d), inv(rows),
                      dx(rows * d, 0.0f), dg(d);
-  internal::RmsNormForward(ctx, xf.data(), gf.data(), rows, d, eps, y.data(), inv.data());
+  ASSERT_TRUE(
+      internal::RmsNormForward(ctx, xf.data(), gf.data(), rows, d, eps, y.data(), inv.data()).ok());
   std::vector<double> yr(rows * d);
   reference::RmsNorm(x.data(), g.data(), rows, d, eps, yr.data());
   for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], yr[i], 1e-6 * std::fabs(yr[i]) + 1e-7);
-  internal::RmsNormBackward(ctx, xf.data(), gf.data(), inv.data(), dyf.data(), rows, d, dx.data(),
-                            dg.data());
+  ASSERT_TRUE(internal::RmsNormBackward(ctx, xf.data(), gf.data(), inv.data(), dyf.data(), rows, d,
+                                        dx.data(), dg.data())
+                  .ok());
   auto loss = [&] {
     reference::RmsNorm(x.data(), g.data(), rows, d, eps, yr.data());
     double s = 0;
@@ -101,8 +104,10 @@ TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
       std::vector<float> cos(S * hd / 2), sin(S * hd / 2);
       internal::RopeTables(S, hd, theta, cos.data(), sin.data());
       std::vector<float> q = F32(qkv), probs(B * H * S * S), out(B * S * H * hd), dq(B * S * W);
-      internal::RopeApply(ctx, q.data(), B, S, H, hd, cos.data(), sin.data(), false);
-      internal::AttentionForward(ctx, q.data(), B, S, H, hd, probs.data(), out.data());
+      ASSERT_TRUE(
+          internal::RopeApply(ctx, q.data(), B, S, H, hd, cos.data(), sin.data(), false).ok());
+      ASSERT_TRUE(
+          internal::AttentionForward(ctx, q.data(), B, S, H, hd, probs.data(), out.data()).ok());
       std::vector<double> rq, ro(out.size());
       auto ref = [&] {
         rq = qkv;
@@ -116,9 +121,12 @@ TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
         for (int64_t j = i + 1; j < S; ++j) EXPECT_EQ(probs[i * S + j], 0.0f);
       }
       std::vector<float> doutf = F32(dout);
-      internal::AttentionBackward(ctx, q.data(), probs.data(), doutf.data(), B, S, H, hd,
-                                  dq.data());
-      internal::RopeApply(ctx, dq.data(), B, S, H, hd, cos.data(), sin.data(), /*inverse=*/true);
+      ASSERT_TRUE(internal::AttentionBackward(ctx, q.data(), probs.data(), doutf.data(), B, S, H,
+                                              hd, dq.data())
+                      .ok());
+      ASSERT_TRUE(
+          internal::RopeApply(ctx, dq.data(), B, S, H, hd, cos.data(), sin.data(), /*inverse=*/true)
+              .ok());
       auto loss = [&] {
         ref();
         double s = 0;
@@ -160,9 +168,11 @@ TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
       SCOPED_TRACE(target.label);
       Context ctx;
       std::vector<float> probs(B * H * S * S, NAN), out(B * S * H * hd, NAN), dq(B * S * W, NAN);
-      internal::AttentionForward(ctx, qf.data(), B, S, H, hd, probs.data(), out.data());
-      internal::AttentionBackward(ctx, qf.data(), probs.data(), df.data(), B, S, H, hd,
-                                  dq.data());
+      ASSERT_TRUE(
+          internal::AttentionForward(ctx, qf.data(), B, S, H, hd, probs.data(), out.data()).ok());
+      ASSERT_TRUE(internal::AttentionBackward(ctx, qf.data(), probs.data(), df.data(), B, S, H, hd,
+                                              dq.data())
+                      .ok());
       for (const auto* v : {&probs, &out, &dq}) {
         for (size_t i = 0; i < v->size(); ++i) {
           ASSERT_TRUE(std::isfinite((*v)[i])) << "element " << i << " not written";
@@ -215,7 +225,8 @@ TEST(ModelLayers, AttentionSpreadsNaNToTheRowsItReaches) {
     for (int64_t t = 0; t < hd; ++t) qkv[2 * W + H * hd + t] = 1e30f;  // k of row 2, head 0
     Context ctx;
     std::vector<float> probs(B * H * S * S), out(B * S * H * hd);
-    internal::AttentionForward(ctx, qkv.data(), B, S, H, hd, probs.data(), out.data());
+    ASSERT_TRUE(
+        internal::AttentionForward(ctx, qkv.data(), B, S, H, hd, probs.data(), out.data()).ok());
     for (int64_t i = 0; i < S; ++i) {
       for (int64_t h = 0; h < H; ++h) {
         const bool nan_row = (h == 0 && i == 3) || (h == 1 && i >= 7) || (h == 0 && i == 11);
@@ -358,9 +369,26 @@ TEST(ModelLayers, EdgeValuesStayFinite) {
   EXPECT_TRUE(std::isfinite(*l)) << *l;
   for (float v : dl) EXPECT_TRUE(std::isfinite(v));
   std::vector<float> x(8, 0.0f), g(8, 1.0f), y(8), inv(1);
-  internal::RmsNormForward(ctx, x.data(), g.data(), 1, 8, 1e-6f, y.data(), inv.data());
+  ASSERT_TRUE(
+      internal::RmsNormForward(ctx, x.data(), g.data(), 1, 8, 1e-6f, y.data(), inv.data()).ok());
   for (float v : y) EXPECT_EQ(v, 0.0f);
   EXPECT_TRUE(std::isfinite(inv[0]));
+}
+
+// Linear builds three TensorViews per call; their shapes are held inline
+// (fp8moe/tensor.h), so once the GMM's scratch has grown a call makes no heap
+// allocation at all (every operator new of this binary is counted).
+TEST(ModelLayers, LinearMakesNoHeapAllocation) {
+  const int64_t m = 5, k = 7, n = 3;
+  std::vector<float> x(m * k, 0.5f), w(k * n, 0.25f), out(m * n);
+  Tensor group = Tensor::Create(DType::kI32, {1}).value();
+  group.data_as<int32_t>()[0] = static_cast<int32_t>(m);
+  Context ctx;
+  ASSERT_TRUE(internal::Linear(ctx, group.view(), x.data(), w.data(), m, k, n, out.data()).ok());
+  const int64_t before = test::HeapAllocations();
+  ASSERT_TRUE(internal::Linear(ctx, group.view(), x.data(), w.data(), m, k, n, out.data()).ok());
+  EXPECT_EQ(test::HeapAllocations(), before);
+  EXPECT_EQ(out[0], 0.5f * 0.25f * k);
 }
 
 }  // namespace

@@ -328,10 +328,6 @@ MoeWeights MasterOf(const ModelConfig& c, const LayerParams& L, const Communicat
   return {L.router.view(), ExpertRows(c, L.wi, false, ring), ExpertRows(c, L.wo, true, ring)};
 }
 
-void Add(const float* a, const float* b, size_t n, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
-}
-
 }  // namespace
 
 Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
@@ -362,7 +358,7 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   Buffers& b = *b_;
   const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
                 hd = c.head_dim, HD = H * hd, V = c.vocab_size, L = c.num_layers;
-  const size_t ND = static_cast<size_t>(N * D);
+  const int64_t ND = N * D;
   if (static_cast<int64_t>(params.layers.size()) != L ||
       static_cast<int64_t>(prepared.size()) != L ||
       (grads != nullptr && static_cast<int64_t>(grads->layers.size()) != L)) {
@@ -388,30 +384,33 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   info->expert_load.resize(static_cast<size_t>(L));
 
   // ---- Forward ----
-  const float* embed = params.embed.data_as<float>();
-  float* x0 = b.layers[0].x.data_as<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    std::memcpy(x0 + n * D, embed + inputs[n] * D, static_cast<size_t>(D) * sizeof(float));
-  }
+  FP8MOE_RETURN_IF_ERROR(internal::EmbeddingGather(ctx, params.embed.data_as<float>(), inputs, N,
+                                                    V, D, b.layers[0].x.data_as<float>()));
   for (int64_t l = 0; l < L; ++l) {
     const LayerParams& P = params.layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
     const float* x = A.x.data_as<float>();
-    internal::RmsNormForward(ctx, x, P.attn_norm.data_as<float>(), N, D,
-                             static_cast<float>(c.norm_eps), A.n1.data_as<float>(),
-                             A.inv1.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, x, P.attn_norm.data_as<float>(), N, D,
+                                                    static_cast<float>(c.norm_eps),
+                                                    A.n1.data_as<float>(),
+                                                    A.inv1.data_as<float>()));
     FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.n1.data_as<float>(), P.wqkv.data_as<float>(), N,
                                   D, 3 * HD, A.qkv.data_as<float>()));
-    internal::RopeApply(ctx, A.qkv.data_as<float>(), B, S, H, hd, b.cos.data_as<float>(),
-                        b.sin.data_as<float>(), /*inverse=*/false);
-    internal::AttentionForward(ctx, A.qkv.data_as<float>(), B, S, H, hd,
-                               A.probs.data_as<float>(), A.attn.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(internal::RopeApply(ctx, A.qkv.data_as<float>(), B, S, H, hd,
+                                               b.cos.data_as<float>(), b.sin.data_as<float>(),
+                                               /*inverse=*/false));
+    FP8MOE_RETURN_IF_ERROR(internal::AttentionForward(ctx, A.qkv.data_as<float>(), B, S, H, hd,
+                                                      A.probs.data_as<float>(),
+                                                      A.attn.data_as<float>()));
     FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.attn.data_as<float>(),
                                   P.wo_attn.data_as<float>(), N, HD, D, A.x1.data_as<float>()));
-    Add(A.x1.data_as<float>(), x, ND, A.x1.data_as<float>());
-    internal::RmsNormForward(ctx, A.x1.data_as<float>(), P.mlp_norm.data_as<float>(), N, D,
-                             static_cast<float>(c.norm_eps), A.n2.data_as<float>(),
-                             A.inv2.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(internal::Add(ctx, A.x1.data_as<float>(), x, ND,
+                                         A.x1.data_as<float>()));
+    FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, A.x1.data_as<float>(),
+                                                    P.mlp_norm.data_as<float>(), N, D,
+                                                    static_cast<float>(c.norm_eps),
+                                                    A.n2.data_as<float>(),
+                                                    A.inv2.data_as<float>()));
     MoeStepInfo mi;
     MoeOptions mo;
     mo.sum_batch_counts = sum_batch_counts_;
@@ -426,11 +425,13 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     load.assign(gs.as<int32_t>(), gs.as<int32_t>() + gs.num_elements());
     float* next = l + 1 < L ? b.layers[static_cast<size_t>(l + 1)].x.data_as<float>()
                             : b.xf.data_as<float>();
-    Add(A.x1.data_as<float>(), b.moe_y.data_as<float>(), ND, next);
+    FP8MOE_RETURN_IF_ERROR(internal::Add(ctx, A.x1.data_as<float>(), b.moe_y.data_as<float>(),
+                                         ND, next));
   }
-  internal::RmsNormForward(ctx, b.xf.data_as<float>(), params.final_norm.data_as<float>(), N, D,
-                           static_cast<float>(c.norm_eps), b.nf.data_as<float>(),
-                           b.invf.data_as<float>());
+  FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, b.xf.data_as<float>(),
+                                                  params.final_norm.data_as<float>(), N, D,
+                                                  static_cast<float>(c.norm_eps),
+                                                  b.nf.data_as<float>(), b.invf.data_as<float>()));
   FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, b.nf.data_as<float>(),
                                 params.lm_head.data_as<float>(), N, D, V,
                                 b.logits.data_as<float>()));
@@ -447,9 +448,10 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, b.nf.data_as<float>(), b.dlogits.data_as<float>(),
                                   N, D, V, grads->lm_head.data_as<float>()));
   std::fill(dx, dx + ND, 0.0f);
-  internal::RmsNormBackward(ctx, b.xf.data_as<float>(), params.final_norm.data_as<float>(),
-                            b.invf.data_as<float>(), dtmp, N, D, dx,
-                            grads->final_norm.data_as<float>());
+  FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, b.xf.data_as<float>(),
+                                                   params.final_norm.data_as<float>(),
+                                                   b.invf.data_as<float>(), dtmp, N, D, dx,
+                                                   grads->final_norm.data_as<float>()));
   for (int64_t l = L - 1; l >= 0; --l) {
     const LayerParams& P = params.layers[static_cast<size_t>(l)];
     LayerParams& G = grads->layers[static_cast<size_t>(l)];
@@ -462,34 +464,31 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(c, P, expert_ring_),
                                        prepared[static_cast<size_t>(l)], &A.moe, b.dx.view(),
                                        mg, mo));
-    internal::RmsNormBackward(ctx, A.x1.data_as<float>(), P.mlp_norm.data_as<float>(),
-                              A.inv2.data_as<float>(), dtmp, N, D, dx,
-                              G.mlp_norm.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, A.x1.data_as<float>(),
+                                                     P.mlp_norm.data_as<float>(),
+                                                     A.inv2.data_as<float>(), dtmp, N, D, dx,
+                                                     G.mlp_norm.data_as<float>()));
     // Attention output projection: dx is now the gradient of x1.
     FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, dx, P.wo_attn.data_as<float>(), N, HD, D,
                                     b.dattn.data_as<float>()));
     FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.attn.data_as<float>(), dx, N, HD, D,
                                     G.wo_attn.data_as<float>()));
-    internal::AttentionBackward(ctx, A.qkv.data_as<float>(), A.probs.data_as<float>(),
-                                b.dattn.data_as<float>(), B, S, H, hd, b.dqkv.data_as<float>());
-    internal::RopeApply(ctx, b.dqkv.data_as<float>(), B, S, H, hd, b.cos.data_as<float>(),
-                        b.sin.data_as<float>(), /*inverse=*/true);
+    FP8MOE_RETURN_IF_ERROR(internal::AttentionBackward(
+        ctx, A.qkv.data_as<float>(), A.probs.data_as<float>(), b.dattn.data_as<float>(), B, S, H,
+        hd, b.dqkv.data_as<float>()));
+    FP8MOE_RETURN_IF_ERROR(internal::RopeApply(ctx, b.dqkv.data_as<float>(), B, S, H, hd,
+                                               b.cos.data_as<float>(), b.sin.data_as<float>(),
+                                               /*inverse=*/true));
     FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, b.dqkv.data_as<float>(), P.wqkv.data_as<float>(),
                                     N, D, 3 * HD, dtmp));
     FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.n1.data_as<float>(), b.dqkv.data_as<float>(),
                                     N, D, 3 * HD, G.wqkv.data_as<float>()));
-    internal::RmsNormBackward(ctx, A.x.data_as<float>(), P.attn_norm.data_as<float>(),
-                              A.inv1.data_as<float>(), dtmp, N, D, dx,
-                              G.attn_norm.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, A.x.data_as<float>(),
+                                                     P.attn_norm.data_as<float>(),
+                                                     A.inv1.data_as<float>(), dtmp, N, D, dx,
+                                                     G.attn_norm.data_as<float>()));
   }
-  float* dembed = grads->embed.data_as<float>();
-  std::fill(dembed, dembed + grads->embed.num_elements(), 0.0f);
-  for (int64_t n = 0; n < N; ++n) {  // in token order: deterministic
-    float* row = dembed + inputs[n] * D;
-    const float* g = dx + n * D;
-    for (int64_t i = 0; i < D; ++i) row[i] += g[i];
-  }
-  return OkStatus();
+  return internal::EmbeddingScatterAdd(ctx, dx, inputs, N, V, D, grads->embed.data_as<float>());
 }
 
 Status Model::ActivationHealth(Context& ctx, int64_t layer,

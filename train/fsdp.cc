@@ -244,16 +244,19 @@ Result<std::string> FsdpState::FirstNonFiniteMaster() {
   return scan.first_nonfinite;
 }
 
-void FsdpState::AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr,
-                      double grad_scale) {
+Status FsdpState::AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr,
+                        double grad_scale) {
   staged_.reset();
   for (size_t k = 0; k < names_.size(); ++k) {
     const Part& p = parts_[k];
     Unit& u = units_[p.unit];
-    AdamWSpan(ctx, config, t, lr, grad_scale, decay_[k], u.g.data_as<float>() + p.at,
-              u.master.data_as<float>() + p.at, u.m.data_as<float>() + p.at,
-              u.v.data_as<float>() + p.at, p.size);
+    FP8MOE_RETURN_IF_ERROR(AdamWSpan(ctx, config, t, lr, grad_scale, decay_[k],
+                                     u.g.data_as<float>() + p.at,
+                                     u.master.data_as<float>() + p.at,
+                                     u.m.data_as<float>() + p.at, u.v.data_as<float>() + p.at,
+                                     p.size));
   }
+  return OkStatus();
 }
 
 size_t FsdpState::ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status* error) const {

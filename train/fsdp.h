@@ -81,7 +81,7 @@ class FsdpState : public ExpertWeightSource {
   };
   // Collective (one all-gather).
   Result<GradientCheck> CheckGradients();
-  void AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale);
+  Status AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale);
   // The first tensor (Named() order) whose master weights hold a NaN or an
   // infinity on any rank, or "". Collective (one all-gather).
   Result<std::string> FirstNonFiniteMaster();

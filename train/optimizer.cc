@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "kernels/ops.h"
+
 namespace fp8moe::internal {
 
 double GlobalNorm(const ModelParams& grads) {
@@ -25,36 +27,36 @@ std::string FirstNonFinite(const ModelParams& grads) {
   return "";
 }
 
-void AdamWSpan(Context& ctx, const TrainConfig& c, int64_t t, double lr, double grad_scale,
-               bool decay, const float* gk, float* pk, float* mk, float* vk, int64_t n) {
-  const float b1 = static_cast<float>(c.adam_b1), b2 = static_cast<float>(c.adam_b2);
-  const float c1 = static_cast<float>(1.0 / (1.0 - std::pow(c.adam_b1, static_cast<double>(t))));
-  const float c2 = static_cast<float>(1.0 / (1.0 - std::pow(c.adam_b2, static_cast<double>(t))));
-  const float eps = static_cast<float>(c.adam_eps), lrf = static_cast<float>(lr);
-  const float scale = static_cast<float>(grad_scale);
-  const float wd = decay ? static_cast<float>(c.adam_weight_decay) : 0.0f;
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = gk[i] * scale;
-    mk[i] = b1 * mk[i] + (1.0f - b1) * gi;
-    vk[i] = b2 * vk[i] + (1.0f - b2) * gi * gi;
-    const float update = (mk[i] * c1) / (std::sqrt(vk[i] * c2) + eps);
-    pk[i] -= lrf * (update + wd * pk[i]);
-  }
+Status AdamWSpan(Context& ctx, const TrainConfig& c, int64_t t, double lr, double grad_scale,
+                 bool decay, const float* gk, float* pk, float* mk, float* vk, int64_t n) {
+  AdamWConstants k;
+  k.b1 = static_cast<float>(c.adam_b1);
+  k.b2 = static_cast<float>(c.adam_b2);
+  k.c1 = static_cast<float>(1.0 / (1.0 - std::pow(c.adam_b1, static_cast<double>(t))));
+  k.c2 = static_cast<float>(1.0 / (1.0 - std::pow(c.adam_b2, static_cast<double>(t))));
+  k.eps = static_cast<float>(c.adam_eps);
+  k.lr = static_cast<float>(lr);
+  k.grad_scale = static_cast<float>(grad_scale);
+  k.weight_decay = decay ? static_cast<float>(c.adam_weight_decay) : 0.0f;
+  return AdamW(ctx, k, gk, pk, mk, vk, n);
 }
 
-void AdamWUpdate(Context& ctx, const TrainConfig& c, int64_t t, double lr, double grad_scale,
-                 const ModelParams& grads, ModelParams* params, ModelParams* m, ModelParams* v) {
+Status AdamWUpdate(Context& ctx, const TrainConfig& c, int64_t t, double lr, double grad_scale,
+                   const ModelParams& grads, ModelParams* params, ModelParams* m,
+                   ModelParams* v) {
   const auto g = grads.Named();
   const auto p = params->Named();
   const auto ms = m->Named();
   const auto vs = v->Named();
   for (size_t k = 0; k < g.size(); ++k) {
-    AdamWSpan(ctx, c, t, lr, grad_scale, p[k].second->rank() >= 2, g[k].second->data_as<float>(),
-              p[k].second->data_as<float>(), ms[k].second->data_as<float>(),
-              vs[k].second->data_as<float>(),
-              static_cast<int64_t>(g[k].second->num_elements()));
+    FP8MOE_RETURN_IF_ERROR(AdamWSpan(ctx, c, t, lr, grad_scale, p[k].second->rank() >= 2,
+                                     g[k].second->data_as<float>(),
+                                     p[k].second->data_as<float>(),
+                                     ms[k].second->data_as<float>(),
+                                     vs[k].second->data_as<float>(),
+                                     static_cast<int64_t>(g[k].second->num_elements())));
   }
+  return OkStatus();
 }
 
 }  // namespace fp8moe::internal

@@ -23,13 +23,16 @@ std::string FirstNonFinite(const ModelParams& grads);
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr wd p
 // with the decoupled weight decay wd on matrices only (not on norm gains).
-void AdamWUpdate(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale,
-                 const ModelParams& grads, ModelParams* params, ModelParams* m, ModelParams* v);
+Status AdamWUpdate(Context& ctx, const TrainConfig& config, int64_t t, double lr,
+                   double grad_scale, const ModelParams& grads, ModelParams* params,
+                   ModelParams* m, ModelParams* v);
 
 // The same update on n elements of one tensor (a whole one or an FSDP
-// shard); `decay`: the tensor is a matrix (weight decay applies).
-void AdamWSpan(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale,
-               bool decay, const float* g, float* p, float* m, float* v, int64_t n);
+// shard); `decay`: the tensor is a matrix (weight decay applies). Runs on
+// the context's backend (kernels/ops.h: AdamW).
+Status AdamWSpan(Context& ctx, const TrainConfig& config, int64_t t, double lr,
+                 double grad_scale, bool decay, const float* g, float* p, float* m, float* v,
+                 int64_t n);
 
 }  // namespace fp8moe::internal
 

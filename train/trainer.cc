@@ -692,7 +692,7 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
       const double clip = c.gradient_clipping_threshold > 0 && rep.grad_norm > c.gradient_clipping_threshold
                               ? c.gradient_clipping_threshold / rep.grad_norm
                               : 1.0;
-      fsdp->AdamW(ctx, c, s + 1, rep.lr, clip);
+      FP8MOE_RETURN_IF_ERROR(fsdp->AdamW(ctx, c, s + 1, rep.lr, clip));
       // Finite gradients can still give non-finite weights (a learning rate or
       // weight decay past float range, an epsilon that rounds to 0): stop
       // before such weights reach a checkpoint or the next step. Collective:

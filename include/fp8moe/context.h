@@ -1,5 +1,5 @@
 // The explicit state a library call runs in (docs/design.md §7.1): how many threads,
-// which GMM backend, the kernels' scratch memory, a random number generator
+// which backend, the kernels' scratch memory, a random number generator
 // and a metrics sink. Passed down by reference instead of thread-local or
 // global state, so that
 //  - a trainer owns one Context for the whole run and, after the first step,
@@ -7,7 +7,7 @@
 //    step);
 //  - a test can run the same call over every backend (the fast CPU kernels
 //    and the plain-loop reference twins) the way ggml's test-backend-ops
-//    does, and read which kernel paths ran;
+//    does, and read which kernel paths ran (internal counters);
 //  - a later GPU backend adds a BackendKind and a stream here, and nothing
 //    above the kernels changes.
 // A Context is used by one calling thread at a time (it may start OpenMP
@@ -55,47 +55,14 @@ class Rng {
   State s_{};
 };
 
-// Which implementation the grouped matmuls of a context run on.
+// Which implementation the ops of a context run on (the GMMs and the model
+// step's other ops, docs/design.md §7.2).
 enum class BackendKind : uint8_t {
-  kCpu,        // the fast SIMD kernels (kernels/cpu)
+  kCpu,        // the fast implementations (kernels/cpu)
   kReference,  // the plain-loop twins (kernels/reference)
 };
 std::string_view BackendName(BackendKind kind);  // "cpu", "reference"
 Result<BackendKind> ParseBackend(std::string_view name);
-
-// The kernel paths a call can take; each work item a kernel runs counts once
-// on its path, so tests can prove that a path is (still) taken. Four
-// entries are not paths (kDirectNextItemPrefetch, kPackedRowBlocks,
-// kInItemLhsQuant, kInItemLhsValues: counted besides the item's path): a sum over the paths
-// skips them (IsKernelPath).
-enum class KernelPath : uint8_t {
-  kPackedF32,         // packed panels, f32 FMA microkernel
-  kPackedBf16Pairs,   // packed panels, AVX512-BF16 vdpbf16ps
-  kPackedI16Pairs,    // packed panels, int16 pairs (vpmaddwd)
-  kPackedI16Vnni,     // packed panels, AVX512-VNNI vpdpwssd
-  kDirectF32,         // weight rows read in place, f32 FMA
-  kDirectBf16Pairs,   // weight rows read in place, vdpbf16ps
-  kDirectFp8Vbmi,     // fp8 weight rows, byte-table decode (VBMI) + vdpbf16ps
-  kDirectI8Vnni,      // int8 weight rows, VNNI
-  kDirectRawFp8,      // fp8 weight rows decoded raw (native fp8), f32 FMA
-  kReference,         // a reference twin ran the whole call
-  // Not a path: a direct item whose last chunk prefetched the first chunk of
-  // the next item its thread ran (counted besides the item's own path).
-  kDirectNextItemPrefetch,
-  // Not a path: a packed item that ran in row-block order, B packed once for
-  // its whole reduction (counted besides the item's path).
-  kPackedRowBlocks,
-  // Not a path: an item that quantized its own activation rows (native fp8,
-  // int8) instead of a pre-pass over all rows.
-  kInItemLhsQuant,
-  // Not a path: of those, a packed native fp8 item that wrote the values of
-  // its codes (bf16) and packed them, with no decode of codes.
-  kInItemLhsValues,
-  kCount
-};
-std::string_view KernelPathName(KernelPath path);
-// False for the entries that count something besides an item's path.
-bool IsKernelPath(KernelPath path);
 
 struct ContextOptions {
   // Worker threads; 0: OpenMP's default at the time of each call
@@ -107,7 +74,8 @@ struct ContextOptions {
 };
 
 namespace internal {
-class ScratchArena;  // base/scratch_arena.h: the kernels' grow-only buffers
+class ScratchArena;    // base/scratch_arena.h: the kernels' grow-only buffers
+class KernelCounters;  // base/kernel_counters.h: which kernel paths ran
 }  // namespace internal
 
 class Context {
@@ -128,14 +96,10 @@ class Context {
   // Frees the scratch memory (the next call allocates it again).
   void ReleaseScratch();
 
-  // Work items run on `path` (or, for kDirectNextItemPrefetch, items that
-  // prefetched their successor; for kPackedRowBlocks, packed items run in
-  // row-block order; for kInItemLhsQuant, items that quantized their rows;
-  // for kInItemLhsValues, those that packed the codes' values)
-  // since the last ResetKernelCounts (thread-safe).
-  int64_t KernelCount(KernelPath path) const;
-  void CountKernel(KernelPath path, int64_t n = 1);
-  void ResetKernelCounts();
+  // What the kernels count (internal: kernels/cpu/kernel_path.h names the
+  // paths and reads them), kept from call to call.
+  internal::KernelCounters& kernel_counters();
+  const internal::KernelCounters& kernel_counters() const;
 
  private:
   struct Impl;

@@ -5,16 +5,95 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "fp8moe/dtype.h"
 #include "fp8moe/status.h"
 
 namespace fp8moe {
 
-using Shape = std::vector<int64_t>;
+// The most dimensions a shape holds. The model's tensors need 4 (attention
+// probabilities [B, H, S, S]); 8 leaves room for the tensors of other
+// models' safetensors files (a 3D convolution's weight has 5), which a
+// reader must still be able to list. Readers of outside shapes (files,
+// numpy arrays) refuse more with a clear error before building a Shape.
+inline constexpr int kMaxRank = 8;
+
+// The dimensions of a tensor, held inline (no heap allocation: a Shape, and
+// with it a TensorView, is built in every layer call of a step). Reads like
+// the std::vector<int64_t> it replaces: size, [], iteration, ==, push_back.
+// Building one of more than kMaxRank dimensions is a programming error
+// (callers with outside input check the rank first) and aborts.
+class Shape {
+ public:
+  using value_type = int64_t;
+  using size_type = size_t;
+  using reference = int64_t&;
+  using const_reference = const int64_t&;
+  using iterator = int64_t*;
+  using const_iterator = const int64_t*;
+
+  constexpr Shape() = default;
+  Shape(std::initializer_list<int64_t> dims) {
+    for (int64_t d : dims) push_back(d);
+  }
+  // `count` dimensions of `value` (count <= kMaxRank).
+  Shape(size_t count, int64_t value) {
+    for (size_t i = 0; i < count; ++i) push_back(value);
+  }
+  template <std::input_iterator It>
+  Shape(It first, It last) {
+    for (; first != last; ++first) push_back(static_cast<int64_t>(*first));
+  }
+
+  size_t size() const { return rank_; }
+  bool empty() const { return rank_ == 0; }
+  static constexpr size_t max_size() { return kMaxRank; }
+  int64_t& operator[](size_t i) { return dims_[i]; }
+  const int64_t& operator[](size_t i) const { return dims_[i]; }
+  // Checked: an index past the rank aborts (as std::vector's at throws).
+  const int64_t& at(size_t i) const {
+    if (i >= rank_) OutOfRange(i);
+    return dims_[i];
+  }
+  int64_t* data() { return dims_; }
+  const int64_t* data() const { return dims_; }
+  int64_t* begin() { return dims_; }
+  int64_t* end() { return dims_ + rank_; }
+  const int64_t* begin() const { return dims_; }
+  const int64_t* end() const { return dims_ + rank_; }
+  int64_t& front() { return dims_[0]; }
+  int64_t& back() { return dims_[rank_ - 1]; }
+  const int64_t& front() const { return dims_[0]; }
+  const int64_t& back() const { return dims_[rank_ - 1]; }
+
+  void push_back(int64_t d) {
+    if (rank_ == kMaxRank) TooManyDims();
+    dims_[rank_++] = d;
+  }
+  void pop_back() { dims_[--rank_] = 0; }
+  void clear() { *this = Shape(); }
+
+  friend bool operator==(const Shape& a, const Shape& b) {
+    if (a.rank_ != b.rank_) return false;
+    for (size_t i = 0; i < a.rank_; ++i) {
+      if (a.dims_[i] != b.dims_[i]) return false;
+    }
+    return true;
+  }
+
+ private:
+  [[noreturn]] static void TooManyDims();
+  [[noreturn]] void OutOfRange(size_t i) const;
+
+  // Dimensions past the rank stay zero, so a copy never reads an
+  // indeterminate value.
+  int64_t dims_[kMaxRank] = {};
+  size_t rank_ = 0;
+};
 
 // Number of elements of `shape`; an error if a dimension is negative or the
 // product of its nonzero dimensions (times `elem_size` bytes) exceeds

@@ -1,9 +1,10 @@
-// The "cpu" GMM backend (gmm_backend.h): the pre-passes a mode needs
+// The "cpu" backend (kernels/backend.h). Its GMMs: the pre-passes a mode needs
 // (activation quantization over valid rows where the items cannot do it
 // themselves, the fake-QAT BF16 weight copy, TGMM gradient quantization),
 // the plan of work items, and the hand-off to the per-target executor
 // (gemm_exec.cc). Every buffer it needs lives in the
-// Context's scratch, so a repeated call allocates nothing.
+// Context's scratch, so a repeated call allocates nothing. Its other ops:
+// kernels/cpu/cpu_ops.h.
 
 #include <algorithm>
 #include <cstring>
@@ -14,7 +15,8 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "kernels/cpu/gemm_call.h"
-#include "kernels/gmm_backend.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/gmm_problem.h"
 #include "quant/quant_internal.h"
 
@@ -283,9 +285,10 @@ GemmCall& FreshCall(Context& ctx) {
   return call;
 }
 
-class CpuBackend final : public GmmBackend {
+class CpuBackendImpl final : public OpsBackend<CpuOps> {
  public:
   BackendKind kind() const override { return BackendKind::kCpu; }
+  bool Supports(const OpArgs&) const override { return true; }  // every op, every case
   Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
              const TensorView& rhs, const TensorView* rhs_scale, const TensorView& group_sizes,
              const TensorView& out, const TensorView* h_out) override;
@@ -295,11 +298,14 @@ class CpuBackend final : public GmmBackend {
   Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TgmmQuant& quant,
               const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
               const TensorView& drhs) override;
+
+  // The other ops: OpsBackend<CpuOps> (kernels/cpu/cpu_ops.h).
 };
 
-Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
-                       const TensorView& lhs, const TensorView& rhs, const TensorView* rhs_scale,
-                       const TensorView&, const TensorView& out, const TensorView* h_out) {
+Status CpuBackendImpl::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
+                           const TensorView& lhs, const TensorView& rhs,
+                           const TensorView* rhs_scale, const TensorView&, const TensorView& out,
+                           const TensorView* h_out) {
   GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kFwd;
   call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.k);
@@ -356,10 +362,10 @@ Status CpuBackend::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
   return ExecuteGemm(ctx, call);
 }
 
-Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
-                        const TensorView& dout, const TensorView& rhs,
-                        const TensorView* rhs_scale, const TensorView&, const TensorView& out,
-                        const TensorView* h) {
+Status CpuBackendImpl::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
+                            const TensorView& dout, const TensorView& rhs,
+                            const TensorView* rhs_scale, const TensorView&, const TensorView& out,
+                            const TensorView* h) {
   GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kDlhs;
   call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.n);
@@ -388,9 +394,9 @@ Status CpuBackend::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
   return ExecuteGemm(ctx, call);
 }
 
-Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
-                        const TgmmQuant& quant, const TensorView& lhs, const TensorView& dout,
-                        const TensorView& group_sizes, const TensorView& drhs) {
+Status CpuBackendImpl::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
+                            const TgmmQuant& quant, const TensorView& lhs, const TensorView& dout,
+                            const TensorView& group_sizes, const TensorView& drhs) {
   GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kTgmm;
   call.a = Plain(lhs, p.k);
@@ -487,8 +493,8 @@ Status CpuBackend::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
 
 }  // namespace
 
-GmmBackend& CpuGmmBackend() {
-  static CpuBackend backend;
+Backend& CpuBackend() {
+  static CpuBackendImpl backend;
   return backend;
 }
 

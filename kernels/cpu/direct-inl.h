@@ -30,6 +30,7 @@
 #include "base/check.h"
 #include "fp8moe/context.h"
 #include "hwy/highway.h"
+#include "kernels/cpu/kernel_path.h"
 #include "kernels/cpu/gemm_call.h"
 #include "kernels/cpu/line_walk.h"
 #include "kernels/cpu/microkernels-inl.h"
@@ -145,19 +146,20 @@ inline Direct ChooseDirect(const GemmCall& call, PanelKind kind, const WorkItem&
 }
 
 // The kernel path a direct item takes (the KernelPath counters).
-inline KernelPath DirectPath(Direct d, const GemmCall& call, int64_t mr) {
+inline internal::KernelPath DirectPath(Direct d, const GemmCall& call, int64_t mr) {
   [[maybe_unused]] const internal::Source& b = call.b;
   switch (d) {
-    case Direct::kF32: return RawFp8(call) ? KernelPath::kDirectRawFp8 : KernelPath::kDirectF32;
-    case Direct::kInt8: return KernelPath::kDirectI8Vnni;
+    case Direct::kF32:
+      return RawFp8(call) ? internal::KernelPath::kDirectRawFp8 : internal::KernelPath::kDirectF32;
+    case Direct::kInt8: return internal::KernelPath::kDirectI8Vnni;
     default: break;
   }
 #if HWY_TARGET == HWY_AVX3
   if (b.kind == internal::SrcKind::kFp8 && mr <= 8 && CpuHasAvx512Vbmi()) {
-    return KernelPath::kDirectFp8Vbmi;
+    return internal::KernelPath::kDirectFp8Vbmi;
   }
 #endif
-  return KernelPath::kDirectBf16Pairs;
+  return internal::KernelPath::kDirectBf16Pairs;
 }
 
 // Reduction rows per chunk: at most kDirectChunkBytes of weight, even.

@@ -27,6 +27,7 @@
 #include "base/scratch_arena.h"
 #include "fp8moe/context.h"
 #include "kernels/cpu/gemm_call.h"
+#include "kernels/cpu/kernel_path.h"
 #include "kernels/cpu/pack.h"
 #include "quant/quant_internal.h"
 
@@ -46,6 +47,7 @@ namespace HWY_NAMESPACE {
 
 using internal::Epilogue;
 using internal::GemmCall;
+using internal::KernelPath;
 using internal::Operand;
 using internal::PackScratch;
 using internal::PanelBytes;
@@ -620,12 +622,12 @@ void RunItem(Context& ctx, const GemmCall& call, PanelKind kind, const WorkItem&
   } else {
     following = nullptr;
   }
-  if (following != nullptr && it.red_len > 0) ctx.CountKernel(KernelPath::kDirectNextItemPrefetch);
-  ctx.CountKernel(direct ? DirectPath(ip.direct, call, ip.mr) : PackedPath(kind));
-  if (call.lhs_quant != nullptr) ctx.CountKernel(KernelPath::kInItemLhsQuant);
-  if (PacksLhsValues(call, ip)) ctx.CountKernel(KernelPath::kInItemLhsValues);
+  if (following != nullptr && it.red_len > 0) CountKernel(ctx, KernelPath::kDirectNextItemPrefetch);
+  CountKernel(ctx, direct ? DirectPath(ip.direct, call, ip.mr) : PackedPath(kind));
+  if (call.lhs_quant != nullptr) CountKernel(ctx, KernelPath::kInItemLhsQuant);
+  if (PacksLhsValues(call, ip)) CountKernel(ctx, KernelPath::kInItemLhsValues);
   if (!direct && w.sizes->row_blocks && it.rows > kRowBlockMinRows) {
-    ctx.CountKernel(KernelPath::kPackedRowBlocks);
+    CountKernel(ctx, KernelPath::kPackedRowBlocks);
     return RunPackedRowBlocks(call, it, ip, w);
   }
   if (it.red_len == 0) ZeroTile(ip, it, ip.c);

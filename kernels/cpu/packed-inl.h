@@ -13,6 +13,7 @@
 
 #include "fp8moe/context.h"
 #include "hwy/highway.h"
+#include "kernels/cpu/kernel_path.h"
 #include "kernels/cpu/microkernels-inl.h"
 #include "kernels/cpu/pack.h"
 
@@ -21,16 +22,16 @@ namespace fp8moe {
 namespace HWY_NAMESPACE {
 
 // The kernel path of a packed item (the KernelPath counters).
-inline KernelPath PackedPath(internal::PanelKind kind) {
+inline internal::KernelPath PackedPath(internal::PanelKind kind) {
   switch (kind) {
-    case internal::PanelKind::kF32: return KernelPath::kPackedF32;
-    case internal::PanelKind::kBf16Pairs: return KernelPath::kPackedBf16Pairs;
+    case internal::PanelKind::kF32: return internal::KernelPath::kPackedF32;
+    case internal::PanelKind::kBf16Pairs: return internal::KernelPath::kPackedBf16Pairs;
     case internal::PanelKind::kI16Pairs: break;
   }
 #if HWY_TARGET == HWY_AVX3
-  if (CpuHasAvx512Vnni()) return KernelPath::kPackedI16Vnni;
+  if (CpuHasAvx512Vnni()) return internal::KernelPath::kPackedI16Vnni;
 #endif
-  return KernelPath::kPackedI16Pairs;
+  return internal::KernelPath::kPackedI16Pairs;
 }
 
 // C tile [MR x NR] at c (ldc) (+)= A panel x B panel over kc reduction steps.

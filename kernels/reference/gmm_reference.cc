@@ -6,7 +6,7 @@
 // Every function validates with the same internal::Check* as the fast kernel,
 // reads only the valid rows of lhs / dout / h (tail rows may hold NaN) and
 // writes every element of its outputs, tail rows as 0. The same code is the
-// "reference" GMM backend (gmm_backend.h): a Context with BackendKind::
+// "reference" backend (kernels/backend.h): a Context with BackendKind::
 // kReference runs every call here, counting KernelPath::kReference.
 #include <algorithm>
 #include <cstdint>
@@ -15,13 +15,16 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
-#include "kernels/gmm_backend.h"
+#include "kernels/cpu/kernel_path.h"
+#include "kernels/backend.h"
 #include "kernels/gmm_problem.h"
+#include "kernels/reference/ops_reference.h"
 
 namespace fp8moe::reference {
 namespace {
 
 using internal::GmmProblem;
+using internal::KernelPath;
 
 size_t Idx(int64_t i) { return static_cast<size_t>(i); }
 
@@ -302,26 +305,28 @@ Status TgmmChecked(const GmmProblem& p, const GmmOptions& options, const TgmmQua
   return OkStatus();
 }
 
-// The reference twins as a backend: every call counts once on kReference.
-class ReferenceBackend final : public internal::GmmBackend {
+// The reference twins as a backend: every GMM call counts once on
+// kReference; the other ops are ReferenceOps (kernels/reference/ops_reference.cc).
+class ReferenceBackendImpl final : public internal::OpsBackend<internal::ReferenceOps> {
  public:
   BackendKind kind() const override { return BackendKind::kReference; }
+  bool Supports(const internal::OpArgs&) const override { return true; }
   Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
              const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
              const TensorView& out, const TensorView* h_out) override {
-    ctx.CountKernel(KernelPath::kReference);
+    CountKernel(ctx, KernelPath::kReference);
     return GmmChecked(p, o, lhs, rhs, rhs_scale, out, h_out);
   }
   Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& dout,
               const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
               const TensorView& out, const TensorView* h) override {
-    ctx.CountKernel(KernelPath::kReference);
+    CountKernel(ctx, KernelPath::kReference);
     return DlhsChecked(p, o, dout, rhs, rhs_scale, out, h);
   }
   Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TgmmQuant& quant,
               const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
               const TensorView& drhs) override {
-    ctx.CountKernel(KernelPath::kReference);
+    CountKernel(ctx, KernelPath::kReference);
     return TgmmChecked(p, o, quant, lhs, dout, group_sizes, drhs);
   }
 };
@@ -360,8 +365,8 @@ Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView&
 }  // namespace fp8moe::reference
 
 namespace fp8moe::internal {
-GmmBackend& ReferenceGmmBackend() {
-  static reference::ReferenceBackend backend;
+Backend& ReferenceBackend() {
+  static reference::ReferenceBackendImpl backend;
   return backend;
 }
 }  // namespace fp8moe::internal

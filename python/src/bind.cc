@@ -40,10 +40,12 @@ namespace {
   throw nb::value_error((std::string(fn) + ": " + msg).c_str());
 }
 
+// "[2, 3]": written out directly, since an array may have more dimensions
+// than a Shape holds (the error that says so quotes it).
 std::string ShapeOf(const Array& a) {
-  Shape s;
-  for (size_t i = 0; i < a.ndim(); ++i) s.push_back(static_cast<int64_t>(a.shape(i)));
-  return ShapeToString(s);
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
 }
 
 // The element type numpy uses to hold `dtype`'s bytes.
@@ -77,6 +79,11 @@ TensorView View(std::string_view fn, std::string_view name, const Array& a,
     Bad(fn, std::string(name) + " holds " + std::to_string(a.itemsize()) +
                 "-byte elements but was passed as " + std::string(dtype) + " (" +
                 std::to_string(width) + " bytes)");
+  }
+  if (a.ndim() > static_cast<size_t>(kMaxRank)) {
+    Bad(fn, std::string(name) + " with shape " + ShapeOf(a) + " has " +
+                std::to_string(a.ndim()) + " dimensions; fp8moe takes at most " +
+                std::to_string(kMaxRank));
   }
   TensorView v;
   v.dtype = d;

@@ -32,6 +32,10 @@ Result<TensorView> ToView(std::string_view name, const ffi::AnyBuffer& b) {
                            std::to_string(static_cast<int>(b.element_type())) +
                            ", which fp8moe does not support");
   }
+  if (b.dimensions().size() > static_cast<size_t>(kMaxRank)) {
+    return InvalidArgument(std::string(name) + " has " + std::to_string(b.dimensions().size()) +
+                           " dimensions; fp8moe takes at most " + std::to_string(kMaxRank));
+  }
   TensorView v;
   v.data = b.untyped_data();
   v.dtype = *dtype;

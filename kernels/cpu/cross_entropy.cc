@@ -1,7 +1,9 @@
-// The loss (layers.h: CrossEntropy), its exp on Highway vectors per SIMD
-// target. The float64 twin is reference::CrossEntropy
-// (model/reference/layers_reference.h); layers_test compares the two on every
-// SIMD target, at the edges of the f32 range too.
+// The loss, the cpu backend's (kernels/ops.h: CrossEntropy), its exp on
+// Highway vectors per SIMD target. The reference backend's (ReferenceOps) is
+// the same formula in double; kernels/backend_ops_test.cc compares the two.
+// model/layers_test.cc holds this to the model's float64 twin
+// (model/reference/layers_reference.h) on every SIMD target, at the edges of
+// the f32 range too.
 //
 // Per row of logits l [v]: m = max l; e_i = exp(l_i - m) in f32 lanes
 // (arguments <= 0, where Highway's Exp is valid); s = sum e_i in double, in
@@ -21,16 +23,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <vector>
 
-#include "model/layers.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "model/cross_entropy.cc"
+#define HWY_TARGET_INCLUDE "kernels/cpu/cross_entropy.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "model/exp_shifted-inl.h"
+#include "kernels/cpu/exp_shifted-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
@@ -77,22 +78,14 @@ namespace fp8moe::internal {
 
 HWY_EXPORT(CrossEntropyRowsT);
 
-Result<double> CrossEntropy(Context& ctx, const float* logits, const int32_t* targets,
-                            int64_t rows, int64_t v, float* dlogits) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (targets[r] < 0 || targets[r] >= v) {
-      return InvalidArgument("target token " + std::to_string(targets[r]) + " at row " +
-                             std::to_string(r) + " is outside the vocabulary [0, " +
-                             std::to_string(v) + ")");
-    }
-  }
+void CpuOps::CrossEntropy(Context& ctx, const CrossEntropyArgs& a) {
   static thread_local std::vector<double> row_loss;
-  if (row_loss.size() < static_cast<size_t>(rows)) row_loss.resize(static_cast<size_t>(rows));
-  HWY_DYNAMIC_DISPATCH(CrossEntropyRowsT)(logits, targets, rows, v, ctx.threads(),
-                                          row_loss.data(), dlogits);
+  if (row_loss.size() < static_cast<size_t>(a.rows)) row_loss.resize(static_cast<size_t>(a.rows));
+  HWY_DYNAMIC_DISPATCH(CrossEntropyRowsT)(a.logits, a.targets, a.rows, a.v, ctx.threads(),
+                                          row_loss.data(), a.dlogits);
   double total = 0;
-  for (int64_t r = 0; r < rows; ++r) total += row_loss[static_cast<size_t>(r)];
-  return total * (rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0);
+  for (int64_t r = 0; r < a.rows; ++r) total += row_loss[static_cast<size_t>(r)];
+  *a.loss = total * (a.rows > 0 ? 1.0 / static_cast<double>(a.rows) : 0.0);
 }
 
 }  // namespace fp8moe::internal

@@ -1,5 +1,5 @@
 // exp(x - m) over a span of f32, per Highway target, for the softmaxes of
-// attention (model/attention.cc) and the loss (model/cross_entropy.cc).
+// attention (kernels/cpu/attention.cc) and the loss (kernels/cpu/cross_entropy.cc).
 //
 // With m the span's max the arguments are <= 0, where Highway's Exp is valid
 // (it is not above +104). Exp returns 0 for NaN (its lower-bound test fails),
@@ -7,11 +7,11 @@
 // std::exp did. The tail goes through a padded vector: the same lane
 // function, so the same bits as a whole vector.
 
-#if defined(FP8MOE_MODEL_EXP_SHIFTED_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef FP8MOE_MODEL_EXP_SHIFTED_INL_H_
-#undef FP8MOE_MODEL_EXP_SHIFTED_INL_H_
+#if defined(FP8MOE_KERNELS_CPU_EXP_SHIFTED_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FP8MOE_KERNELS_CPU_EXP_SHIFTED_INL_H_
+#undef FP8MOE_KERNELS_CPU_EXP_SHIFTED_INL_H_
 #else
-#define FP8MOE_MODEL_EXP_SHIFTED_INL_H_
+#define FP8MOE_KERNELS_CPU_EXP_SHIFTED_INL_H_
 #endif
 
 #include <algorithm>

@@ -1,7 +1,9 @@
-// Causal softmax attention (layers.h: AttentionForward, AttentionBackward),
-// vectorized per Highway target. The float64 twin is reference::Attention
-// (model/reference/layers_reference.h); layers_test compares the two on every
-// SIMD target and checks the backward by finite differences.
+// Causal softmax attention, the cpu backend's (kernels/ops.h:
+// AttentionForward, AttentionBackward), vectorized per Highway target. The
+// reference backend's (ReferenceOps) is the same formula in double;
+// kernels/backend_ops_test.cc compares the two. model/layers_test.cc holds
+// this to the model's float64 twin (model/reference/layers_reference.h) on
+// every SIMD target and checks the backward by finite differences.
 //
 // qkv [B*S, 3*H*hd]: row s of batch b holds q | k | v; head h's columns start
 // at h*hd in each third. One (batch, head) runs on one thread, so the bits do
@@ -32,13 +34,13 @@
 #include <cstdint>
 #include <vector>
 
-#include "model/layers.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "model/attention.cc"
+#define HWY_TARGET_INCLUDE "kernels/cpu/attention.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "model/exp_shifted-inl.h"
+#include "kernels/cpu/exp_shifted-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace fp8moe {
@@ -243,15 +245,14 @@ namespace fp8moe::internal {
 HWY_EXPORT(AttentionForwardT);
 HWY_EXPORT(AttentionBackwardT);
 
-void AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq, int64_t heads,
-                      int64_t hd, float* probs, float* out) {
-  HWY_DYNAMIC_DISPATCH(AttentionForwardT)(qkv, batch, seq, heads, hd, ctx.threads(), probs, out);
+void CpuOps::AttentionForward(Context& ctx, const AttentionForwardArgs& a) {
+  HWY_DYNAMIC_DISPATCH(AttentionForwardT)(a.qkv, a.batch, a.seq, a.heads, a.hd, ctx.threads(),
+                                          a.probs, a.out);
 }
 
-void AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
-                       int64_t batch, int64_t seq, int64_t heads, int64_t hd, float* dqkv) {
-  HWY_DYNAMIC_DISPATCH(AttentionBackwardT)(qkv, probs, dout, batch, seq, heads, hd,
-                                           ctx.threads(), dqkv);
+void CpuOps::AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) {
+  HWY_DYNAMIC_DISPATCH(AttentionBackwardT)(a.qkv, a.probs, a.dout, a.batch, a.seq, a.heads, a.hd,
+                                           ctx.threads(), a.dqkv);
 }
 
 }  // namespace fp8moe::internal

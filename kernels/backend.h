@@ -1,0 +1,226 @@
+// The seam between the layers and the implementations of every op a model
+// step runs (docs/design.md 7.2; ggml's backend interface is the model: one
+// registry of ops, each with a reference and a fast implementation). The
+// layers call the checked entry points of kernels/ops.h (the GMMs:
+// fp8moe/gmm.h), which validate the arguments once and hand them to the
+// backend the Context names:
+//   cpu        the fast implementations (kernels/cpu/)
+//   reference  plain loops, one thread (kernels/reference/)
+// A device backend is another implementation of this interface: it answers
+// Supports for each op it runs, and the entry points refuse the others with
+// a FailedPrecondition naming the op; nothing falls back to another backend
+// silently. One virtual call per op call, never per row or element.
+#ifndef FP8MOE_KERNELS_BACKEND_H_
+#define FP8MOE_KERNELS_BACKEND_H_
+
+#include <cstdint>
+#include <string_view>
+
+#include "fp8moe/context.h"
+#include "fp8moe/gmm.h"
+#include "kernels/gmm_problem.h"
+#include "kernels/ops.h"
+
+namespace fp8moe::internal {
+
+// Every op of a training step (forward, backward, optimizer) behind the
+// seam. Shapes are in kernels/ops.h, at each entry point.
+enum class Op : uint8_t {
+  kGmm,                  // grouped matmul (+ SwiGLU epilogue)
+  kGmmDlhs,              // its dLHS (+ dSwiGLU epilogue)
+  kTgmm,                 // its dRHS
+  kEmbeddingGather,      // rows of the embedding table by token
+  kEmbeddingScatterAdd,  // the table's gradient: rows added back by token
+  kAdd,                  // residual: out = a + b
+  kRmsNormForward,
+  kRmsNormBackward,
+  kRope,                 // rotation of q and k (inverse: its backward)
+  kAttentionForward,     // causal softmax attention
+  kAttentionBackward,
+  kCrossEntropy,         // mean loss and its gradient
+  kAdamW,                // the optimizer update
+  kCount
+};
+std::string_view OpName(Op op);
+
+// What every op's arguments start with: the op, so that Supports can look at
+// an op's own arguments (its struct below) by casting on `op`.
+struct OpArgs {
+  Op op;
+};
+
+// The arguments of each op, checked by its entry point (kernels/ops.cc):
+// sizes non-negative, pointers non-null where there is something to read or
+// write. All data is f32 unless said otherwise.
+struct GmmArgs : OpArgs {  // kGmm, kGmmDlhs, kTgmm (the GMM entry points' own checks)
+  GmmMode mode;
+};
+struct EmbeddingGatherArgs : OpArgs {
+  const float* table;      // [vocab, d]
+  const int32_t* tokens;   // [n], each in [0, vocab)
+  int64_t n, vocab, d;
+  float* out;              // [n, d]
+};
+struct EmbeddingScatterAddArgs : OpArgs {
+  const float* dout;       // [n, d]
+  const int32_t* tokens;   // [n], each in [0, vocab)
+  int64_t n, vocab, d;
+  float* dtable;           // [vocab, d] (overwritten: zero, then rows added in token order)
+};
+struct AddArgs : OpArgs {
+  const float* a;          // [n]
+  const float* b;          // [n]
+  int64_t n;
+  float* out;              // [n]; may be a or b
+};
+struct RmsNormForwardArgs : OpArgs {
+  const float* x;          // [rows, d]
+  const float* g;          // [d]
+  int64_t rows, d;
+  float eps;
+  float* y;                // [rows, d]
+  float* inv_rms;          // [rows]
+};
+struct RmsNormBackwardArgs : OpArgs {
+  const float* x;          // [rows, d]
+  const float* g;          // [d]
+  const float* inv_rms;    // [rows]
+  const float* dy;         // [rows, d]
+  int64_t rows, d;
+  float* dx;               // [rows, d] (added to)
+  float* dg;               // [d] (overwritten)
+};
+struct RopeArgs : OpArgs {
+  float* qkv;              // [batch*seq, 3*heads*hd], rotated in place
+  int64_t batch, seq, heads, hd;
+  const float* cos;        // [seq, hd/2]
+  const float* sin;        // [seq, hd/2]
+  bool inverse;
+};
+struct AttentionForwardArgs : OpArgs {
+  const float* qkv;        // [batch*seq, 3*heads*hd]
+  int64_t batch, seq, heads, hd;
+  float* probs;            // [batch, heads, seq, seq]
+  float* out;              // [batch*seq, heads*hd]
+};
+struct AttentionBackwardArgs : OpArgs {
+  const float* qkv;        // [batch*seq, 3*heads*hd]
+  const float* probs;      // [batch, heads, seq, seq]
+  const float* dout;       // [batch*seq, heads*hd]
+  int64_t batch, seq, heads, hd;
+  float* dqkv;             // [batch*seq, 3*heads*hd] (overwritten)
+};
+struct CrossEntropyArgs : OpArgs {
+  const float* logits;     // [rows, v]
+  const int32_t* targets;  // [rows], each in [0, v)
+  int64_t rows, v;
+  float* dlogits;          // [rows, v] or null: no gradient
+  double* loss;            // the mean over rows
+};
+struct AdamWArgs : OpArgs {
+  const float* g;          // [n] gradient
+  float* p;                // [n] parameters, updated in place
+  float* m;                // [n] first moment
+  float* v;                // [n] second moment
+  int64_t n;
+  AdamWConstants k;        // kernels/ops.h
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual BackendKind kind() const = 0;
+  // Whether this backend runs the op with these arguments (a device backend
+  // may run an op for some dtypes or sizes only).
+  virtual bool Supports(const OpArgs& args) const = 0;
+
+  // The arguments of Gmm / GmmDlhs / Tgmm (gmm.h), already checked: p is
+  // their problem. Outputs are written in full (tail rows as zero).
+  virtual Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& options,
+                     const TensorView& lhs, const TensorView& rhs, const TensorView* rhs_scale,
+                     const TensorView& group_sizes, const TensorView& out,
+                     const TensorView* h_out) = 0;
+  virtual Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& options,
+                      const TensorView& dout, const TensorView& rhs, const TensorView* rhs_scale,
+                      const TensorView& group_sizes, const TensorView& out,
+                      const TensorView* h) = 0;
+  virtual Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& options,
+                      const TgmmQuant& quant, const TensorView& lhs, const TensorView& dout,
+                      const TensorView& group_sizes, const TensorView& drhs) = 0;
+
+  // The ops of kernels/ops.h, their arguments checked.
+  virtual Status EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) = 0;
+  virtual Status EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) = 0;
+  virtual Status Add(Context& ctx, const AddArgs& a) = 0;
+  virtual Status RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) = 0;
+  virtual Status RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) = 0;
+  virtual Status Rope(Context& ctx, const RopeArgs& a) = 0;
+  virtual Status AttentionForward(Context& ctx, const AttentionForwardArgs& a) = 0;
+  virtual Status AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) = 0;
+  virtual Status CrossEntropy(Context& ctx, const CrossEntropyArgs& a) = 0;
+  virtual Status AdamW(Context& ctx, const AdamWArgs& a) = 0;
+};
+
+// A backend whose ops besides the GMMs are the static functions of `Ops`,
+// each `void Name(Context&, const NameArgs&)` on checked arguments: the cpu
+// backend (CpuOps, kernels/cpu/cpu_ops.h) and the reference backend
+// (ReferenceOps, kernels/reference/ops_reference.h) are this over their code.
+template <class Ops>
+class OpsBackend : public Backend {
+ public:
+  Status EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) final {
+    Ops::EmbeddingGather(ctx, a);
+    return OkStatus();
+  }
+  Status EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) final {
+    Ops::EmbeddingScatterAdd(ctx, a);
+    return OkStatus();
+  }
+  Status Add(Context& ctx, const AddArgs& a) final {
+    Ops::Add(ctx, a);
+    return OkStatus();
+  }
+  Status RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) final {
+    Ops::RmsNormForward(ctx, a);
+    return OkStatus();
+  }
+  Status RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) final {
+    Ops::RmsNormBackward(ctx, a);
+    return OkStatus();
+  }
+  Status Rope(Context& ctx, const RopeArgs& a) final {
+    Ops::Rope(ctx, a);
+    return OkStatus();
+  }
+  Status AttentionForward(Context& ctx, const AttentionForwardArgs& a) final {
+    Ops::AttentionForward(ctx, a);
+    return OkStatus();
+  }
+  Status AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) final {
+    Ops::AttentionBackward(ctx, a);
+    return OkStatus();
+  }
+  Status CrossEntropy(Context& ctx, const CrossEntropyArgs& a) final {
+    Ops::CrossEntropy(ctx, a);
+    return OkStatus();
+  }
+  Status AdamW(Context& ctx, const AdamWArgs& a) final {
+    Ops::AdamW(ctx, a);
+    return OkStatus();
+  }
+};
+
+Backend& CpuBackend();
+Backend& ReferenceBackend();
+// The backend a Context names.
+Backend& BackendOf(const Context& ctx);
+
+// Tests only: makes every Context of `kind` run on `backend` (null: the
+// kind's own again) and returns the one it replaces, so that a test can stand
+// in a backend that supports some ops only, as a device backend would. Not
+// for concurrent use with calls on contexts of that kind.
+Backend* SetBackendForTesting(BackendKind kind, Backend* backend);
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_KERNELS_BACKEND_H_

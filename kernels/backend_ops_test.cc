@@ -1,0 +1,551 @@
+// Every op of the backend registry (kernels/backend.h) on every backend, the
+// test-backend-ops idea: the same fresh random inputs through the cpu
+// backend (on every SIMD target where the op is vectorized) and through the
+// reference backend, the cpu results held to the reference's within a
+// bound argued at each op. Inputs have odd shapes, empty sizes and the edges
+// of the f32 range (+-0, subnormals, +-1e30, +-inf, NaN); outputs start
+// NaN-poisoned, so an element an implementation does not write fails. A
+// NaN matches a NaN; an infinity matches the same infinity.
+//
+// The reference backend's ops are plain loops written from the formulas of
+// kernels/ops.h (kernels/reference/ops_reference.cc): they are the oracle.
+// The GMMs, whose reference is not a plain loop of the formula (it decodes,
+// quantizes, runs the epilogues), are held to a float64 oracle written for
+// the tests in kernels/gmm_test.cc (kGmmTests below names those tests).
+//
+// Also here: a backend that supports some ops only (a device backend in the
+// making) makes the entry points refuse the others by name, and nothing
+// falls back.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "base/test_seed.h"
+#include "base/test_util.h"
+#include "fp8moe/context.h"
+#include "fp8moe/gmm.h"
+#include "kernels/backend.h"
+#include "kernels/ops.h"
+
+namespace fp8moe {
+namespace {
+
+using internal::Op;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// The edges of the f32 range the inputs are salted with.
+const std::vector<float>& Edges() {
+  static const std::vector<float> edges = {0.0f,
+                                           -0.0f,
+                                           std::numeric_limits<float>::denorm_min(),
+                                           -1e-40f /* subnormal */,
+                                           1e30f,
+                                           -1e30f,
+                                           kInf,
+                                           -kInf,
+                                           kNaN};
+  return edges;
+}
+
+// n normal draws (sd `sd`); with `edges`, about one element in eight is
+// replaced by an edge value (each edge at least once where n allows).
+std::vector<float> Values(std::mt19937& rng, int64_t n, bool edges, float sd = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = nd(rng);
+  if (edges && n > 0) {
+    const std::vector<float>& e = Edges();
+    for (size_t i = 0; i < e.size() && i < v.size(); ++i) v[rng() % v.size()] = e[i];
+    for (size_t i = 0; i < v.size() / 8; ++i) v[rng() % v.size()] = e[rng() % e.size()];
+  }
+  return v;
+}
+
+std::vector<int32_t> Tokens(std::mt19937& rng, int64_t n, int64_t vocab) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return t;
+}
+
+std::vector<float> Poisoned(int64_t n) { return std::vector<float>(static_cast<size_t>(n), kNaN); }
+
+// got within abs + rel * |want| of want, elementwise; a NaN matches a NaN
+// and an infinity the same infinity. abs = rel = 0: the same value (and the
+// same sign of zero).
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double abs,
+                 double rel, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    const float g = got[i], w = want[i];
+    bool ok;
+    if (std::isnan(w) || std::isnan(g) || std::isinf(w) || std::isinf(g)) {
+      ok = (std::isnan(w) && std::isnan(g)) || g == w;
+    } else if (abs == 0 && rel == 0) {
+      ok = g == w && std::signbit(g) == std::signbit(w);
+    } else {
+      ok = std::fabs(static_cast<double>(g) - w) <= abs + rel * std::fabs(static_cast<double>(w));
+    }
+    if (!ok) {
+      ++reported;
+      ADD_FAILURE() << what << "[" << i << "]: cpu " << g << ", reference " << w;
+    }
+  }
+}
+
+Context& Ctx(BackendKind kind) {
+  static Context cpu{[] {
+    ContextOptions o;
+    o.backend = BackendKind::kCpu;
+    return o;
+  }()};
+  static Context ref{[] {
+    ContextOptions o;
+    o.backend = BackendKind::kReference;
+    return o;
+  }()};
+  return kind == BackendKind::kCpu ? cpu : ref;
+}
+
+// Runs `run(ctx, outputs)` on the reference backend, then on the cpu backend
+// (on every SIMD target when `per_target`), each on fresh copies of
+// `outputs` (the poisoned or starting values), and compares each output
+// with the bound {abs, rel}.
+using Outputs = std::vector<std::vector<float>>;
+void CompareBackends(const Outputs& start, bool per_target, double abs, double rel,
+                     const std::string& what,
+                     const std::function<Status(Context&, Outputs&)>& run) {
+  Outputs want = start;
+  ASSERT_TRUE(run(Ctx(BackendKind::kReference), want).ok()) << what;
+  auto check = [&] {
+    Outputs got = start;
+    ASSERT_TRUE(run(Ctx(BackendKind::kCpu), got).ok()) << what;
+    for (size_t o = 0; o < got.size(); ++o) {
+      ExpectClose(got[o], want[o], abs, rel, what + " output " + std::to_string(o));
+    }
+  };
+  if (per_target) {
+    test::ForEachTarget(check);
+  } else {
+    check();
+  }
+}
+
+std::string Dims(std::initializer_list<int64_t> dims) {
+  std::string s;
+  for (int64_t d : dims) s += (s.empty() ? "" : "x") + std::to_string(d);
+  return s;
+}
+
+// ---- The ops -----------------------------------------------------------------
+
+// Copies and a scatter-add in token order: the same adds in the same order
+// on both backends, so the same bits.
+void CheckEmbedding(std::mt19937& rng, bool edges) {
+  for (auto [n, vocab, d] : {std::tuple<int64_t, int64_t, int64_t>{13, 11, 17},
+                             {0, 5, 3},
+                             {7, 5, 0},
+                             {1, 1, 1},
+                             {40, 3, 9}}) {
+    const std::string what = "embedding " + Dims({n, vocab, d});
+    const std::vector<float> table = Values(rng, vocab * d, edges);
+    const std::vector<float> dout = Values(rng, n * d, edges);
+    const std::vector<int32_t> tok = Tokens(rng, n, vocab);
+    CompareBackends(
+        {Poisoned(n * d)}, false, 0, 0, what + " gather", [&](Context& ctx, Outputs& o) {
+          return internal::EmbeddingGather(ctx, table.data(), tok.data(), n, vocab, d, o[0].data());
+        });
+    CompareBackends({Poisoned(vocab * d)}, false, 0, 0, what + " scatter_add",
+                    [&](Context& ctx, Outputs& o) {
+                      return internal::EmbeddingScatterAdd(ctx, dout.data(), tok.data(), n, vocab,
+                                                           d, o[0].data());
+                    });
+  }
+}
+
+// Elementwise f32 adds: the same bits; in place as the model calls it.
+void CheckAdd(std::mt19937& rng, bool edges) {
+  for (int64_t n : {0, 1, 37, 1000}) {
+    const std::vector<float> a = Values(rng, n, edges), b = Values(rng, n, edges);
+    CompareBackends({Poisoned(n)}, false, 0, 0, "add " + std::to_string(n),
+                    [&](Context& ctx, Outputs& o) {
+                      return internal::Add(ctx, a.data(), b.data(), n, o[0].data());
+                    });
+    CompareBackends({a}, false, 0, 0, "add in place " + std::to_string(n),
+                    [&](Context& ctx, Outputs& o) {
+                      return internal::Add(ctx, o[0].data(), b.data(), n, o[0].data());
+                    });
+  }
+}
+
+// RMSNorm: both backends sum squares in double in index order and round
+// the same f32 expressions, one row or column per thread on the cpu: the
+// same bits. dx is added to, so it starts from values, not poison.
+void CheckRmsNorm(std::mt19937& rng, bool edges) {
+  for (auto [rows, d] : {std::pair<int64_t, int64_t>{5, 12}, {0, 7}, {3, 1}, {17, 33}, {2, 0}}) {
+    const std::string what = "rms_norm " + Dims({rows, d});
+    const std::vector<float> x = Values(rng, rows * d, edges), g = Values(rng, d, edges),
+                             dy = Values(rng, rows * d, edges), dx0 = Values(rng, rows * d, false);
+    const float eps = 1e-6f;
+    CompareBackends({Poisoned(rows * d), Poisoned(rows)}, false, 0, 0, what + " forward",
+                    [&](Context& ctx, Outputs& o) {
+                      return internal::RmsNormForward(ctx, x.data(), g.data(), rows, d, eps,
+                                                      o[0].data(), o[1].data());
+                    });
+    std::vector<float> y(static_cast<size_t>(rows * d)), inv(static_cast<size_t>(rows));
+    ASSERT_TRUE(internal::RmsNormForward(Ctx(BackendKind::kReference), x.data(), g.data(), rows, d,
+                                         eps, y.data(), inv.data())
+                    .ok());
+    CompareBackends(
+        {dx0, Poisoned(d)}, false, 0, 0, what + " backward", [&](Context& ctx, Outputs& o) {
+          return internal::RmsNormBackward(ctx, x.data(), g.data(), inv.data(), dy.data(), rows, d,
+                                           o[0].data(), o[1].data());
+        });
+  }
+}
+
+// RoPE: per element the same two f32 products and a sum: the same bits,
+// forward and inverse.
+void CheckRope(std::mt19937& rng, bool edges) {
+  for (auto [batch, seq, heads, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 4},
+                                       {1, 19, 2, 10},
+                                       {0, 3, 1, 2},
+                                       {1, 1, 1, 2},
+                                       {2, 3, 1, 0}}) {
+    const std::string what = "rope " + Dims({batch, seq, heads, hd});
+    const std::vector<float> qkv = Values(rng, batch * seq * 3 * heads * hd, edges);
+    const std::vector<float> cos = Values(rng, seq * hd / 2, false),
+                             sin = Values(rng, seq * hd / 2, false);
+    for (bool inverse : {false, true}) {
+      CompareBackends({qkv}, false, 0, 0, what + (inverse ? " inverse" : ""),
+                      [&](Context& ctx, Outputs& o) {
+                        return internal::RopeApply(ctx, o[0].data(), batch, seq, heads, hd,
+                                                   cos.data(), sin.data(), inverse);
+                      });
+    }
+  }
+}
+
+// Attention: the cpu computes in f32 (dot products of hd terms, sums of at
+// most S terms, Highway's exp within 2 ulp), the reference in double,
+// rounded once. With sd-1 inputs and hd, S <= 37 each f32 sum carries at
+// most ~37 u = 2.2e-6 of the magnitude of its terms (u = 2^-24), the
+// softmax turns a score's absolute error into the same relative error of its
+// probability, and the backward chains three such sums: within 2e-5 of the
+// magnitudes (about 1 here; the largest gradient entries reach ~10), so
+// abs 2e-5 and rel 2e-5. Edges go into one operand only (q, k or v): a
+// product of two values beyond 1e19 overflows f32 on the cpu but not the
+// reference's double, where the two backends are not meant to agree. q at
+// 1e30 saturates its softmax: probabilities exactly 0 and 1 on both.
+void CheckAttention(std::mt19937& rng, bool edges) {
+  for (auto [batch, seq, heads, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 4},
+                                       {1, 37, 2, 12},
+                                       {1, 1, 1, 8},
+                                       {0, 5, 2, 4},
+                                       {1, 9, 1, 0}}) {
+    const int64_t rows = batch * seq, width = 3 * heads * hd;
+    for (int part = 0; part < (edges ? 3 : 1); ++part) {
+      const std::string what = "attention " + Dims({batch, seq, heads, hd}) +
+                               (edges ? " edges in " + std::string(1, "qkv"[part]) : "");
+      std::vector<float> qkv = Values(rng, rows * width, false);
+      if (edges) {  // the edges into part `part` of every row
+        const std::vector<float> e = Values(rng, rows * heads * hd, true);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(qkv.data() + r * width + part * heads * hd, e.data() + r * heads * hd,
+                      static_cast<size_t>(heads * hd) * sizeof(float));
+        }
+      }
+      const std::vector<float> dout = Values(rng, rows * heads * hd, false);
+      const int64_t nprobs = batch * heads * seq * seq;
+      CompareBackends({Poisoned(nprobs), Poisoned(rows * heads * hd)}, true, 2e-5, 2e-5,
+                      what + " forward", [&](Context& ctx, Outputs& o) {
+                        return internal::AttentionForward(ctx, qkv.data(), batch, seq, heads, hd,
+                                                          o[0].data(), o[1].data());
+                      });
+      std::vector<float> probs(static_cast<size_t>(nprobs)),
+          out(static_cast<size_t>(rows * heads * hd));
+      ASSERT_TRUE(internal::AttentionForward(Ctx(BackendKind::kReference), qkv.data(), batch, seq,
+                                             heads, hd, probs.data(), out.data())
+                      .ok());
+      CompareBackends({Poisoned(rows * width)}, true, 2e-5, 2e-5, what + " backward",
+                      [&](Context& ctx, Outputs& o) {
+                        return internal::AttentionBackward(ctx, qkv.data(), probs.data(),
+                                                           dout.data(), batch, seq, heads, hd,
+                                                           o[0].data());
+                      });
+    }
+  }
+}
+
+// A softmax that saturates: one key's score 1e3 above the rest gives
+// probability 1 and exactly 0 (exp underflows) on both backends.
+void CheckAttentionSaturates() {
+  const int64_t seq = 4, heads = 1, hd = 2, width = 3 * heads * hd;
+  std::vector<float> qkv(static_cast<size_t>(seq * width), 0.0f);
+  for (int64_t r = 0; r < seq; ++r) qkv[static_cast<size_t>(r * width)] = 1e3f;  // q
+  qkv[static_cast<size_t>(1 * width + heads * hd)] = 5.0f;                       // k of key 1
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    std::vector<float> probs = Poisoned(seq * seq), out = Poisoned(seq * heads * hd);
+    ASSERT_TRUE(internal::AttentionForward(Ctx(kind), qkv.data(), 1, seq, heads, hd, probs.data(),
+                                           out.data())
+                    .ok());
+    for (int64_t i = 1; i < seq; ++i) {
+      for (int64_t j = 0; j < seq; ++j) {
+        EXPECT_EQ(probs[static_cast<size_t>(i * seq + j)], j == 1 ? 1.0f : 0.0f)
+            << BackendName(kind) << " row " << i << " key " << j;
+      }
+    }
+  }
+}
+
+// The loss: the cpu sums exp in f32 per row (Highway's exp, V terms), the
+// reference in double. The loss is a double mean of per-row values whose
+// f32 error is at most ~V u |log-sum-exp| (V <= 300: 2e-5 relative); the
+// bound 1e-5 + 1e-5 |loss| (the float64 twin's tests hold the cpu to 1e-6,
+// model/layers_test.cc). dlogits = (p - onehot) / rows: p's error is the
+// sum's relative error, within 2e-5 / rows of its scale 1 / rows.
+void CheckCrossEntropy(std::mt19937& rng, bool edges) {
+  for (auto [rows, v] : {std::pair<int64_t, int64_t>{9, 37}, {4, 256}, {1, 1}, {0, 5}, {3, 300}}) {
+    const std::string what = "cross_entropy " + Dims({rows, v});
+    const std::vector<float> logits = Values(rng, rows * v, edges, 4.0f);
+    const std::vector<int32_t> tgt = Tokens(rng, rows, v);
+    double want = 0;
+    CompareBackends({Poisoned(rows * v)}, true, 2e-5 / std::max<int64_t>(rows, 1), 0, what,
+                    [&](Context& ctx, Outputs& o) -> Status {
+                      auto loss = internal::CrossEntropy(ctx, logits.data(), tgt.data(), rows, v,
+                                                         o[0].data());
+                      if (!loss.ok()) return loss.status();
+                      if (ctx.backend() == BackendKind::kReference) {
+                        want = *loss;
+                      } else if (std::isfinite(want)) {
+                        EXPECT_NEAR(*loss, want, 1e-5 + 1e-5 * std::fabs(want)) << what;
+                      } else {
+                        EXPECT_TRUE((std::isnan(want) && std::isnan(*loss)) || *loss == want)
+                            << what << ": cpu " << *loss << ", reference " << want;
+                      }
+                      return OkStatus();
+                    });
+  }
+  // Saturated: one logit 1e30 above the rest, as the target (loss 0,
+  // gradient 0) and not (loss ~1e30, gradient -1/rows at the target and
+  // 1/rows at the saturated logit).
+  const std::vector<float> sat = {0.0f, 1e30f, -3.0f, 1e30f, 0.0f, 1.0f};
+  const std::vector<int32_t> tgt = {1, 2};
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    std::vector<float> dl = Poisoned(6);
+    auto loss = internal::CrossEntropy(Ctx(kind), sat.data(), tgt.data(), 2, 3, dl.data());
+    ASSERT_TRUE(loss.ok());
+    EXPECT_NEAR(*loss, 0.5e30, 1e24) << BackendName(kind);
+    const std::vector<float> want = {0.0f, 0.0f, 0.0f, 0.5f, 0.0f, -0.5f};
+    ExpectClose(dl, want, 1e-7, 0,
+                std::string("saturated loss on ") + std::string(BackendName(kind)));
+  }
+}
+
+// AdamW: the same f32 expressions per element on both: the same bits.
+void CheckAdamW(std::mt19937& rng, bool edges) {
+  for (int64_t n : {0, 1, 37, 1000}) {
+    const std::vector<float> g = Values(rng, n, edges), p = Values(rng, n, false),
+                             m = Values(rng, n, false, 0.1f);
+    std::vector<float> v = Values(rng, n, false, 0.1f);
+    for (float& x : v) x = x * x;  // a second moment is not negative
+    internal::AdamWConstants k{0.9f, 0.999f, 1.5f, 1.25f, 1e-8f, 1e-2f, 0.75f, 0.1f};
+    CompareBackends(
+        {p, m, v}, false, 0, 0, "adamw " + std::to_string(n), [&](Context& ctx, Outputs& o) {
+          return internal::AdamW(ctx, k, g.data(), o[0].data(), o[1].data(), o[2].data(), n);
+        });
+  }
+}
+
+// ---- Every op of the registry has its check --------------------------------------
+
+struct OpCheck {
+  Op op;
+  void (*check)(std::mt19937& rng, bool edges);  // null: kGmmTests
+};
+
+// The GMMs' tests against the float64 oracle, every mode on every backend.
+constexpr const char* kGmmTests =
+    "kernels/gmm_test.cc: Gmm.EveryModeMatchesTheOracleOnEveryBackend, "
+    "GmmDlhs.EveryModeMatchesTheOracleOnEveryBackend, "
+    "Tgmm.EveryModeMatchesTheOracleOnEveryBackend";
+
+const std::vector<OpCheck>& Checks() {
+  static const std::vector<OpCheck> checks = {
+      {Op::kGmm, nullptr},
+      {Op::kGmmDlhs, nullptr},
+      {Op::kTgmm, nullptr},
+      {Op::kEmbeddingGather, CheckEmbedding},
+      {Op::kEmbeddingScatterAdd, CheckEmbedding},
+      {Op::kAdd, CheckAdd},
+      {Op::kRmsNormForward, CheckRmsNorm},
+      {Op::kRmsNormBackward, CheckRmsNorm},
+      {Op::kRope, CheckRope},
+      {Op::kAttentionForward, CheckAttention},
+      {Op::kAttentionBackward, CheckAttention},
+      {Op::kCrossEntropy, CheckCrossEntropy},
+      {Op::kAdamW, CheckAdamW},
+  };
+  return checks;
+}
+
+// Every check once (one check covers an op's forward and backward).
+void RunChecks(uint64_t seed, bool edges) {
+  std::set<void (*)(std::mt19937&, bool)> ran;
+  for (const OpCheck& c : Checks()) {
+    if (c.check == nullptr || !ran.insert(c.check).second) continue;
+    SCOPED_TRACE(std::string(internal::OpName(c.op)));
+    std::mt19937 rng(static_cast<unsigned>(seed));
+    c.check(rng, edges);
+  }
+}
+
+TEST(BackendOps, EveryOpOfTheRegistryHasACheck) {
+  std::set<Op> covered;
+  for (const OpCheck& c : Checks()) covered.insert(c.op);
+  for (int i = 0; i < static_cast<int>(Op::kCount); ++i) {
+    EXPECT_EQ(covered.count(static_cast<Op>(i)), 1u)
+        << "op " << internal::OpName(static_cast<Op>(i))
+        << " has no check in backend_ops_test.cc: add one beside the others";
+  }
+  std::printf("GMMs: %s\n", kGmmTests);
+}
+
+TEST(BackendOps, CpuMatchesTheReferenceOnRandomInputs) {
+  FP8MOE_RANDOM_SEED(seed);
+  RunChecks(seed, /*edges=*/false);
+}
+
+TEST(BackendOps, CpuMatchesTheReferenceAtTheEdgesOfTheF32Range) {
+  FP8MOE_RANDOM_SEED(seed);
+  RunChecks(seed, /*edges=*/true);
+}
+
+TEST(BackendOps, SaturatedAttentionSoftmaxGivesZeroAndOne) { CheckAttentionSaturates(); }
+
+// ---- A backend that runs some ops only ------------------------------------------
+
+// Runs add and the forward GMM, on the reference backend's code, and
+// nothing else: what a device backend looks like while its ops are written
+// one by one.
+class PartialBackend final : public internal::Backend {
+ public:
+  BackendKind kind() const override { return BackendKind::kReference; }
+  bool Supports(const internal::OpArgs& args) const override {
+    return args.op == Op::kAdd || args.op == Op::kGmm;
+  }
+  Status Gmm(Context& ctx, const internal::GmmProblem& p, const GmmOptions& o,
+             const TensorView& lhs, const TensorView& rhs, const TensorView* rhs_scale,
+             const TensorView& group_sizes, const TensorView& out,
+             const TensorView* h_out) override {
+    return internal::ReferenceBackend().Gmm(ctx, p, o, lhs, rhs, rhs_scale, group_sizes, out,
+                                            h_out);
+  }
+  Status Dlhs(Context&, const internal::GmmProblem&, const GmmOptions&, const TensorView&,
+              const TensorView&, const TensorView*, const TensorView&, const TensorView&,
+              const TensorView*) override {
+    return Called("gmm_dlhs");
+  }
+  Status Tgmm(Context&, const internal::GmmProblem&, const GmmOptions&, const TgmmQuant&,
+              const TensorView&, const TensorView&, const TensorView&, const TensorView&) override {
+    return Called("tgmm");
+  }
+  Status Add(Context& ctx, const internal::AddArgs& a) override {
+    return internal::ReferenceBackend().Add(ctx, a);
+  }
+  Status EmbeddingGather(Context&, const internal::EmbeddingGatherArgs&) override {
+    return Called("embedding_gather");
+  }
+  Status EmbeddingScatterAdd(Context&, const internal::EmbeddingScatterAddArgs&) override {
+    return Called("embedding_scatter_add");
+  }
+  Status RmsNormForward(Context&, const internal::RmsNormForwardArgs&) override {
+    return Called("rms_norm_forward");
+  }
+  Status RmsNormBackward(Context&, const internal::RmsNormBackwardArgs&) override {
+    return Called("rms_norm_backward");
+  }
+  Status Rope(Context&, const internal::RopeArgs&) override { return Called("rope"); }
+  Status AttentionForward(Context&, const internal::AttentionForwardArgs&) override {
+    return Called("attention_forward");
+  }
+  Status AttentionBackward(Context&, const internal::AttentionBackwardArgs&) override {
+    return Called("attention_backward");
+  }
+  Status CrossEntropy(Context&, const internal::CrossEntropyArgs&) override {
+    return Called("cross_entropy");
+  }
+  Status AdamW(Context&, const internal::AdamWArgs&) override { return Called("adamw"); }
+
+ private:
+  // The entry points ask Supports first: reaching here is the seam's bug.
+  static Status Called(const char* op) {
+    ADD_FAILURE() << "the entry point called the unsupported op " << op;
+    return Internal(std::string("unsupported op ") + op + " called");
+  }
+};
+
+// Stands the partial backend in for the reference kind while in scope.
+class StandIn {
+ public:
+  explicit StandIn(internal::Backend* b)
+      : old_(internal::SetBackendForTesting(BackendKind::kReference, b)) {}
+  ~StandIn() { internal::SetBackendForTesting(BackendKind::kReference, old_); }
+  StandIn(const StandIn&) = delete;
+  StandIn& operator=(const StandIn&) = delete;
+
+ private:
+  internal::Backend* old_;
+};
+
+TEST(BackendOps, AnOpTheBackendDoesNotRunIsRefusedByNameAndNothingIsWritten) {
+  PartialBackend partial;
+  StandIn stand_in(&partial);
+  Context& ctx = Ctx(BackendKind::kReference);
+  const int64_t rows = 3, d = 4;
+  std::vector<float> x(rows * d, 1.0f), g(d, 1.0f), y = Poisoned(rows * d), inv = Poisoned(rows);
+  // Supported: runs.
+  ASSERT_TRUE(internal::Add(ctx, x.data(), x.data(), rows * d, y.data()).ok());
+  EXPECT_EQ(y[0], 2.0f);
+  // Not supported: refused by name, the outputs untouched.
+  y = Poisoned(rows * d);
+  const Status s =
+      internal::RmsNormForward(ctx, x.data(), g.data(), rows, d, 1e-6f, y.data(), inv.data());
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.message();
+  EXPECT_NE(s.message().find("rms_norm_forward"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("reference backend"), std::string::npos) << s.message();
+  for (float v : y) EXPECT_TRUE(std::isnan(v));
+  for (float v : inv) EXPECT_TRUE(std::isnan(v));
+  auto loss = internal::CrossEntropy(ctx, x.data(), std::vector<int32_t>(rows, 0).data(), rows, d,
+                                     y.data());
+  ASSERT_FALSE(loss.ok());
+  EXPECT_NE(loss.status().message().find("cross_entropy"), std::string::npos);
+
+  // The GMM entry points too: the forward runs, its dLHS is refused by name.
+  Tensor lhs = *Tensor::Zeros(DType::kF32, {2, 3}), rhs = *Tensor::Zeros(DType::kF32, {1, 3, 5}),
+         gs = *Tensor::Zeros(DType::kI32, {1}), out = *Tensor::Zeros(DType::kF32, {2, 5}),
+         da = *Tensor::Zeros(DType::kF32, {2, 3});
+  gs.data_as<int32_t>()[0] = 2;
+  GmmOptions o;
+  o.mode = GmmMode::kF32;
+  EXPECT_TRUE(Gmm(ctx, o, lhs.view(), rhs.view(), nullptr, gs.view(), out.view()).ok());
+  const Status dl = GmmDlhs(ctx, o, out.view(), rhs.view(), nullptr, gs.view(), da.view());
+  ASSERT_FALSE(dl.ok());
+  EXPECT_EQ(dl.code(), StatusCode::kFailedPrecondition) << dl.message();
+  EXPECT_NE(dl.message().find("gmm_dlhs"), std::string::npos) << dl.message();
+}
+
+}  // namespace
+}  // namespace fp8moe

@@ -1,0 +1,29 @@
+// The cpu backend's implementations of the ops of kernels/ops.h besides the
+// GMMs, arguments already checked (kernels/backend.h). The code the layers
+// ran before the seam, moved: OpenMP over rows or (batch, head) with a fixed
+// summation order per output, so the bits do not depend on the thread
+// count; attention and the loss vectorized per Highway target.
+#ifndef FP8MOE_KERNELS_CPU_CPU_OPS_H_
+#define FP8MOE_KERNELS_CPU_CPU_OPS_H_
+
+#include "kernels/backend.h"
+
+namespace fp8moe::internal {
+
+// Shapes: kernels/ops.h, at each entry point.
+struct CpuOps {
+  static void EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a);  // cpu/model_ops.cc
+  static void EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a);
+  static void Add(Context& ctx, const AddArgs& a);
+  static void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a);
+  static void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
+  static void Rope(Context& ctx, const RopeArgs& a);
+  static void AdamW(Context& ctx, const AdamWArgs& a);
+  static void AttentionForward(Context& ctx, const AttentionForwardArgs& a);  // cpu/attention.cc
+  static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
+  static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);  // cpu/cross_entropy.cc
+};
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_KERNELS_CPU_CPU_OPS_H_

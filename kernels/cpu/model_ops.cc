@@ -1,0 +1,124 @@
+// The cpu backend's row-wise ops (kernels/cpu/cpu_ops.h): the loops the
+// model (embedding, residual adds, RMSNorm, RoPE) and the optimizer (AdamW)
+// ran before the seam, moved unchanged. Every loop is per row (or per
+// column, or per element) with a fixed summation order, so the bits do not
+// depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/cpu_ops.h"
+
+namespace fp8moe::internal {
+
+void CpuOps::EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) {
+  (void)ctx;
+  for (int64_t i = 0; i < a.n; ++i) {
+    std::memcpy(a.out + i * a.d, a.table + a.tokens[i] * a.d,
+                static_cast<size_t>(a.d) * sizeof(float));
+  }
+}
+
+void CpuOps::EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a) {
+  (void)ctx;
+  std::fill(a.dtable, a.dtable + a.vocab * a.d, 0.0f);
+  for (int64_t i = 0; i < a.n; ++i) {  // in token order: deterministic
+    float* row = a.dtable + a.tokens[i] * a.d;
+    const float* g = a.dout + i * a.d;
+    for (int64_t c = 0; c < a.d; ++c) row[c] += g[c];
+  }
+}
+
+void CpuOps::Add(Context& ctx, const AddArgs& a) {
+  (void)ctx;
+  for (int64_t i = 0; i < a.n; ++i) a.out[i] = a.a[i] + a.b[i];
+}
+
+void CpuOps::RmsNormForward(Context& ctx, const RmsNormForwardArgs& a) {
+  const float* x = a.x;
+  const float* g = a.g;
+  const int64_t rows = a.rows, d = a.d;
+#pragma omp parallel for schedule(static) num_threads(ctx.threads())
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    double ss = 0;
+    for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + a.eps));
+    a.inv_rms[r] = inv;
+    float* yr = a.y + r * d;
+    for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * inv * g[i];
+  }
+}
+
+void CpuOps::RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) {
+  const float* x = a.x;
+  const float* g = a.g;
+  const float* dy = a.dy;
+  const float* inv_rms = a.inv_rms;
+  const int64_t rows = a.rows, d = a.d;
+  // dx = inv * (g*dy - xhat * mean(g*dy*xhat)), xhat = x * inv.
+#pragma omp parallel for schedule(static) num_threads(ctx.threads())
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    const float* dyr = dy + r * d;
+    const double inv = inv_rms[r];
+    double dot = 0;
+    for (int64_t i = 0; i < d; ++i) dot += static_cast<double>(g[i]) * dyr[i] * xr[i] * inv;
+    const double mean = dot / static_cast<double>(d);
+    float* dxr = a.dx + r * d;
+    for (int64_t i = 0; i < d; ++i) {
+      dxr[i] += static_cast<float>(inv * (static_cast<double>(g[i]) * dyr[i] - xr[i] * inv * mean));
+    }
+  }
+  // dg: per column over rows in row order (parallel over columns).
+#pragma omp parallel for schedule(static) num_threads(ctx.threads())
+  for (int64_t i = 0; i < d; ++i) {
+    double s = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      s += static_cast<double>(dy[r * d + i]) * x[r * d + i] * inv_rms[r];
+    }
+    a.dg[i] = static_cast<float>(s);
+  }
+}
+
+void CpuOps::Rope(Context& ctx, const RopeArgs& a) {
+  const int64_t heads = a.heads, hd = a.hd, seq = a.seq;
+  const int64_t half = hd / 2, width = 3 * heads * hd;
+  const float sign = a.inverse ? -1.0f : 1.0f;
+#pragma omp parallel for schedule(static) num_threads(ctx.threads())
+  for (int64_t r = 0; r < a.batch * seq; ++r) {
+    const int64_t p = r % seq;
+    const float* c = a.cos + p * half;
+    const float* s = a.sin + p * half;
+    for (int64_t part = 0; part < 2; ++part) {  // q, then k
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = a.qkv + r * width + part * heads * hd + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x0 = v[i], x1 = v[i + half], si = sign * s[i];
+          v[i] = x0 * c[i] - x1 * si;
+          v[i + half] = x1 * c[i] + x0 * si;
+        }
+      }
+    }
+  }
+}
+
+void CpuOps::AdamW(Context& ctx, const AdamWArgs& a) {
+  const AdamWConstants& k = a.k;
+  const float b1 = k.b1, b2 = k.b2, c1 = k.c1, c2 = k.c2, eps = k.eps, lrf = k.lr;
+  const float scale = k.grad_scale, wd = k.weight_decay;
+  const float* gk = a.g;
+  float* pk = a.p;
+  float* mk = a.m;
+  float* vk = a.v;
+#pragma omp parallel for schedule(static) num_threads(ctx.threads())
+  for (int64_t i = 0; i < a.n; ++i) {
+    const float gi = gk[i] * scale;
+    mk[i] = b1 * mk[i] + (1.0f - b1) * gi;
+    vk[i] = b2 * vk[i] + (1.0f - b2) * gi * gi;
+    const float update = (mk[i] * c1) / (std::sqrt(vk[i] * c2) + eps);
+    pk[i] -= lrf * (update + wd * pk[i]);
+  }
+}
+
+}  // namespace fp8moe::internal

@@ -1,0 +1,200 @@
+// The checked entry points of kernels/ops.h: validate once, ask the
+// Context's backend, hand over (kernels/backend.h).
+#include "kernels/ops.h"
+
+#include <atomic>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "fp8moe/tensor.h"
+#include "kernels/backend.h"
+
+namespace fp8moe::internal {
+
+std::string_view OpName(Op op) {
+  static constexpr std::string_view kNames[] = {
+      "gmm",          "gmm_dlhs",          "tgmm",       "embedding_gather",
+      "embedding_scatter_add", "add",      "rms_norm_forward", "rms_norm_backward",
+      "rope",         "attention_forward", "attention_backward", "cross_entropy",
+      "adamw"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(Op::kCount));
+  return kNames[static_cast<size_t>(op)];
+}
+
+namespace {
+// SetBackendForTesting's stand-ins, by BackendKind; null in a program that
+// is not a test.
+constexpr size_t kKinds = static_cast<size_t>(BackendKind::kReference) + 1;  // the last kind
+std::atomic<Backend*> stand_in[kKinds] = {};
+}  // namespace
+
+Backend& BackendOf(const Context& ctx) {
+  const auto kind = static_cast<size_t>(ctx.backend());
+  if (Backend* b = stand_in[kind].load(std::memory_order_relaxed)) return *b;
+  return ctx.backend() == BackendKind::kReference ? ReferenceBackend() : CpuBackend();
+}
+
+Backend* SetBackendForTesting(BackendKind kind, Backend* backend) {
+  return stand_in[static_cast<size_t>(kind)].exchange(backend);
+}
+
+namespace {
+
+// An operand of `dims` f32 (or int32) elements: no negative dimension, no
+// product that overflows (CheckedNumElements), and data unless it is empty.
+Status Operand(Op op, const char* what, const void* data, Shape dims, size_t elem = 4) {
+  const auto n = CheckedNumElements(dims, elem);
+  if (!n.ok()) {
+    return InvalidArgument(std::string(OpName(op)) + ": " + what + " " + n.status().message());
+  }
+  if (data == nullptr && *n > 0) {
+    return InvalidArgument(std::string(OpName(op)) + ": " + what + " " + ShapeToString(dims) +
+                           " has no data");
+  }
+  return OkStatus();
+}
+
+Status Tokens(Op op, const int32_t* tokens, int64_t n, int64_t vocab) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      return InvalidArgument(std::string(OpName(op)) + ": token " + std::to_string(tokens[i]) +
+                             " at row " + std::to_string(i) + " is outside the table [0, " +
+                             std::to_string(vocab) + ")");
+    }
+  }
+  return OkStatus();
+}
+
+// Hands checked arguments to the context's backend, if it runs the op.
+template <class Args>
+Status Run(Context& ctx, const Args& a, Status (Backend::*fn)(Context&, const Args&)) {
+  Backend& b = BackendOf(ctx);
+  if (!b.Supports(a)) {
+    return FailedPrecondition("the " + std::string(BackendName(b.kind())) +
+                              " backend does not run op " + std::string(OpName(a.op)) +
+                              " with these arguments");
+  }
+  return (b.*fn)(ctx, a);
+}
+
+}  // namespace
+
+Status EmbeddingGather(Context& ctx, const float* table, const int32_t* tokens, int64_t n,
+                       int64_t vocab, int64_t d, float* out) {
+  const Op op = Op::kEmbeddingGather;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "table", table, {vocab, d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "tokens", tokens, {n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {n, d}));
+  FP8MOE_RETURN_IF_ERROR(Tokens(op, tokens, n, vocab));
+  return Run(ctx, EmbeddingGatherArgs{{op}, table, tokens, n, vocab, d, out},
+             &Backend::EmbeddingGather);
+}
+
+Status EmbeddingScatterAdd(Context& ctx, const float* dout, const int32_t* tokens, int64_t n,
+                           int64_t vocab, int64_t d, float* dtable) {
+  const Op op = Op::kEmbeddingScatterAdd;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dout", dout, {n, d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "tokens", tokens, {n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dtable", dtable, {vocab, d}));
+  FP8MOE_RETURN_IF_ERROR(Tokens(op, tokens, n, vocab));
+  return Run(ctx, EmbeddingScatterAddArgs{{op}, dout, tokens, n, vocab, d, dtable},
+             &Backend::EmbeddingScatterAdd);
+}
+
+Status Add(Context& ctx, const float* a, const float* b, int64_t n, float* out) {
+  const Op op = Op::kAdd;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "a", a, {n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "b", b, {n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {n}));
+  return Run(ctx, AddArgs{{op}, a, b, n, out}, &Backend::Add);
+}
+
+Status RmsNormForward(Context& ctx, const float* x, const float* g, int64_t rows, int64_t d,
+                      float eps, float* y, float* inv_rms) {
+  const Op op = Op::kRmsNormForward;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "x", x, {rows, d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "g", g, {d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "y", y, {rows, d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "inv_rms", inv_rms, {rows}));
+  return Run(ctx, RmsNormForwardArgs{{op}, x, g, rows, d, eps, y, inv_rms},
+             &Backend::RmsNormForward);
+}
+
+Status RmsNormBackward(Context& ctx, const float* x, const float* g, const float* inv_rms,
+                       const float* dy, int64_t rows, int64_t d, float* dx, float* dg) {
+  const Op op = Op::kRmsNormBackward;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "x", x, {rows, d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "g", g, {d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "inv_rms", inv_rms, {rows}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dy", dy, {rows, d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dx", dx, {rows, d}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dg", dg, {d}));
+  return Run(ctx, RmsNormBackwardArgs{{op}, x, g, inv_rms, dy, rows, d, dx, dg},
+             &Backend::RmsNormBackward);
+}
+
+Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
+                 int64_t hd, const float* cos, const float* sin, bool inverse) {
+  const Op op = Op::kRope;
+  if (hd % 2 != 0) {
+    return InvalidArgument("rope: head dimension " + std::to_string(hd) +
+                           " is odd; RoPE rotates pairs of dimensions");
+  }
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, 3, heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "cos", cos, {seq, hd / 2}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "sin", sin, {seq, hd / 2}));
+  return Run(ctx, RopeArgs{{op}, qkv, batch, seq, heads, hd, cos, sin, inverse}, &Backend::Rope);
+}
+
+Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq,
+                        int64_t heads, int64_t hd, float* probs, float* out) {
+  const Op op = Op::kAttentionForward;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, 3, heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {batch, seq, heads, hd}));
+  return Run(ctx, AttentionForwardArgs{{op}, qkv, batch, seq, heads, hd, probs, out},
+             &Backend::AttentionForward);
+}
+
+Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
+                         int64_t batch, int64_t seq, int64_t heads, int64_t hd, float* dqkv) {
+  const Op op = Op::kAttentionBackward;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, 3, heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dout", dout, {batch, seq, heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dqkv", dqkv, {batch, seq, 3, heads, hd}));
+  return Run(ctx, AttentionBackwardArgs{{op}, qkv, probs, dout, batch, seq, heads, hd, dqkv},
+             &Backend::AttentionBackward);
+}
+
+Result<double> CrossEntropy(Context& ctx, const float* logits, const int32_t* targets,
+                            int64_t rows, int64_t v, float* dlogits) {
+  const Op op = Op::kCrossEntropy;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "logits", logits, {rows, v}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "targets", targets, {rows}));
+  for (int64_t r = 0; r < rows; ++r) {
+    if (targets[r] < 0 || targets[r] >= v) {
+      return InvalidArgument("target token " + std::to_string(targets[r]) + " at row " +
+                             std::to_string(r) + " is outside the vocabulary [0, " +
+                             std::to_string(v) + ")");
+    }
+  }
+  double loss = 0;
+  FP8MOE_RETURN_IF_ERROR(
+      Run(ctx, CrossEntropyArgs{{op}, logits, targets, rows, v, dlogits, &loss},
+          &Backend::CrossEntropy));
+  return loss;
+}
+
+Status AdamW(Context& ctx, const AdamWConstants& k, const float* g, float* p, float* m,
+             float* v, int64_t n) {
+  const Op op = Op::kAdamW;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "g", g, {n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "p", p, {n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "m", m, {n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "v", v, {n}));
+  return Run(ctx, AdamWArgs{{op}, g, p, m, v, n, k}, &Backend::AdamW);
+}
+
+}  // namespace fp8moe::internal

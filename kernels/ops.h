@@ -1,0 +1,69 @@
+// The checked entry points of the ops a model step runs besides the GMMs
+// (kernels/backend.h has the registry; fp8moe/gmm.h the GMMs). Each
+// validates its arguments once, asks the Context's backend whether it runs
+// the op (else FailedPrecondition naming the op and the backend) and hands
+// it over: one virtual call per op call. Data is f32, row-major.
+#ifndef FP8MOE_KERNELS_OPS_H_
+#define FP8MOE_KERNELS_OPS_H_
+
+#include <cstdint>
+
+#include "fp8moe/context.h"
+#include "fp8moe/status.h"
+
+namespace fp8moe::internal {
+
+// out [n, d] = table [vocab, d] row tokens[i]; tokens [n] in [0, vocab).
+Status EmbeddingGather(Context& ctx, const float* table, const int32_t* tokens, int64_t n,
+                       int64_t vocab, int64_t d, float* out);
+// dtable [vocab, d] = sum over i with tokens[i] = row of dout [n, d] row i,
+// added in token order (overwritten: rows no token names are zero).
+Status EmbeddingScatterAdd(Context& ctx, const float* dout, const int32_t* tokens, int64_t n,
+                           int64_t vocab, int64_t d, float* dtable);
+// out [n] = a [n] + b [n]; out may be a or b.
+Status Add(Context& ctx, const float* a, const float* b, int64_t n, float* out);
+
+// y [rows, d] = x * inv_rms * g, inv_rms[r] = 1 / sqrt(mean(x[r]^2) + eps)
+// (sums in double, in order).
+Status RmsNormForward(Context& ctx, const float* x, const float* g, int64_t rows, int64_t d,
+                      float eps, float* y, float* inv_rms);
+// dx [rows, d] += d/dx of sum(y * dy); dg [d] = sum over rows of dy * x * inv_rms
+// (overwritten).
+Status RmsNormBackward(Context& ctx, const float* x, const float* g, const float* inv_rms,
+                       const float* dy, int64_t rows, int64_t d, float* dx, float* dg);
+
+// Rotates the q and k columns of qkv [B*S, 3*H*hd] in place: pairs
+// (i, i + hd/2) of each head at position s by angle(s, i) of the tables
+// cos, sin [S, hd/2]; inverse rotates back (the backward of the rotation).
+// hd even.
+Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
+                 int64_t hd, const float* cos, const float* sin, bool inverse);
+
+// Causal softmax attention per (batch, head) on qkv [B*S, 3*H*hd] (q | k | v,
+// q and k already rotated): probs [B, H, S, S] (zero above the diagonal),
+// out [B*S, H*hd].
+Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq,
+                        int64_t heads, int64_t hd, float* probs, float* out);
+// dqkv [B*S, 3*H*hd] (overwritten) from dout [B*S, H*hd].
+Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
+                         int64_t batch, int64_t seq, int64_t heads, int64_t hd, float* dqkv);
+
+// Mean over rows of -log softmax(logits[r])[target[r]]; logits [rows, v].
+// With dlogits non-null: its gradient (softmax - onehot) / rows. A target
+// outside [0, v) is an error.
+Result<double> CrossEntropy(Context& ctx, const float* logits, const int32_t* targets,
+                            int64_t rows, int64_t v, float* dlogits);
+
+// One AdamW update of n elements in f32 (the constants as the optimizer
+// rounds them, train/optimizer.cc): gi = g * grad_scale;
+//   m = b1 m + (1 - b1) gi;  v = b2 v + (1 - b2) gi^2
+//   p -= lr ((m c1) / (sqrt(v c2) + eps) + weight_decay p)
+struct AdamWConstants {
+  float b1, b2, c1, c2, eps, lr, grad_scale, weight_decay;
+};
+Status AdamW(Context& ctx, const AdamWConstants& k, const float* g, float* p, float* m,
+             float* v, int64_t n);
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_KERNELS_OPS_H_

@@ -1,0 +1,218 @@
+#include "kernels/reference/ops_reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace fp8moe::internal {
+
+void ReferenceOps::EmbeddingGather(Context&, const EmbeddingGatherArgs& a) {
+  for (int64_t i = 0; i < a.n; ++i) {
+    for (int64_t c = 0; c < a.d; ++c) a.out[i * a.d + c] = a.table[a.tokens[i] * a.d + c];
+  }
+}
+
+void ReferenceOps::EmbeddingScatterAdd(Context&, const EmbeddingScatterAddArgs& a) {
+  for (int64_t j = 0; j < a.vocab * a.d; ++j) a.dtable[j] = 0.0f;
+  for (int64_t i = 0; i < a.n; ++i) {
+    for (int64_t c = 0; c < a.d; ++c) a.dtable[a.tokens[i] * a.d + c] += a.dout[i * a.d + c];
+  }
+}
+
+void ReferenceOps::Add(Context&, const AddArgs& a) {
+  for (int64_t i = 0; i < a.n; ++i) a.out[i] = a.a[i] + a.b[i];
+}
+
+void ReferenceOps::RmsNormForward(Context&, const RmsNormForwardArgs& a) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < a.d; ++i) {
+      const double x = a.x[r * a.d + i];
+      ss += x * x;
+    }
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(a.d) +
+                                                         static_cast<double>(a.eps)));
+    a.inv_rms[r] = inv;
+    for (int64_t i = 0; i < a.d; ++i) a.y[r * a.d + i] = a.x[r * a.d + i] * inv * a.g[i];
+  }
+}
+
+void ReferenceOps::RmsNormBackward(Context&, const RmsNormBackwardArgs& a) {
+  // y = g * xhat, xhat = x * inv: dx = inv * (g dy - xhat * mean(g dy xhat)),
+  // dg = sum over rows of dy * xhat.
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const double inv = a.inv_rms[r];
+    double dot = 0;
+    for (int64_t i = 0; i < a.d; ++i) {
+      const int64_t j = r * a.d + i;
+      dot += static_cast<double>(a.g[i]) * a.dy[j] * a.x[j] * inv;
+    }
+    const double mean = dot / static_cast<double>(a.d);
+    for (int64_t i = 0; i < a.d; ++i) {
+      const int64_t j = r * a.d + i;
+      a.dx[j] += static_cast<float>(inv * (static_cast<double>(a.g[i]) * a.dy[j] -
+                                           a.x[j] * inv * mean));
+    }
+  }
+  for (int64_t i = 0; i < a.d; ++i) {
+    double s = 0;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int64_t j = r * a.d + i;
+      s += static_cast<double>(a.dy[j]) * a.x[j] * a.inv_rms[r];
+    }
+    a.dg[i] = static_cast<float>(s);
+  }
+}
+
+void ReferenceOps::Rope(Context&, const RopeArgs& a) {
+  const int64_t half = a.hd / 2, width = 3 * a.heads * a.hd;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t p = 0; p < a.seq; ++p) {
+      for (int64_t part = 0; part < 2; ++part) {  // q and k; v is not rotated
+        for (int64_t h = 0; h < a.heads; ++h) {
+          float* v = a.qkv + (b * a.seq + p) * width + (part * a.heads + h) * a.hd;
+          for (int64_t i = 0; i < half; ++i) {
+            const float c = a.cos[p * half + i];
+            const float s = a.inverse ? -a.sin[p * half + i] : a.sin[p * half + i];
+            const float x0 = v[i], x1 = v[i + half];
+            v[i] = x0 * c - x1 * s;
+            v[i + half] = x1 * c + x0 * s;
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+// Element t of head h's q (part 0), k (1) or v (2) at row `row` of qkv.
+double Qkv(const float* qkv, int64_t heads, int64_t hd, int64_t row, int64_t part, int64_t h,
+           int64_t t) {
+  return qkv[row * 3 * heads * hd + (part * heads + h) * hd + t];
+}
+
+}  // namespace
+
+void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
+  const int64_t S = a.seq, H = a.heads, hd = a.hd;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  std::vector<double> p(static_cast<size_t>(S));
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < S; ++i) {
+        // Softmax over keys j <= i of scale * q_i . k_j, in double.
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= i; ++j) {
+          double s = 0;
+          for (int64_t t = 0; t < hd; ++t) {
+            s += Qkv(a.qkv, H, hd, b * S + i, 0, h, t) * Qkv(a.qkv, H, hd, b * S + j, 1, h, t);
+          }
+          p[static_cast<size_t>(j)] = s * scale;
+          mx = std::max(mx, s * scale);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx);
+          sum += p[static_cast<size_t>(j)];
+        }
+        float* prow = a.probs + ((b * H + h) * S + i) * S;
+        for (int64_t j = 0; j < S; ++j) {
+          prow[j] = j <= i ? static_cast<float>(p[static_cast<size_t>(j)] / sum) : 0.0f;
+        }
+        for (int64_t t = 0; t < hd; ++t) {
+          double o = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            o += p[static_cast<size_t>(j)] / sum * Qkv(a.qkv, H, hd, b * S + j, 2, h, t);
+          }
+          a.out[(b * S + i) * H * hd + h * hd + t] = static_cast<float>(o);
+        }
+      }
+    }
+  }
+}
+
+void ReferenceOps::AttentionBackward(Context&, const AttentionBackwardArgs& a) {
+  // With P the forward's probabilities (an input) and dO the output's
+  // gradient: dV_j = sum_i P_ij dO_i; dP_ij = dO_i . V_j;
+  // dS_ij = P_ij (dP_ij - sum_j' P_ij' dP_ij') * scale; dQ_i = sum_j dS_ij K_j;
+  // dK_j = sum_i dS_ij Q_i. Each in double, rounded once.
+  const int64_t S = a.seq, H = a.heads, hd = a.hd, width = 3 * H * hd;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  std::vector<double> ds(static_cast<size_t>(S * S)), dq(static_cast<size_t>(S * hd)),
+      dk(static_cast<size_t>(S * hd)), dv(static_cast<size_t>(S * hd));
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* P = a.probs + (b * H + h) * S * S;
+      auto dO = [&](int64_t i, int64_t t) {
+        return static_cast<double>(a.dout[(b * S + i) * H * hd + h * hd + t]);
+      };
+      std::fill(ds.begin(), ds.end(), 0.0);
+      for (int64_t i = 0; i < S; ++i) {
+        double pdp = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double dp = 0;
+          for (int64_t t = 0; t < hd; ++t) dp += dO(i, t) * Qkv(a.qkv, H, hd, b * S + j, 2, h, t);
+          ds[static_cast<size_t>(i * S + j)] = dp;
+          pdp += P[i * S + j] * dp;
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          double& d = ds[static_cast<size_t>(i * S + j)];
+          d = P[i * S + j] * (d - pdp) * scale;
+        }
+      }
+      for (int64_t n = 0; n < S; ++n) {
+        for (int64_t t = 0; t < hd; ++t) {
+          double q = 0, k = 0, v = 0;
+          for (int64_t j = 0; j <= n; ++j) {  // row n as a query
+            q += ds[static_cast<size_t>(n * S + j)] * Qkv(a.qkv, H, hd, b * S + j, 1, h, t);
+          }
+          for (int64_t i = n; i < S; ++i) {  // row n as a key and a value
+            k += ds[static_cast<size_t>(i * S + n)] * Qkv(a.qkv, H, hd, b * S + i, 0, h, t);
+            v += P[i * S + n] * dO(i, t);
+          }
+          float* row = a.dqkv + (b * S + n) * width;
+          row[h * hd + t] = static_cast<float>(q);
+          row[(H + h) * hd + t] = static_cast<float>(k);
+          row[(2 * H + h) * hd + t] = static_cast<float>(v);
+        }
+      }
+    }
+  }
+}
+
+void ReferenceOps::CrossEntropy(Context&, const CrossEntropyArgs& a) {
+  // loss_r = log(sum_i exp(l_i - m)) + m - l_target, in double;
+  // dlogits = (softmax - onehot) / rows.
+  double total = 0;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* l = a.logits + r * a.v;
+    double m = l[0];
+    for (int64_t i = 1; i < a.v; ++i) m = std::max(m, static_cast<double>(l[i]));
+    double sum = 0;
+    for (int64_t i = 0; i < a.v; ++i) sum += std::exp(static_cast<double>(l[i]) - m);
+    total += std::log(sum) + m - static_cast<double>(l[a.targets[r]]);
+    if (a.dlogits != nullptr) {
+      for (int64_t i = 0; i < a.v; ++i) {
+        const double p = std::exp(static_cast<double>(l[i]) - m) / sum;
+        a.dlogits[r * a.v + i] =
+            static_cast<float>((p - (i == a.targets[r] ? 1.0 : 0.0)) / static_cast<double>(a.rows));
+      }
+    }
+  }
+  *a.loss = a.rows > 0 ? total / static_cast<double>(a.rows) : 0.0;
+}
+
+void ReferenceOps::AdamW(Context&, const AdamWArgs& a) {
+  const AdamWConstants& k = a.k;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const float g = a.g[i] * k.grad_scale;
+    a.m[i] = k.b1 * a.m[i] + (1.0f - k.b1) * g;
+    a.v[i] = k.b2 * a.v[i] + (1.0f - k.b2) * g * g;
+    const float step = (a.m[i] * k.c1) / (std::sqrt(a.v[i] * k.c2) + k.eps);
+    a.p[i] -= k.lr * (step + k.weight_decay * a.p[i]);
+  }
+}
+
+}  // namespace fp8moe::internal

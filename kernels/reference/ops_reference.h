@@ -1,0 +1,31 @@
+// The reference backend's ops besides the GMMs (kernels/backend.h): plain
+// loops on one thread, written from the formulas of kernels/ops.h, not from
+// the cpu code. The row-wise ops keep the cpu code's arithmetic (f32 where
+// it is f32, double sums in the same order), so the two agree bit for bit;
+// attention and the loss compute in double and round once at the end
+// (kernels/backend_ops_test.cc states each op's tolerance).
+#ifndef FP8MOE_KERNELS_REFERENCE_OPS_REFERENCE_H_
+#define FP8MOE_KERNELS_REFERENCE_OPS_REFERENCE_H_
+
+#include "kernels/backend.h"
+
+namespace fp8moe::internal {
+
+// Shapes: kernels/ops.h, at each entry point. One thread; the Context is
+// not read.
+struct ReferenceOps {
+  static void EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a);
+  static void EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a);
+  static void Add(Context& ctx, const AddArgs& a);
+  static void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a);
+  static void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
+  static void Rope(Context& ctx, const RopeArgs& a);
+  static void AttentionForward(Context& ctx, const AttentionForwardArgs& a);
+  static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
+  static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);
+  static void AdamW(Context& ctx, const AdamWArgs& a);
+};
+
+}  // namespace fp8moe::internal
+
+#endif  // FP8MOE_KERNELS_REFERENCE_OPS_REFERENCE_H_
