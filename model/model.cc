@@ -341,11 +341,11 @@ Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
   }
   if (prepared->size() != params.layers.size()) prepared->resize(params.layers.size());
   for (size_t l = 0; l < params.layers.size(); ++l) {
-    FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, config_.moe,
-                                             ExpertRows(config_, params.layers[l].wi, false, expert_ring_),
-                                             ExpertRows(config_, params.layers[l].wo, true, expert_ring_),
-                                             &(*prepared)[l],
-                                             source, static_cast<int64_t>(l)));
+    Communicator* ring = ranks_.expert_ring;
+    FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(
+        ctx, config_.moe, ExpertRows(config_, params.layers[l].wi, false, ring),
+        ExpertRows(config_, params.layers[l].wo, true, ring), &(*prepared)[l], source,
+        static_cast<int64_t>(l)));
   }
   return OkStatus();
 }
@@ -413,9 +413,8 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                                                     A.inv2.data_as<float>()));
     MoeStepInfo mi;
     MoeOptions mo;
-    mo.sum_batch_counts = sum_batch_counts_;
-    mo.expert_ring = expert_ring_;
-    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(c, P, expert_ring_),
+    mo.ranks = ranks_;
+    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(c, P, ranks_.expert_ring),
                                       prepared[static_cast<size_t>(l)], &A.moe, b.moe_y.view(),
                                       &mi, mo));
     info->aux_loss += mi.aux_loss;
@@ -457,11 +456,12 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     LayerParams& G = grads->layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
     // MoE FFN: dy = dx; its dx is the gradient of n2.
-    const MoeGradientViews mg{b.dtmp.view(), G.router.view(), ExpertRows(c, G.wi, false, expert_ring_),
-                              ExpertRows(c, G.wo, true, expert_ring_)};
+    const MoeGradientViews mg{b.dtmp.view(), G.router.view(),
+                              ExpertRows(c, G.wi, false, ranks_.expert_ring),
+                              ExpertRows(c, G.wo, true, ranks_.expert_ring)};
     MoeOptions mo;
-    mo.expert_ring = expert_ring_;
-    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(c, P, expert_ring_),
+    mo.ranks = ranks_;
+    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(c, P, ranks_.expert_ring),
                                        prepared[static_cast<size_t>(l)], &A.moe, b.dx.view(),
                                        mg, mo));
     FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, A.x1.data_as<float>(),

@@ -33,8 +33,8 @@ Status Need(bool ok, const std::string& what) {
 // Experts per rank: E, or E / P on an expert ring of P ranks.
 Result<int64_t> LocalExperts(const MoeConfig& cfg, const MoeOptions& o) {
   const int64_t E = cfg.num_experts;
-  if (o.expert_ring == nullptr || o.expert_ring->size() == 1) return E;
-  const int64_t P = o.expert_ring->size();
+  if (o.ranks.expert_ring == nullptr || o.ranks.expert_ring->size() == 1) return E;
+  const int64_t P = o.ranks.expert_ring->size();
   if (E % P != 0) {
     return InvalidArgument("num_experts=" + std::to_string(E) +
                            " does not divide over an expert ring of " + std::to_string(P) +
@@ -106,11 +106,11 @@ Status CheckF32(const TensorView& t, const Shape& shape, const char* name) {
 // small all-reduce (max of {failed, T, -T, D, -D}) after the local checks
 // turns either into an error on every rank. Off a ring: the local status.
 Status AgreeOnRing(const MoeOptions& o, const Status& local, const TensorView& x) {
-  if (o.expert_ring == nullptr || o.expert_ring->size() <= 1) return local;
+  if (o.ranks.expert_ring == nullptr || o.ranks.expert_ring->size() <= 1) return local;
   const bool shaped = x.rank() == 2;
   const int64_t T = shaped ? x.shape[0] : -1, D = shaped ? x.shape[1] : -1;
   int64_t v[5] = {local.ok() ? 0 : 1, T, -T, D, -D};
-  FP8MOE_RETURN_IF_ERROR(o.expert_ring->AllReduce(v, v, 5, DType::kI64, ReduceOp::kMax));
+  FP8MOE_RETURN_IF_ERROR(o.ranks.expert_ring->AllReduce(v, v, 5, DType::kI64, ReduceOp::kMax));
   if (!local.ok()) return local;
   if (v[0] != 0) {
     return InvalidArgument("another rank of the expert ring refused its input (its own error "
@@ -170,7 +170,7 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   s.F = w.wi.shape[2] / 2;
   s.plan = prepared.plan;
   s.act = prepared.act;
-  s.ring = options.expert_ring;
+  s.ring = options.ranks.expert_ring;
   s.P = s.ring != nullptr ? s.ring->size() : 1;
   s.ring_index = s.ring != nullptr ? s.ring->rank() : 0;
   MoeStepInfo out;
@@ -203,7 +203,7 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     if (!s.forward_done) {
       return FailedPrecondition("MoeBackward needs a MoeForward on the same workspace first");
     }
-    if (options.expert_ring != s.ring) {
+    if (options.ranks.expert_ring != s.ring) {
       return InvalidArgument("MoeBackward must run on the expert ring its MoeForward ran on");
     }
     const int64_t chunks = std::max<int64_t>(static_cast<int64_t>(s.chunks.size()), 1);
@@ -246,7 +246,7 @@ class CallContext {
  public:
   explicit CallContext(const MoeOptions& o)
       : lock_(internal::DefaultContextMutex(), std::defer_lock) {
-    if (o.expert_ring != nullptr && o.expert_ring->size() > 1) {
+    if (o.ranks.expert_ring != nullptr && o.ranks.expert_ring->size() > 1) {
       own_.emplace();
     } else {
       lock_.lock();

@@ -1,6 +1,6 @@
 // The ring of experts' dispatch and combine (docs/distributed.md): the
 // stages of moe/moe_stages.h call these when the layer runs on an expert ring
-// of P > 1 ranks (MoeOptions::expert_ring). Internal to moe/.
+// of P > 1 ranks (MoeRanks::expert_ring). Internal to moe/.
 #ifndef FP8MOE_MOE_MOE_RING_H_
 #define FP8MOE_MOE_MOE_RING_H_
 

@@ -1,4 +1,4 @@
-// The MoE layer on an expert ring (MoeOptions::expert_ring) against the
+// The MoE layer on an expert ring (MoeRanks::expert_ring) against the
 // single-rank layer on the whole batch: P thread ranks, each with its own
 // T tokens and E / P experts, must give each token the output and gradients
 // the single-rank layer gives it, and their weight gradients must be the
@@ -144,10 +144,8 @@ TEST(MoeRing, OneCallApiRunsOnARingOfThreadRanks) {
   const Status st = RunThreadRanks(P, [&](Communicator& comm) -> Status {
     const int r = comm.rank();
     MoeOptions o;
-    o.expert_ring = &comm;
-    o.sum_batch_counts = [&comm](int64_t* c, int64_t n) {  // as RunRing
-      return comm.AllReduce(c, c, n, DType::kI64, ReduceOp::kSum);
-    };
+    o.ranks.expert_ring = &comm;
+    o.ranks.batch = &comm;  // as RunRing
     const MoeWeights w{in.router.view(), Rows(in.wi, r * 4, 4), Rows(in.wo, r * 4, 4)};
     const TensorView x = Rows(in.x, r * T, T);
     FP8MOE_ASSIGN_OR_RETURN(MoeForwardResult f, MoeForward(cfg, x, w, o));
@@ -181,7 +179,7 @@ TEST(MoeRing, InputThatDiffersBetweenRanksIsAnErrorOnEveryRank) {
       const int r = comm.rank();
       Context ctx;
       MoeOptions o;
-      o.expert_ring = &comm;
+      o.ranks.expert_ring = &comm;
       const TensorView router = which == 1 && r == 0 ? bad_router.view() : in.router.view();
       const MoeWeights w{router, Rows(in.wi, r * 4, 4), Rows(in.wo, r * 4, 4)};
       const int64_t t = which == 0 && r == 1 ? T - 1 : T;
@@ -225,7 +223,7 @@ TEST(MoeRing, ExpertsThatDoNotDivideOverTheRingAreAnError) {
   const Status st = RunThreadRanks(4, [&](Communicator& comm) -> Status {
     Context ctx;
     MoeOptions o;
-    o.expert_ring = &comm;
+    o.ranks.expert_ring = &comm;
     PreparedMoeWeights p;
     MoeWorkspace ws;
     Tensor y = F32({8, 16});
@@ -379,7 +377,7 @@ TEST(MoeRing, QuantizedTokenAllGatherSendsTheCountedBytes) {
     ASSERT_TRUE(RunThreadRanks(P, [&](Communicator& comm) -> Status {
       Context ctx;
       MoeOptions o;
-      o.expert_ring = &comm;
+      o.ranks.expert_ring = &comm;
       const int64_t El = 8 / P, r = comm.rank();
       const TensorView wi = Rows(in.wi, r * El, El), wo = Rows(in.wo, r * El, El);
       PreparedMoeWeights p;

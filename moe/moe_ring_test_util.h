@@ -68,11 +68,9 @@ inline Status RunRing(int P, const MoeConfig& cfg, const LayerInputs& in, Out* o
     const int r = comm.rank();
     Context ctx;
     MoeOptions o;
-    o.expert_ring = &comm;
+    o.ranks.expert_ring = &comm;
     o.poison_tail_rows = poison;
-    o.sum_batch_counts = [&comm](int64_t* c, int64_t n) {
-      return comm.AllReduce(c, c, n, DType::kI64, ReduceOp::kSum);
-    };
+    o.ranks.batch = &comm;
     const int64_t e_first = El <= 0 ? 0 : r * El;
     const TensorView wi = Rows(in.wi, e_first, El), wo = Rows(in.wo, e_first, El);
     const MoeWeights w{in.router.view(), wi, wo};

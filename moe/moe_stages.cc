@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "fp8moe/communicator.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
@@ -280,13 +281,15 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   Route(logits.as<float>(), s.T, s.E, s.k, cfg.norm_topk_prob, &s.routing);
   // The load-balancing fractions: of this batch, or of the whole batch it
   // is a part of (FSDP and expert-ring ranks).
-  if (options.sum_batch_counts) {
+  Communicator* batch = options.ranks.batch;
+  if (batch != nullptr && batch->size() > 1) {
     s.lb_counts.assign(static_cast<size_t>(s.E + 1), 0);
     for (int64_t e = 0; e < s.E; ++e) {
       s.lb_counts[static_cast<size_t>(e)] = s.routing.group_sizes[static_cast<size_t>(e)];
     }
     s.lb_counts[static_cast<size_t>(s.E)] = s.T;
-    FP8MOE_RETURN_IF_ERROR(options.sum_batch_counts(s.lb_counts.data(), s.E + 1));
+    FP8MOE_RETURN_IF_ERROR(
+        batch->AllReduce(s.lb_counts.data(), s.lb_counts.data(), s.E + 1, DType::kI64, ReduceOp::kSum));
     LoadFractions(s.routing, s.lb_counts.data(), &s.lb_fraction);
   } else {
     LoadFractions(s.routing, nullptr, &s.lb_fraction);

@@ -2,7 +2,7 @@
 // experts"): route, dispatch, expert GMMs, combine, and the backward of each.
 // MoeForward / MoeBackward (moe/moe_layer.cc) are their composition. On one
 // rank dispatch and combine are the permute and the weighted unpermute of
-// moe/routing.h; on an expert ring (MoeOptions::expert_ring) they become the
+// moe/routing.h; on an expert ring (MoeRanks::expert_ring) they become the
 // all-gather of tokens + routing and the reduce-scatter of the partial
 // outputs (moe/moe_ring.cc), and the route and expert stages do not change.
 // Internal to moe/; every buffer lives in the workspace's State.

@@ -522,13 +522,9 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
   }
 
   Model model(local_mc);
-  model.SetExpertRing(ring.get());
-  if (F > 1) {
-    // The load-balancing loss over the global batch, as one rank computes it.
-    model.SetBatchCountSum([comm](int64_t* counts, int64_t n) {
-      return comm->AllReduce(counts, counts, n, DType::kI64, ReduceOp::kSum);
-    });
-  }
+  // Every rank shares the batch (the load-balancing loss over the global
+  // batch, as one rank computes it); the ring of experts, if any.
+  model.SetRanks({comm, ring.get()});
   std::vector<PreparedMoeWeights> prepared;
   const int64_t N = mc.batch * mc.seq_len;  // tokens of the global batch
   std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));

@@ -139,24 +139,21 @@ class Model {
                           const std::vector<PreparedMoeWeights>& prepared, Fp8Health* wi_lhs,
                           Fp8Health* wo_lhs);
 
-  // FSDP: how the MoE layers sum their routed counts over the ranks that
-  // share the batch (MoeOptions::sum_batch_counts); empty: one rank.
-  void SetBatchCountSum(std::function<Status(int64_t* counts, int64_t n)> sum) {
-    sum_batch_counts_ = std::move(sum);
-  }
-  // Expert parallelism (MoeOptions::expert_ring): the MoE layers run on this
-  // ring of P ranks and read, prepare and write the gradients of only the
+  // The ranks every MoE layer shares its work with (MoeRanks, the layer's one
+  // channel to the communicators; the default: one process). batch: the
+  // ranks whose batches make up the step's batch (the layers sum their
+  // routed counts over them). expert_ring: the MoE layers run on this ring
+  // of P ranks and read, prepare and write the gradients of only the
   // experts [r E/P, (r+1) E/P) of ring rank r. The wi / wo tensors of the
   // parameters and gradients may hold all E experts (those rows are used,
   // the others neither read nor written) or only these E/P (AllocateParams);
-  // parameters prepared through a source may hold none. Null: every expert.
-  void SetExpertRing(Communicator* ring) { expert_ring_ = ring; }
+  // parameters prepared through a source may hold none.
+  void SetRanks(const MoeRanks& ranks) { ranks_ = ranks; }
 
   struct Buffers;
 
  private:
-  std::function<Status(int64_t*, int64_t)> sum_batch_counts_;
-  Communicator* expert_ring_ = nullptr;
+  MoeRanks ranks_;
   ModelConfig config_;
   std::unique_ptr<Buffers> b_;
 };

@@ -80,17 +80,17 @@ struct MoeGmmCall {
   std::optional<QuantDType> rhs_quant;  // how the weight is quantized, if at all
 };
 
-struct MoeOptions {
-  // Called before every GMM of the layer.
-  std::function<void(const MoeGmmCall&)> on_gmm;
-  // Tests: fill the buffer's tail rows with NaN before the GMMs run.
-  bool poison_tail_rows = false;
-  // Data parallelism (FSDP): sums counts [n] (int64, in place) over the
-  // ranks whose batches make up the step's batch, so the load-balancing
-  // loss uses the whole batch's expert fractions f_e, as one process with
-  // the whole batch would (forward; the backward reuses them). Empty: this
-  // batch is the whole batch.
-  std::function<Status(int64_t* counts, int64_t n)> sum_batch_counts;
+// The ranks a layer call shares its work with: the one channel through which
+// the MoE layer reaches the job's communicators (docs/distributed.md). Both
+// null (or of one rank): one process with the whole batch and every expert.
+struct MoeRanks {
+  // Data parallelism (FSDP): the ranks whose batches make up the step's
+  // batch. The layer sums its routed counts over them (one int64
+  // all-reduce of E + 1 values, exact), so the load-balancing loss uses the
+  // whole batch's expert fractions f_e, as one process with the whole batch
+  // would (forward; the backward reuses them). Every rank of it calls the
+  // layer together.
+  Communicator* batch = nullptr;
   // Expert parallelism (the ring of experts; docs/distributed.md): the P
   // ranks of the expert ring, each with its own tokens x [T, D] (the same T
   // on every rank) and the E / P experts [r E/P, (r+1) E/P) of ring rank r
@@ -103,6 +103,15 @@ struct MoeOptions {
   // the layer together. Null or one rank: the single-rank layer. The
   // backward must be given the same ring.
   Communicator* expert_ring = nullptr;
+};
+
+struct MoeOptions {
+  // Called before every GMM of the layer.
+  std::function<void(const MoeGmmCall&)> on_gmm;
+  // Tests: fill the buffer's tail rows with NaN before the GMMs run.
+  bool poison_tail_rows = false;
+  // The ranks of this call (above); the default: one process.
+  MoeRanks ranks;
 };
 
 struct MoeStats {
