@@ -23,7 +23,7 @@
 
 #include "bench/bench_comm.h"
 #include "bench/bench_util.h"
-#include "dist/world.h"
+#include "distributed/world.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/dist.h"
 

@@ -20,7 +20,7 @@
 #include "bench/sgemm_ceiling.h"
 #include "cli/op.h"
 #include "cli/train.h"
-#include "dist/world.h"
+#include "distributed/world.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/safetensors.h"

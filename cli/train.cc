@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/world.h"
+#include "distributed/world.h"
 #include "fp8moe/dist.h"
 #include "fp8moe/train.h"
 

@@ -178,7 +178,7 @@ class Communicator {
   void CountSent(int64_t bytes) { bytes_sent_ += bytes; }
 
  private:
-  friend struct CommunicatorAccess;  // the ring (dist/ring.cc) sends on reserved tags
+  friend struct CommunicatorAccess;  // the ring (distributed/ring.cc) sends on reserved tags
   Status CheckPeer(int peer, int tag, int64_t bytes, const char* what) const;
 
   int rank_;

@@ -16,7 +16,7 @@ TIERS = [
     ["base"],
     ["numerics"],
     ["quant"],
-    ["kernels", "io", "dist"],
+    ["kernels", "io", "distributed"],
     ["moe"],
     ["model"],
     ["train"],
@@ -26,7 +26,7 @@ TIERS = [
 # Beside the tiers: the Python extension binds the library (not the benches),
 # and tests/consumer builds against the installed public headers only.
 EXTRA = {
-    "python": {"base", "numerics", "quant", "kernels", "io", "dist", "moe", "model", "train"},
+    "python": {"base", "numerics", "quant", "kernels", "io", "distributed", "moe", "model", "train"},
 }
 CONSUMER = "tests"  # may include "fp8moe/..." headers and nothing else
 
@@ -38,7 +38,7 @@ PUBLIC = {
     "quant.h": "quant",
     "gmm.h": "kernels",
     "safetensors.h": "io", "config.h": "io", "flag_table.h": "io",
-    "communicator.h": "dist", "dist.h": "dist", "mpi.h": "dist",
+    "communicator.h": "distributed", "dist.h": "distributed", "mpi.h": "distributed",
     "moe.h": "moe", "moe_config.h": "moe",
     "model.h": "model", "data.h": "model",
     "train.h": "train",
@@ -159,9 +159,9 @@ def test_the_rule_itself():
     # The graph as docs/design.md §1 and the README draw it.
     assert "numerics" not in ALLOWED["base"]
     assert ALLOWED["quant"] == {"base", "numerics", "quant"}
-    for sibling in ("kernels", "io", "dist"):
+    for sibling in ("kernels", "io", "distributed"):
         assert ALLOWED[sibling] == {"base", "numerics", "quant", sibling}
-    assert {"kernels", "io", "dist"} < ALLOWED["moe"]
+    assert {"kernels", "io", "distributed"} < ALLOWED["moe"]
     assert "moe" in ALLOWED["model"] and "model" in ALLOWED["train"]
     assert "train" in ALLOWED["bench"] and "bench" in ALLOWED["cli"]
     assert "cli" not in ALLOWED["python"] and "bench" not in ALLOWED["python"]

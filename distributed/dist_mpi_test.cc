@@ -16,8 +16,8 @@
 
 #include <gtest/gtest.h>
 
-#include "dist/dist_test_util.h"
-#include "dist/reduce.h"
+#include "distributed/dist_test_util.h"
+#include "distributed/reduce.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/dist.h"
 #include "fp8moe/mpi.h"

@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "dist/reduce.h"
-#include "dist/ring.h"
+#include "distributed/reduce.h"
+#include "distributed/ring.h"
 #include "fp8moe/mpi.h"
 
 namespace fp8moe {

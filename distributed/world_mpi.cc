@@ -1,6 +1,6 @@
 // StartWorld with MPI linked: MPI under an MPI launcher, else one rank (MPI
 // stays uninitialised, so `fp8moe` runs without mpirun as before).
-#include "dist/world.h"
+#include "distributed/world.h"
 #include "fp8moe/mpi.h"
 
 namespace fp8moe {

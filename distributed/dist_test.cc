@@ -11,7 +11,7 @@
 
 #include <gtest/gtest.h>
 
-#include "dist/dist_test_util.h"
+#include "distributed/dist_test_util.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/dist.h"
 #include "fp8moe/numerics.h"

@@ -1,4 +1,4 @@
-#include "dist/reduce.h"
+#include "distributed/reduce.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,7 +1,7 @@
 // The bidirectional ring collectives on in-process thread ranks (1..8 ranks,
 // sizes that do not divide by the rank count, every supported dtype), against
 // independent expectations: concatenation for all-gather, the documented
-// summation order (dist/reduce.h) and exact integer sums for reductions.
+// summation order (distributed/reduce.h) and exact integer sums for reductions.
 // The same ring code runs under MPI in dist_mpi_test.
 #include <bit>
 #include <cstring>
@@ -10,8 +10,8 @@
 
 #include <gtest/gtest.h>
 
-#include "dist/dist_test_util.h"
-#include "dist/reduce.h"
+#include "distributed/dist_test_util.h"
+#include "distributed/reduce.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/dist.h"
 

@@ -1,7 +1,7 @@
 // Shared helpers of the dist tests: seeded random inputs (FP8MOE_TEST_SEED
 // replays a failing case) with the values that make reductions interesting.
-#ifndef FP8MOE_DIST_DIST_TEST_UTIL_H_
-#define FP8MOE_DIST_DIST_TEST_UTIL_H_
+#ifndef FP8MOE_DISTRIBUTED_DIST_TEST_UTIL_H_
+#define FP8MOE_DISTRIBUTED_DIST_TEST_UTIL_H_
 
 #include <bit>
 #include <cmath>
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/reduce.h"
+#include "distributed/reduce.h"
 #include "fp8moe/dtype.h"
 
 namespace fp8moe::testing_util {
@@ -116,4 +116,4 @@ inline int64_t FirstDifference(const std::vector<uint8_t>& a, const std::vector<
 
 }  // namespace fp8moe::testing_util
 
-#endif  // FP8MOE_DIST_DIST_TEST_UTIL_H_
+#endif  // FP8MOE_DISTRIBUTED_DIST_TEST_UTIL_H_

@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "dist/ring.h"
+#include "distributed/ring.h"
 #include "fp8moe/communicator.h"
 
 namespace fp8moe {

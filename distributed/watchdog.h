@@ -2,8 +2,8 @@
 // deadline on entry and disarms it on return; if the deadline passes first,
 // the watchdog thread calls the client's OnTimeout (which ends the job). No
 // allocation per call: a fixed table of slots.
-#ifndef FP8MOE_DIST_WATCHDOG_H_
-#define FP8MOE_DIST_WATCHDOG_H_
+#ifndef FP8MOE_DISTRIBUTED_WATCHDOG_H_
+#define FP8MOE_DISTRIBUTED_WATCHDOG_H_
 
 #include <cstdint>
 
@@ -32,4 +32,4 @@ class WatchdogScope {
 
 }  // namespace fp8moe::internal
 
-#endif  // FP8MOE_DIST_WATCHDOG_H_
+#endif  // FP8MOE_DISTRIBUTED_WATCHDOG_H_

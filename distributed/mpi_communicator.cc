@@ -1,7 +1,7 @@
 // The MPI communicator: point-to-point on MPI_Isend / MPI_Irecv, the ring
-// collectives on top of them (dist/ring.cc), or the library's own
+// collectives on top of them (distributed/ring.cc), or the library's own
 // collectives (CollectiveAlgorithm::kLibrary), every blocking call under the
-// watchdog (dist/watchdog.h).
+// watchdog (distributed/watchdog.h).
 #include <mpi.h>
 #include <sched.h>
 #include <signal.h>
@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "dist/reduce.h"
-#include "dist/ring.h"
-#include "dist/watchdog.h"
+#include "distributed/reduce.h"
+#include "distributed/ring.h"
+#include "distributed/watchdog.h"
 #include "fp8moe/dist.h"
 #include "fp8moe/mpi.h"
 

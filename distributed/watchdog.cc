@@ -1,4 +1,4 @@
-#include "dist/watchdog.h"
+#include "distributed/watchdog.h"
 
 #include <algorithm>
 #include <array>

@@ -1,5 +1,5 @@
 // StartWorld without MPI: always one rank.
-#include "dist/world.h"
+#include "distributed/world.h"
 #include "fp8moe/mpi.h"
 
 namespace fp8moe {

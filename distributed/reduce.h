@@ -1,9 +1,9 @@
 // Elementwise combine of two contributions, the step every reduction of the
-// collectives repeats (dist/ring.cc, the thread and single-rank
+// collectives repeats (distributed/ring.cc, the thread and single-rank
 // communicators, the MPI user op for bf16), and the plain-loop reference of
 // the ring's documented summation order.
-#ifndef FP8MOE_DIST_REDUCE_H_
-#define FP8MOE_DIST_REDUCE_H_
+#ifndef FP8MOE_DISTRIBUTED_REDUCE_H_
+#define FP8MOE_DISTRIBUTED_REDUCE_H_
 
 #include <bit>
 #include <cstdint>
@@ -47,4 +47,4 @@ void RingOrderReference(DType dtype, ReduceOp op, const void* const* inputs,
 
 }  // namespace fp8moe::internal
 
-#endif  // FP8MOE_DIST_REDUCE_H_
+#endif  // FP8MOE_DISTRIBUTED_REDUCE_H_

@@ -1,4 +1,4 @@
-#include "dist/ring.h"
+#include "distributed/ring.h"
 
 #include <algorithm>
 #include <array>
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/reduce.h"
+#include "distributed/reduce.h"
 
 namespace fp8moe::internal {
 namespace {

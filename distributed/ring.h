@@ -4,9 +4,9 @@
 // rank + 1, the second halves towards rank - 1, both at once, so each link
 // carries traffic both ways and every rank sends and receives (size - 1)
 // blocks in size - 1 steps. Reductions combine in the order communicator.h
-// states; dist/reduce.h has its reference.
-#ifndef FP8MOE_DIST_RING_H_
-#define FP8MOE_DIST_RING_H_
+// states; distributed/reduce.h has its reference.
+#ifndef FP8MOE_DISTRIBUTED_RING_H_
+#define FP8MOE_DISTRIBUTED_RING_H_
 
 #include <span>
 
@@ -76,4 +76,4 @@ Status RingAllReduce(Communicator& comm, const void* send, void* recv, int64_t c
 }  // namespace internal
 }  // namespace fp8moe
 
-#endif  // FP8MOE_DIST_RING_H_
+#endif  // FP8MOE_DISTRIBUTED_RING_H_

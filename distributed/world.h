@@ -3,8 +3,8 @@
 // world_mpi.cc (MPI found: MPI under mpirun, one rank otherwise) and
 // world_single.cc (built without MPI: always one rank). Library
 // fp8moe_world, for the command and its benches; not installed.
-#ifndef FP8MOE_DIST_WORLD_H_
-#define FP8MOE_DIST_WORLD_H_
+#ifndef FP8MOE_DISTRIBUTED_WORLD_H_
+#define FP8MOE_DISTRIBUTED_WORLD_H_
 
 #include <memory>
 #include <string>
@@ -36,4 +36,4 @@ std::string MpiInfo();
 
 }  // namespace fp8moe
 
-#endif  // FP8MOE_DIST_WORLD_H_
+#endif  // FP8MOE_DISTRIBUTED_WORLD_H_
