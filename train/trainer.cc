@@ -1,4 +1,5 @@
-// The training loop (include/fp8moe/train.h).
+// The training loop (include/fp8moe/train.h) as a Trainer in named steps
+// (train/trainer.h), and the checks of the layout before it.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -27,6 +28,7 @@
 #include "train/checkpoint.h"
 #include "train/fsdp.h"
 #include "train/optimizer.h"
+#include "train/trainer.h"
 
 namespace fp8moe {
 namespace fs = std::filesystem;
@@ -39,48 +41,6 @@ constexpr int64_t kMaxGlobalBatch = 2147483647;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string Duration(double s) {
-  char buf[32];
-  if (s < 60) {
-    std::snprintf(buf, sizeof(buf), "%.0fs", s);
-  } else if (s < 3600) {
-    std::snprintf(buf, sizeof(buf), "%dm%02ds", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%dh%02dm", static_cast<int>(s) / 3600,
-                  static_cast<int>(s) % 3600 / 60);
-  }
-  return buf;
-}
-
-std::string Rate(double tokens_per_s) {
-  char buf[32];
-  if (tokens_per_s >= 1e3) {
-    std::snprintf(buf, sizeof(buf), "%.1fk", tokens_per_s / 1e3);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.0f", tokens_per_s);
-  }
-  return buf;
-}
-
-// Writes `text` to `path` atomically (temporary file + rename).
-Status WriteTextAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      return IoError("cannot write '" + path + "' (disk full or not writable?)");
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return IoError("cannot write '" + path + "': " + ec.message());
-  return OkStatus();
 }
 
 // Every rank read `path` (status `loaded`, its checksum): an error on every
@@ -115,60 +75,12 @@ Status AgreeOnCheckpoint(Communicator& comm, const std::string& path, const Stat
   return OkStatus();
 }
 
-// metrics.jsonl of a resumed run keeps only the complete lines of steps the
-// checkpoint covers.
-Status TrimMetrics(const std::string& path, int64_t last_step) {
-  std::ifstream in(path);
-  if (!in) return OkStatus();
-  std::string line, kept;
-  while (std::getline(in, line)) {
-    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.contains("step") || !j["step"].is_number_integer()) continue;
-    if (j["step"].get<int64_t>() <= last_step) kept += line + "\n";
-  }
-  return WriteTextAtomically(path, kept);
-}
-
-// An exclusive flock on <run_dir>/train.lock, held until destruction.
-class RunLock {
- public:
-  RunLock() = default;
-  RunLock(const RunLock&) = delete;
-  RunLock& operator=(const RunLock&) = delete;
-  ~RunLock() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Status Acquire(const fs::path& path) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) {
-      return IoError("cannot open '" + path.string() + "': " + std::strerror(errno) +
-                     "; set base_output_directory to a writable directory");
-    }
-    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-      if (errno == EWOULDBLOCK) {
-        return FailedPrecondition("the run directory '" + path.parent_path().string() +
-                                  "' is in use by another fp8moe train; wait for it to end, "
-                                  "or set run_name to start a separate run");
-      }
-      return IoError("cannot lock '" + path.string() + "': " + std::strerror(errno));
-    }
-    return OkStatus();
-  }
-
- private:
-  int fd_ = -1;
-};
-
 // Multiplies every gradient of `grads` by `factor`.
 void ScaleGradients(ModelParams* grads, float factor) {
   for (auto& [name, t] : grads->Named()) {
     float* d = t->data_as<float>();
     for (size_t i = 0; i < t->num_elements(); ++i) d[i] *= factor;
   }
-}
-
-json HealthJson(const Fp8Health& h) {
-  return {{"saturated", h.saturated}, {"flushed", h.flushed}, {"values", h.values}};
 }
 
 // The global batch of `c` on out->ranks ranks and this rank's share of it,
@@ -296,150 +208,197 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainOptions& options) {
 }
 
 Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
-                           const TrainOptions& opt_in) {
-  std::unique_ptr<Communicator> own_comm;
-  Communicator* comm = opt_in.comm;
-  if (comm == nullptr) {
-    own_comm = MakeSingleRankCommunicator();
-    comm = own_comm.get();
+                           const TrainOptions& options) {
+  internal::Trainer trainer(c, layout, options);
+  FP8MOE_RETURN_IF_ERROR(trainer.Setup());
+  return trainer.Run();
+}
+
+namespace internal {
+
+RunLock::~RunLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status RunLock::Acquire(const fs::path& path) {
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    return IoError("cannot open '" + path.string() + "': " + std::strerror(errno) +
+                   "; set base_output_directory to a writable directory");
   }
-  if (layout.ranks != comm->size() || layout.sequences < 1) {
-    return Internal("Train was given a layout of " + std::to_string(layout.ranks) +
-                    " ranks for a job of " + std::to_string(comm->size()) +
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) {
+      return FailedPrecondition("the run directory '" + path.parent_path().string() +
+                                "' is in use by another fp8moe train; wait for it to end, "
+                                "or set run_name to start a separate run");
+    }
+    return IoError("cannot lock '" + path.string() + "': " + std::strerror(errno));
+  }
+  return OkStatus();
+}
+
+Trainer::Trainer(const TrainConfig& config, const TrainLayout& layout, const TrainOptions& options)
+    : c_(config), layout_(layout), opt_(options) {}
+
+Trainer::~Trainer() = default;
+
+Status Trainer::Setup() {
+  FP8MOE_RETURN_IF_ERROR(SetupRanks());
+  FP8MOE_RETURN_IF_ERROR(SetupMemoryAndData());
+  FP8MOE_RETURN_IF_ERROR(ChooseResume());
+  FP8MOE_RETURN_IF_ERROR(SetupWeights());
+  metrics_ = std::make_unique<MetricsWriter>(lead_, opt_.quiet, run_dir_.string(), N_,
+                                             N_ * mc_.moe.num_experts_per_tok);
+  if (LoadFinishedSummary()) {
+    finished_ = true;
+    metrics_->PrintFinished(sum_);
+    return OkStatus();
+  }
+  FP8MOE_RETURN_IF_ERROR(metrics_->Open(sum_.resumed_from > 0 ? state_.step : 0));
+  metrics_->PrintStart(c_, mc_, layout_, data_->Describe(), sum_);
+  return SetupModel();
+}
+
+Status Trainer::SetupRanks() {
+  comm_ = opt_.comm;
+  if (comm_ == nullptr) {
+    own_comm_ = MakeSingleRankCommunicator();
+    comm_ = own_comm_.get();
+  }
+  if (layout_.ranks != comm_->size() || layout_.sequences < 1) {
+    return Internal("Train was given a layout of " + std::to_string(layout_.ranks) +
+                    " ranks for a job of " + std::to_string(comm_->size()) +
                     "; pass the layout CheckTrainLayout gave for this config and communicator");
   }
-  const ParallelLayout& mesh = layout.mesh;
-  const int F = comm->size();  // ranks that split the batch: all of them
-  const bool lead = comm->rank() == 0;  // writes files and prints
-  TrainOptions opt = opt_in;
-  if (!lead) opt.quiet = true;
-  // Expert parallelism: the expert ring (the P consecutive ranks of one
-  // fsdp_index) and the group of the F ranks that hold the same experts.
-  std::unique_ptr<Communicator> ring, expert_group;
+  const ParallelLayout& mesh = layout_.mesh;
+  F_ = comm_->size();
+  lead_ = comm_->rank() == 0;
+  if (!lead_) opt_.quiet = true;
   if (mesh.expert > 1) {
-    FP8MOE_ASSIGN_OR_RETURN(ring, comm->Split(mesh.fsdp_index, mesh.expert_index));
-    FP8MOE_ASSIGN_OR_RETURN(expert_group, comm->Split(mesh.expert_index, mesh.fsdp_index));
+    FP8MOE_ASSIGN_OR_RETURN(ring_, comm_->Split(mesh.fsdp_index, mesh.expert_index));
+    FP8MOE_ASSIGN_OR_RETURN(expert_group_, comm_->Split(mesh.expert_index, mesh.fsdp_index));
   }
+  return OkStatus();
+}
+
+Status Trainer::SetupMemoryAndData() {
+  const ParallelLayout& mesh = layout_.mesh;
   // This rank's model runs its share of the sequences; the data reader the
   // whole global batch.
-  ModelConfig mc = c.model;
-  mc.batch = layout.global_batch;
-  ModelConfig local_mc = c.model;
-  local_mc.batch = layout.sequences;
+  mc_ = c_.model;
+  mc_.batch = layout_.global_batch;
+  local_mc_ = c_.model;
+  local_mc_.batch = layout_.sequences;
   // The whole run's memory against the cap, before a directory is created or
   // a byte allocated.
-  FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(mc));
-  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c, mesh.fsdp, mesh.expert));
-  TrainSummary sum;
-  sum.memory_plan_bytes =
-      static_cast<int64_t>(std::min<uint64_t>(PlanTrainMemory(c, mesh.fsdp, mesh.expert).total_bytes,
-                                              std::numeric_limits<int64_t>::max()));
-  sum.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc.moe).mode));
-  if (PlanMoeQuantization(mc.moe).mode == MoeQatMode::kHandCrafted) {
-    sum.quantization_mode += " " + std::string(MoeQuantizationName(mc.moe.quantization));
+  FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(mc_));
+  FP8MOE_RETURN_IF_ERROR(CheckTrainMemory(c_, mesh.fsdp, mesh.expert));
+  N_ = mc_.batch * mc_.seq_len;
+  sum_.memory_plan_bytes = static_cast<int64_t>(
+      std::min<uint64_t>(PlanTrainMemory(c_, mesh.fsdp, mesh.expert).total_bytes,
+                         std::numeric_limits<int64_t>::max()));
+  sum_.quantization_mode = std::string(MoeQatModeName(PlanMoeQuantization(mc_.moe).mode));
+  if (PlanMoeQuantization(mc_.moe).mode == MoeQatMode::kHandCrafted) {
+    sum_.quantization_mode += " " + std::string(MoeQuantizationName(mc_.moe.quantization));
   }
-  const fs::path run_dir = fs::path(c.base_output_directory) / c.run_name;
-  const fs::path ckpt_dir = run_dir / "checkpoints";
-  sum.run_dir = run_dir.string();
+  run_dir_ = fs::path(c_.base_output_directory) / c_.run_name;
+  ckpt_dir_ = run_dir_ / "checkpoints";
+  sum_.run_dir = run_dir_.string();
   // The config as it is saved (checkpoints, summary.json): CheckTrainLayout
   // wrote it already, so this cannot fail here.
-  const Result<std::string> config_yaml = TrainConfigYaml(c);
-  FP8MOE_RETURN_IF_ERROR(config_yaml.status());
+  FP8MOE_ASSIGN_OR_RETURN(config_yaml_, TrainConfigYaml(c_));
   // The data first: a run refused for its dataset leaves no directory behind.
   // The dataset's flags are the table's; its shape is the model's and the
   // global batch.
-  DataConfig dc = c.data;
-  dc.seq_len = mc.seq_len;
-  dc.vocab_size = mc.vocab_size;
-  dc.batch = mc.batch;
-  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> data, OpenDataset(dc));
-  sum.entropy_floor = data->EntropyFloor();
-  sum.global_batch_size_to_train_on = layout.global_batch;
+  DataConfig dc = c_.data;
+  dc.seq_len = mc_.seq_len;
+  dc.vocab_size = mc_.vocab_size;
+  dc.batch = mc_.batch;
+  FP8MOE_ASSIGN_OR_RETURN(data_, OpenDataset(dc));
+  sum_.entropy_floor = data_->EntropyFloor();
+  sum_.global_batch_size_to_train_on = layout_.global_batch;
+  return OkStatus();
+}
 
+Status Trainer::ChooseResume() {
   std::error_code ec;
-  fs::create_directories(c.enable_checkpointing ? ckpt_dir : run_dir, ec);
+  fs::create_directories(c_.enable_checkpointing ? ckpt_dir_ : run_dir_, ec);
   if (ec) {
-    return IoError("cannot create the run directory '" + run_dir.string() + "': " + ec.message() +
-                   "; set base_output_directory to a writable directory");
+    return IoError("cannot create the run directory '" + run_dir_.string() + "': " +
+                   ec.message() + "; set base_output_directory to a writable directory");
   }
   // One process per run directory: two trainers resuming the same run would
   // both append to metrics.jsonl (every step twice) and race on the
   // checkpoints. The lock dies with the process, SIGKILL included. Under
   // mpirun the writing rank (0) holds it for the job.
-  RunLock lock;
   // Rank 0 takes the lock and then chooses what every rank resumes from, and
   // tells the others in one all-reduce. No other rank touches the run
   // directory before that: LatestCheckpoint removes the temporary files of a
   // killed save, and a refused second job's rank 1 removed the first job's
   // save in progress. And ranks that list different files (no shared
   // filesystem) cannot resume from different checkpoints.
-  std::optional<std::string> latest;
-  {
-    Status lead_status;
-    int64_t choice[2] = {std::numeric_limits<int64_t>::min(),
-                         std::numeric_limits<int64_t>::min()};  // {status code, step or -1}
-    if (lead) {
-      lead_status = lock.Acquire(run_dir / "train.lock");
-      std::optional<std::string> newest;
-      if (lead_status.ok()) newest = internal::LatestCheckpoint(ckpt_dir.string());
-      // Without checkpointing the run starts at step 0 and rewrites
-      // metrics.jsonl; over a run that has checkpoints that would lose its
-      // history, and a later resume would mix the two runs' metrics.
-      if (lead_status.ok() && !c.enable_checkpointing && newest) {
-        lead_status = FailedPrecondition(
-            "run directory '" + run_dir.string() + "' holds checkpoints (the newest '" + *newest +
-            "') but enable_checkpointing=false would train it again from step 0 over its "
-            "metrics; resume it with enable_checkpointing=true, or use another run_name");
-      }
-      if (c.enable_checkpointing) latest = newest;
-      choice[0] = static_cast<int64_t>(lead_status.code());
-      choice[1] = latest ? internal::CheckpointStep(*latest) : -1;
+  Status lead_status;
+  int64_t choice[2] = {std::numeric_limits<int64_t>::min(),
+                       std::numeric_limits<int64_t>::min()};  // {status code, step or -1}
+  if (lead_) {
+    lead_status = lock_.Acquire(run_dir_ / "train.lock");
+    std::optional<std::string> newest;
+    if (lead_status.ok()) newest = LatestCheckpoint(ckpt_dir_.string());
+    // Without checkpointing the run starts at step 0 and rewrites
+    // metrics.jsonl; over a run that has checkpoints that would lose its
+    // history, and a later resume would mix the two runs' metrics.
+    if (lead_status.ok() && !c_.enable_checkpointing && newest) {
+      lead_status = FailedPrecondition(
+          "run directory '" + run_dir_.string() + "' holds checkpoints (the newest '" + *newest +
+          "') but enable_checkpointing=false would train it again from step 0 over its "
+          "metrics; resume it with enable_checkpointing=true, or use another run_name");
     }
-    FP8MOE_RETURN_IF_ERROR(comm->AllReduce(choice, choice, 2, DType::kI64, ReduceOp::kMax));
-    if (!lead_status.ok()) return lead_status;
-    if (choice[0] != 0) {
-      return Status(static_cast<StatusCode>(choice[0]),
-                    "rank 0 refused the run directory '" + run_dir.string() + "' (see its message)");
-    }
-    if (!lead && choice[1] >= 0) latest = internal::CheckpointPath(ckpt_dir.string(), choice[1]);
+    if (c_.enable_checkpointing) latest_ = newest;
+    choice[0] = static_cast<int64_t>(lead_status.code());
+    choice[1] = latest_ ? CheckpointStep(*latest_) : -1;
   }
+  FP8MOE_RETURN_IF_ERROR(comm_->AllReduce(choice, choice, 2, DType::kI64, ReduceOp::kMax));
+  if (!lead_status.ok()) return lead_status;
+  if (choice[0] != 0) {
+    return Status(static_cast<StatusCode>(choice[0]),
+                  "rank 0 refused the run directory '" + run_dir_.string() + "' (see its message)");
+  }
+  if (!lead_ && choice[1] >= 0) latest_ = CheckpointPath(ckpt_dir_.string(), choice[1]);
+  return OkStatus();
+}
 
+Status Trainer::SetupWeights() {
   ContextOptions co;
-  co.seed = c.data.seed;
-  Context ctx(co);
+  co.seed = c_.data.seed;
+  ctx_.emplace(co);
   // The masters and the AdamW moments live only in the FSDP shards, and no
   // rank ever holds a whole set of them: the initial weights are drawn a
   // tensor at a time (InitParams' sink) and sliced, a checkpoint is read into
   // the shards a tensor at a time (resharding is slicing: whatever rank count
   // wrote it) and saved the same way.
-  const std::vector<std::pair<std::string, Shape>> shapes = ParamShapes(mc);
-  const std::vector<internal::CheckpointTensor> ckpt_layout = internal::CheckpointLayout(shapes);
-  FP8MOE_ASSIGN_OR_RETURN(std::unique_ptr<internal::FsdpState> fsdp,
-                          internal::FsdpState::Create(*comm, shapes, expert_group.get(),
-                                                      ring.get()));
-  auto to_master = [&](size_t k, const float* whole) {
-    fsdp->LoadTensor({internal::CheckpointSet::kParams, k, shapes[k].first, shapes[k].second},
-                     whole);
-  };
-
-  internal::TrainState state;
-  if (!latest) {
-    FP8MOE_RETURN_IF_ERROR(InitParams(mc, c.init_weights_seed, to_master));
+  shapes_ = ParamShapes(mc_);
+  ckpt_layout_ = CheckpointLayout(shapes_);
+  FP8MOE_ASSIGN_OR_RETURN(fsdp_, FsdpState::Create(*comm_, shapes_, expert_group_.get(),
+                                                   ring_.get()));
+  if (!latest_) {
+    FP8MOE_RETURN_IF_ERROR(InitParams(mc_, c_.init_weights_seed, [&](size_t k, const float* whole) {
+      fsdp_->LoadTensor({CheckpointSet::kParams, k, shapes_[k].first, shapes_[k].second}, whole);
+    }));
   } else {
-    const Status loaded = internal::LoadCheckpoint(
-        *latest, c, layout, ckpt_layout,
-        [&](const internal::CheckpointTensor& t, const float* whole) { fsdp->LoadTensor(t, whole); },
-        &state);
-    FP8MOE_RETURN_IF_ERROR(AgreeOnCheckpoint(*comm, *latest, loaded, state.checksum));
-    if (Status st = data->SetPosition(state.data_position); !st.ok()) {
-      return DataLoss("checkpoint '" + *latest + "' has a data_position this dataset cannot "
+    const Status loaded = LoadCheckpoint(
+        *latest_, c_, layout_, ckpt_layout_,
+        [&](const CheckpointTensor& t, const float* whole) { fsdp_->LoadTensor(t, whole); },
+        &state_);
+    FP8MOE_RETURN_IF_ERROR(AgreeOnCheckpoint(*comm_, *latest_, loaded, state_.checksum));
+    if (Status st = data_->SetPosition(state_.data_position); !st.ok()) {
+      return DataLoss("checkpoint '" + *latest_ + "' has a data_position this dataset cannot "
                       "use: " + st.message() + "; resume with the dataset flags it was "
                       "trained with, or use another run_name to start a new run");
     }
-    ctx.rng().set_state(state.rng);
-    sum.resumed_from = state.step;
-    sum.resume_changes = internal::ConfigChangesOnResume(state.config_yaml, state.global_batch, c,
-                                                         layout.global_batch);
+    ctx_->rng().set_state(state_.rng);
+    sum_.resumed_from = state_.step;
+    sum_.resume_changes = ConfigChangesOnResume(state_.config_yaml, state_.global_batch, c_,
+                                                layout_.global_batch);
   }
   // params: the weights the model reads, gathered each step; grads: this
   // rank's gradient. The expert weights reach the GMMs as gathered codes
@@ -448,445 +407,333 @@ Result<TrainSummary> Train(const TrainConfig& c, const TrainLayout& layout,
   // straight-through mask reads the master). So params hold f32 experts only
   // in those modes, and then only this ring rank's E/P; the gradients hold
   // this ring rank's E/P experts.
-  const bool f32_experts = MoeReadsF32Masters(mc.moe);
-  const int64_t local_experts = mc.moe.num_experts / (ring ? ring->size() : 1);
-  FP8MOE_ASSIGN_OR_RETURN(ModelParams params,
-                          AllocateParams(mc, f32_experts ? local_experts : 0));
-  FP8MOE_ASSIGN_OR_RETURN(ModelParams grads, AllocateParams(mc, local_experts));
-  // A finished run is not trained again: its summary stands.
-  if (state.step >= c.steps && fs::exists(run_dir / "summary.json")) {
-    std::ifstream in(run_dir / "summary.json");
-    json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_discarded() && j.contains("final_eval_loss") && j["final_eval_loss"].is_number()) {
-      sum.steps = state.step;
-      sum.final_eval_loss = j["final_eval_loss"].get<double>();
-      if (j.contains("final_loss") && j["final_loss"].is_number()) sum.final_loss = j["final_loss"].get<double>();
-      if (j.contains("mean_step_time_s")) sum.mean_step_time_s = j["mean_step_time_s"].get<double>();
-      if (j.contains("tokens_per_s")) sum.tokens_per_s = j["tokens_per_s"].get<double>();
-      sum.nonfinite_steps = state.nonfinite_steps;
-      if (!opt.quiet) {
-        std::printf("fp8moe train: %s already finished at step %lld (raise steps= to train "
-                    "further, or use another run_name)\n  final eval loss  %.4f\n",
-                    run_dir.string().c_str(), static_cast<long long>(state.step),
-                    *sum.final_eval_loss);
-        if (sum.entropy_floor) {
-          std::printf("  entropy floor    %.4f  (eval loss - floor = %.4f nats)\n",
-                      *sum.entropy_floor, *sum.final_eval_loss - *sum.entropy_floor);
-        }
-      }
-      return sum;
-    }
-  }
-  const std::string metrics_path = (run_dir / "metrics.jsonl").string();
-  std::FILE* metrics = nullptr;
-  if (lead) {
-    if (sum.resumed_from > 0) {
-      FP8MOE_RETURN_IF_ERROR(TrimMetrics(metrics_path, state.step));
-    }
-    metrics = std::fopen(metrics_path.c_str(), sum.resumed_from > 0 ? "a" : "w");
-    if (metrics == nullptr) return IoError("cannot open '" + metrics_path + "' for writing");
-  }
-  struct Closer {
-    std::FILE* f;
-    ~Closer() {
-      if (f != nullptr) std::fclose(f);
-    }
-  } closer{metrics};
+  f32_experts_ = MoeReadsF32Masters(mc_.moe);
+  const int64_t local_experts = mc_.moe.num_experts / (ring_ ? ring_->size() : 1);
+  FP8MOE_ASSIGN_OR_RETURN(params_, AllocateParams(mc_, f32_experts_ ? local_experts : 0));
+  FP8MOE_ASSIGN_OR_RETURN(grads_, AllocateParams(mc_, local_experts));
+  return OkStatus();
+}
 
-  const bool tty = !opt.quiet && ::isatty(::fileno(stderr)) != 0;
-  if (!opt.quiet) {
-    std::printf("fp8moe train: %s\n  model %s, S=%lld, B=%lld; QAT mode %s\n  data %s\n"
-                "  global_batch_size_to_train_on %lld (per_device_batch_size=%s x %d rank%s)\n",
-                run_dir.string().c_str(), internal::ModelSignature(mc).c_str(),
-                static_cast<long long>(mc.seq_len), static_cast<long long>(mc.batch),
-                sum.quantization_mode.c_str(), data->Describe().c_str(),
-                static_cast<long long>(layout.global_batch),
-                internal::ShortestDecimal(c.per_device_batch_size).c_str(), F, F == 1 ? "" : "s");
-    if (sum.entropy_floor) std::printf("  entropy floor %.4f nats/token\n", *sum.entropy_floor);
-    if (sum.resumed_from > 0) {
-      std::printf("  resumed from step %lld\n", static_cast<long long>(sum.resumed_from));
-    }
-    std::fflush(stdout);
+// A finished run is not trained again: its summary stands. True when the
+// resumed checkpoint is at or past `steps` and summary.json has its figures
+// (then in sum_).
+bool Trainer::LoadFinishedSummary() {
+  if (state_.step < c_.steps || !fs::exists(run_dir_ / "summary.json")) return false;
+  std::ifstream in(run_dir_ / "summary.json");
+  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.contains("final_eval_loss") || !j["final_eval_loss"].is_number()) {
+    return false;
   }
-  if (lead && !sum.resume_changes.empty()) {
-    // Not an error (a longer schedule or a lower learning rate is a normal
-    // continuation), but no longer the run the checkpoint began.
-    std::fprintf(stderr, "warning: resuming %s with %zu setting%s changed since its checkpoint "
-                 "was saved:\n", run_dir.string().c_str(), sum.resume_changes.size(),
-                 sum.resume_changes.size() == 1 ? "" : "s");
-    for (const auto& ch : sum.resume_changes) {
-      std::fprintf(stderr, "  %s: %s -> %s%s\n", ch.key.c_str(), ch.saved.c_str(), ch.now.c_str(),
-                   ch.key == "steps" ? " (the learning-rate schedule follows the new steps)" : "");
-    }
-    std::fflush(stderr);
-  }
+  sum_.steps = state_.step;
+  sum_.final_eval_loss = j["final_eval_loss"].get<double>();
+  if (j.contains("final_loss") && j["final_loss"].is_number()) sum_.final_loss = j["final_loss"].get<double>();
+  if (j.contains("mean_step_time_s")) sum_.mean_step_time_s = j["mean_step_time_s"].get<double>();
+  if (j.contains("tokens_per_s")) sum_.tokens_per_s = j["tokens_per_s"].get<double>();
+  sum_.nonfinite_steps = state_.nonfinite_steps;
+  return true;
+}
 
-  Model model(local_mc);
+Status Trainer::SetupModel() {
+  model_ = std::make_unique<Model>(local_mc_);
   // Every rank shares the batch (the load-balancing loss over the global
   // batch, as one rank computes it); the ring of experts, if any.
-  model.SetRanks({comm, ring.get()});
-  std::vector<PreparedMoeWeights> prepared;
-  const int64_t N = mc.batch * mc.seq_len;  // tokens of the global batch
-  std::vector<int32_t> inputs(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  model_->SetRanks({comm_, ring_.get()});
+  inputs_.resize(static_cast<size_t>(N_));
+  targets_.resize(static_cast<size_t>(N_));
   // This rank's slice of the global batch (SplitGlobalBatch): consecutive
   // sequences after those of the ranks before it (rank i of the job is
   // fsdp_index * P + expert_index).
-  const size_t slice = static_cast<size_t>(layout.first_sequence * mc.seq_len);
+  const size_t slice = static_cast<size_t>(layout_.first_sequence * mc_.seq_len);
   // A rank's means are over its own sequences; the global batch's mean is
   // sum_r (sequences_r / G) mean_r, i.e. the mean over the ranks of
   // share * mean_r. With equal shares share is exactly 1 and changes no bit.
-  const double share = static_cast<double>(layout.sequences) * static_cast<double>(F) /
-                       static_cast<double>(layout.global_batch);
-  const int32_t* my_inputs = inputs.data() + slice;
-  const int32_t* my_targets = targets.data() + slice;
-  ExpertWeightSource* expert_source = f32_experts ? nullptr : fsdp.get();
-  // Gathers the weights for a forward and prepares the experts.
-  auto gather = [&]() -> Status {
-    FP8MOE_RETURN_IF_ERROR(fsdp->GatherParams(&params, /*skip_experts=*/!f32_experts));
-    return model.PrepareExperts(ctx, params, &prepared, expert_source);
-  };
-  ModelStepInfo info;
+  share_ = static_cast<double>(layout_.sequences) * static_cast<double>(F_) /
+           static_cast<double>(layout_.global_batch);
+  my_inputs_ = inputs_.data() + slice;
+  my_targets_ = targets_.data() + slice;
+  expert_source_ = f32_experts_ ? nullptr : fsdp_.get();
+  return OkStatus();
+}
+
+Result<TrainSummary> Trainer::Run() {
+  if (finished_) return sum_;
   ResetMemoryPeak();
-  const double t_start = Now();
-  double time_sum = 0;
-  int64_t timed = 0, allocs_after_first = 0, ran = 0;
-  std::vector<double> recent_losses;
-  std::optional<double> last_eval;
-
-  // The mean over the ranks of per-rank means weighted by their shares: the
-  // global batch's mean, the same bits on every rank.
-  auto global_mean = [&](std::vector<double> v) -> Result<std::vector<double>> {
-    for (double& x : v) x *= share;
-    FP8MOE_ASSIGN_OR_RETURN(std::vector<double> s, internal::SumOverRanks(*comm, v));
-    for (double& x : s) x /= static_cast<double>(F);
-    return s;
-  };
-  auto evaluate = [&]() -> Result<double> {
-    FP8MOE_RETURN_IF_ERROR(gather());
-    double total = 0;
-    for (int64_t i = 0; i < c.eval_steps; ++i) {
-      data->EvalBatch(i, inputs.data(), targets.data());
-      ModelStepInfo ei;
-      FP8MOE_RETURN_IF_ERROR(
-          model.Step(ctx, params, prepared, my_inputs, my_targets, nullptr, &ei));
-      FP8MOE_ASSIGN_OR_RETURN(std::vector<double> m, global_mean({ei.loss}));
-      total += m[0];
-    }
-    return total / static_cast<double>(c.eval_steps);
-  };
-  auto save = [&](int64_t step) -> Status {
-    state.step = step;
-    state.global_batch = layout.global_batch;
-    state.rng = ctx.rng().state();
-    state.data_position = data->Position();
-    const std::string path = internal::CheckpointPath(ckpt_dir.string(), step);
-    // Every rank gathers the tensors one at a time, in the file's order;
-    // rank 0 writes them (a temporary name, then a rename: no partial
-    // checkpoint is ever visible) and tells the others how it went, which
-    // also holds them until the file is complete.
-    Status s = internal::SaveCheckpoint(
-        path, c, ckpt_layout,
-        [&](const internal::CheckpointTensor& t, float* out) {
-          return fsdp->GatherTensor(t, out);
-        },
-        state, /*write=*/lead);
-    int64_t code = static_cast<int64_t>(s.code());
-    FP8MOE_RETURN_IF_ERROR(comm->AllReduce(&code, &code, 1, DType::kI64, ReduceOp::kMax));
-    if (!lead && code != 0) {
-      return Status(static_cast<StatusCode>(code),
-                    "rank 0 could not save the checkpoint of step " + std::to_string(step) +
-                        " (see its message)");
-    }
-    if (!s.ok()) {
-      auto latest = internal::LatestCheckpoint(ckpt_dir.string());
-      return Status(s.code(), "cannot save the checkpoint of step " + std::to_string(step) +
-                                  ": " + s.message() + "; the last complete checkpoint is " +
-                                  (latest ? "'" + *latest + "' (intact)" : "none") +
-                                  "; fix the cause (a full disk: free space) and run again to "
-                                  "resume");
-    }
-    if (lead) internal::PruneCheckpoints(ckpt_dir.string(), 2);
-    return OkStatus();
-  };
-
-  // Bytes this rank sent on the job's communicator and, with expert
-  // parallelism, on the expert ring and the expert FSDP group.
-  auto bytes_sent = [&]() {
-    int64_t b = comm->bytes_sent();
-    for (const auto* sub : {&ring, &expert_group}) {
-      if (*sub) b += (*sub)->bytes_sent();
-    }
-    return b;
-  };
-  int64_t completed = state.step;
+  t_start_ = Now();
+  StepMetrics m;  // reused step to step, as the model's buffers are
+  int64_t completed = state_.step;
   // threads_follow_load: the team shrinks while other processes keep cores
   // busy and grows back when they stop (see base/core_share.h).
   // The job's ranks start at an equal share of the cores (they may all be
   // on this machine; where they are not, the first window grows the team).
-  internal::CoreShare core_share(omp_get_max_threads(), 0.5, comm->size());
-  struct RestoreThreads {  // the caller's OpenMP thread count, however Train returns
+  CoreShare core_share(omp_get_max_threads(), 0.5, comm_->size());
+  struct RestoreThreads {  // the caller's OpenMP thread count, however Run returns
     int n = omp_get_max_threads();
     ~RestoreThreads() { omp_set_num_threads(n); }
   } restore_threads;
-  int threads_min = 0, threads_max = 0;
-  for (int64_t s = state.step; s < c.steps; ++s) {
+  for (int64_t s = state_.step; s < c_.steps; ++s) {
     completed = s + 1;
-    if (opt.threads_follow_load) omp_set_num_threads(core_share.Update());
-    const int threads = omp_get_max_threads();
-    threads_min = threads_min == 0 ? threads : std::min(threads_min, threads);
-    threads_max = std::max(threads_max, threads);
-    const int64_t allocs0 = GetMemoryStats().allocations;
-    const int64_t sent0 = bytes_sent(), expert0 = fsdp->expert_gather_bytes();
-    const double t0 = Now();
-    data->NextTrainBatch(inputs.data(), targets.data());
-    const bool last = s + 1 == c.steps;
-    const bool log_step = (s + 1) % c.log_period == 0 || last;
-    fsdp->set_count_health(log_step);
-    FP8MOE_RETURN_IF_ERROR(gather());
-    const double t_gathered = Now();
-    FP8MOE_RETURN_IF_ERROR(
-        model.Step(ctx, params, prepared, my_inputs, my_targets, &grads, &info));
-    const double t_computed = Now();
-    // Losses, router loads and reruns of the global batch, in one
-    // collective (the counts are exact in double).
-    if (F > 1) {
-      std::vector<double> v = {info.loss * share, info.aux_loss * share,
-                               static_cast<double>(info.dropless_reruns)};
-      for (const auto& layer : info.expert_load) v.insert(v.end(), layer.begin(), layer.end());
-      FP8MOE_ASSIGN_OR_RETURN(v, internal::SumOverRanks(*comm, v));
-      info.loss = v[0] / static_cast<double>(F);
-      info.aux_loss = v[1] / static_cast<double>(F);
-      info.dropless_reruns = static_cast<int64_t>(v[2]);
-      size_t i = 3;
-      for (auto& layer : info.expert_load) {
-        for (int32_t& x : layer) x = static_cast<int32_t>(v[i++]);
-      }
+    const int threads = SetThreads(&core_share);
+    FP8MOE_ASSIGN_OR_RETURN(StepReport rep, Step(s, threads, &m));
+    Tally(rep);
+    m.fp8_health.reset();
+    if (lead_ && IsLogStep(s)) {
+      FP8MOE_ASSIGN_OR_RETURN(m.fp8_health, Fp8HealthOfLayers());
     }
-    // ReduceGradients averages the ranks' gradients: weighted by the shares,
-    // that is the gradient of the global batch's mean loss.
-    if (share != 1.0) ScaleGradients(&grads, static_cast<float>(share));
-    FP8MOE_RETURN_IF_ERROR(fsdp->ReduceGradients(grads));
-    StepReport rep;
-    rep.step = s + 1;
-    rep.loss = info.loss;
-    rep.lr = LearningRate(c, s);
-    FP8MOE_ASSIGN_OR_RETURN(const internal::FsdpState::GradientCheck check,
-                            fsdp->CheckGradients());
-    std::string bad = std::isfinite(info.loss) && std::isfinite(info.aux_loss)
-                          ? check.first_nonfinite
-                          : "loss";
-    if (!bad.empty()) {
-      rep.skipped = true;
-      ++state.nonfinite_steps;
-      if (lead) std::fprintf(stderr, "%sfp8moe train: step %lld: non-finite %s%s; step skipped (%lld of "
-                   "max_nonfinite_steps=%lld)\n", tty ? "\n" : "", static_cast<long long>(s + 1),
-                   bad == "loss" ? "loss" : "gradient in ", bad == "loss" ? "" : bad.c_str(),
-                   static_cast<long long>(state.nonfinite_steps),
-                   static_cast<long long>(c.max_nonfinite_steps));
-    } else {
-      rep.grad_norm = check.norm;
-      const double clip = c.gradient_clipping_threshold > 0 && rep.grad_norm > c.gradient_clipping_threshold
-                              ? c.gradient_clipping_threshold / rep.grad_norm
-                              : 1.0;
-      FP8MOE_RETURN_IF_ERROR(fsdp->AdamW(ctx, c, s + 1, rep.lr, clip));
-      // Finite gradients can still give non-finite weights (a learning rate or
-      // weight decay past float range, an epsilon that rounds to 0): stop
-      // before such weights reach a checkpoint or the next step. Collective:
-      // every rank checks its shard and all stop together.
-      FP8MOE_ASSIGN_OR_RETURN(const std::string w, fsdp->FirstNonFiniteMaster());
-      if (!w.empty()) {
-        if (tty) std::fprintf(stderr, "\n");
-        char lr[32];
-        std::snprintf(lr, sizeof(lr), "%g", rep.lr);
-        return OutOfRange("stopping: the AdamW update of step " + std::to_string(s + 1) +
-                          " made the weights of " + w + " non-finite (learning rate " + lr +
-                          "); lower learning_rate or "
-                          "adam_weight_decay, or raise adam_eps. The last checkpoint is "
-                          "intact");
-      }
+    if (IsEvalStep(s)) {
+      FP8MOE_ASSIGN_OR_RETURN(rep.eval_loss, Evaluate());
+      last_eval_ = rep.eval_loss;
     }
-    rep.step_time_s = Now() - t0;
-    rep.comm_bytes = bytes_sent() - sent0;
-    rep.expert_gather_bytes = fsdp->expert_gather_bytes() - expert0;
-    rep.allocations = GetMemoryStats().allocations - allocs0;
-    rep.threads = threads;
-    if (ran > 0) {
-      time_sum += rep.step_time_s;
-      allocs_after_first += rep.allocations;
-      ++timed;
+    FP8MOE_RETURN_IF_ERROR(metrics_->Append(rep, m, comm_->size() > 1));
+    if (!rep.skipped) KeepRecentLoss(m.info.loss);
+    if (opt_.on_step) opt_.on_step(rep);
+    metrics_->Progress(c_, rep, m.info.loss, last_eval_, Now() - t_start_, ran_);
+    FP8MOE_RETURN_IF_ERROR(StopAfterTooManyNonFinite(rep, m));
+    if (IsCheckpointStep(s)) {
+      FP8MOE_RETURN_IF_ERROR(Save(s + 1));
     }
-    ++ran;
-
-    json j = {{"step", s + 1},
-              {"loss", rep.skipped ? json(nullptr) : json(info.loss)},
-              {"aux_loss", info.aux_loss},
-              {"lr", rep.lr},
-              {"grad_norm", rep.grad_norm},
-              {"step_time_s", rep.step_time_s},
-              {"tokens_per_s", static_cast<double>(N) / rep.step_time_s},
-              {"dropless_reruns", info.dropless_reruns},
-              {"dropped_tokens", 0},
-              {"threads", threads},
-              {"nonfinite_steps", state.nonfinite_steps}};
-    if (comm->size() > 1) {
-      j["comm_bytes"] = rep.comm_bytes;  // rank 0's
-      // Rank 0's time in the weight gathers (with the experts' quantization)
-      // and in forward + backward (with the MoE layers' count all-reduces);
-      // the rest of step_time_s is the gradient reduce-scatter and the update.
-      j["gather_time_s"] = t_gathered - t0;
-      j["compute_time_s"] = t_computed - t_gathered;
-      j["expert_gather_bytes"] = rep.expert_gather_bytes;
-    }
-    json load = json::array();
-    for (const auto& layer : info.expert_load) {
-      json l = json::array();
-      const double pairs = static_cast<double>(N * mc.moe.num_experts_per_tok);
-      for (int32_t cnt : layer) l.push_back(static_cast<double>(cnt) / pairs);
-      load.push_back(l);
-    }
-    j["expert_load"] = load;
-    if (lead && log_step) {
-      // Weights: counted over the whole tensors (every ring rank's experts);
-      // activations: rank 0's slice.
-      json health = json::object();
-      for (int64_t l = 0; l < mc.num_layers; ++l) {
-        const std::string p = "layers." + std::to_string(l) + ".";
-        const PreparedMoeWeights& pw = prepared[static_cast<size_t>(l)];
-        if (pw.wi.health.values > 0) health[p + "wi"] = HealthJson(pw.wi.health);
-        if (pw.wo.health.values > 0) health[p + "wo"] = HealthJson(pw.wo.health);
-        Fp8Health hx, ha;
-        FP8MOE_RETURN_IF_ERROR(model.ActivationHealth(ctx, l, prepared, &hx, &ha));
-        if (hx.values > 0) health[p + "wi_lhs"] = HealthJson(hx);
-        if (ha.values > 0) health[p + "wo_lhs"] = HealthJson(ha);
-      }
-      j["fp8_health"] = health;
-    }
-    if ((c.eval_interval > 0 && (s + 1) % c.eval_interval == 0) || last) {
-      FP8MOE_ASSIGN_OR_RETURN(const double e, evaluate());
-      rep.eval_loss = e;
-      last_eval = e;
-      j["eval_loss"] = e;
-    }
-    const std::string line = j.dump() + "\n";
-    if (lead && (std::fputs(line.c_str(), metrics) < 0 || std::fflush(metrics) != 0)) {
-      return IoError("cannot append to '" + metrics_path + "' (disk full?)");
-    }
-    if (!rep.skipped) {
-      recent_losses.push_back(info.loss);
-      if (recent_losses.size() > static_cast<size_t>(c.log_period)) {
-        recent_losses.erase(recent_losses.begin());
-      }
-    }
-    if (opt.on_step) opt.on_step(rep);
-
-    // Progress: a live line on a terminal, a log line every log_period steps otherwise.
-    if (!opt.quiet) {
-      const double elapsed = Now() - t_start;
-      const double eta = elapsed / static_cast<double>(ran) * static_cast<double>(c.steps - s - 1);
-      char buf[256];
-      std::snprintf(buf, sizeof(buf), "step %lld/%lld  loss %.4f%s  lr %.2e  %s tok/s  ETA %s",
-                    static_cast<long long>(s + 1), static_cast<long long>(c.steps), info.loss,
-                    last_eval ? ("  eval " + std::to_string(*last_eval).substr(0, 6)).c_str() : "",
-                    rep.lr, Rate(static_cast<double>(N) / rep.step_time_s).c_str(),
-                    Duration(eta).c_str());
-      if (tty) {
-        std::fprintf(stderr, "\r%s\033[K", buf);
-      } else if ((s + 1) % c.log_period == 0 || last) {
-        std::printf("%s\n", buf);
-        std::fflush(stdout);
-      }
-    }
-    if (state.nonfinite_steps > 0 && state.nonfinite_steps >= c.max_nonfinite_steps &&
-        rep.skipped) {
-      if (tty) std::fprintf(stderr, "\n");
-      return OutOfRange("stopping: " + std::to_string(state.nonfinite_steps) +
-                        " steps had a non-finite loss or gradient (the last: " + bad +
-                        ", step " + std::to_string(s + 1) + "); max_nonfinite_steps=" +
-                        std::to_string(c.max_nonfinite_steps) +
-                        ". Lower learning_rate or set gradient_clipping_threshold");
-    }
-    if (c.enable_checkpointing &&
-        ((c.checkpoint_period > 0 && (s + 1) % c.checkpoint_period == 0) || last)) {
-      FP8MOE_RETURN_IF_ERROR(save(s + 1));
-    }
-    if (opt.stop_after_steps > 0 && ran >= opt.stop_after_steps) break;
+    if (opt_.stop_after_steps > 0 && ran_ >= opt_.stop_after_steps) break;
   }
-  if (tty) std::fprintf(stderr, "\n");
-  if (!last_eval) {  // a finished run resumed, or stopped early
-    FP8MOE_ASSIGN_OR_RETURN(last_eval, evaluate());
+  metrics_->EndLine();
+  if (!last_eval_) {  // a finished run resumed, or stopped early
+    FP8MOE_ASSIGN_OR_RETURN(last_eval_, Evaluate());
   }
-  sum.steps = completed;
-  sum.final_eval_loss = last_eval;
-  for (double l : recent_losses) sum.final_loss += l / static_cast<double>(recent_losses.size());
-  sum.mean_step_time_s = timed > 0 ? time_sum / static_cast<double>(timed) : 0.0;
-  sum.tokens_per_s = sum.mean_step_time_s > 0 ? static_cast<double>(N) / sum.mean_step_time_s : 0.0;
-  sum.nonfinite_steps = state.nonfinite_steps;
-  sum.peak_bytes = GetMemoryStats().peak;
-  sum.allocations_per_step =
-      timed > 0 ? static_cast<double>(allocs_after_first) / static_cast<double>(timed) : 0.0;
-  sum.threads_min = threads_min;
-  sum.threads_max = threads_max;
-
-  json sj = {{"steps", sum.steps},
-             {"global_batch_size_to_train_on", sum.global_batch_size_to_train_on},
-             {"resumed_from", sum.resumed_from},
-             {"final_loss", recent_losses.empty() ? json(nullptr) : json(sum.final_loss)},
-             {"final_eval_loss", *sum.final_eval_loss},
-             {"entropy_floor", sum.entropy_floor ? json(*sum.entropy_floor) : json(nullptr)},
-             {"mean_step_time_s", sum.mean_step_time_s},
-             {"tokens_per_s", sum.tokens_per_s},
-             {"quantization_mode", sum.quantization_mode},
-             {"nonfinite_steps", sum.nonfinite_steps},
-             {"peak_bytes", sum.peak_bytes},
-             {"memory_plan_bytes", sum.memory_plan_bytes},
-             {"allocations_per_step", sum.allocations_per_step},
-             {"threads_min", sum.threads_min},
-             {"threads_max", sum.threads_max},
-             {"resume_changes", [&] {
-                json a = json::array();
-                for (const auto& ch : sum.resume_changes) {
-                  a.push_back({{"key", ch.key}, {"saved", ch.saved}, {"now", ch.now}});
-                }
-                return a;
-              }()},
-             {"wall_time_s", Now() - t_start},
-             {"config", *config_yaml}};
-  if (lead) {
-    FP8MOE_RETURN_IF_ERROR(
-        WriteTextAtomically((run_dir / "summary.json").string(), sj.dump(2) + "\n"));
-  }
-
-  if (!opt.quiet) {
-    std::printf("\nfp8moe train: done, %s\n", run_dir.string().c_str());
-    std::printf("  steps            %lld%s\n", static_cast<long long>(sum.steps),
-                sum.resumed_from > 0
-                    ? (" (resumed from " + std::to_string(sum.resumed_from) + ")").c_str()
-                    : "");
-    if (!recent_losses.empty()) {
-      std::printf("  final loss       %.4f  (train, mean of the last %zu steps)\n", sum.final_loss,
-                  recent_losses.size());
-    }
-    std::printf("  final eval loss  %.4f\n", *sum.final_eval_loss);
-    if (sum.entropy_floor) {
-      std::printf("  entropy floor    %.4f  (eval loss - floor = %.4f nats)\n", *sum.entropy_floor,
-                  *sum.final_eval_loss - *sum.entropy_floor);
-    }
-    std::printf("  QAT mode         %s\n", sum.quantization_mode.c_str());
-    std::printf("  step time        %.4f s mean, %s tokens/s\n", sum.mean_step_time_s,
-                Rate(sum.tokens_per_s).c_str());
-    std::printf("  wall time        %s\n", Duration(Now() - t_start).c_str());
-    if (sum.threads_min != sum.threads_max) {
-      std::printf("  threads          %d-%d (fewer while other processes kept cores busy)\n",
-                  sum.threads_min, sum.threads_max);
-    } else if (sum.threads_max > 0) {
-      std::printf("  threads          %d\n", sum.threads_max);
-    }
-    if (sum.nonfinite_steps > 0) {
-      std::printf("  skipped steps    %lld (non-finite)\n", static_cast<long long>(sum.nonfinite_steps));
-    }
-    std::fflush(stdout);
-  }
-  return sum;
+  Summarize(completed);
+  FP8MOE_RETURN_IF_ERROR(
+      metrics_->WriteSummary(sum_, recent_losses_.size(), Now() - t_start_, config_yaml_));
+  metrics_->PrintSummary(sum_, recent_losses_.size(), Now() - t_start_);
+  return sum_;
 }
 
+bool Trainer::IsLogStep(int64_t s) const {
+  return (s + 1) % c_.log_period == 0 || s + 1 == c_.steps;
+}
+
+bool Trainer::IsEvalStep(int64_t s) const {
+  return (c_.eval_interval > 0 && (s + 1) % c_.eval_interval == 0) || s + 1 == c_.steps;
+}
+
+bool Trainer::IsCheckpointStep(int64_t s) const {
+  return c_.enable_checkpointing &&
+         ((c_.checkpoint_period > 0 && (s + 1) % c_.checkpoint_period == 0) || s + 1 == c_.steps);
+}
+
+int Trainer::SetThreads(CoreShare* core_share) {
+  if (opt_.threads_follow_load) omp_set_num_threads(core_share->Update());
+  const int threads = omp_get_max_threads();
+  threads_min_ = threads_min_ == 0 ? threads : std::min(threads_min_, threads);
+  threads_max_ = std::max(threads_max_, threads);
+  return threads;
+}
+
+void Trainer::Tally(const StepReport& rep) {
+  if (ran_ > 0) {  // the first step of a process warms up: not in the means
+    time_sum_ += rep.step_time_s;
+    allocs_after_first_ += rep.allocations;
+    ++timed_;
+  }
+  ++ran_;
+}
+
+void Trainer::KeepRecentLoss(double loss) {
+  recent_losses_.push_back(loss);
+  if (recent_losses_.size() > static_cast<size_t>(c_.log_period)) {
+    recent_losses_.erase(recent_losses_.begin());
+  }
+}
+
+Status Trainer::StopAfterTooManyNonFinite(const StepReport& rep, const StepMetrics& m) const {
+  if (state_.nonfinite_steps > 0 && state_.nonfinite_steps >= c_.max_nonfinite_steps &&
+      rep.skipped) {
+    metrics_->EndLine();
+    return OutOfRange("stopping: " + std::to_string(state_.nonfinite_steps) +
+                      " steps had a non-finite loss or gradient (the last: " + m.nonfinite +
+                      ", step " + std::to_string(rep.step) + "); max_nonfinite_steps=" +
+                      std::to_string(c_.max_nonfinite_steps) +
+                      ". Lower learning_rate or set gradient_clipping_threshold");
+  }
+  return OkStatus();
+}
+
+Status Trainer::Gather() {
+  FP8MOE_RETURN_IF_ERROR(fsdp_->GatherParams(&params_, /*skip_experts=*/!f32_experts_));
+  return model_->PrepareExperts(*ctx_, params_, &prepared_, expert_source_);
+}
+
+Result<StepReport> Trainer::Step(int64_t s, int threads, StepMetrics* m) {
+  const int64_t allocs0 = GetMemoryStats().allocations;
+  const int64_t sent0 = BytesSent(), expert0 = fsdp_->expert_gather_bytes();
+  const double t0 = Now();
+  data_->NextTrainBatch(inputs_.data(), targets_.data());
+  fsdp_->set_count_health(IsLogStep(s));
+  FP8MOE_RETURN_IF_ERROR(Gather());
+  const double t_gathered = Now();
+  ModelStepInfo& info = m->info;
+  FP8MOE_RETURN_IF_ERROR(
+      model_->Step(*ctx_, params_, prepared_, my_inputs_, my_targets_, &grads_, &info));
+  const double t_computed = Now();
+  FP8MOE_RETURN_IF_ERROR(SumStepInfoOverRanks(&info));
+  // ReduceGradients averages the ranks' gradients: weighted by the shares,
+  // that is the gradient of the global batch's mean loss.
+  if (share_ != 1.0) ScaleGradients(&grads_, static_cast<float>(share_));
+  FP8MOE_RETURN_IF_ERROR(fsdp_->ReduceGradients(grads_));
+  StepReport rep;
+  rep.step = s + 1;
+  rep.loss = info.loss;
+  rep.lr = LearningRate(c_, s);
+  FP8MOE_ASSIGN_OR_RETURN(const FsdpState::GradientCheck check, fsdp_->CheckGradients());
+  m->nonfinite = std::isfinite(info.loss) && std::isfinite(info.aux_loss)
+                     ? check.first_nonfinite
+                     : "loss";
+  const std::string& bad = m->nonfinite;
+  if (!bad.empty()) {
+    rep.skipped = true;
+    ++state_.nonfinite_steps;
+    if (lead_) std::fprintf(stderr, "%sfp8moe train: step %lld: non-finite %s%s; step skipped (%lld of "
+                 "max_nonfinite_steps=%lld)\n", metrics_->tty() ? "\n" : "", static_cast<long long>(s + 1),
+                 bad == "loss" ? "loss" : "gradient in ", bad == "loss" ? "" : bad.c_str(),
+                 static_cast<long long>(state_.nonfinite_steps),
+                 static_cast<long long>(c_.max_nonfinite_steps));
+  } else {
+    rep.grad_norm = check.norm;
+    FP8MOE_RETURN_IF_ERROR(Update(s, rep.lr, rep.grad_norm));
+  }
+  rep.step_time_s = Now() - t0;
+  rep.comm_bytes = BytesSent() - sent0;
+  rep.expert_gather_bytes = fsdp_->expert_gather_bytes() - expert0;
+  rep.allocations = GetMemoryStats().allocations - allocs0;
+  rep.threads = threads;
+  m->gather_time_s = t_gathered - t0;
+  m->compute_time_s = t_computed - t_gathered;
+  m->nonfinite_steps = state_.nonfinite_steps;
+  return rep;
+}
+
+Status Trainer::SumStepInfoOverRanks(ModelStepInfo* info) {
+  if (F_ == 1) return OkStatus();
+  // One collective (the counts are exact in double).
+  std::vector<double> v = {info->loss * share_, info->aux_loss * share_,
+                           static_cast<double>(info->dropless_reruns)};
+  for (const auto& layer : info->expert_load) v.insert(v.end(), layer.begin(), layer.end());
+  FP8MOE_ASSIGN_OR_RETURN(v, SumOverRanks(*comm_, v));
+  info->loss = v[0] / static_cast<double>(F_);
+  info->aux_loss = v[1] / static_cast<double>(F_);
+  info->dropless_reruns = static_cast<int64_t>(v[2]);
+  size_t i = 3;
+  for (auto& layer : info->expert_load) {
+    for (int32_t& x : layer) x = static_cast<int32_t>(v[i++]);
+  }
+  return OkStatus();
+}
+
+Status Trainer::Update(int64_t s, double lr, double norm) {
+  const double clip = c_.gradient_clipping_threshold > 0 && norm > c_.gradient_clipping_threshold
+                          ? c_.gradient_clipping_threshold / norm
+                          : 1.0;
+  FP8MOE_RETURN_IF_ERROR(fsdp_->AdamW(*ctx_, c_, s + 1, lr, clip));
+  // Finite gradients can still give non-finite weights (a learning rate or
+  // weight decay past float range, an epsilon that rounds to 0): stop
+  // before such weights reach a checkpoint or the next step. Collective:
+  // every rank checks its shard and all stop together.
+  FP8MOE_ASSIGN_OR_RETURN(const std::string w, fsdp_->FirstNonFiniteMaster());
+  if (w.empty()) return OkStatus();
+  metrics_->EndLine();
+  char lr_text[32];
+  std::snprintf(lr_text, sizeof(lr_text), "%g", lr);
+  return OutOfRange("stopping: the AdamW update of step " + std::to_string(s + 1) +
+                    " made the weights of " + w + " non-finite (learning rate " + lr_text +
+                    "); lower learning_rate or "
+                    "adam_weight_decay, or raise adam_eps. The last checkpoint is "
+                    "intact");
+}
+
+Result<std::vector<LayerFp8Health>> Trainer::Fp8HealthOfLayers() {
+  // Weights: counted over the whole tensors (every ring rank's experts);
+  // activations: rank 0's slice.
+  std::vector<LayerFp8Health> health(static_cast<size_t>(mc_.num_layers));
+  for (int64_t l = 0; l < mc_.num_layers; ++l) {
+    LayerFp8Health& h = health[static_cast<size_t>(l)];
+    const PreparedMoeWeights& pw = prepared_[static_cast<size_t>(l)];
+    h.wi = pw.wi.health;
+    h.wo = pw.wo.health;
+    FP8MOE_RETURN_IF_ERROR(model_->ActivationHealth(*ctx_, l, prepared_, &h.wi_lhs, &h.wo_lhs));
+  }
+  return health;
+}
+
+// The mean over the eval batches of the global batch's mean loss: the mean
+// over the ranks of per-rank means weighted by their shares, the same bits
+// on every rank.
+Result<double> Trainer::Evaluate() {
+  FP8MOE_RETURN_IF_ERROR(Gather());
+  double total = 0;
+  for (int64_t i = 0; i < c_.eval_steps; ++i) {
+    data_->EvalBatch(i, inputs_.data(), targets_.data());
+    ModelStepInfo ei;
+    FP8MOE_RETURN_IF_ERROR(
+        model_->Step(*ctx_, params_, prepared_, my_inputs_, my_targets_, nullptr, &ei));
+    std::vector<double> v = {ei.loss};
+    for (double& x : v) x *= share_;
+    FP8MOE_ASSIGN_OR_RETURN(std::vector<double> sums, SumOverRanks(*comm_, v));
+    for (double& x : sums) x /= static_cast<double>(F_);
+    total += sums[0];
+  }
+  return total / static_cast<double>(c_.eval_steps);
+}
+
+Status Trainer::Save(int64_t step) {
+  state_.step = step;
+  state_.global_batch = layout_.global_batch;
+  state_.rng = ctx_->rng().state();
+  state_.data_position = data_->Position();
+  const std::string path = CheckpointPath(ckpt_dir_.string(), step);
+  // Every rank gathers the tensors one at a time, in the file's order;
+  // rank 0 writes them (a temporary name, then a rename: no partial
+  // checkpoint is ever visible) and tells the others how it went, which
+  // also holds them until the file is complete.
+  Status s = SaveCheckpoint(
+      path, c_, ckpt_layout_,
+      [&](const CheckpointTensor& t, float* out) { return fsdp_->GatherTensor(t, out); }, state_,
+      /*write=*/lead_);
+  int64_t code = static_cast<int64_t>(s.code());
+  FP8MOE_RETURN_IF_ERROR(comm_->AllReduce(&code, &code, 1, DType::kI64, ReduceOp::kMax));
+  if (!lead_ && code != 0) {
+    return Status(static_cast<StatusCode>(code),
+                  "rank 0 could not save the checkpoint of step " + std::to_string(step) +
+                      " (see its message)");
+  }
+  if (!s.ok()) {
+    auto latest = LatestCheckpoint(ckpt_dir_.string());
+    return Status(s.code(), "cannot save the checkpoint of step " + std::to_string(step) + ": " +
+                                s.message() + "; the last complete checkpoint is " +
+                                (latest ? "'" + *latest + "' (intact)" : "none") +
+                                "; fix the cause (a full disk: free space) and run again to "
+                                "resume");
+  }
+  if (lead_) PruneCheckpoints(ckpt_dir_.string(), 2);
+  return OkStatus();
+}
+
+int64_t Trainer::BytesSent() const {
+  int64_t b = comm_->bytes_sent();
+  for (const auto* sub : {&ring_, &expert_group_}) {
+    if (*sub) b += (*sub)->bytes_sent();
+  }
+  return b;
+}
+
+void Trainer::Summarize(int64_t completed) {
+  sum_.steps = completed;
+  sum_.final_eval_loss = last_eval_;
+  for (double l : recent_losses_) sum_.final_loss += l / static_cast<double>(recent_losses_.size());
+  sum_.mean_step_time_s = timed_ > 0 ? time_sum_ / static_cast<double>(timed_) : 0.0;
+  sum_.tokens_per_s = sum_.mean_step_time_s > 0 ? static_cast<double>(N_) / sum_.mean_step_time_s : 0.0;
+  sum_.nonfinite_steps = state_.nonfinite_steps;
+  sum_.peak_bytes = GetMemoryStats().peak;
+  sum_.allocations_per_step =
+      timed_ > 0 ? static_cast<double>(allocs_after_first_) / static_cast<double>(timed_) : 0.0;
+  sum_.threads_min = threads_min_;
+  sum_.threads_max = threads_max_;
+}
+
+}  // namespace internal
 }  // namespace fp8moe
