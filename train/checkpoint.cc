@@ -309,34 +309,46 @@ Status SaveCheckpoint(const std::string& path, const TrainConfig& config,
   return writer->Finish(meta);
 }
 
-Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
-                      const TrainLayout& run, const std::vector<CheckpointTensor>& layout,
-                      const CheckpointSink& sink, TrainState* state) {
-  // Everything is checked before `sink` sees a tensor or *state changes.
-  auto opened = SafetensorsReader::Open(path);
-  if (!opened.ok()) {
-    return Status(opened.status().code(),
-                  "cannot resume from checkpoint: " + opened.status().message() + "; " + kFixHint);
-  }
-  const SafetensorsReader& reader = **opened;
-  const Metadata& metadata = reader.metadata();
-  auto meta = [&](const std::string& key) -> std::string {
-    auto it = metadata.find(key);
-    return it == metadata.end() ? "?" : it->second;
-  };
+namespace {
+
+// A metadata value, or "?" where the file has none (for messages).
+std::string MetaText(const Metadata& metadata, const std::string& key) {
+  auto it = metadata.find(key);
+  return it == metadata.end() ? "?" : it->second;
+}
+
+// An fp8moe checkpoint of format version 1 that records its checksum.
+Status CheckFormat(const std::string& path, const Metadata& metadata) {
   if (metadata.count("fp8moe_checkpoint") == 0) {
     return DataLoss("'" + path + "' is not an fp8moe checkpoint (no fp8moe_checkpoint metadata); " +
                     kFixHint);
   }
-  if (meta("fp8moe_checkpoint") != "1") {
-    return DataLoss("checkpoint '" + path + "' has format version '" + meta("fp8moe_checkpoint") +
+  if (MetaText(metadata, "fp8moe_checkpoint") != "1") {
+    return DataLoss("checkpoint '" + path + "' has format version '" +
+                    MetaText(metadata, "fp8moe_checkpoint") +
                     "', but this fp8moe reads version 1; " + kFixHint);
   }
   if (metadata.count("checksum") == 0) {
     return DataLoss("checkpoint '" + path + "' has no checksum in its metadata; " + kFixHint);
   }
-  // First pass: every tensor of the file, by name, through the checksum;
-  // the config's tensors also through the finiteness check.
+  return OkStatus();
+}
+
+// What the first pass over a checkpoint's tensors found: a buffer of its
+// largest tensor (for the second pass) and the first of the layout's
+// tensors that holds NaN or Inf, with its count.
+struct ContentCheck {
+  Tensor buffer;  // u8 [largest tensor's bytes]
+  std::string first_nonfinite;
+  int64_t nonfinite = 0;
+};
+
+// First pass: every tensor of the file, by name, through the checksum (an
+// error when it differs from the recorded one); the layout's tensors also
+// through the finiteness check.
+Result<ContentCheck> CheckContents(const std::string& path, const SafetensorsReader& reader,
+                                   const std::vector<CheckpointTensor>& layout) {
+  const Metadata& metadata = reader.metadata();
   std::map<std::string, const CheckpointTensor*> wanted;
   for (const CheckpointTensor& t : layout) wanted[t.name] = &t;
   std::vector<const SafetensorsEntry*> entries;
@@ -347,48 +359,55 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
   }
   std::sort(entries.begin(), entries.end(),
             [](const auto* a, const auto* b) { return a->name < b->name; });
-  FP8MOE_ASSIGN_OR_RETURN(Tensor buffer,
-                          Tensor::Create(DType::kU8, {static_cast<int64_t>(largest)}));
+  ContentCheck out;
+  FP8MOE_ASSIGN_OR_RETURN(out.buffer, Tensor::Create(DType::kU8, {static_cast<int64_t>(largest)}));
   Checksum sum = ChecksumOfMetadata(metadata);
-  std::string first_nonfinite;
-  int64_t nonfinite = 0;
   for (const SafetensorsEntry* e : entries) {
-    if (Status r = reader.Read(e->name, buffer.data()); !r.ok()) {
+    if (Status r = reader.Read(e->name, out.buffer.data()); !r.ok()) {
       return Status(r.code(), "cannot resume from checkpoint: " + r.message() + "; " + kFixHint);
     }
-    AddTensor(&sum, e->name, e->dtype, e->shape, buffer.data(), e->num_bytes());
+    AddTensor(&sum, e->name, e->dtype, e->shape, out.buffer.data(), e->num_bytes());
     auto it = wanted.find(e->name);
-    if (first_nonfinite.empty() && it != wanted.end() && e->dtype == DType::kF32 &&
+    if (out.first_nonfinite.empty() && it != wanted.end() && e->dtype == DType::kF32 &&
         e->shape == it->second->shape) {
       // The trainer never saves NaN or Inf (it skips non-finite steps).
-      nonfinite = FindNonFinite(TensorView{buffer.data(), DType::kF32, e->shape}).count;
-      if (nonfinite > 0) first_nonfinite = e->name;
+      out.nonfinite = FindNonFinite(TensorView{out.buffer.data(), DType::kF32, e->shape}).count;
+      if (out.nonfinite > 0) out.first_nonfinite = e->name;
     }
   }
-  if (const std::string hex = sum.Hex(); hex != meta("checksum")) {
+  if (const std::string hex = sum.Hex(); hex != MetaText(metadata, "checksum")) {
     return DataLoss("checkpoint '" + path + "' is corrupt: its contents have checksum " + hex +
-                    " but the file records " + meta("checksum") +
+                    " but the file records " + MetaText(metadata, "checksum") +
                     " (a flipped bit, a partial copy or an edit); " + kFixHint);
   }
+  return out;
+}
+
+// The checkpoint's model shape and QAT mode (with the hand-crafted scheme)
+// are the config's.
+Status CheckModelAndMode(const std::string& path, const Metadata& metadata,
+                         const TrainConfig& config) {
   const std::string sig = ModelSignature(config.model);
-  if (meta("model_signature") != sig) {
+  if (MetaText(metadata, "model_signature") != sig) {
     return FailedPrecondition("checkpoint '" + path + "' holds a model of shape " +
-                              meta("model_signature") + " but this run's config has " + sig +
+                              MetaText(metadata, "model_signature") +
+                              " but this run's config has " + sig +
                               "; set the flags the checkpoint was trained with, or use another "
                               "run_name to start a new run");
   }
   const MoeQatMode qat = PlanMoeQuantization(config.model.moe).mode;
   const std::string mode(MoeQatModeName(qat));
-  if (meta("quantization_mode") != mode) {
+  if (MetaText(metadata, "quantization_mode") != mode) {
     return FailedPrecondition("checkpoint '" + path + "' was trained in QAT mode " +
-                              meta("quantization_mode") + " but this run's config selects " +
-                              mode +
+                              MetaText(metadata, "quantization_mode") +
+                              " but this run's config selects " + mode +
                               "; set the QAT flags the checkpoint was trained with, or use "
                               "another run_name to start a new run");
   }
   // The hand-crafted schemes (int8, fp8, nanoo_fp8) share one mode name.
   if (qat == MoeQatMode::kHandCrafted) {
-    auto saved = LoadConfigText(TrainConfigSchema(), meta("config"), path + " (its config)", {});
+    auto saved = LoadConfigText(TrainConfigSchema(), MetaText(metadata, "config"),
+                                path + " (its config)", {});
     const std::string now(MoeQuantizationName(config.model.moe.quantization));
     if (saved.ok() && saved->GetString("quantization") != now) {
       return FailedPrecondition("checkpoint '" + path + "' was trained with quantization=" +
@@ -398,6 +417,15 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
                                 "another run_name to start a new run");
     }
   }
+  return OkStatus();
+}
+
+// The run state the metadata records, checked: the step matches the file
+// name and is within the config's steps, the skipped steps within the
+// steps, the RNG state well formed.
+Result<TrainState> ReadTrainState(const std::string& path, const Metadata& metadata,
+                                  const TrainConfig& config, const TrainLayout& run) {
+  auto meta = [&](const std::string& key) { return MetaText(metadata, key); };
   TrainState s;
   FP8MOE_ASSIGN_OR_RETURN(s.global_batch, GlobalBatchOf(path, metadata, config, run));
   FP8MOE_ASSIGN_OR_RETURN(s.step, MetaInt(metadata, "step", path));
@@ -426,6 +454,13 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
   FP8MOE_ASSIGN_OR_RETURN(s.data_position, SplitU64(meta("data_position"), "data_position", path));
   s.config_yaml = meta("config");
   s.checksum = std::strtoull(meta("checksum").c_str(), nullptr, 16);
+  return s;
+}
+
+// The file holds exactly the layout's tensors, each f32 of its shape and
+// finite (`contents`: the first pass's finding).
+Status CheckTensors(const std::string& path, const SafetensorsReader& reader,
+                    const std::vector<CheckpointTensor>& layout, const ContentCheck& contents) {
   for (const CheckpointTensor& t : layout) {
     const SafetensorsEntry* e = reader.Find(t.name);
     if (e == nullptr) {
@@ -437,19 +472,39 @@ Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
                       " but this run needs f32 " + ShapeToString(t.shape) + "; " + kFixHint);
     }
   }
-  if (!first_nonfinite.empty()) {
-    return DataLoss("checkpoint '" + path + "' holds " + std::to_string(nonfinite) +
-                    " NaN or Inf values in " + first_nonfinite + "; " + kFixHint);
+  if (!contents.first_nonfinite.empty()) {
+    return DataLoss("checkpoint '" + path + "' holds " + std::to_string(contents.nonfinite) +
+                    " NaN or Inf values in " + contents.first_nonfinite + "; " + kFixHint);
   }
   if (reader.entries().size() != layout.size()) {
     return DataLoss("checkpoint '" + path + "' holds " + std::to_string(reader.entries().size()) +
                     " tensors but this model has " + std::to_string(layout.size()) + "; " +
                     kFixHint);
   }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status LoadCheckpoint(const std::string& path, const TrainConfig& config,
+                      const TrainLayout& run, const std::vector<CheckpointTensor>& layout,
+                      const CheckpointSink& sink, TrainState* state) {
+  // Everything is checked before `sink` sees a tensor or *state changes.
+  auto opened = SafetensorsReader::Open(path);
+  if (!opened.ok()) {
+    return Status(opened.status().code(),
+                  "cannot resume from checkpoint: " + opened.status().message() + "; " + kFixHint);
+  }
+  const SafetensorsReader& reader = **opened;
+  FP8MOE_RETURN_IF_ERROR(CheckFormat(path, reader.metadata()));
+  FP8MOE_ASSIGN_OR_RETURN(ContentCheck contents, CheckContents(path, reader, layout));
+  FP8MOE_RETURN_IF_ERROR(CheckModelAndMode(path, reader.metadata(), config));
+  FP8MOE_ASSIGN_OR_RETURN(TrainState s, ReadTrainState(path, reader.metadata(), config, run));
+  FP8MOE_RETURN_IF_ERROR(CheckTensors(path, reader, layout, contents));
   // Second pass: the checked file, tensor by tensor.
   for (const CheckpointTensor& t : layout) {
-    FP8MOE_RETURN_IF_ERROR(reader.Read(t.name, buffer.data()));
-    sink(t, buffer.data_as<float>());
+    FP8MOE_RETURN_IF_ERROR(reader.Read(t.name, contents.buffer.data()));
+    sink(t, contents.buffer.data_as<float>());
   }
   *state = std::move(s);
   return OkStatus();
