@@ -13,6 +13,7 @@ namespace fp8moe::internal {
 
 void CpuOps::EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) {
   (void)ctx;
+  if (a.d == 0) return;  // empty rows: out and table may be null (memcpy's arguments must not)
   for (int64_t i = 0; i < a.n; ++i) {
     std::memcpy(a.out + i * a.d, a.table + a.tokens[i] * a.d,
                 static_cast<size_t>(a.d) * sizeof(float));
