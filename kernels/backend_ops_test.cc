@@ -259,7 +259,7 @@ void CheckAttention(std::mt19937& rng, bool edges) {
       const std::string what = "attention " + Dims({batch, seq, heads, hd}) +
                                (edges ? " edges in " + std::string(1, "qkv"[part]) : "");
       std::vector<float> qkv = Values(rng, rows * width, false);
-      if (edges) {  // the edges into part `part` of every row
+      if (edges && heads * hd > 0) {  // the edges into part `part` of every row
         const std::vector<float> e = Values(rng, rows * heads * hd, true);
         for (int64_t r = 0; r < rows; ++r) {
           std::memcpy(qkv.data() + r * width + part * heads * hd, e.data() + r * heads * hd,
