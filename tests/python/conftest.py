@@ -79,3 +79,19 @@ def pytest_runtest_makereport(item, call):
     if report.failed and seed is not None:
         report.sections.append(("replay", f"FP8MOE_TEST_SEED={seed} replays this test's "
                                           "random inputs"))
+
+
+# ---- The command's tests only (scripts/test's sanitizer stage) ----
+#
+# FP8MOE_COMMAND_TESTS_ONLY=1 deselects the tests that never start the fp8moe
+# command (those of the Python package and the layering check): under a
+# sanitized FP8MOE_BIN they would rerun the unsanitized package's tests for
+# nothing. pytest's summary counts them as deselected.
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("FP8MOE_COMMAND_TESTS_ONLY") != "1":
+        return
+    keep = [item for item in items if "fp8moe_bin" in item.fixturenames]
+    dropped = [item for item in items if "fp8moe_bin" not in item.fixturenames]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
