@@ -104,6 +104,31 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, 
   }
 }
 
+// As ExpectClose, with an absolute bound per element (abs[i]; a NaN or an
+// infinity there accepts any value) beside the relative one.
+void ExpectCloseWithin(const std::vector<float>& got, const std::vector<float>& want,
+                       const std::vector<double>& abs, double rel, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  ASSERT_EQ(abs.size(), want.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    const float g = got[i], w = want[i];
+    bool ok;
+    if (!std::isfinite(abs[i])) {
+      ok = true;
+    } else if (std::isnan(w) || std::isnan(g) || std::isinf(w) || std::isinf(g)) {
+      ok = (std::isnan(w) && std::isnan(g)) || g == w;
+    } else {
+      ok = std::fabs(static_cast<double>(g) - w) <= abs[i] + rel * std::fabs(static_cast<double>(w));
+    }
+    if (!ok) {
+      ++reported;
+      ADD_FAILURE() << what << "[" << i << "]: cpu " << g << ", reference " << w
+                    << " (bound " << abs[i] << " + " << rel << " |reference|)";
+    }
+  }
+}
+
 Context& Ctx(BackendKind kind) {
   static Context cpu{[] {
     ContextOptions o;
@@ -248,6 +273,89 @@ void CheckRope(std::mt19937& rng, bool edges) {
 // product of two values beyond 1e19 overflows f32 on the cpu but not the
 // reference's double, where the two backends are not meant to agree. q at
 // 1e30 saturates its softmax: probabilities exactly 0 and 1 on both.
+// The size of the terms behind each element of attention's backward (qkv
+// [rows, 3*heads*hd], probs [batch, heads, seq, seq], dout [rows, heads*hd]
+// -> [rows, 3*heads*hd]): the reference's sums (ops_reference.cc) over
+// absolute values, with dS_ij's difference dP_ij - sum_j' P_ij' dP_ij' taken
+// as |dP_ij| + sum_j' P_ij' |dP_ij'|. A sum of n f32 terms is within about
+// n u of this size, however much it cancels; with the f32 edges in v (1e30)
+// dQ and dK cancel to 1e-6 of their terms, far below any relative bound.
+std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
+                                               const std::vector<float>& probs,
+                                               const std::vector<float>& dout, int64_t batch,
+                                               int64_t seq, int64_t heads, int64_t hd) {
+  const int64_t S = seq, width = 3 * heads * hd;
+  const double scale = hd > 0 ? 1.0 / std::sqrt(static_cast<double>(hd)) : 0.0;
+  std::vector<double> size(static_cast<size_t>(batch * S * width), 0.0);
+  auto x = [&](int64_t row, int64_t part, int64_t h, int64_t t) {
+    return std::fabs(static_cast<double>(qkv[static_cast<size_t>(row * width +
+                                                                 part * heads * hd + h * hd + t)]));
+  };
+  auto dO = [&](int64_t row, int64_t h, int64_t t) {
+    return std::fabs(static_cast<double>(dout[static_cast<size_t>(row * heads * hd + h * hd + t)]));
+  };
+  std::vector<double> ds(static_cast<size_t>(S * S));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* P = probs.data() + (b * heads + h) * S * S;
+      for (int64_t i = 0; i < S; ++i) {
+        double pdp = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double dp = 0;
+          for (int64_t t = 0; t < hd; ++t) dp += dO(b * S + i, h, t) * x(b * S + j, 2, h, t);
+          ds[static_cast<size_t>(i * S + j)] = dp;
+          pdp += std::fabs(P[i * S + j]) * dp;
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          double& d = ds[static_cast<size_t>(i * S + j)];
+          d = std::fabs(P[i * S + j]) * (d + pdp) * scale;
+        }
+      }
+      for (int64_t n = 0; n < S; ++n) {
+        for (int64_t t = 0; t < hd; ++t) {
+          double q = 0, k = 0, v = 0;
+          for (int64_t j = 0; j <= n; ++j) q += ds[static_cast<size_t>(n * S + j)] * x(b * S + j, 1, h, t);
+          for (int64_t i = n; i < S; ++i) {
+            k += ds[static_cast<size_t>(i * S + n)] * x(b * S + i, 0, h, t);
+            v += std::fabs(P[i * S + n]) * dO(b * S + i, h, t);
+          }
+          double* row = size.data() + (b * S + n) * width;
+          row[h * hd + t] = q;
+          row[heads * hd + h * hd + t] = k;
+          row[2 * heads * hd + h * hd + t] = v;
+        }
+      }
+    }
+  }
+  return size;
+}
+
+// The size of the terms of each attention output (qkv [rows, 3*heads*hd],
+// probs [batch, heads, seq, seq] -> [rows, heads*hd]): sum_j P_ij |v_j|.
+std::vector<double> AttentionOutputTermSizes(const std::vector<float>& qkv,
+                                             const std::vector<float>& probs, int64_t batch,
+                                             int64_t seq, int64_t heads, int64_t hd) {
+  const int64_t width = 3 * heads * hd;
+  std::vector<double> size(static_cast<size_t>(batch * seq * heads * hd), 0.0);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* P = probs.data() + (b * heads + h) * seq * seq;
+      for (int64_t i = 0; i < seq; ++i) {
+        for (int64_t t = 0; t < hd; ++t) {
+          double sum = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            const float v = qkv[static_cast<size_t>((b * seq + j) * width + 2 * heads * hd +
+                                                    h * hd + t)];
+            sum += std::fabs(static_cast<double>(P[i * seq + j])) * std::fabs(v);
+          }
+          size[static_cast<size_t>((b * seq + i) * heads * hd + h * hd + t)] = sum;
+        }
+      }
+    }
+  }
+  return size;
+}
+
 void CheckAttention(std::mt19937& rng, bool edges) {
   for (auto [batch, seq, heads, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 4},
                                        {1, 37, 2, 12},
@@ -268,22 +376,43 @@ void CheckAttention(std::mt19937& rng, bool edges) {
       }
       const std::vector<float> dout = Values(rng, rows * heads * hd, false);
       const int64_t nprobs = batch * heads * seq * seq;
-      CompareBackends({Poisoned(nprobs), Poisoned(rows * heads * hd)}, true, 2e-5, 2e-5,
-                      what + " forward", [&](Context& ctx, Outputs& o) {
-                        return internal::AttentionForward(ctx, qkv.data(), batch, seq, heads, hd,
-                                                          o[0].data(), o[1].data());
-                      });
-      std::vector<float> probs(static_cast<size_t>(nprobs)),
-          out(static_cast<size_t>(rows * heads * hd));
+      std::vector<float> probs = Poisoned(nprobs), out = Poisoned(rows * heads * hd);
       ASSERT_TRUE(internal::AttentionForward(Ctx(BackendKind::kReference), qkv.data(), batch, seq,
                                              heads, hd, probs.data(), out.data())
                       .ok());
-      CompareBackends({Poisoned(rows * width)}, true, 2e-5, 2e-5, what + " backward",
-                      [&](Context& ctx, Outputs& o) {
-                        return internal::AttentionBackward(ctx, qkv.data(), probs.data(),
-                                                           dout.data(), batch, seq, heads, hd,
-                                                           o[0].data());
-                      });
+      // The probabilities within 2e-5; each output within that of the size
+      // of its terms sum_j P_ij |v_j| (the cpu's own P carries 2e-5), plus
+      // (seq + 4) u of it for the f32 sum, which cancels where v holds 1e30.
+      std::vector<double> out_abs = AttentionOutputTermSizes(qkv, probs, batch, seq, heads, hd);
+      for (double& a : out_abs) {
+        a = std::isfinite(a) ? 2e-5 + (2e-5 + static_cast<double>(seq + 4) * 0x1p-24) * a : a;
+      }
+      test::ForEachTarget([&] {
+        std::vector<float> got_probs = Poisoned(nprobs), got_out = Poisoned(rows * heads * hd);
+        ASSERT_TRUE(internal::AttentionForward(Ctx(BackendKind::kCpu), qkv.data(), batch, seq,
+                                               heads, hd, got_probs.data(), got_out.data())
+                        .ok());
+        ExpectClose(got_probs, probs, 2e-5, 2e-5, what + " forward probabilities");
+        ExpectCloseWithin(got_out, out, out_abs, 2e-5, what + " forward output");
+      });
+      // Within 2e-5 relative, or (seq + hd + 4) u of the size of its terms
+      // (a NaN or infinite size, from an infinite input, accepts any value:
+      // the forward's check has held those rows).
+      std::vector<double> abs = AttentionBackwardTermSizes(qkv, probs, dout, batch, seq, heads, hd);
+      const double terms_u = static_cast<double>(seq + hd + 4) * 0x1p-24;
+      for (double& a : abs) a = std::isfinite(a) ? 2e-5 + terms_u * a : a;
+      std::vector<float> want = Poisoned(rows * width);
+      ASSERT_TRUE(internal::AttentionBackward(Ctx(BackendKind::kReference), qkv.data(),
+                                              probs.data(), dout.data(), batch, seq, heads, hd,
+                                              want.data())
+                      .ok());
+      test::ForEachTarget([&] {
+        std::vector<float> got = Poisoned(rows * width);
+        ASSERT_TRUE(internal::AttentionBackward(Ctx(BackendKind::kCpu), qkv.data(), probs.data(),
+                                                dout.data(), batch, seq, heads, hd, got.data())
+                        .ok());
+        ExpectCloseWithin(got, want, abs, 2e-5, what + " backward");
+      });
     }
   }
 }
