@@ -9,11 +9,28 @@
 
 #include <gtest/gtest.h>
 
+#include "fp8moe/context.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/numerics.h"
 #include "hwy/targets.h"
 
 namespace fp8moe::test {
+
+// One Context per backend kind for a test binary (default threads), made
+// on first use: ops under test on the cpu and on the reference backend.
+inline Context& ContextOf(BackendKind kind) {
+  static Context cpu{[] {
+    ContextOptions o;
+    o.backend = BackendKind::kCpu;
+    return o;
+  }()};
+  static Context ref{[] {
+    ContextOptions o;
+    o.backend = BackendKind::kReference;
+    return o;
+  }()};
+  return kind == BackendKind::kCpu ? cpu : ref;
+}
 
 // Restores, when it goes out of scope, the memory cap (memory.h) a test
 // changed, with its source.

@@ -39,6 +39,14 @@ enum class Op : uint8_t {
   kAttentionBackward,
   kCrossEntropy,         // mean loss and its gradient
   kAdamW,                // the optimizer update
+  // The MoE layer: routing and row permutation
+  kRoute,                // top-k of the router logits, the softmaxes in double
+  kSortByExpert,         // the stable sort of (token, slot) pairs by expert
+  kPermuteRows,          // token rows into the expert-sorted buffer
+  kCombineRows,          // the weighted sum of each token's rows (unpermute)
+  kCombineRowsBackward,  // its backward: the rows' gradients and dweight
+  kScatterAddRows,       // the permute's backward: rows added back to their tokens
+  kRouterBackward,       // dlogits of the router
   kCount
 };
 std::string_view OpName(Op op);
@@ -125,6 +133,75 @@ struct AdamWArgs : OpArgs {
   int64_t n;
   AdamWConstants k;        // kernels/ops.h
 };
+// The MoE layer: routing and row permutation. Pair p = t*k + j is token t's
+// j-th expert; a buffer holds, sorted by expert, the rows of the pairs whose
+// expert runs here (all of them on one rank; a ring's local experts on an
+// expert ring). row_of_pair [pairs] maps a pair to its row, -1 where it has
+// none; pair_of_row [rows] is its inverse. The local and the ring's paths
+// run the same ops on their own maps.
+struct RouteArgs : OpArgs {
+  const float* logits;     // [tokens, experts]
+  int64_t tokens, experts, k;  // 1 <= k <= experts
+  bool norm_topk_prob;
+  int32_t* expert;         // [tokens, k] slot j: the j-th largest logit (ties: the lower index)
+  float* weight;           // [tokens, k] the routing weights
+  double* softmax;         // [tokens, k] the softmax over the k selected logits
+  double* probs;           // [tokens, experts] the softmax over all logits
+};
+struct SortByExpertArgs : OpArgs {
+  const int32_t* expert;   // [pairs]
+  int64_t pairs, first, count;  // the experts [first, first + count) get rows
+  int32_t* group_sizes;    // [count] pairs per expert
+  int64_t* row_of_pair;    // [pairs] (-1: the pair's expert is not in the range)
+  int64_t* pair_of_row;    // [pairs] its first *rows entries written
+  int64_t* next_row;       // [count] scratch
+  int64_t* rows;           // the pairs that got a row
+};
+struct PermuteRowsArgs : OpArgs {
+  const void* src;         // [tokens, cols] F32 or BF16
+  DType src_dtype;
+  int64_t tokens, cols, k;
+  const int64_t* pair_of_row;  // [rows], each in [0, tokens*k)
+  int64_t rows;
+  void* out;               // [rows, cols] F32 or BF16: row i = src row pair_of_row[i] / k
+  DType out_dtype;
+};
+struct CombineRowsArgs : OpArgs {
+  const void* buffer;      // [rows, cols] F32 or BF16
+  DType dtype;
+  int64_t rows, cols, tokens, k;
+  const int64_t* row_of_pair;  // [tokens*k], each in [-1, rows)
+  const float* weight;     // [tokens*k]
+  float* y;                // [tokens, cols] (overwritten)
+};
+struct CombineRowsBackwardArgs : OpArgs {
+  const float* dy;         // [tokens, cols]
+  const void* buffer;      // [rows, cols] the rows the forward combined, F32 or BF16
+  DType dtype;             // of buffer and dbuffer
+  int64_t rows, cols, tokens, k;
+  const int64_t* row_of_pair;  // [tokens*k], each in [-1, rows)
+  const float* weight;     // [tokens*k]
+  void* dbuffer;           // [rows, cols] (the rows of no pair untouched)
+  float* dweight;          // [tokens*k] (0 for a pair without a row)
+};
+struct ScatterAddRowsArgs : OpArgs {
+  const float* dbuffer;    // [rows, cols]
+  int64_t rows, cols, tokens, k;
+  const int64_t* row_of_pair;  // [tokens*k], each in [-1, rows)
+  bool accumulate;         // dx += the rows; false: dx = them
+  float* dx;               // [tokens, cols]
+};
+struct RouterBackwardArgs : OpArgs {
+  const int32_t* expert;   // [tokens, k] Route's, each in [0, experts)
+  const double* softmax;   // [tokens, k] Route's
+  const double* probs;     // [tokens, experts] Route's
+  const float* dweight;    // [tokens, k] the loss's gradient of the routing weights
+  const double* fraction;  // [experts] f_e of the load-balancing loss
+  int64_t tokens, experts, k;
+  bool norm_topk_prob;
+  double lb_weight;        // the load-balancing loss weight
+  float* dlogits;          // [tokens, experts] (overwritten)
+};
 
 class Backend {
  public:
@@ -159,6 +236,14 @@ class Backend {
   virtual Status AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) = 0;
   virtual Status CrossEntropy(Context& ctx, const CrossEntropyArgs& a) = 0;
   virtual Status AdamW(Context& ctx, const AdamWArgs& a) = 0;
+  // The MoE layer: routing and row permutation
+  virtual Status Route(Context& ctx, const RouteArgs& a) = 0;
+  virtual Status SortByExpert(Context& ctx, const SortByExpertArgs& a) = 0;
+  virtual Status PermuteRows(Context& ctx, const PermuteRowsArgs& a) = 0;
+  virtual Status CombineRows(Context& ctx, const CombineRowsArgs& a) = 0;
+  virtual Status CombineRowsBackward(Context& ctx, const CombineRowsBackwardArgs& a) = 0;
+  virtual Status ScatterAddRows(Context& ctx, const ScatterAddRowsArgs& a) = 0;
+  virtual Status RouterBackward(Context& ctx, const RouterBackwardArgs& a) = 0;
 };
 
 // A backend whose ops besides the GMMs are the static functions of `Ops`,
@@ -206,6 +291,35 @@ class OpsBackend : public Backend {
   }
   Status AdamW(Context& ctx, const AdamWArgs& a) final {
     Ops::AdamW(ctx, a);
+    return OkStatus();
+  }
+  // The MoE layer: routing and row permutation
+  Status Route(Context& ctx, const RouteArgs& a) final {
+    Ops::Route(ctx, a);
+    return OkStatus();
+  }
+  Status SortByExpert(Context& ctx, const SortByExpertArgs& a) final {
+    Ops::SortByExpert(ctx, a);
+    return OkStatus();
+  }
+  Status PermuteRows(Context& ctx, const PermuteRowsArgs& a) final {
+    Ops::PermuteRows(ctx, a);
+    return OkStatus();
+  }
+  Status CombineRows(Context& ctx, const CombineRowsArgs& a) final {
+    Ops::CombineRows(ctx, a);
+    return OkStatus();
+  }
+  Status CombineRowsBackward(Context& ctx, const CombineRowsBackwardArgs& a) final {
+    Ops::CombineRowsBackward(ctx, a);
+    return OkStatus();
+  }
+  Status ScatterAddRows(Context& ctx, const ScatterAddRowsArgs& a) final {
+    Ops::ScatterAddRows(ctx, a);
+    return OkStatus();
+  }
+  Status RouterBackward(Context& ctx, const RouterBackwardArgs& a) final {
+    Ops::RouterBackward(ctx, a);
     return OkStatus();
   }
 };

@@ -18,6 +18,7 @@
 // falls back.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +34,7 @@
 #include "base/test_util.h"
 #include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
+#include "fp8moe/numerics.h"
 #include "kernels/backend.h"
 #include "kernels/ops.h"
 
@@ -129,19 +131,7 @@ void ExpectCloseWithin(const std::vector<float>& got, const std::vector<float>& 
   }
 }
 
-Context& Ctx(BackendKind kind) {
-  static Context cpu{[] {
-    ContextOptions o;
-    o.backend = BackendKind::kCpu;
-    return o;
-  }()};
-  static Context ref{[] {
-    ContextOptions o;
-    o.backend = BackendKind::kReference;
-    return o;
-  }()};
-  return kind == BackendKind::kCpu ? cpu : ref;
-}
+Context& Ctx(BackendKind kind) { return test::ContextOf(kind); }
 
 // Runs `run(ctx, outputs)` on the reference backend, then on the cpu backend
 // (on every SIMD target when `per_target`), each on fresh copies of
@@ -497,6 +487,342 @@ void CheckAdamW(std::mt19937& rng, bool edges) {
   }
 }
 
+// ---- The MoE layer: routing and row permutation ----------------------------------
+
+// got and want bit for bit (a NaN matches a NaN): the routing ops' contracts
+// fix their arithmetic (kernels/ops.h), so the backends agree exactly.
+template <class T>
+void ExpectSameBits(const std::vector<T>& got, const std::vector<T>& want,
+                    const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    const bool nan = std::isnan(static_cast<double>(got[i])) &&
+                     std::isnan(static_cast<double>(want[i]));
+    if (!nan && std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      ++reported;
+      ADD_FAILURE() << what << "[" << i << "]: cpu " << got[i] << ", reference " << want[i];
+    }
+  }
+}
+
+// Row buffers of F32 or BF16, as bytes (0xFF: NaN poison in both) and as f32
+// values to compare.
+std::vector<uint8_t> RowBytes(const std::vector<float>& v, DType dtype) {
+  std::vector<uint8_t> b(v.size() * DTypeSize(dtype) + 1);  // + 1: never a null data()
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(b.data() + i * 4, &v[i], 4);
+    } else {
+      const uint16_t h = F32ToBf16(v[i]);
+      std::memcpy(b.data() + i * 2, &h, 2);
+    }
+  }
+  return b;
+}
+std::vector<float> RowValues(const std::vector<uint8_t>& b, DType dtype) {
+  std::vector<float> v((b.size() - 1) / DTypeSize(dtype));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(&v[i], b.data() + i * 4, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, b.data() + i * 2, 2);
+      v[i] = Bf16ToF32(h);
+    }
+  }
+  return v;
+}
+std::vector<uint8_t> PoisonedRows(int64_t n, DType dtype) {
+  return std::vector<uint8_t>(static_cast<size_t>(n) * DTypeSize(dtype) + 1, 0xFF);
+}
+
+// Logits [t, e] of every kind the router meets: random (sd 2), the f32
+// edges, ties, rows scaled x200 (a saturating softmax), rows of +-1e30 and
+// -inf; NaN only with `edges`.
+std::vector<float> RouterLogits(std::mt19937& rng, int64_t t, int64_t e, bool edges) {
+  std::vector<float> l = Values(rng, t * e, edges, 2.0f);
+  for (int64_t i = 0; i < t && e > 0; ++i) {
+    float* row = l.data() + i * e;
+    switch (i % 5) {
+      case 1: row[rng() % e] = row[rng() % e]; break;                // a tie
+      case 2: for (int64_t x = 0; x < e; ++x) row[x] *= 200; break;  // saturates
+      case 3: row[rng() % e] = (rng() % 2 ? 1e30f : -1e30f); break;
+      case 4: row[rng() % e] = -kInf; break;
+      default: break;
+    }
+  }
+  return l;
+}
+
+// The route and the sort by expert of one shape, both backends, bit for bit.
+struct Routed {
+  std::vector<int32_t> expert;
+  std::vector<float> weight;
+  std::vector<double> softmax, probs;
+};
+Routed RouteOn(BackendKind kind, const std::vector<float>& l, int64_t t, int64_t e, int64_t k,
+               bool norm) {
+  Routed r{std::vector<int32_t>(static_cast<size_t>(t * k), -7), Poisoned(t * k),
+           std::vector<double>(static_cast<size_t>(t * k), kNaN),
+           std::vector<double>(static_cast<size_t>(t * e), kNaN)};
+  const Status s = internal::RouteTopK(Ctx(kind), l.data(), t, e, k, norm, r.expert.data(),
+                                       r.weight.data(), r.softmax.data(), r.probs.data());
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return r;
+}
+
+// Route: top-k and softmaxes of k = 1, k = E, empty token sets and
+// saturating rows; the experts, the f32 weights and both double softmaxes
+// the same bits on both backends (NaN logits included: what Route did
+// before the seam, kernels/ops.h RouteTopK).
+void CheckRoute(std::mt19937& rng, bool edges) {
+  for (auto [t, e, k] : {std::tuple<int64_t, int64_t, int64_t>{13, 8, 2},
+                         {0, 4, 2},
+                         {11, 5, 5},
+                         {9, 6, 1},
+                         {1, 1, 1},
+                         {40, 64, 8}}) {
+    const std::vector<float> l = RouterLogits(rng, t, e, edges);
+    for (bool norm : {false, true}) {
+      const std::string what = "route " + Dims({t, e, k}) + (norm ? " norm" : "");
+      const Routed want = RouteOn(BackendKind::kReference, l, t, e, k, norm);
+      const Routed got = RouteOn(BackendKind::kCpu, l, t, e, k, norm);
+      EXPECT_EQ(got.expert, want.expert) << what;
+      ExpectSameBits(got.weight, want.weight, what + " weight");
+      ExpectSameBits(got.softmax, want.softmax, what + " softmax");
+      ExpectSameBits(got.probs, want.probs, what + " probs");
+    }
+  }
+}
+
+// The sort, of every expert (one rank) and of a window (a ring's local
+// experts; the others' pairs get -1), with expert ids outside the window
+// on either side.
+void CheckSortByExpert(std::mt19937& rng, bool edges) {
+  (void)edges;  // integer data: no f32 edges
+  for (auto [pairs, experts, first, count] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{26, 8, 0, 8},
+        {0, 4, 0, 4},
+        {37, 8, 2, 3},
+        {19, 6, 5, 1},
+        {12, 4, 1, 0}}) {
+    const std::string what = "sort_by_expert " + Dims({pairs, experts, first, count});
+    std::vector<int32_t> expert(static_cast<size_t>(pairs));
+    for (int32_t& x : expert) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(experts));
+    auto run = [&](BackendKind kind) {
+      std::vector<int64_t> maps(static_cast<size_t>(2 * pairs + count + 1), -9);
+      std::vector<int32_t> sizes(static_cast<size_t>(count) + 1, -9);
+      auto rows = internal::SortByExpert(Ctx(kind), expert.data(), pairs, first, count,
+                                         sizes.data(), maps.data(), maps.data() + pairs,
+                                         maps.data() + 2 * pairs);
+      EXPECT_TRUE(rows.ok()) << what;
+      maps.resize(static_cast<size_t>(2 * pairs));  // the scratch is not compared
+      return std::tuple{rows.ok() ? *rows : -1, sizes, maps};
+    };
+    const auto [want_rows, want_sizes, want_maps] = run(BackendKind::kReference);
+    const auto [rows, sizes, maps] = run(BackendKind::kCpu);
+    EXPECT_EQ(rows, want_rows) << what;
+    EXPECT_EQ(sizes, want_sizes) << what;
+    // pair_of_row past `rows` is not written: compare row_of_pair and the
+    // valid part of pair_of_row.
+    EXPECT_TRUE(std::equal(maps.begin(), maps.begin() + pairs + rows, want_maps.begin()))
+        << what;
+  }
+}
+
+// Random maps of `pairs` pairs onto buffer rows: about one pair in four has
+// no row (-1: its expert runs on another rank), the others a distinct row
+// in random order, `used` rows; the buffer has `tail` rows more, which no
+// pair names. pair_of_row [used] names each used row's pair.
+struct PairMaps {
+  std::vector<int64_t> row_of_pair, pair_of_row;
+  int64_t used = 0;
+};
+PairMaps RandomMaps(std::mt19937& rng, int64_t pairs, int64_t tail) {
+  PairMaps m;
+  m.row_of_pair.assign(static_cast<size_t>(pairs) + 1, -1);
+  std::vector<int64_t> order;
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (rng() % 4 != 0) order.push_back(p);
+  }
+  std::shuffle(order.begin(), order.end(), rng);
+  m.used = static_cast<int64_t>(order.size());
+  m.pair_of_row.assign(static_cast<size_t>(m.used) + 1, 0);
+  for (int64_t r = 0; r < m.used; ++r) {
+    m.row_of_pair[static_cast<size_t>(order[static_cast<size_t>(r)])] = r;
+    m.pair_of_row[static_cast<size_t>(r)] = order[static_cast<size_t>(r)];
+  }
+  return m;
+}
+
+// Each (tokens, cols, k) shape of the permute and combine checks: odd,
+// empty tokens, empty rows, one column, k = 1.
+const std::vector<std::tuple<int64_t, int64_t, int64_t>>& RowShapes() {
+  static const std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes = {
+      {13, 17, 2}, {0, 5, 2}, {7, 0, 3}, {1, 1, 1}, {37, 33, 4}, {9, 8, 1}};
+  return shapes;
+}
+
+// The permute: copies and one conversion per element (f32 -> bf16 rounds to
+// nearest even, SIMD on the cpu on every target): the same bits. The
+// buffer's tail rows stay poisoned on both.
+void CheckPermuteRows(std::mt19937& rng, bool edges) {
+  for (auto [t, cols, k] : RowShapes()) {
+    const PairMaps m = RandomMaps(rng, t * k, 3);
+    const int64_t rows = m.used, tail = 3;
+    const std::vector<float> x = Values(rng, t * cols, edges);
+    for (auto [from, to] : {std::pair{DType::kF32, DType::kF32}, {DType::kF32, DType::kBF16},
+                            {DType::kBF16, DType::kBF16}, {DType::kBF16, DType::kF32}}) {
+      const std::string what = "permute_rows " + Dims({t, cols, k}) + " " +
+                               std::string(DTypeName(from)) + " to " + std::string(DTypeName(to));
+      const std::vector<uint8_t> src = RowBytes(x, from);
+      auto run = [&](BackendKind kind) {
+        std::vector<uint8_t> out = PoisonedRows((rows + tail) * cols, to);
+        EXPECT_TRUE(internal::PermuteRows(Ctx(kind), src.data(), from, t, cols, k,
+                                          m.pair_of_row.data(), rows, out.data(), to)
+                        .ok())
+            << what;
+        return RowValues(out, to);
+      };
+      const std::vector<float> want = run(BackendKind::kReference);
+      test::ForEachTarget([&] { ExpectClose(run(BackendKind::kCpu), want, 0, 0, what); });
+    }
+  }
+}
+
+// The combine and its backward over maps with rows of -1: f32 products
+// and sums in slot order from +0, dweight's dot in double in order, the
+// conversions as the permute's: the same bits. The rows of no pair stay
+// poisoned on both.
+void CheckCombineRows(std::mt19937& rng, bool edges) {
+  for (auto [t, cols, k] : RowShapes()) {
+    const PairMaps m = RandomMaps(rng, t * k, 2);
+    const int64_t rows = m.used + 2;
+    const std::vector<float> buffer = Values(rng, rows * cols, edges),
+                             weight = Values(rng, t * k, edges), dy = Values(rng, t * cols, edges);
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const std::string what =
+          "combine_rows " + Dims({t, cols, k}) + " " + std::string(DTypeName(dtype));
+      const std::vector<uint8_t> buf = RowBytes(buffer, dtype);
+      auto run = [&](BackendKind kind) {
+        Context& ctx = Ctx(kind);
+        std::vector<float> y = Poisoned(t * cols), dweight = Poisoned(t * k);
+        std::vector<uint8_t> dbuf = PoisonedRows(rows * cols, dtype);
+        EXPECT_TRUE(internal::CombineRows(ctx, buf.data(), dtype, rows, cols,
+                                          m.row_of_pair.data(), weight.data(), t, k, y.data())
+                        .ok());
+        EXPECT_TRUE(internal::CombineRowsBackward(ctx, dy.data(), buf.data(), dtype, rows, cols,
+                                                  m.row_of_pair.data(), weight.data(), t, k,
+                                                  dbuf.data(), dweight.data())
+                        .ok());
+        return Outputs{y, dweight, RowValues(dbuf, dtype)};
+      };
+      const Outputs want = run(BackendKind::kReference);
+      test::ForEachTarget([&] {
+        const Outputs got = run(BackendKind::kCpu);
+        ExpectClose(got[0], want[0], 0, 0, what + " y");
+        ExpectClose(got[1], want[1], 0, 0, what + " backward dweight");
+        ExpectClose(got[2], want[2], 0, 0, what + " backward dbuffer");
+      });
+    }
+  }
+}
+
+// The permute's backward: f32 adds in slot order onto dx or onto +0, the
+// same bits; maps with rows of -1.
+void CheckScatterAddRows(std::mt19937& rng, bool edges) {
+  for (auto [t, cols, k] : RowShapes()) {
+    const PairMaps m = RandomMaps(rng, t * k, 1);
+    const int64_t rows = m.used + 1;
+    const std::vector<float> dbuf = Values(rng, rows * cols, edges);
+    const std::vector<float> dx = Values(rng, t * cols, edges);
+    for (bool accumulate : {true, false}) {
+      CompareBackends({accumulate ? dx : Poisoned(t * cols)}, false, 0, 0,
+                      "scatter_add_rows " + Dims({t, cols, k}) + (accumulate ? " +=" : " ="),
+                      [&](Context& ctx, Outputs& o) {
+                        return internal::ScatterAddRows(ctx, dbuf.data(), rows, cols,
+                                                        m.row_of_pair.data(), t, k, accumulate,
+                                                        o[0].data());
+                      });
+    }
+  }
+}
+
+// The router's backward from a route of saturating and edge logits: both
+// compute the same double expressions in the same order, each row rounded
+// once: the same bits.
+void CheckRouterBackward(std::mt19937& rng, bool edges) {
+  for (auto [t, e, k] : {std::tuple<int64_t, int64_t, int64_t>{13, 8, 2},
+                         {0, 4, 2},
+                         {11, 5, 5},
+                         {9, 6, 1},
+                         {40, 64, 8}}) {
+    const std::vector<float> l = RouterLogits(rng, t, e, edges);
+    const std::vector<float> dweight = Values(rng, t * k, edges);
+    std::vector<double> fraction(static_cast<size_t>(e));
+    for (double& f : fraction) f = static_cast<double>(rng() % 1000) / 1000.0;
+    for (bool norm : {false, true}) {
+      const Routed r = RouteOn(BackendKind::kReference, l, t, e, k, norm);
+      CompareBackends({Poisoned(t * e)}, false, 0, 0,
+                      "router_backward " + Dims({t, e, k}) + (norm ? " norm" : ""),
+                      [&](Context& ctx, Outputs& o) {
+                        return internal::RouterBackward(
+                            ctx, r.expert.data(), r.softmax.data(), r.probs.data(),
+                            dweight.data(), fraction.data(), t, e, k, norm, 0.01, o[0].data());
+                      });
+    }
+  }
+}
+
+// Route's contract on known rows, on both backends: ties to the lower
+// index (k = E: the whole order), a softmax that saturates (x200, +-1e30,
+// -inf beside a finite top) gives exactly 1 and 0, and the NaN rules.
+void CheckRouteContract() {
+  const int64_t e = 5;
+  const std::vector<float> l = {
+      1, 3, 3, 2, 3,                // ties: 1, 2, 4, 3, 0
+      200 * 1.f, 200 * 3.f, 200 * 2.f, 200 * -1.f, 0,  // saturates: weight 1, then 0
+      1e30f, -1e30f, 0, 0, -1e30f,  // 1e30 on top: 1 and 0
+      2, -kInf, -kInf, 1, -kInf,    // -inf selected: weight 0
+      kNaN, 1, 2, 3, 4,             // a NaN first: chosen first, weights NaN
+      1, kNaN, 5, 3, 2};            // a NaN later: chosen last, probabilities NaN
+  const std::vector<std::vector<int32_t>> order = {
+      {1, 2, 4, 3, 0}, {1, 2, 0, 4, 3}, {0, 2, 3, 1, 4},
+      {0, 3, 1, 2, 4}, {0, 4, 3, 2, 1}, {2, 3, 4, 0, 1}};
+  const int64_t t = static_cast<int64_t>(order.size());
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    SCOPED_TRACE(BackendName(kind));
+    for (int64_t k : {int64_t{1}, int64_t{2}, e}) {
+      const Routed r = RouteOn(kind, l, t, e, k, /*norm=*/false);
+      for (int64_t i = 0; i < t; ++i) {
+        for (int64_t j = 0; j < k; ++j) {
+          EXPECT_EQ(r.expert[static_cast<size_t>(i * k + j)],
+                    order[static_cast<size_t>(i)][static_cast<size_t>(j)])
+              << "token " << i << " slot " << j << " of k = " << k;
+        }
+      }
+      auto w = [&](int64_t i, int64_t j) { return r.weight[static_cast<size_t>(i * k + j)]; };
+      EXPECT_EQ(w(1, 0), 1.0f);
+      EXPECT_EQ(w(2, 0), 1.0f);
+      EXPECT_EQ(w(3, 0), k == 1 ? 1.0f : static_cast<float>(1 / (1 + std::exp(-1.0))));
+      if (k > 1) {
+        EXPECT_EQ(w(1, 1), 0.0f);
+        EXPECT_EQ(w(2, 1), 0.0f);
+      }
+      if (k == e) {
+        EXPECT_EQ(w(3, 4), 0.0f);
+      }
+      for (int64_t j = 0; j < k; ++j) EXPECT_TRUE(std::isnan(w(4, j)));
+      EXPECT_EQ(std::isnan(w(5, 0)), k == e) << "the NaN is selected only with k = E";
+      for (int64_t x = 0; x < e; ++x) {
+        EXPECT_TRUE(std::isnan(r.probs[static_cast<size_t>(5 * e + x)]));
+        EXPECT_EQ(r.probs[static_cast<size_t>(2 * e + x)], x == 0 ? 1.0 : 0.0);
+      }
+    }
+  }
+}
+
 // ---- Every op of the registry has its check --------------------------------------
 
 struct OpCheck {
@@ -525,6 +851,14 @@ const std::vector<OpCheck>& Checks() {
       {Op::kAttentionBackward, CheckAttention},
       {Op::kCrossEntropy, CheckCrossEntropy},
       {Op::kAdamW, CheckAdamW},
+      // The MoE layer: routing and row permutation
+      {Op::kRoute, CheckRoute},
+      {Op::kSortByExpert, CheckSortByExpert},
+      {Op::kPermuteRows, CheckPermuteRows},
+      {Op::kCombineRows, CheckCombineRows},
+      {Op::kCombineRowsBackward, CheckCombineRows},
+      {Op::kScatterAddRows, CheckScatterAddRows},
+      {Op::kRouterBackward, CheckRouterBackward},
   };
   return checks;
 }
@@ -562,6 +896,10 @@ TEST(BackendOps, CpuMatchesTheReferenceAtTheEdgesOfTheF32Range) {
 }
 
 TEST(BackendOps, SaturatedAttentionSoftmaxGivesZeroAndOne) { CheckAttentionSaturates(); }
+
+TEST(BackendOps, RouteBreaksTiesToTheLowerExpertAndSaturatesToZeroAndOne) {
+  CheckRouteContract();
+}
 
 // ---- A backend that runs some ops only ------------------------------------------
 
@@ -616,6 +954,26 @@ class PartialBackend final : public internal::Backend {
     return Called("cross_entropy");
   }
   Status AdamW(Context&, const internal::AdamWArgs&) override { return Called("adamw"); }
+  // The MoE layer: routing and row permutation
+  Status Route(Context&, const internal::RouteArgs&) override { return Called("route"); }
+  Status SortByExpert(Context&, const internal::SortByExpertArgs&) override {
+    return Called("sort_by_expert");
+  }
+  Status PermuteRows(Context&, const internal::PermuteRowsArgs&) override {
+    return Called("permute_rows");
+  }
+  Status CombineRows(Context&, const internal::CombineRowsArgs&) override {
+    return Called("combine_rows");
+  }
+  Status CombineRowsBackward(Context&, const internal::CombineRowsBackwardArgs&) override {
+    return Called("combine_rows_backward");
+  }
+  Status ScatterAddRows(Context&, const internal::ScatterAddRowsArgs&) override {
+    return Called("scatter_add_rows");
+  }
+  Status RouterBackward(Context&, const internal::RouterBackwardArgs&) override {
+    return Called("router_backward");
+  }
 
  private:
   // The entry points ask Supports first: reaching here is the seam's bug.
@@ -661,6 +1019,17 @@ TEST(BackendOps, AnOpTheBackendDoesNotRunIsRefusedByNameAndNothingIsWritten) {
                                      y.data());
   ASSERT_FALSE(loss.ok());
   EXPECT_NE(loss.status().message().find("cross_entropy"), std::string::npos);
+  // The MoE layer's ops too: the route is refused, its outputs untouched.
+  std::vector<int32_t> expert(rows * 2, -1);
+  std::vector<double> softmax(rows * 2, 7.0), probs(rows * d, 7.0);
+  y = Poisoned(rows * 2);
+  const Status route = internal::RouteTopK(ctx, x.data(), rows, d, 2, false, expert.data(),
+                                           y.data(), softmax.data(), probs.data());
+  ASSERT_FALSE(route.ok());
+  EXPECT_EQ(route.code(), StatusCode::kFailedPrecondition) << route.message();
+  EXPECT_NE(route.message().find("op route "), std::string::npos) << route.message();
+  for (int32_t e : expert) EXPECT_EQ(e, -1);
+  for (double v : softmax) EXPECT_EQ(v, 7.0);
 
   // The GMM entry points too: the forward runs, its dLHS is refused by name.
   Tensor lhs = *Tensor::Zeros(DType::kF32, {2, 3}), rhs = *Tensor::Zeros(DType::kF32, {1, 3, 5}),

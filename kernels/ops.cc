@@ -3,6 +3,8 @@
 #include "kernels/ops.h"
 
 #include <atomic>
+#include <cstdint>
+#include <limits>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -17,7 +19,10 @@ std::string_view OpName(Op op) {
       "gmm",          "gmm_dlhs",          "tgmm",       "embedding_gather",
       "embedding_scatter_add", "add",      "rms_norm_forward", "rms_norm_backward",
       "rope",         "attention_forward", "attention_backward", "cross_entropy",
-      "adamw"};
+      "adamw",
+      // The MoE layer: routing and row permutation
+      "route", "sort_by_expert", "permute_rows", "combine_rows", "combine_rows_backward",
+      "scatter_add_rows", "router_backward"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(Op::kCount));
   return kNames[static_cast<size_t>(op)];
 }
@@ -195,6 +200,182 @@ Status AdamW(Context& ctx, const AdamWConstants& k, const float* g, float* p, fl
   FP8MOE_RETURN_IF_ERROR(Operand(op, "m", m, {n}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "v", v, {n}));
   return Run(ctx, AdamWArgs{{op}, g, p, m, v, n, k}, &Backend::AdamW);
+}
+
+// The MoE layer: routing and row permutation
+
+namespace {
+
+// Every entry of map [n] in [lo, hi): a row or pair index that an op
+// follows into a buffer.
+Status MapEntries(Op op, const char* what, const int64_t* map, int64_t n, int64_t lo,
+                  int64_t hi, const char* range) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (map[i] < lo || map[i] >= hi) {
+      return InvalidArgument(std::string(OpName(op)) + ": " + what + "[" + std::to_string(i) +
+                             "] = " + std::to_string(map[i]) + " is outside [" +
+                             std::to_string(lo) + ", " + std::to_string(hi) + ") (" + range +
+                             ")");
+    }
+  }
+  return OkStatus();
+}
+
+// A buffer of rows: F32 or BF16.
+Status RowDType(Op op, const char* what, DType dtype) {
+  if (dtype == DType::kF32 || dtype == DType::kBF16) return OkStatus();
+  return InvalidArgument(std::string(OpName(op)) + ": " + what + " is " +
+                         std::string(DTypeName(dtype)) + "; the rows are float32 or bfloat16");
+}
+
+// k >= 1 experts per token.
+Status PerToken(Op op, int64_t k) {
+  if (k >= 1) return OkStatus();
+  return InvalidArgument(std::string(OpName(op)) + ": k = " + std::to_string(k) +
+                         " experts per token; it must be at least 1");
+}
+
+// The checks the ops over row_of_pair share: the buffer [rows, cols] of
+// dtype and the map [tokens*k], every entry in [-1, rows).
+Status PairRows(Op op, const void* buffer, DType dtype, int64_t rows, int64_t cols,
+                const int64_t* row_of_pair, int64_t tokens, int64_t k) {
+  FP8MOE_RETURN_IF_ERROR(PerToken(op, k));
+  FP8MOE_RETURN_IF_ERROR(RowDType(op, "the buffer", dtype));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "buffer", buffer, {rows, cols}, DTypeSize(dtype)));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "row_of_pair", row_of_pair, {tokens, k}, 8));
+  return MapEntries(op, "row_of_pair", row_of_pair, tokens * k, -1, rows,
+                    "the buffer's rows; -1: no row");
+}
+
+}  // namespace
+
+Status RouteTopK(Context& ctx, const float* logits, int64_t tokens, int64_t experts, int64_t k,
+                 bool norm_topk_prob, int32_t* expert, float* weight, double* softmax,
+                 double* probs) {
+  const Op op = Op::kRoute;
+  if (k < 1 || k > experts || experts > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgument("route: k = " + std::to_string(k) + " of " + std::to_string(experts) +
+                           " experts; k must be in [1, experts] and experts below 2^31");
+  }
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "logits", logits, {tokens, experts}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "expert", expert, {tokens, k}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "weight", weight, {tokens, k}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "softmax", softmax, {tokens, k}, 8));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {tokens, experts}, 8));
+  return Run(ctx,
+             RouteArgs{{op}, logits, tokens, experts, k, norm_topk_prob, expert, weight, softmax,
+                       probs},
+             &Backend::Route);
+}
+
+Result<int64_t> SortByExpert(Context& ctx, const int32_t* expert, int64_t pairs, int64_t first,
+                             int64_t count, int32_t* group_sizes, int64_t* row_of_pair,
+                             int64_t* pair_of_row, int64_t* next_row) {
+  const Op op = Op::kSortByExpert;
+  if (first < 0 || count < 0 || pairs > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgument("sort_by_expert: experts [" + std::to_string(first) + ", " +
+                           std::to_string(first) + " + " + std::to_string(count) + ") of " +
+                           std::to_string(pairs) +
+                           " pairs; the range must not be negative and the pairs below 2^31 "
+                           "(an int32 group size)");
+  }
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "expert", expert, {pairs}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "group_sizes", group_sizes, {count}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "row_of_pair", row_of_pair, {pairs}, 8));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "pair_of_row", pair_of_row, {pairs}, 8));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "next_row", next_row, {count}, 8));
+  int64_t rows = 0;
+  FP8MOE_RETURN_IF_ERROR(Run(ctx,
+                             SortByExpertArgs{{op}, expert, pairs, first, count, group_sizes,
+                                              row_of_pair, pair_of_row, next_row, &rows},
+                             &Backend::SortByExpert));
+  return rows;
+}
+
+Status PermuteRows(Context& ctx, const void* src, DType src_dtype, int64_t tokens, int64_t cols,
+                   int64_t k, const int64_t* pair_of_row, int64_t rows, void* out,
+                   DType out_dtype) {
+  const Op op = Op::kPermuteRows;
+  FP8MOE_RETURN_IF_ERROR(PerToken(op, k));
+  FP8MOE_RETURN_IF_ERROR(RowDType(op, "src", src_dtype));
+  FP8MOE_RETURN_IF_ERROR(RowDType(op, "out", out_dtype));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "src", src, {tokens, cols}, DTypeSize(src_dtype)));
+  if (const auto pairs = CheckedNumElements({tokens, k}, 8); !pairs.ok()) {
+    return InvalidArgument("permute_rows: the pairs " + pairs.status().message());
+  }
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "pair_of_row", pair_of_row, {rows}, 8));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {rows, cols}, DTypeSize(out_dtype)));
+  FP8MOE_RETURN_IF_ERROR(MapEntries(op, "pair_of_row", pair_of_row, rows, 0, tokens * k,
+                                    "the pairs of src's tokens"));
+  return Run(ctx,
+             PermuteRowsArgs{{op}, src, src_dtype, tokens, cols, k, pair_of_row, rows, out,
+                             out_dtype},
+             &Backend::PermuteRows);
+}
+
+Status CombineRows(Context& ctx, const void* buffer, DType dtype, int64_t rows, int64_t cols,
+                   const int64_t* row_of_pair, const float* weight, int64_t tokens, int64_t k,
+                   float* y) {
+  const Op op = Op::kCombineRows;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "y", y, {tokens, cols}));
+  FP8MOE_RETURN_IF_ERROR(PairRows(op, buffer, dtype, rows, cols, row_of_pair, tokens, k));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "weight", weight, {tokens, k}));
+  return Run(ctx,
+             CombineRowsArgs{{op}, buffer, dtype, rows, cols, tokens, k, row_of_pair, weight, y},
+             &Backend::CombineRows);
+}
+
+Status CombineRowsBackward(Context& ctx, const float* dy, const void* buffer, DType dtype,
+                           int64_t rows, int64_t cols, const int64_t* row_of_pair,
+                           const float* weight, int64_t tokens, int64_t k, void* dbuffer,
+                           float* dweight) {
+  const Op op = Op::kCombineRowsBackward;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dy", dy, {tokens, cols}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dweight", dweight, {tokens, k}));
+  FP8MOE_RETURN_IF_ERROR(PairRows(op, buffer, dtype, rows, cols, row_of_pair, tokens, k));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "weight", weight, {tokens, k}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dbuffer", dbuffer, {rows, cols}, DTypeSize(dtype)));
+  return Run(ctx,
+             CombineRowsBackwardArgs{{op}, dy, buffer, dtype, rows, cols, tokens, k, row_of_pair,
+                                     weight, dbuffer, dweight},
+             &Backend::CombineRowsBackward);
+}
+
+Status ScatterAddRows(Context& ctx, const float* dbuffer, int64_t rows, int64_t cols,
+                      const int64_t* row_of_pair, int64_t tokens, int64_t k, bool accumulate,
+                      float* dx) {
+  const Op op = Op::kScatterAddRows;
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dx", dx, {tokens, cols}));
+  FP8MOE_RETURN_IF_ERROR(
+      PairRows(op, dbuffer, DType::kF32, rows, cols, row_of_pair, tokens, k));
+  return Run(ctx,
+             ScatterAddRowsArgs{{op}, dbuffer, rows, cols, tokens, k, row_of_pair, accumulate, dx},
+             &Backend::ScatterAddRows);
+}
+
+Status RouterBackward(Context& ctx, const int32_t* expert, const double* softmax,
+                      const double* probs, const float* dweight, const double* fraction,
+                      int64_t tokens, int64_t experts, int64_t k, bool norm_topk_prob,
+                      double lb_weight, float* dlogits) {
+  const Op op = Op::kRouterBackward;
+  FP8MOE_RETURN_IF_ERROR(PerToken(op, k));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "expert", expert, {tokens, k}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "softmax", softmax, {tokens, k}, 8));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {tokens, experts}, 8));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dweight", dweight, {tokens, k}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "fraction", fraction, {experts}, 8));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dlogits", dlogits, {tokens, experts}));
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    if (expert[i] < 0 || expert[i] >= experts) {
+      return InvalidArgument("router_backward: expert[" + std::to_string(i) + "] = " +
+                             std::to_string(expert[i]) + " is outside [0, " +
+                             std::to_string(experts) + ") (the experts)");
+    }
+  }
+  return Run(ctx,
+             RouterBackwardArgs{{op}, expert, softmax, probs, dweight, fraction, tokens, experts,
+                                k, norm_topk_prob, lb_weight, dlogits},
+             &Backend::RouterBackward);
 }
 
 }  // namespace fp8moe::internal

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "fp8moe/context.h"
+#include "fp8moe/dtype.h"
 #include "fp8moe/status.h"
 
 namespace fp8moe::internal {
@@ -63,6 +64,66 @@ struct AdamWConstants {
 };
 Status AdamW(Context& ctx, const AdamWConstants& k, const float* g, float* p, float* m,
              float* v, int64_t n);
+
+// The MoE layer: routing and row permutation. Pair p = t*k + j is token t's
+// j-th expert. A buffer holds the rows of the pairs whose expert runs here,
+// sorted by expert; row_of_pair [pairs] maps a pair to its row (-1: none,
+// its expert runs on another rank) and pair_of_row [rows] a row to its pair.
+// One rank's maps cover every pair; an expert ring's its local experts'.
+// The entry points check every map entry against its buffer.
+
+// Per token t of logits [T, E] (1 <= k <= E): expert [T, k], slot j the
+// expert of the j-th largest logit, found by a scan in index order that
+// moves only to a strictly larger logit (ties go to the lower index; a NaN
+// is chosen only as the first expert the scan sees); softmax [T, k] over the
+// selected logits and probs [T, E] over all of them, in double (exp(l -
+// max) / sum, max: the first selected, and for probs the scan's maximum);
+// weight [T, k] f32 = softmax rounded once (with norm_topk_prob divided
+// first by the softmax's sum, ~1).
+Status RouteTopK(Context& ctx, const float* logits, int64_t tokens, int64_t experts, int64_t k,
+                 bool norm_topk_prob, int32_t* expert, float* weight, double* softmax,
+                 double* probs);
+// The pairs [pairs] of the experts [first, first + count), sorted stably by
+// expert: group_sizes [count], row_of_pair [pairs] (-1 for another
+// expert's pair), pair_of_row [pairs] (the first `rows` entries); next_row
+// [count] is scratch. Returns rows, the pairs that got a row.
+Result<int64_t> SortByExpert(Context& ctx, const int32_t* expert, int64_t pairs, int64_t first,
+                             int64_t count, int32_t* group_sizes, int64_t* row_of_pair,
+                             int64_t* pair_of_row, int64_t* next_row);
+// out [rows, cols] (out_dtype) row i = src [tokens, cols] (src_dtype) row
+// pair_of_row[i] / k, converted (F32 or BF16; BF16 rounds to nearest even).
+Status PermuteRows(Context& ctx, const void* src, DType src_dtype, int64_t tokens, int64_t cols,
+                   int64_t k, const int64_t* pair_of_row, int64_t rows, void* out,
+                   DType out_dtype);
+// y [tokens, cols] = sum over the slots j of token t that have a row of
+// weight[t*k + j] * that row of buffer [rows, cols] (F32 or BF16), in f32,
+// in slot order from +0.
+Status CombineRows(Context& ctx, const void* buffer, DType dtype, int64_t rows, int64_t cols,
+                   const int64_t* row_of_pair, const float* weight, int64_t tokens, int64_t k,
+                   float* y);
+// The combine's backward, for each pair p with a row: dbuffer's row (dtype)
+// = weight[p] * dy [tokens, cols] row p / k, and dweight[p] = <dy row, buffer
+// row> (summed in double, in order); dweight[p] = 0 for a pair without one.
+Status CombineRowsBackward(Context& ctx, const float* dy, const void* buffer, DType dtype,
+                           int64_t rows, int64_t cols, const int64_t* row_of_pair,
+                           const float* weight, int64_t tokens, int64_t k, void* dbuffer,
+                           float* dweight);
+// dx [tokens, cols] (+)= sum over token t's slots with a row of dbuffer
+// [rows, cols] f32 row, in slot order (accumulate false: from +0).
+Status ScatterAddRows(Context& ctx, const float* dbuffer, int64_t rows, int64_t cols,
+                      const int64_t* row_of_pair, int64_t tokens, int64_t k, bool accumulate,
+                      float* dx);
+// dlogits [tokens, experts] of the router, from RouteTopK's expert,
+// softmax [tokens, k] and probs [tokens, experts]: the load-balancing loss
+// lb_weight * E * sum_e fraction_e mean_t probs_te through probs, plus
+// dweight [tokens, k] through the softmax over the selected logits, written
+// s_j sum_i s_i (g_j - g_i) / S (S: the softmax's sum with norm_topk_prob,
+// else 1), which does not cancel where the softmax saturates. In double,
+// each row rounded to f32 once.
+Status RouterBackward(Context& ctx, const int32_t* expert, const double* softmax,
+                      const double* probs, const float* dweight, const double* fraction,
+                      int64_t tokens, int64_t experts, int64_t k, bool norm_topk_prob,
+                      double lb_weight, float* dlogits);
 
 }  // namespace fp8moe::internal
 

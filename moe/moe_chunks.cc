@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "fp8moe/communicator.h"
+#include "kernels/ops.h"
 #include "moe/moe_stages.h"
 #include "moe/routing.h"
 
@@ -47,7 +48,7 @@ ShardRange ChunkRange(const State& s, int64_t c) {
 // routing of those tokens (Route on their rows of the logits: per token the
 // same experts and weights as the whole batch's routing, sorted within the
 // chunk).
-void PrepareChunk(const MoeConfig& cfg, const State& s, int64_t c, State& cs) {
+Status PrepareChunk(Context& ctx, const MoeConfig& cfg, const State& s, int64_t c, State& cs) {
   const ShardRange r = ChunkRange(s, c);
   cs.T = r.size();
   cs.D = s.D;
@@ -59,8 +60,8 @@ void PrepareChunk(const MoeConfig& cfg, const State& s, int64_t c, State& cs) {
   cs.ring = s.ring;
   cs.P = s.P;
   cs.ring_index = s.ring_index;
-  Route(s.logits.data_as<float>() + r.begin * s.E, cs.T, s.E, s.k, cfg.norm_topk_prob,
-        &cs.routing);
+  return Route(ctx, s.logits.data_as<float>() + r.begin * s.E, cs.T, s.E, s.k,
+               cfg.norm_topk_prob, &cs.routing);
 }
 
 }  // namespace
@@ -75,11 +76,11 @@ Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   for (int64_t c = 0; c < C; ++c) {
     auto& cs = s.chunks[static_cast<size_t>(c)];
     if (cs == nullptr) cs = std::make_unique<State>();
-    PrepareChunk(cfg, s, c, *cs);
+    FP8MOE_RETURN_IF_ERROR(PrepareChunk(ctx, cfg, s, c, *cs));
   }
   std::vector<MoeStats> stats(static_cast<size_t>(C));
   auto dispatch = [&](int64_t c) {
-    return DispatchForward(cfg, Rows(x, ChunkRange(s, c)), options,
+    return DispatchForward(ctx, cfg, Rows(x, ChunkRange(s, c)), options,
                            *s.chunks[static_cast<size_t>(c)], &stats[static_cast<size_t>(c)]);
   };
   Status pending = dispatch(0);
@@ -99,7 +100,7 @@ Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
       pending = dispatch(c + 1);
     }
     FP8MOE_RETURN_IF_ERROR(experts);
-    FP8MOE_RETURN_IF_ERROR(CombineForward(cs, Rows(y, ChunkRange(s, c))));
+    FP8MOE_RETURN_IF_ERROR(CombineForward(ctx, cs, Rows(y, ChunkRange(s, c))));
   }
   MoeStats& total = info->stats;
   total = {};
@@ -122,7 +123,7 @@ Status ChunkedBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   for (int64_t c = 0; c < C; ++c) {
     State& cs = *s.chunks[static_cast<size_t>(c)];
     const ShardRange r = ChunkRange(s, c);
-    FP8MOE_RETURN_IF_ERROR(CombineBackwardStage(options, cs, Rows(dy, r)));
+    FP8MOE_RETURN_IF_ERROR(CombineBackwardStage(ctx, options, cs, Rows(dy, r)));
     if (r.size() > 0) {
       std::memcpy(s.dwv.as<float>() + r.begin * s.k, cs.dwv.data,
                   static_cast<size_t>(r.size() * s.k) * sizeof(float));
@@ -134,11 +135,8 @@ Status ChunkedBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
                                            first ? grads.dwo : dwo_c));
     if (!first) {
       for (const auto& [sum, part] : {std::pair{grads.dwi, dwi_c}, std::pair{grads.dwo, dwo_c}}) {
-        float* d = sum.as<float>();
-        const float* p = part.as<float>();
-        const int64_t n = static_cast<int64_t>(sum.num_elements());
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-        for (int64_t i = 0; i < n; ++i) d[i] += p[i];
+        FP8MOE_RETURN_IF_ERROR(Add(ctx, sum.as<float>(), part.as<float>(),
+                                   static_cast<int64_t>(sum.num_elements()), sum.as<float>()));
       }
     }
   }
@@ -146,7 +144,7 @@ Status ChunkedBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
       RouteBackwardStage(ctx, cfg, x, w.router, s, grads.drouter, grads.dx));
   for (int64_t c = 0; c < C; ++c) {
     FP8MOE_RETURN_IF_ERROR(
-        DispatchBackward(*s.chunks[static_cast<size_t>(c)], Rows(grads.dx, ChunkRange(s, c))));
+        DispatchBackward(ctx, *s.chunks[static_cast<size_t>(c)], Rows(grads.dx, ChunkRange(s, c))));
   }
   return OkStatus();
 }

@@ -181,9 +181,9 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     s.chunks.clear();
     FP8MOE_RETURN_IF_ERROR(
         internal::RouteForward(ctx, cfg, x, w.router, options, s, &out.aux_loss));
-    FP8MOE_RETURN_IF_ERROR(internal::DispatchForward(cfg, x, options, s, &out.stats));
+    FP8MOE_RETURN_IF_ERROR(internal::DispatchForward(ctx, cfg, x, options, s, &out.stats));
     FP8MOE_RETURN_IF_ERROR(internal::ExpertsForward(ctx, cfg, prepared, options, s));
-    FP8MOE_RETURN_IF_ERROR(internal::CombineForward(s, y));
+    FP8MOE_RETURN_IF_ERROR(internal::CombineForward(ctx, s, y));
   }
   s.forward_done = true;
   if (MetricsSink* sink = ctx.metrics()) {
@@ -228,12 +228,12 @@ Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   if (!s.chunks.empty()) {
     return internal::ChunkedBackward(ctx, cfg, x, w, prepared, options, s, dy, grads);
   }
-  FP8MOE_RETURN_IF_ERROR(internal::CombineBackwardStage(options, s, dy));
+  FP8MOE_RETURN_IF_ERROR(internal::CombineBackwardStage(ctx, options, s, dy));
   FP8MOE_RETURN_IF_ERROR(
       internal::ExpertsBackward(ctx, cfg, x, w, prepared, options, s, grads.dwi, grads.dwo));
   FP8MOE_RETURN_IF_ERROR(
       internal::RouteBackwardStage(ctx, cfg, x, w.router, s, grads.drouter, grads.dx));
-  return internal::DispatchBackward(s, grads.dx);
+  return internal::DispatchBackward(ctx, s, grads.dx);
 }
 
 // ---- The one-call API ----

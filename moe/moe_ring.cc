@@ -1,9 +1,11 @@
 // The ring of experts' dispatch and combine (moe/moe_ring.h). Each rank of
 // an expert ring runs E / P experts on the tokens of the whole ring: the
 // tokens and their routing are all-gathered, the partial outputs
-// reduce-scattered. The arithmetic of each token's combine is that of
-// CombineRows / CombineBackward / ScatterAddRows (moe/routing.cc) restricted
-// to the local slots; the ring's f32 sum then adds the ranks' partials.
+// reduce-scattered. Between the collectives the ops of the single-rank
+// layer run (kernels/ops.h PermuteRows, CombineRows, CombineRowsBackward,
+// ScatterAddRows) over the ring's maps, whose pairs of other ranks' experts
+// have no row (-1): each token's combine is the single-rank one restricted
+// to the local slots, and the ring's f32 sum adds the ranks' partials.
 #include "moe/moe_ring.h"
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include "fp8moe/dist.h"
 #include "fp8moe/quant.h"
 #include "fp8moe/numerics.h"
+#include "kernels/ops.h"
 #include "moe/moe_workspace.h"
 #include "moe/routing.h"
 
@@ -27,8 +30,8 @@ size_t U(int64_t i) { return static_cast<size_t>(i); }
 
 }  // namespace
 
-Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
-                    State& s) {
+Status RingDispatch(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                    const MoeOptions& options, State& s) {
   (void)options;
   Communicator& ring = *s.ring;
   const int64_t T = s.T, D = s.D, k = s.k, P = s.P, TT = P * T;
@@ -71,25 +74,16 @@ Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions&
       ring.AllGather(s.routing.expert.data(), s.ring_expert.data(), T * k, DType::kI32));
   FP8MOE_RETURN_IF_ERROR(
       ring.AllGather(s.routing.weight.data(), s.ring_weight.data(), T * k, DType::kF32));
-  // The local pairs, stably sorted by expert (a counting sort).
-  s.ring_sizes.assign(U(s.E_local), 0);
-  for (int32_t e : s.ring_expert) {
-    if (e >= s.e0 && e < s.e0 + s.E_local) ++s.ring_sizes[U(e - s.e0)];
-  }
+  // The local pairs, stably sorted by expert.
+  s.ring_sizes.resize(U(s.E_local));
   std::vector<int64_t>& next = s.routing.next_row;  // scratch, free after Route
-  next.assign(U(s.E_local), 0);
-  for (int64_t e = 1; e < s.E_local; ++e) next[U(e)] = next[U(e - 1)] + s.ring_sizes[U(e - 1)];
-  s.valid = 0;
-  for (int32_t n : s.ring_sizes) s.valid += n;
-  s.ring_row_of_pair.assign(U(TT * k), -1);
-  s.ring_pair_of_row.resize(U(s.valid));
-  for (int64_t p = 0; p < TT * k; ++p) {
-    const int32_t e = s.ring_expert[U(p)];
-    if (e < s.e0 || e >= s.e0 + s.E_local) continue;
-    const int64_t row = next[U(e - s.e0)]++;
-    s.ring_row_of_pair[U(p)] = row;
-    s.ring_pair_of_row[U(row)] = p;
-  }
+  next.resize(U(s.E_local));
+  s.ring_row_of_pair.resize(U(TT * k));
+  s.ring_pair_of_row.resize(U(TT * k));
+  FP8MOE_ASSIGN_OR_RETURN(s.valid, SortByExpert(ctx, s.ring_expert.data(), TT * k, s.e0,
+                                                s.E_local, s.ring_sizes.data(),
+                                                s.ring_row_of_pair.data(),
+                                                s.ring_pair_of_row.data(), next.data()));
   s.local_sizes = s.ring_sizes.data();
   return OkStatus();
 }
@@ -100,92 +94,43 @@ Result<int64_t> RingMaxValid(State& s) {
   return v;
 }
 
-void RingGatherRows(const State& s, void* buffer, DType act) {
+Status RingGatherRows(Context& ctx, const State& s, void* buffer, DType act) {
+  return PermuteRows(ctx, s.x_ring.data(), act, s.P * s.T, s.D, s.k, s.ring_pair_of_row.data(),
+                     s.valid, buffer, act);
+}
+
+Status RingCombine(Context& ctx, State& s, const TensorView& y) {
   const int64_t TT = s.P * s.T, D = s.D;
-  const size_t row_bytes = U(D) * DTypeSize(act);
-  const char* src = static_cast<const char*>(s.x_ring.data());
-  char* dst = static_cast<char*>(buffer);
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < s.valid; ++i) {
-    const int64_t t = Clamp(s.ring_pair_of_row[U(i)] / s.k, TT);
-    if (row_bytes > 0) std::memcpy(dst + U(i) * row_bytes, src + U(t) * row_bytes, row_bytes);
-  }
-}
-
-Status RingCombine(State& s, const TensorView& y) {
-  const int64_t TT = s.P * s.T, D = s.D, k = s.k, rows = std::max<int64_t>(s.valid, 1);
   FP8MOE_ASSIGN_OR_RETURN(TensorView yr, Grow(&s.y_ring, DType::kF32, {TT, D}));
-  float* yp = yr.as<float>();
-#pragma omp parallel
-  {
-    std::vector<float> row(U(D));
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < TT; ++t) {
-      float* yt = yp + t * D;
-      std::fill(yt, yt + D, 0.0f);
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t r = s.ring_row_of_pair[U(t * k + j)];
-        if (r < 0) continue;
-        RowToF32(s.ysv.data, s.act, Clamp(r, rows), D, row.data());
-        const float w = s.ring_weight[U(t * k + j)];
-        for (int64_t c = 0; c < D; ++c) yt[c] += w * row[U(c)];
-      }
-    }
-  }
-  return s.ring->ReduceScatter(yp, y.data, s.T * D, DType::kF32, ReduceOp::kSum);
+  FP8MOE_RETURN_IF_ERROR(CombineRows(ctx, s.ysv.data, s.act, s.valid, D,
+                                     s.ring_row_of_pair.data(), s.ring_weight.data(), TT, s.k,
+                                     yr.as<float>()));
+  return s.ring->ReduceScatter(yr.data, y.data, s.T * D, DType::kF32, ReduceOp::kSum);
 }
 
-Status RingCombineBackward(const TensorView& dy, State& s) {
-  const int64_t T = s.T, TT = s.P * T, D = s.D, k = s.k, rows = std::max<int64_t>(s.valid, 1);
+Status RingCombineBackward(Context& ctx, const TensorView& dy, State& s) {
+  const int64_t T = s.T, TT = s.P * T, D = s.D, k = s.k;
   FP8MOE_ASSIGN_OR_RETURN(TensorView dyr, Grow(&s.dy_ring, DType::kF32, {TT, D}));
   FP8MOE_RETURN_IF_ERROR(s.ring->AllGather(dy.data, dyr.data, T * D, DType::kF32));
   FP8MOE_ASSIGN_OR_RETURN(TensorView dwr, Grow(&s.dw_ring, DType::kF32, {TT * k}));
-  float* dw = dwr.as<float>();
-  std::fill(dw, dw + TT * k, 0.0f);
-  const float* dyp = dyr.as<float>();
-#pragma omp parallel
-  {
-    std::vector<float> row(U(D)), g(U(D));
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < s.valid; ++i) {
-      const int64_t p = Clamp(s.ring_pair_of_row[U(i)], TT * k);
-      const float* dyt = dyp + (p / k) * D;
-      const float w = s.ring_weight[U(p)];
-      for (int64_t c = 0; c < D; ++c) g[U(c)] = w * dyt[c];
-      StoreRow(g.data(), D, s.dys.data, s.act, Clamp(i, rows));
-      RowToF32(s.ysv.data, s.act, Clamp(i, rows), D, row.data());
-      double d = 0.0;
-      for (int64_t c = 0; c < D; ++c) d += static_cast<double>(dyt[c]) * row[U(c)];
-      dw[p] = static_cast<float>(d);
-    }
-  }
-  // One rank holds each pair's value, the others zero: the sum is exact.
-  return s.ring->ReduceScatter(dw, s.dwv.data, T * k, DType::kF32, ReduceOp::kSum);
+  // dweight is 0 for the pairs another rank runs: one rank holds each
+  // pair's value, the others zero, and the ring's sum is exact.
+  FP8MOE_RETURN_IF_ERROR(CombineRowsBackward(ctx, dyr.as<float>(), s.ysv.data, s.act, s.valid, D,
+                                             s.ring_row_of_pair.data(), s.ring_weight.data(), TT,
+                                             k, s.dys.data, dwr.as<float>()));
+  return s.ring->ReduceScatter(dwr.data, s.dwv.data, T * k, DType::kF32, ReduceOp::kSum);
 }
 
-Status RingDispatchBackward(State& s, const TensorView& dx) {
-  const int64_t T = s.T, TT = s.P * T, D = s.D, k = s.k, rows = std::max<int64_t>(s.valid, 1);
+Status RingDispatchBackward(Context& ctx, State& s, const TensorView& dx) {
+  const int64_t T = s.T, TT = s.P * T, D = s.D;
   FP8MOE_ASSIGN_OR_RETURN(TensorView dxr, Grow(&s.dx_ring, DType::kF32, {TT, D}));
-  float* dp = dxr.as<float>();
-  const float* dxs = s.dxs.as<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < TT; ++t) {
-    float* d = dp + t * D;
-    std::fill(d, d + D, 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t r = s.ring_row_of_pair[U(t * k + j)];
-      if (r < 0) continue;
-      const float* g = dxs + Clamp(r, rows) * D;
-      for (int64_t c = 0; c < D; ++c) d[c] += g[c];
-    }
-  }
+  FP8MOE_RETURN_IF_ERROR(ScatterAddRows(ctx, s.dxs.as<float>(), s.valid, D,
+                                        s.ring_row_of_pair.data(), TT, s.k,
+                                        /*accumulate=*/false, dxr.as<float>()));
   FP8MOE_ASSIGN_OR_RETURN(TensorView part, Grow(&s.ring_tmp, DType::kF32, {T, D}));
   FP8MOE_RETURN_IF_ERROR(
-      s.ring->ReduceScatter(dp, part.data, T * D, DType::kF32, ReduceOp::kSum));
-  float* out = dx.as<float>();
-  const float* pp = part.as<float>();
-  for (int64_t i = 0; i < T * D; ++i) out[i] += pp[i];
-  return OkStatus();
+      s.ring->ReduceScatter(dxr.data, part.data, T * D, DType::kF32, ReduceOp::kSum));
+  return Add(ctx, dx.as<float>(), part.as<float>(), T * D, dx.as<float>());
 }
 
 }  // namespace fp8moe::internal

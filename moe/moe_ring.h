@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "fp8moe/context.h"
 #include "fp8moe/moe.h"
 #include "moe/moe_workspace.h"
 
@@ -19,27 +20,27 @@ namespace fp8moe::internal {
 // local_sizes.
 // With moe_quantize_token_all_gather the codes + per-token scales are
 // gathered (GatherQuantizedTokens) and dequantized into x_ring instead.
-Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
-                    MoeWorkspace::State& s);
+Status RingDispatch(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                    const MoeOptions& options, MoeWorkspace::State& s);
 
 // The largest valid row count of the ring (an all-reduce max).
 Result<int64_t> RingMaxValid(MoeWorkspace::State& s);
 
 // buffer [rows, D] (dtype act): valid row i <- x_ring[ring token of row i].
-void RingGatherRows(const MoeWorkspace::State& s, void* buffer, DType act);
+Status RingGatherRows(Context& ctx, const MoeWorkspace::State& s, void* buffer, DType act);
 
 // y [T, D] f32: each rank's weighted rows for all P*T ring tokens (zero
 // where none of its experts was chosen), reduce-scattered over the ring.
-Status RingCombine(MoeWorkspace::State& s, const TensorView& y);
+Status RingCombine(Context& ctx, MoeWorkspace::State& s, const TensorView& y);
 
 // Combine backward: dy [T, D] all-gathered over the ring (f32); dy_sorted of
 // the local pairs; dweight [T*k] of this rank's tokens (each pair's value
 // comes from the one rank that ran its expert: a reduce-scatter, exact).
-Status RingCombineBackward(const TensorView& dy, MoeWorkspace::State& s);
+Status RingCombineBackward(Context& ctx, const TensorView& dy, MoeWorkspace::State& s);
 
 // dx [T, D] += the ring's dx_sorted rows scattered to their ring tokens and
 // reduce-scattered back to the tokens' ranks.
-Status RingDispatchBackward(MoeWorkspace::State& s, const TensorView& dx);
+Status RingDispatchBackward(Context& ctx, MoeWorkspace::State& s, const TensorView& dx);
 
 }  // namespace fp8moe::internal
 

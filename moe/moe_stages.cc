@@ -13,6 +13,7 @@
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
+#include "kernels/ops.h"
 #include "moe/gmm_ctx.h"
 #include "moe/moe_ring.h"
 #include "moe/routing.h"
@@ -93,13 +94,11 @@ Result<int64_t> BufferRows(const MoeConfig& cfg, MoeState& s, int64_t all, MoeSt
 
 // x_sorted's valid rows from the tokens (one rank: x, or its quantization
 // round trip; ring: the gathered x).
-void GatherSorted(const MoeState& s, const TensorView& x) {
-  if (s.P > 1) {
-    RingGatherRows(s, s.xs.data, s.act);
-  } else {
-    const float* src = s.quantized_tokens ? s.x_deq.data_as<float>() : x.as<float>();
-    GatherRows(s.routing, src, s.D, s.xs.data, s.act);
-  }
+Status GatherSorted(Context& ctx, const MoeState& s, const TensorView& x) {
+  if (s.P > 1) return RingGatherRows(ctx, s, s.xs.data, s.act);
+  const float* src = s.quantized_tokens ? s.x_deq.data_as<float>() : x.as<float>();
+  return PermuteRows(ctx, src, DType::kF32, s.T, s.D, s.k, s.routing.pair_of_row.data(), s.valid,
+                     s.xs.data, s.act);
 }
 
 // moe_quantize_token_all_gather on one rank: x_deq [T, D] = deq(q(x)), the
@@ -278,7 +277,8 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     TensorView r3{router.data, DType::kF32, {1, s.D, s.E}};
     FP8MOE_RETURN_IF_ERROR(CtxGmm(ctx, o, x, r3, nullptr, one, logits));
   }
-  Route(logits.as<float>(), s.T, s.E, s.k, cfg.norm_topk_prob, &s.routing);
+  FP8MOE_RETURN_IF_ERROR(
+      Route(ctx, logits.as<float>(), s.T, s.E, s.k, cfg.norm_topk_prob, &s.routing));
   // The load-balancing fractions: of this batch, or of the whole batch it
   // is a part of (FSDP and expert-ring ranks).
   Communicator* batch = options.ranks.batch;
@@ -299,11 +299,11 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   return OkStatus();
 }
 
-Status DispatchForward(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
-                       MoeState& s, MoeStats* stats) {
+Status DispatchForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                       const MoeOptions& options, MoeState& s, MoeStats* stats) {
   s.quantized_tokens = cfg.moe_quantize_token_all_gather;
   if (s.P > 1) {
-    FP8MOE_RETURN_IF_ERROR(RingDispatch(cfg, x, options, s));
+    FP8MOE_RETURN_IF_ERROR(RingDispatch(ctx, cfg, x, options, s));
   } else {
     if (s.quantized_tokens) FP8MOE_RETURN_IF_ERROR(QuantizeTokensRoundTrip(cfg, x, s));
     s.valid = s.T * s.k;
@@ -315,8 +315,7 @@ Status DispatchForward(const MoeConfig& cfg, const TensorView& x, const MoeOptio
               static_cast<size_t>(s.E_local) * sizeof(int32_t));
   FP8MOE_ASSIGN_OR_RETURN(s.rows, BufferRows(cfg, s, s.P * s.T * s.k, stats));
   FP8MOE_ASSIGN_OR_RETURN(s.xs, RaggedBuffer(&s.x_sorted, s.act, s.rows, s.D, options, s.valid));
-  GatherSorted(s, x);
-  return OkStatus();
+  return GatherSorted(ctx, s, x);
 }
 
 Status ExpertsForward(Context& ctx, const MoeConfig& cfg, const PreparedMoeWeights& prepared,
@@ -346,19 +345,20 @@ Status ExpertsForward(Context& ctx, const MoeConfig& cfg, const PreparedMoeWeigh
   return OkStatus();
 }
 
-Status CombineForward(MoeState& s, const TensorView& y) {
-  if (s.P > 1) return RingCombine(s, y);
-  CombineRows(s.routing, s.ysv.data, s.act, s.D, y.as<float>());
-  return OkStatus();
+Status CombineForward(Context& ctx, MoeState& s, const TensorView& y) {
+  if (s.P > 1) return RingCombine(ctx, s, y);
+  return CombineRows(ctx, s.ysv.data, s.act, s.valid, s.D, s.routing.row_of_pair.data(),
+                     s.routing.weight.data(), s.T, s.k, y.as<float>());
 }
 
-Status CombineBackwardStage(const MoeOptions& options, MoeState& s, const TensorView& dy) {
+Status CombineBackwardStage(Context& ctx, const MoeOptions& options, MoeState& s,
+                            const TensorView& dy) {
   FP8MOE_ASSIGN_OR_RETURN(s.dys, RaggedBuffer(&s.dy_sorted, s.act, s.rows, s.D, options, s.valid));
   FP8MOE_ASSIGN_OR_RETURN(s.dwv, Grow(&s.dweight, DType::kF32, {s.T * s.k}));
-  if (s.P > 1) return RingCombineBackward(dy, s);
-  CombineBackward(s.routing, dy.as<float>(), s.ysv.data, s.act, s.D, s.dys.data,
-                  s.dwv.as<float>());
-  return OkStatus();
+  if (s.P > 1) return RingCombineBackward(ctx, dy, s);
+  return CombineRowsBackward(ctx, dy.as<float>(), s.ysv.data, s.act, s.valid, s.D,
+                             s.routing.row_of_pair.data(), s.routing.weight.data(), s.T, s.k,
+                             s.dys.data, s.dwv.as<float>());
 }
 
 Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
@@ -374,7 +374,7 @@ Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   // trainer would drop it between the passes).
   if (cfg.remat_policy == MoeRematPolicy::kFull) {
     if (options.poison_tail_rows) PoisonTail(s.xs, s.valid);
-    GatherSorted(s, x);
+    FP8MOE_RETURN_IF_ERROR(GatherSorted(ctx, s, x));
   }
   FP8MOE_ASSIGN_OR_RETURN(s.dxs,
                           RaggedBuffer(&s.dx_sorted, DType::kF32, s.rows, s.D, options, s.valid));
@@ -386,8 +386,11 @@ Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const TensorView& 
                           const TensorView& router, MoeState& s, const TensorView& drouter,
                           const TensorView& dx) {
   FP8MOE_ASSIGN_OR_RETURN(TensorView dlogits, Grow(&s.dlogits, DType::kF32, {s.T, s.E}));
-  RouterBackward(s.routing, s.lb_fraction, s.dwv.as<float>(), cfg.norm_topk_prob,
-                 cfg.load_balance_loss_weight, dlogits.as<float>());
+  const Routing& r = s.routing;
+  FP8MOE_RETURN_IF_ERROR(RouterBackward(ctx, r.expert.data(), r.softmax.data(), r.probs.data(),
+                                        s.dwv.as<float>(), s.lb_fraction.data(), s.T, s.E, s.k,
+                                        cfg.norm_topk_prob, cfg.load_balance_loss_weight,
+                                        dlogits.as<float>()));
   FP8MOE_ASSIGN_OR_RETURN(TensorView one, OneGroup(s));
   GmmOptions o32;
   o32.mode = GmmMode::kF32;
@@ -397,10 +400,10 @@ Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const TensorView& 
   return CtxGmmDlhs(ctx, o32, dlogits, r3, nullptr, one, dx);
 }
 
-Status DispatchBackward(MoeState& s, const TensorView& dx) {
-  if (s.P > 1) return RingDispatchBackward(s, dx);
-  ScatterAddRows(s.routing, s.dxs.as<float>(), s.D, dx.as<float>());
-  return OkStatus();
+Status DispatchBackward(Context& ctx, MoeState& s, const TensorView& dx) {
+  if (s.P > 1) return RingDispatchBackward(ctx, s, dx);
+  return ScatterAddRows(ctx, s.dxs.as<float>(), s.valid, s.D, s.routing.row_of_pair.data(), s.T,
+                        s.k, /*accumulate=*/true, dx.as<float>());
 }
 
 }  // namespace fp8moe::internal

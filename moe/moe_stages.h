@@ -1,10 +1,12 @@
 // The MoE layer as stages (docs/design.md §7.3; docs/distributed.md "The ring of
 // experts"): route, dispatch, expert GMMs, combine, and the backward of each.
 // MoeForward / MoeBackward (moe/moe_layer.cc) are their composition. On one
-// rank dispatch and combine are the permute and the weighted unpermute of
-// moe/routing.h; on an expert ring (MoeRanks::expert_ring) they become the
-// all-gather of tokens + routing and the reduce-scatter of the partial
-// outputs (moe/moe_ring.cc), and the route and expert stages do not change.
+// rank dispatch and combine are the permute and the weighted unpermute
+// (kernels/ops.h PermuteRows, CombineRows) over the routing of
+// moe/routing.h; on an expert ring (MoeRanks::expert_ring) the same ops run
+// over the ring's maps between the all-gather of tokens + routing and the
+// reduce-scatter of the partial outputs (moe/moe_ring.cc), and the route
+// and expert stages do not change.
 // Internal to moe/; every buffer lives in the workspace's State.
 #ifndef FP8MOE_MOE_MOE_STAGES_H_
 #define FP8MOE_MOE_MOE_STAGES_H_
@@ -33,8 +35,8 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
 // [E_local]; the buffer's size and the collective overflow decision in
 // *stats. One rank: the T*k pairs of x. Ring: the P*T tokens of the ring.
 //   x [T, D] f32
-Status DispatchForward(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
-                       MoeState& s, MoeStats* stats);
+Status DispatchForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                       const MoeOptions& options, MoeState& s, MoeStats* stats);
 
 // Expert GMMs: h = x_sorted @ wi' [rows, 2F], a = SwiGLU(h) [rows, F],
 // y_sorted = a @ wo' [rows, D], on the local experts.
@@ -42,13 +44,14 @@ Status ExpertsForward(Context& ctx, const MoeConfig& cfg, const PreparedMoeWeigh
                       const MoeOptions& options, MoeState& s);
 
 // Combine: y [T, D] f32 = the routing-weighted sum of each token's k rows.
-Status CombineForward(MoeState& s, const TensorView& y);
+Status CombineForward(Context& ctx, MoeState& s, const TensorView& y);
 
 // ---- Backward (the mirror, run in this order) ----
 
 // Combine backward: dy_sorted [rows, D] (act) and dweight [T*k] f32 of this
 // rank's pairs.   dy [T, D] f32
-Status CombineBackwardStage(const MoeOptions& options, MoeState& s, const TensorView& dy);
+Status CombineBackwardStage(Context& ctx, const MoeOptions& options, MoeState& s,
+                            const TensorView& dy);
 
 // Expert GMMs backward: dh, dx_sorted [rows, D] f32, dwi and dwo of the
 // local experts (overwritten). x [T, D] is re-gathered with remat=full.
@@ -66,7 +69,7 @@ Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const TensorView& 
 
 // Dispatch backward: dx [T, D] += the rows of dx_sorted scattered back to
 // their tokens (ring: summed over the ranks that ran them).
-Status DispatchBackward(MoeState& s, const TensorView& dx);
+Status DispatchBackward(Context& ctx, MoeState& s, const TensorView& dx);
 
 // A ragged buffer [rows, cols] from the workspace; tail rows past `valid`
 // NaN-poisoned when the options ask.

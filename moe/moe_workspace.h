@@ -40,7 +40,7 @@ struct MoeWorkspace::State {
   std::vector<float> ring_weight;        // [P*T*k] gathered routing weights
   std::vector<int32_t> ring_sizes;       // [E_local] pairs per local expert
   std::vector<int64_t> ring_row_of_pair; // [P*T*k] buffer row, -1: not local
-  std::vector<int64_t> ring_pair_of_row; // [valid] ring pair of valid row i
+  std::vector<int64_t> ring_pair_of_row; // [P*T*k] ring pair of valid row i < valid
   Tensor x_ring, y_ring, dy_ring, dw_ring, dx_ring, ring_tmp;
   // moe_quantize_token_all_gather: codes [P*T, D], scales [P*T], and the
   // dequantized tokens x_deq [P*T, D] f32 (one rank: [T, D]).

@@ -19,6 +19,14 @@ struct CpuOps {
   static void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
   static void Rope(Context& ctx, const RopeArgs& a);
   static void AdamW(Context& ctx, const AdamWArgs& a);
+  // The MoE layer: routing and row permutation (cpu/routing.cc)
+  static void Route(Context& ctx, const RouteArgs& a);
+  static void SortByExpert(Context& ctx, const SortByExpertArgs& a);
+  static void PermuteRows(Context& ctx, const PermuteRowsArgs& a);
+  static void CombineRows(Context& ctx, const CombineRowsArgs& a);
+  static void CombineRowsBackward(Context& ctx, const CombineRowsBackwardArgs& a);
+  static void ScatterAddRows(Context& ctx, const ScatterAddRowsArgs& a);
+  static void RouterBackward(Context& ctx, const RouterBackwardArgs& a);
   static void AttentionForward(Context& ctx, const AttentionForwardArgs& a);  // cpu/attention.cc
   static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
   static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);  // cpu/cross_entropy.cc

@@ -30,8 +30,12 @@ void CpuOps::EmbeddingScatterAdd(Context& ctx, const EmbeddingScatterAddArgs& a)
   }
 }
 
+// Elementwise; in parallel only where the sum is large enough to pay for
+// waking the team (the MoE layer's chunk sums of expert weight gradients;
+// a residual add of a small batch stays on the calling thread).
 void CpuOps::Add(Context& ctx, const AddArgs& a) {
-  (void)ctx;
+  constexpr int64_t kParallelFrom = int64_t{1} << 15;
+#pragma omp parallel for schedule(static) num_threads(ctx.threads()) if (a.n >= kParallelFrom)
   for (int64_t i = 0; i < a.n; ++i) a.out[i] = a.a[i] + a.b[i];
 }
 

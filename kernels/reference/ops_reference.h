@@ -24,6 +24,14 @@ struct ReferenceOps {
   static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
   static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);
   static void AdamW(Context& ctx, const AdamWArgs& a);
+  // The MoE layer: routing and row permutation (reference/routing_reference.cc)
+  static void Route(Context& ctx, const RouteArgs& a);
+  static void SortByExpert(Context& ctx, const SortByExpertArgs& a);
+  static void PermuteRows(Context& ctx, const PermuteRowsArgs& a);
+  static void CombineRows(Context& ctx, const CombineRowsArgs& a);
+  static void CombineRowsBackward(Context& ctx, const CombineRowsBackwardArgs& a);
+  static void ScatterAddRows(Context& ctx, const ScatterAddRowsArgs& a);
+  static void RouterBackward(Context& ctx, const RouterBackwardArgs& a);
 };
 
 }  // namespace fp8moe::internal
