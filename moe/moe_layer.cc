@@ -181,7 +181,7 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     s.chunks.clear();
     FP8MOE_RETURN_IF_ERROR(
         internal::RouteForward(ctx, cfg, x, w.router, options, s, &out.aux_loss));
-    FP8MOE_RETURN_IF_ERROR(internal::DispatchForward(cfg, x, options, s, &out.stats));
+    FP8MOE_RETURN_IF_ERROR(internal::DispatchForward(ctx, cfg, x, options, s, &out.stats));
     FP8MOE_RETURN_IF_ERROR(internal::ExpertsForward(ctx, cfg, prepared, options, s));
     FP8MOE_RETURN_IF_ERROR(internal::CombineForward(s, y));
   }

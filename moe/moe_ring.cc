@@ -14,6 +14,7 @@
 #include "fp8moe/dist.h"
 #include "fp8moe/quant.h"
 #include "fp8moe/numerics.h"
+#include "kernels/ops.h"
 #include "moe/moe_workspace.h"
 #include "moe/routing.h"
 
@@ -27,8 +28,8 @@ size_t U(int64_t i) { return static_cast<size_t>(i); }
 
 }  // namespace
 
-Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
-                    State& s) {
+Status RingDispatch(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                    const MoeOptions& options, State& s) {
   (void)options;
   Communicator& ring = *s.ring;
   const int64_t T = s.T, D = s.D, k = s.k, P = s.P, TT = P * T;
@@ -47,8 +48,8 @@ Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions&
     FP8MOE_RETURN_IF_ERROR(GatherQuantizedTokens(ring, x.as<float>(), T, D, QuantDType::kE4M3FN,
                                                  cfg.act_quantization_calibration_method,
                                                  q.as<uint8_t>(), sc.as<float>()));
-    DequantizeRows(q.as<uint8_t>(), TT, D, 0, sc.as<float>(), QuantDType::kE4M3FN,
-                   deq.as<float>());
+    FP8MOE_RETURN_IF_ERROR(DequantizeRows(ctx, q.as<uint8_t>(), TT, D, 0, sc.as<float>(),
+                                          QuantDType::kE4M3FN, deq.as<float>()));
     if (s.act == DType::kF32) {
       if (TT * D > 0) std::memcpy(xr.data, deq.data, U(TT * D) * sizeof(float));
     } else {

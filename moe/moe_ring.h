@@ -19,8 +19,8 @@ namespace fp8moe::internal {
 // local_sizes.
 // With moe_quantize_token_all_gather the codes + per-token scales are
 // gathered (GatherQuantizedTokens) and dequantized into x_ring instead.
-Status RingDispatch(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
-                    MoeWorkspace::State& s);
+Status RingDispatch(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                    const MoeOptions& options, MoeWorkspace::State& s);
 
 // The largest valid row count of the ring (an all-reduce max).
 Result<int64_t> RingMaxValid(MoeWorkspace::State& s);

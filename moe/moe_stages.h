@@ -33,8 +33,8 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
 // [E_local]; the buffer's size and the collective overflow decision in
 // *stats. One rank: the T*k pairs of x. Ring: the P*T tokens of the ring.
 //   x [T, D] f32
-Status DispatchForward(const MoeConfig& cfg, const TensorView& x, const MoeOptions& options,
-                       MoeState& s, MoeStats* stats);
+Status DispatchForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                       const MoeOptions& options, MoeState& s, MoeStats* stats);
 
 // Expert GMMs: h = x_sorted @ wi' [rows, 2F], a = SwiGLU(h) [rows, F],
 // y_sorted = a @ wo' [rows, D], on the local experts.
