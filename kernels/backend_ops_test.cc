@@ -400,10 +400,13 @@ bool Threaded(QuantDType dt, const Calibration& calib) {
          calib.arithmetic == ScaleArithmetic::kExactDivide;
 }
 
+std::string QuantWhat(const char* op, std::initializer_list<int64_t> dims, QuantDType dt) {
+  return std::string(op) + " " + Dims(dims) + " " + std::string(QuantDTypeName(dt));
+}
 std::string QuantWhat(const char* op, std::initializer_list<int64_t> dims, QuantDType dt,
                       const Calibration& calib) {
-  return std::string(op) + " " + Dims(dims) + " " + std::string(QuantDTypeName(dt)) + " " +
-         calib.ToString() + " " + std::string(ScaleArithmeticName(calib.arithmetic));
+  return QuantWhat(op, dims, dt) + " " + calib.ToString() + " " +
+         std::string(ScaleArithmeticName(calib.arithmetic));
 }
 
 // x [rows, cols]: sd-3 draws; with `edges`, the f32 edges salted in and
@@ -543,8 +546,7 @@ void CheckDequantizeRows(std::mt19937& rng, bool edges) {
                                      {3, 0, 0},
                                      {1, 1, 0},
                                      {300, 1000, 0}}) {
-      const std::string what = "dequantize_rows " + Dims({rows, cols, block}) + " " +
-                               std::string(QuantDTypeName(dt));
+      const std::string what = QuantWhat("dequantize_rows", {rows, cols, block}, dt);
       const std::vector<uint8_t> q = AllCodes(rng, rows * cols);
       const int64_t nb = NumBlocks(cols, block);
       const std::vector<float> scales = Values(rng, rows * nb, edges, 0.5f);
@@ -595,8 +597,7 @@ void CheckDequantizeChannelsToBf16(std::mt19937& rng, bool edges) {
                            {0, 2, 2},
                            {2, 0, 2},
                            {1, 1, 1}}) {
-      const std::string what = "dequantize_channels_to_bf16 " + Dims({e, k, n}) + " " +
-                               std::string(QuantDTypeName(dt));
+      const std::string what = QuantWhat("dequantize_channels_to_bf16", {e, k, n}, dt);
       const std::vector<uint8_t> q = AllCodes(rng, e * k * n);
       const std::vector<float> scales = Values(rng, e * n, edges, 0.5f);
       QuantOut start;
@@ -650,8 +651,7 @@ void CheckScaleToF32(std::mt19937& rng, bool edges) {
 void CheckFp8HealthCount(std::mt19937& rng, bool edges) {
   for (QuantDType dt : kFormats) {
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{9, 13}, {0, 4}, {1, 1}, {40, 700}}) {
-      const std::string what = "fp8_health_count " + Dims({rows, cols}) + " " +
-                               std::string(QuantDTypeName(dt));
+      const std::string what = QuantWhat("fp8_health_count", {rows, cols}, dt);
       std::vector<float> x = QuantInput(rng, rows, cols, edges, dt);
       std::vector<uint8_t> q(x.size());
       std::vector<float> scales(static_cast<size_t>(rows));
