@@ -18,6 +18,7 @@
 
 #include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
+#include "fp8moe/quant.h"
 #include "kernels/gmm_problem.h"
 #include "kernels/ops.h"
 
@@ -47,6 +48,13 @@ enum class Op : uint8_t {
   kCombineRowsBackward,  // its backward: the rows' gradients and dweight
   kScatterAddRows,       // the permute's backward: rows added back to their tokens
   kRouterBackward,       // dlogits of the router
+  // Quantization (quant/ is the cpu implementation's code)
+  kQuantizeRows,              // codes + a scale per row (or row block)
+  kDequantizeRows,            // their values in f32
+  kQuantizeChannels,          // a weight's codes + a scale per (expert, channel)
+  kDequantizeChannelsToBf16,  // their values rounded to bf16
+  kScaleToF32,                // x times a scale per row or per (group, column)
+  kFp8HealthCount,            // codes at the format's max, and flushed to zero
   kCount
 };
 std::string_view OpName(Op op);
@@ -202,6 +210,55 @@ struct RouterBackwardArgs : OpArgs {
   double lb_weight;        // the load-balancing loss weight
   float* dlogits;          // [tokens, experts] (overwritten)
 };
+// Quantization (quant/ is the cpu implementation's code). Codes are bytes of
+// `dtype` (fp8moe/quant.h), scales f32.
+struct QuantizeRowsArgs : OpArgs {
+  const float* x;          // [rows, cols]; rows >= valid_rows are not read
+  int64_t rows, cols, valid_rows, block_size;  // block_size 0: one block per row
+  QuantDType dtype;
+  Calibration calib;
+  uint8_t* q;              // [rows, cols] (tail rows: 0)
+  float* scales;           // [rows, NumBlocks(cols, block_size)] (tail rows: 0)
+};
+struct DequantizeRowsArgs : OpArgs {
+  const uint8_t* q;        // [rows, cols]
+  const float* scales;     // [rows, NumBlocks(cols, block_size)]
+  int64_t rows, cols, block_size;
+  QuantDType dtype;
+  float* x;                // [rows, cols]
+};
+struct QuantizeChannelsArgs : OpArgs {
+  const float* w;          // [experts, k, n]
+  int64_t experts, k, n;
+  QuantDType dtype;
+  Calibration calib;
+  uint8_t* q;              // [experts, k, n]
+  float* scales;           // [experts, n]
+};
+struct DequantizeChannelsToBf16Args : OpArgs {
+  const uint8_t* q;        // [experts, k, n]
+  const float* scales;     // [experts, n]
+  int64_t experts, k, n;
+  QuantDType dtype;
+  uint16_t* out;           // [experts, k, n] bf16 bits
+};
+struct ScaleToF32Args : OpArgs {
+  const void* x;           // [rows, cols] of x_dtype: F32 or BF16
+  DType x_dtype;
+  int64_t rows, cols;
+  const int32_t* group_sizes;  // [groups], sum <= rows: the rows written
+  int64_t groups;
+  ScaleBy by;
+  const float* scale;      // kRow: [rows]; kGroupColumn: [groups, cols]
+  float* out;              // [rows, cols]; rows past sum(group_sizes) untouched
+};
+struct Fp8HealthCountArgs : OpArgs {
+  const uint8_t* q;        // [n] codes of x
+  const float* x;          // [n] the values they were quantized from
+  int64_t n;
+  QuantDType dtype;
+  Fp8CodeCounts* counts;   // kernels/ops.h
+};
 
 class Backend {
  public:
@@ -244,6 +301,13 @@ class Backend {
   virtual Status CombineRowsBackward(Context& ctx, const CombineRowsBackwardArgs& a) = 0;
   virtual Status ScatterAddRows(Context& ctx, const ScatterAddRowsArgs& a) = 0;
   virtual Status RouterBackward(Context& ctx, const RouterBackwardArgs& a) = 0;
+  // Quantization (quant/ is the cpu implementation's code)
+  virtual Status QuantizeRows(Context& ctx, const QuantizeRowsArgs& a) = 0;
+  virtual Status DequantizeRows(Context& ctx, const DequantizeRowsArgs& a) = 0;
+  virtual Status QuantizeChannels(Context& ctx, const QuantizeChannelsArgs& a) = 0;
+  virtual Status DequantizeChannelsToBf16(Context& ctx, const DequantizeChannelsToBf16Args& a) = 0;
+  virtual Status ScaleToF32(Context& ctx, const ScaleToF32Args& a) = 0;
+  virtual Status Fp8HealthCount(Context& ctx, const Fp8HealthCountArgs& a) = 0;
 };
 
 // A backend whose ops besides the GMMs are the static functions of `Ops`,
@@ -320,6 +384,31 @@ class OpsBackend : public Backend {
   }
   Status RouterBackward(Context& ctx, const RouterBackwardArgs& a) final {
     Ops::RouterBackward(ctx, a);
+    return OkStatus();
+  }
+  // Quantization (quant/ is the cpu implementation's code)
+  Status QuantizeRows(Context& ctx, const QuantizeRowsArgs& a) final {
+    Ops::QuantizeRows(ctx, a);
+    return OkStatus();
+  }
+  Status DequantizeRows(Context& ctx, const DequantizeRowsArgs& a) final {
+    Ops::DequantizeRows(ctx, a);
+    return OkStatus();
+  }
+  Status QuantizeChannels(Context& ctx, const QuantizeChannelsArgs& a) final {
+    Ops::QuantizeChannels(ctx, a);
+    return OkStatus();
+  }
+  Status DequantizeChannelsToBf16(Context& ctx, const DequantizeChannelsToBf16Args& a) final {
+    Ops::DequantizeChannelsToBf16(ctx, a);
+    return OkStatus();
+  }
+  Status ScaleToF32(Context& ctx, const ScaleToF32Args& a) final {
+    Ops::ScaleToF32(ctx, a);
+    return OkStatus();
+  }
+  Status Fp8HealthCount(Context& ctx, const Fp8HealthCountArgs& a) final {
+    Ops::Fp8HealthCount(ctx, a);
     return OkStatus();
   }
 };

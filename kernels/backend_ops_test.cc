@@ -35,6 +35,7 @@
 #include "fp8moe/context.h"
 #include "fp8moe/gmm.h"
 #include "fp8moe/numerics.h"
+#include "fp8moe/quant.h"
 #include "kernels/backend.h"
 #include "kernels/ops.h"
 
@@ -501,7 +502,7 @@ void ExpectSameBits(const std::vector<T>& got, const std::vector<T>& want,
                      std::isnan(static_cast<double>(want[i]));
     if (!nan && std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
       ++reported;
-      ADD_FAILURE() << what << "[" << i << "]: cpu " << got[i] << ", reference " << want[i];
+      ADD_FAILURE() << what << "[" << i << "]: cpu " << +got[i] << ", reference " << +want[i];
     }
   }
 }
@@ -823,6 +824,369 @@ void CheckRouteContract() {
   }
 }
 
+// ---- Quantization (quant/ is the cpu implementation's code) ---------------------
+//
+// Every quantization op is exact per element on both backends: an amax
+// (a max), one f32 division or multiplication by a reciprocal, a saturating
+// cast, a decode times a scale, an integer count. The cpu runs quant/'s
+// SIMD spans and tables, the reference quant.h's scalars one element at a
+// time; both must give the same bits (codes and bf16 byte for byte, f32
+// values and scales exactly, a NaN matching a NaN) for every format and
+// calibration, on every SIMD target where the cpu code is vectorized.
+
+constexpr QuantDType kFormats[] = {QuantDType::kE4M3FN, QuantDType::kE4M3FNUZ, QuantDType::kE5M2,
+                                   QuantDType::kE5M2FNUZ, QuantDType::kInt8};
+
+// The calibrations the step uses (absmax, fixed; exact division) and the
+// XLA reciprocal arithmetic of the Python path. fixed,-2,3: amax 3, so the
+// sd-3 draws go past it and saturate.
+std::vector<Calibration> Calibrations() {
+  const Calibration absmax = Calibration::AbsMax(), fixed = Calibration::Fixed(-2.0f, 3.0f);
+  return {absmax, fixed, absmax.With(ScaleArithmetic::kXlaReciprocal),
+          fixed.With(ScaleArithmetic::kXlaReciprocal)};
+}
+
+// The one combination that also runs a buffer past quant/'s threshold for
+// threads (2^18 elements): the threaded loops split rows, not arithmetic.
+bool Threaded(QuantDType dt, const Calibration& calib) {
+  return dt == QuantDType::kE4M3FN && calib.kind == Calibration::Kind::kAbsMax &&
+         calib.arithmetic == ScaleArithmetic::kExactDivide;
+}
+
+std::string QuantWhat(const char* op, std::initializer_list<int64_t> dims, QuantDType dt) {
+  return std::string(op) + " " + Dims(dims) + " " + std::string(QuantDTypeName(dt));
+}
+std::string QuantWhat(const char* op, std::initializer_list<int64_t> dims, QuantDType dt,
+                      const Calibration& calib) {
+  return QuantWhat(op, dims, dt) + " " + calib.ToString() + " " +
+         std::string(ScaleArithmeticName(calib.arithmetic));
+}
+
+// x [rows, cols]: sd-3 draws; with `edges`, the f32 edges salted in and
+// whole rows of the cases a scaling group must survive: row 0 all zeros,
+// row 1 subnormals only (its codes flush to zero), row 2 the format's max
+// and values past it, row 3 a +inf, row 4 a NaN, row 5 a -inf beside -1e30.
+std::vector<float> QuantInput(std::mt19937& rng, int64_t rows, int64_t cols, bool edges,
+                              QuantDType dt) {
+  std::vector<float> x = Values(rng, rows * cols, edges, 3.0f);
+  if (!edges || cols == 0) return x;
+  const float max = QuantMax(dt), sub = std::numeric_limits<float>::denorm_min();
+  auto row = [&](int64_t r) { return x.data() + r * cols; };
+  for (int64_t r = 0; r < std::min<int64_t>(rows, 6); ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = Values(rng, 1, false, 3.0f)[0];
+      switch (r) {
+        case 0: row(r)[c] = 0.0f; break;
+        case 1: row(r)[c] = (c % 2 ? -1.0f : 1.0f) * sub * static_cast<float>(1 + c % 7); break;
+        case 2: row(r)[c] = c % 3 == 0 ? max : c % 3 == 1 ? -2.0f * max : v; break;
+        default: row(r)[c] = v; break;
+      }
+    }
+  }
+  if (rows > 3) row(3)[cols / 2] = kInf;
+  if (rows > 4) row(4)[cols - 1] = kNaN;
+  if (rows > 5) row(5)[0] = -kInf, row(5)[cols - 1] = -1e30f;
+  return x;
+}
+
+// Every output a quantization op writes; the unused ones stay empty.
+struct QuantOut {
+  std::vector<uint8_t> q;      // codes
+  std::vector<float> f;        // scales or f32 values
+  std::vector<float> f2;       // a second f32 output
+  std::vector<uint16_t> bf16;  // bf16 bits
+  internal::Fp8CodeCounts counts{-1, -1};
+};
+
+// Runs `run` on the reference backend, then on the cpu backend (on every
+// SIMD target when `per_target`), each from a fresh copy of `start` (the
+// poisoned outputs), and requires the same bits in every output.
+void CompareQuant(const QuantOut& start, bool per_target, const std::string& what,
+                  const std::function<Status(Context&, QuantOut&)>& run) {
+  QuantOut want = start;
+  const Status ref = run(Ctx(BackendKind::kReference), want);
+  ASSERT_TRUE(ref.ok()) << what << ": " << ref.message();
+  auto check = [&] {
+    QuantOut got = start;
+    const Status cpu = run(Ctx(BackendKind::kCpu), got);
+    ASSERT_TRUE(cpu.ok()) << what << ": " << cpu.message();
+    ExpectSameBits(got.q, want.q, what + " codes");
+    ExpectClose(got.f, want.f, 0, 0, what + " f32");
+    ExpectClose(got.f2, want.f2, 0, 0, what + " f32 (2)");
+    ExpectSameBits(got.bf16, want.bf16, what + " bf16");
+    EXPECT_EQ(got.counts.saturated, want.counts.saturated) << what << " saturated";
+    EXPECT_EQ(got.counts.flushed, want.counts.flushed) << what << " flushed";
+  };
+  if (per_target) {
+    test::ForEachTarget(check);
+  } else {
+    check();
+  }
+}
+
+constexpr uint8_t kPoisonCode = 0xA5;  // a code no test expects where it lands
+std::vector<uint8_t> PoisonedCodes(int64_t n) {
+  return std::vector<uint8_t>(static_cast<size_t>(n), kPoisonCode);
+}
+
+// Every byte, in random order (NaN codes, both zeros, the max of each sign).
+std::vector<uint8_t> AllCodes(std::mt19937& rng, int64_t n) {
+  std::vector<uint8_t> q(static_cast<size_t>(n));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<uint8_t>(i < 256 ? i : rng());
+  std::shuffle(q.begin(), q.end(), rng);
+  return q;
+}
+
+// Row quantization, with tail rows (valid < rows: code 0, scale 0), blocks
+// that do not divide the row, zero-width and empty buffers, and one buffer
+// past quant/'s threshold for threads (2^18 elements).
+void CheckQuantizeRows(std::mt19937& rng, bool edges) {
+  struct Case {
+    int64_t rows, cols, valid, block;
+  };
+  for (QuantDType dt : kFormats) {
+    for (const Calibration& calib : Calibrations()) {
+      std::vector<Case> cases = {{9, 13, 7, 0}, {9, 13, 9, 4}, {7, 16, 6, 8}, {0, 5, 0, 0},
+                                 {4, 0, 2, 0},  {4, 0, 2, 3},  {3, 1, 3, 0},  {5, 6, 0, 2}};
+      if (Threaded(dt, calib)) cases.push_back({300, 1000, 290, 128});
+      for (const Case& c : cases) {
+        const std::string what = QuantWhat("quantize_rows", {c.rows, c.cols, c.valid, c.block},
+                                           dt, calib);
+        const std::vector<float> x = QuantInput(rng, c.valid, c.cols, edges, dt);
+        const int64_t nb = NumBlocks(c.cols, c.block);
+        QuantOut start;
+        start.q = PoisonedCodes(c.rows * c.cols);
+        start.f = Poisoned(c.rows * nb);
+        CompareQuant(start, true, what, [&](Context& ctx, QuantOut& o) {
+          return internal::QuantizeRows(ctx, x.data(), c.rows, c.cols, c.valid, c.block, dt,
+                                        calib, o.q.data(), o.f.data());
+        });
+        QuantOut tail = start;  // the tail rows' promise, on the reference
+        ASSERT_TRUE(internal::QuantizeRows(Ctx(BackendKind::kReference), x.data(), c.rows, c.cols,
+                                           c.valid, c.block, dt, calib, tail.q.data(),
+                                           tail.f.data())
+                        .ok());
+        for (int64_t i = c.valid * c.cols; i < c.rows * c.cols; ++i) {
+          ASSERT_EQ(tail.q[i], 0) << what;
+        }
+        for (int64_t i = c.valid * nb; i < c.rows * nb; ++i) ASSERT_EQ(tail.f[i], 0.0f) << what;
+      }
+    }
+  }
+}
+
+// Dequantization of every code with scales that include the f32 edges.
+void CheckDequantizeRows(std::mt19937& rng, bool edges) {
+  for (QuantDType dt : kFormats) {
+    for (auto [rows, cols, block] : {std::tuple<int64_t, int64_t, int64_t>{17, 31, 0},
+                                     {16, 32, 8},
+                                     {9, 13, 4},
+                                     {0, 4, 0},
+                                     {3, 0, 0},
+                                     {1, 1, 0},
+                                     {300, 1000, 0}}) {
+      const std::string what = QuantWhat("dequantize_rows", {rows, cols, block}, dt);
+      const std::vector<uint8_t> q = AllCodes(rng, rows * cols);
+      const int64_t nb = NumBlocks(cols, block);
+      const std::vector<float> scales = Values(rng, rows * nb, edges, 0.5f);
+      QuantOut start;
+      start.f = Poisoned(rows * cols);
+      CompareQuant(start, false, what, [&](Context& ctx, QuantOut& o) {
+        return internal::DequantizeRows(ctx, q.data(), rows, cols, block, scales.data(), dt,
+                                        o.f.data());
+      });
+    }
+  }
+}
+
+// Per-channel weight quantization: amax down each column of k per expert.
+void CheckQuantizeChannels(std::mt19937& rng, bool edges) {
+  for (QuantDType dt : kFormats) {
+    for (const Calibration& calib : Calibrations()) {
+      std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes = {
+          {3, 7, 5}, {2, 33, 17}, {1, 1, 1}, {0, 4, 3}, {2, 0, 3}, {2, 5, 0}};
+      if (Threaded(dt, calib)) shapes.push_back({1, 600, 500});
+      for (auto [e, k, n] : shapes) {
+        const std::string what = QuantWhat("quantize_channels", {e, k, n}, dt, calib);
+        // Transposed: QuantInput's special rows become special channels.
+        const std::vector<float> t = QuantInput(rng, e * n, k, edges, dt);
+        std::vector<float> w(t.size());
+        for (int64_t x = 0; x < e; ++x) {
+          for (int64_t i = 0; i < k; ++i) {
+            for (int64_t j = 0; j < n; ++j) w[(x * k + i) * n + j] = t[(x * n + j) * k + i];
+          }
+        }
+        QuantOut start;
+        start.q = PoisonedCodes(e * k * n);
+        start.f = Poisoned(e * n);
+        CompareQuant(start, true, what, [&](Context& ctx, QuantOut& o) {
+          return internal::QuantizeChannels(ctx, w.data(), e, k, n, dt, calib, o.q.data(),
+                                            o.f.data());
+        });
+      }
+    }
+  }
+}
+
+// The int8 scheme's dLHS weight copy, for every format's codes.
+void CheckDequantizeChannelsToBf16(std::mt19937& rng, bool edges) {
+  for (QuantDType dt : kFormats) {
+    for (auto [e, k, n] : {std::tuple<int64_t, int64_t, int64_t>{3, 7, 5},
+                           {2, 40, 33},
+                           {0, 2, 2},
+                           {2, 0, 2},
+                           {1, 1, 1}}) {
+      const std::string what = QuantWhat("dequantize_channels_to_bf16", {e, k, n}, dt);
+      const std::vector<uint8_t> q = AllCodes(rng, e * k * n);
+      const std::vector<float> scales = Values(rng, e * n, edges, 0.5f);
+      QuantOut start;
+      start.bf16.assign(static_cast<size_t>(e * k * n), uint16_t{0x7FC1});
+      CompareQuant(start, false, what, [&](Context& ctx, QuantOut& o) {
+        return internal::DequantizeChannelsToBf16(ctx, q.data(), e, k, n, scales.data(), dt,
+                                                  o.bf16.data());
+      });
+    }
+  }
+}
+
+// The recipe's cotangent scaling, per (group, column) and per row, from f32
+// and from bf16, with an empty group and rows past the groups (not
+// written: they stay poisoned on both).
+void CheckScaleToF32(std::mt19937& rng, bool edges) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (auto [rows, cols, sizes] :
+         {std::tuple<int64_t, int64_t, std::vector<int32_t>>{13, 9, {3, 0, 5, 2}},
+          {6, 1, {6}},
+          {4, 0, {1, 2}},
+          {0, 3, {0, 0}},
+          {5, 4, {}},
+          {40, 33, {7, 11, 0, 20}}}) {
+      const int64_t groups = static_cast<int64_t>(sizes.size());
+      const std::vector<float> xf = Values(rng, rows * cols, edges);
+      std::vector<uint16_t> xb(xf.size());
+      for (size_t i = 0; i < xf.size(); ++i) xb[i] = F32ToBf16(xf[i]);
+      const void* x = dtype == DType::kF32 ? static_cast<const void*>(xf.data()) : xb.data();
+      const std::vector<float> row_scale = Values(rng, rows, edges, 0.1f),
+                               col_scale = Values(rng, groups * cols, edges, 0.1f);
+      const std::string what = "scale_to_f32 " + Dims({rows, cols, groups}) + " " +
+                               std::string(DTypeName(dtype));
+      QuantOut start;
+      start.f = Poisoned(rows * cols);
+      start.f2 = Poisoned(rows * cols);
+      CompareQuant(start, false, what, [&](Context& ctx, QuantOut& o) {
+        FP8MOE_RETURN_IF_ERROR(internal::ScaleToF32(ctx, x, dtype, rows, cols, sizes.data(),
+                                                    groups, internal::ScaleBy::kGroupColumn,
+                                                    col_scale.data(), o.f.data()));
+        return internal::ScaleToF32(ctx, x, dtype, rows, cols, sizes.data(), groups,
+                                    internal::ScaleBy::kRow, row_scale.data(), o.f2.data());
+      });
+    }
+  }
+}
+
+// Health counts of codes quantized from the quantizers' inputs (fixed
+// calibration: values past amax saturate; subnormals flush), and of random
+// codes against values that are zero or not.
+void CheckFp8HealthCount(std::mt19937& rng, bool edges) {
+  for (QuantDType dt : kFormats) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{9, 13}, {0, 4}, {1, 1}, {40, 700}}) {
+      const std::string what = QuantWhat("fp8_health_count", {rows, cols}, dt);
+      std::vector<float> x = QuantInput(rng, rows, cols, edges, dt);
+      std::vector<uint8_t> q(x.size());
+      std::vector<float> scales(static_cast<size_t>(rows));
+      ASSERT_TRUE(internal::QuantizeRows(Ctx(BackendKind::kReference), x.data(), rows, cols, rows,
+                                         0, dt, Calibration::Fixed(-2.0f, 3.0f), q.data(),
+                                         scales.data())
+                      .ok());
+      for (const std::vector<uint8_t>& codes : {q, AllCodes(rng, rows * cols)}) {
+        CompareQuant({}, false, what, [&](Context& ctx, QuantOut& o) -> Status {
+          FP8MOE_ASSIGN_OR_RETURN(o.counts, internal::Fp8HealthCount(ctx, codes.data(), x.data(),
+                                                                     rows * cols, dt));
+          return OkStatus();
+        });
+      }
+    }
+  }
+}
+
+// The health counts' promise on hand-made values, on both backends: with a
+// fixed amax of 448 (e4m3fn: scale 1) 448 and -896 land on the largest
+// magnitude (saturated), 1e-30 and the subnormal 1e-40 on code zero
+// (flushed), +-0 on code zero without being flushed; with absmax the row's
+// largest value alone saturates.
+TEST(QuantOps, SaturatedAndFlushedValuesAreCountedOnBothBackends) {
+  const std::vector<float> x = {448.0f, -896.0f, 1e-30f, 0.0f, 1.0f, -0.0f, 2.0f, 1e-40f};
+  const int64_t n = static_cast<int64_t>(x.size());
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    SCOPED_TRACE(std::string(BackendName(kind)));
+    for (auto [calib, scale, saturated, flushed] :
+         {std::tuple<Calibration, float, int64_t, int64_t>{Calibration::Fixed(-448.0f, 448.0f),
+                                                            1.0f, 2, 2},
+          {Calibration::AbsMax(), 2.0f, 1, 2}}) {
+      std::vector<uint8_t> q = PoisonedCodes(n);
+      std::vector<float> s = Poisoned(1);
+      ASSERT_TRUE(internal::QuantizeRows(Ctx(kind), x.data(), 1, n, 1, 0, QuantDType::kE4M3FN,
+                                         calib, q.data(), s.data())
+                      .ok());
+      EXPECT_EQ(s[0], scale);
+      auto counts = internal::Fp8HealthCount(Ctx(kind), q.data(), x.data(), n, QuantDType::kE4M3FN);
+      ASSERT_TRUE(counts.ok());
+      EXPECT_EQ(counts->saturated, saturated) << calib.ToString();
+      EXPECT_EQ(counts->flushed, flushed) << calib.ToString();
+    }
+  }
+}
+
+// Bad arguments are refused with the op's name and what is wrong, before
+// anything is written.
+TEST(QuantOps, BadArgumentsAreRefusedByNameBeforeAnyWork) {
+  Context& ctx = Ctx(BackendKind::kCpu);
+  const QuantDType dt = QuantDType::kE4M3FN;
+  const Calibration absmax = Calibration::AbsMax();
+  std::vector<float> x(12, 1.0f), s = Poisoned(3), out = Poisoned(12);
+  std::vector<uint8_t> q = PoisonedCodes(12);
+  const std::vector<int32_t> sizes = {2}, too_many = {4};
+  auto refused = [](const Status& st, const std::string& needle) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.message();
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
+  };
+  refused(internal::QuantizeRows(ctx, x.data(), 3, 4, 4, 0, dt, absmax, q.data(), s.data()),
+          "quantize_rows: valid_rows = 4 exceeds rows = 3");
+  refused(internal::QuantizeRows(ctx, x.data(), 3, 4, 3, -1, dt, absmax, q.data(), s.data()),
+          "quantize_rows: block_size = -1 is negative");
+  refused(internal::QuantizeRows(ctx, nullptr, 3, 4, 3, 0, dt, absmax, q.data(), s.data()),
+          "quantize_rows: x [3, 4] has no data");
+  refused(internal::QuantizeRows(ctx, x.data(), 3, 4, 3, 0, static_cast<QuantDType>(9), absmax,
+                                 q.data(), s.data()),
+          "quantize_rows: quant dtype 9 is none of");
+  refused(internal::DequantizeRows(ctx, q.data(), 3, 4, 0, s.data(), dt,
+                                   reinterpret_cast<float*>(q.data())),
+          "dequantize_rows: x overlaps q");
+  refused(internal::QuantizeChannels(ctx, x.data(), 1, 3, -4, dt, absmax, q.data(), s.data()),
+          "quantize_channels: w");
+  refused(internal::DequantizeChannelsToBf16(ctx, q.data(), 1, 3, 4, nullptr, dt,
+                                             reinterpret_cast<uint16_t*>(out.data())),
+          "dequantize_channels_to_bf16: scales [1, 4] has no data");
+  using internal::ScaleBy;
+  refused(internal::ScaleToF32(ctx, x.data(), DType::kF32, 3, 4, sizes.data(), 1,
+                               ScaleBy::kGroupColumn, nullptr, out.data()),
+          "scale_to_f32: scale [1, 4] has no data");
+  refused(internal::ScaleToF32(ctx, x.data(), DType::kI32, 3, 4, sizes.data(), 1, ScaleBy::kRow,
+                               s.data(), out.data()),
+          "scale_to_f32: x is int32; it must be f32 or bf16");
+  refused(internal::ScaleToF32(ctx, x.data(), DType::kF32, 3, 4, too_many.data(), 1,
+                               ScaleBy::kRow, s.data(), out.data()),
+          "scale_to_f32: ");
+  refused(internal::ScaleToF32(ctx, x.data(), DType::kF32, 3, 4, sizes.data(), 1, ScaleBy::kRow,
+                               s.data(), x.data()),
+          "scale_to_f32: out overlaps x");
+  refused(internal::Fp8HealthCount(ctx, q.data(), nullptr, 12, dt).status(),
+          "fp8_health_count: x [12] has no data");
+  for (uint8_t c : q) EXPECT_EQ(c, kPoisonCode);
+  for (float v : s) EXPECT_TRUE(std::isnan(v));
+  for (float v : out) EXPECT_TRUE(std::isnan(v));
+}
+
 // ---- Every op of the registry has its check --------------------------------------
 
 struct OpCheck {
@@ -859,6 +1223,13 @@ const std::vector<OpCheck>& Checks() {
       {Op::kCombineRowsBackward, CheckCombineRows},
       {Op::kScatterAddRows, CheckScatterAddRows},
       {Op::kRouterBackward, CheckRouterBackward},
+      // Quantization (quant/ is the cpu implementation's code)
+      {Op::kQuantizeRows, CheckQuantizeRows},
+      {Op::kDequantizeRows, CheckDequantizeRows},
+      {Op::kQuantizeChannels, CheckQuantizeChannels},
+      {Op::kDequantizeChannelsToBf16, CheckDequantizeChannelsToBf16},
+      {Op::kScaleToF32, CheckScaleToF32},
+      {Op::kFp8HealthCount, CheckFp8HealthCount},
   };
   return checks;
 }
@@ -973,6 +1344,27 @@ class PartialBackend final : public internal::Backend {
   }
   Status RouterBackward(Context&, const internal::RouterBackwardArgs&) override {
     return Called("router_backward");
+  }
+
+  // Quantization (quant/ is the cpu implementation's code)
+  Status QuantizeRows(Context&, const internal::QuantizeRowsArgs&) override {
+    return Called("quantize_rows");
+  }
+  Status DequantizeRows(Context&, const internal::DequantizeRowsArgs&) override {
+    return Called("dequantize_rows");
+  }
+  Status QuantizeChannels(Context&, const internal::QuantizeChannelsArgs&) override {
+    return Called("quantize_channels");
+  }
+  Status DequantizeChannelsToBf16(Context&,
+                                  const internal::DequantizeChannelsToBf16Args&) override {
+    return Called("dequantize_channels_to_bf16");
+  }
+  Status ScaleToF32(Context&, const internal::ScaleToF32Args&) override {
+    return Called("scale_to_f32");
+  }
+  Status Fp8HealthCount(Context&, const internal::Fp8HealthCountArgs&) override {
+    return Called("fp8_health_count");
   }
 
  private:

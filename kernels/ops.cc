@@ -22,7 +22,10 @@ std::string_view OpName(Op op) {
       "adamw",
       // The MoE layer: routing and row permutation
       "route", "sort_by_expert", "permute_rows", "combine_rows", "combine_rows_backward",
-      "scatter_add_rows", "router_backward"};
+      "scatter_add_rows", "router_backward",
+      // Quantization (quant/ is the cpu implementation's code)
+      "quantize_rows", "dequantize_rows", "quantize_channels", "dequantize_channels_to_bf16",
+      "scale_to_f32", "fp8_health_count"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(Op::kCount));
   return kNames[static_cast<size_t>(op)];
 }
@@ -376,6 +379,155 @@ Status RouterBackward(Context& ctx, const int32_t* expert, const double* softmax
              RouterBackwardArgs{{op}, expert, softmax, probs, dweight, fraction, tokens, experts,
                                 k, norm_topk_prob, lb_weight, dlogits},
              &Backend::RouterBackward);
+}
+
+// ---- Quantization (quant/ is the cpu implementation's code) ----
+
+namespace {
+
+Status QuantError(Op op, const std::string& what) {
+  return InvalidArgument(std::string(OpName(op)) + ": " + what);
+}
+
+// A dimension that is not a shape's (a row count, a block size): >= 0.
+Status NonNegative(Op op, const char* what, int64_t v) {
+  if (v >= 0) return OkStatus();
+  return QuantError(op, std::string(what) + " = " + std::to_string(v) + " is negative");
+}
+
+// One of the five formats (an out-of-range enum would index past the
+// decode tables).
+Status Format(Op op, QuantDType dtype) {
+  if (static_cast<uint8_t>(dtype) <= static_cast<uint8_t>(QuantDType::kInt8)) return OkStatus();
+  return QuantError(op, "quant dtype " + std::to_string(static_cast<int>(dtype)) +
+                            " is none of e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, int8");
+}
+
+// An output of `out_bytes` at `out` shares no byte with an input of
+// `in_bytes` at `in` (empty ranges never do): every op reads an element's
+// inputs while others are already written.
+Status Disjoint(Op op, const char* out_name, const void* out, size_t out_bytes,
+                const char* in_name, const void* in, size_t in_bytes) {
+  const auto o = reinterpret_cast<uintptr_t>(out), i = reinterpret_cast<uintptr_t>(in);
+  if (out_bytes == 0 || in_bytes == 0 || o + out_bytes <= i || i + in_bytes <= o) {
+    return OkStatus();
+  }
+  return QuantError(op, std::string(out_name) + " overlaps " + in_name +
+                            "; give the output a buffer of its own");
+}
+
+// Bytes of an operand `Operand` accepted.
+size_t Bytes(Shape dims, size_t elem) { return NumElements(dims) * elem; }
+
+}  // namespace
+
+Status QuantizeRows(Context& ctx, const float* x, int64_t rows, int64_t cols,
+                    int64_t valid_rows, int64_t block_size, QuantDType dtype,
+                    const Calibration& calib, uint8_t* q, float* scales) {
+  const Op op = Op::kQuantizeRows;
+  FP8MOE_RETURN_IF_ERROR(NonNegative(op, "valid_rows", valid_rows));
+  FP8MOE_RETURN_IF_ERROR(NonNegative(op, "block_size", block_size));
+  FP8MOE_RETURN_IF_ERROR(Format(op, dtype));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "q", q, {rows, cols}, 1));
+  if (valid_rows > rows) {
+    return QuantError(op, "valid_rows = " + std::to_string(valid_rows) + " exceeds rows = " +
+                              std::to_string(rows));
+  }
+  const int64_t blocks = NumBlocks(cols, block_size);
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "x", x, {valid_rows, cols}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "scales", scales, {rows, blocks}));
+  const size_t x_bytes = Bytes({valid_rows, cols}, 4);
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "q", q, Bytes({rows, cols}, 1), "x", x, x_bytes));
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "scales", scales, Bytes({rows, blocks}, 4), "x", x, x_bytes));
+  return Run(ctx,
+             QuantizeRowsArgs{{op}, x, rows, cols, valid_rows, block_size, dtype, calib, q, scales},
+             &Backend::QuantizeRows);
+}
+
+Status DequantizeRows(Context& ctx, const uint8_t* q, int64_t rows, int64_t cols,
+                      int64_t block_size, const float* scales, QuantDType dtype, float* x) {
+  const Op op = Op::kDequantizeRows;
+  FP8MOE_RETURN_IF_ERROR(NonNegative(op, "block_size", block_size));
+  FP8MOE_RETURN_IF_ERROR(Format(op, dtype));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "q", q, {rows, cols}, 1));
+  const Shape scale_dims{rows, NumBlocks(cols, block_size)};
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "scales", scales, scale_dims));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "x", x, {rows, cols}));
+  const size_t x_bytes = Bytes({rows, cols}, 4);
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "x", x, x_bytes, "q", q, Bytes({rows, cols}, 1)));
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "x", x, x_bytes, "scales", scales, Bytes(scale_dims, 4)));
+  return Run(ctx, DequantizeRowsArgs{{op}, q, scales, rows, cols, block_size, dtype, x},
+             &Backend::DequantizeRows);
+}
+
+Status QuantizeChannels(Context& ctx, const float* w, int64_t experts, int64_t k, int64_t n,
+                        QuantDType dtype, const Calibration& calib, uint8_t* q, float* scales) {
+  const Op op = Op::kQuantizeChannels;
+  FP8MOE_RETURN_IF_ERROR(Format(op, dtype));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "w", w, {experts, k, n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "q", q, {experts, k, n}, 1));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "scales", scales, {experts, n}));
+  const size_t w_bytes = Bytes({experts, k, n}, 4);
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "q", q, Bytes({experts, k, n}, 1), "w", w, w_bytes));
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "scales", scales, Bytes({experts, n}, 4), "w", w, w_bytes));
+  return Run(ctx, QuantizeChannelsArgs{{op}, w, experts, k, n, dtype, calib, q, scales},
+             &Backend::QuantizeChannels);
+}
+
+Status DequantizeChannelsToBf16(Context& ctx, const uint8_t* q, int64_t experts, int64_t k,
+                                int64_t n, const float* scales, QuantDType dtype,
+                                uint16_t* out) {
+  const Op op = Op::kDequantizeChannelsToBf16;
+  FP8MOE_RETURN_IF_ERROR(Format(op, dtype));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "q", q, {experts, k, n}, 1));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "scales", scales, {experts, n}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {experts, k, n}, 2));
+  const size_t out_bytes = Bytes({experts, k, n}, 2);
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "out", out, out_bytes, "q", q, Bytes({experts, k, n}, 1)));
+  FP8MOE_RETURN_IF_ERROR(
+      Disjoint(op, "out", out, out_bytes, "scales", scales, Bytes({experts, n}, 4)));
+  return Run(ctx, DequantizeChannelsToBf16Args{{op}, q, scales, experts, k, n, dtype, out},
+             &Backend::DequantizeChannelsToBf16);
+}
+
+Status ScaleToF32(Context& ctx, const void* x, DType x_dtype, int64_t rows, int64_t cols,
+                  const int32_t* group_sizes, int64_t groups, ScaleBy by, const float* scale,
+                  float* out) {
+  const Op op = Op::kScaleToF32;
+  if (x_dtype != DType::kF32 && x_dtype != DType::kBF16) {
+    return QuantError(op, "x is " + std::string(DTypeName(x_dtype)) + "; it must be f32 or bf16");
+  }
+  if (by != ScaleBy::kRow && by != ScaleBy::kGroupColumn) {
+    return QuantError(op, "scale_by " + std::to_string(static_cast<int>(by)) +
+                              " is neither per row nor per (group, column)");
+  }
+  const size_t elem = DTypeSize(x_dtype);
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "x", x, {rows, cols}, elem));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "group_sizes", group_sizes, {groups}));
+  if (const Status s = CheckGroupSizes(group_sizes, groups, rows); !s.ok()) {
+    return QuantError(op, s.message());
+  }
+  const Shape scale_dims = by == ScaleBy::kRow ? Shape{rows} : Shape{groups, cols};
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "scale", scale, scale_dims));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {rows, cols}));
+  const size_t out_bytes = Bytes({rows, cols}, 4);
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "out", out, out_bytes, "x", x, Bytes({rows, cols}, elem)));
+  FP8MOE_RETURN_IF_ERROR(Disjoint(op, "out", out, out_bytes, "scale", scale, Bytes(scale_dims, 4)));
+  return Run(ctx,
+             ScaleToF32Args{{op}, x, x_dtype, rows, cols, group_sizes, groups, by, scale, out},
+             &Backend::ScaleToF32);
+}
+
+Result<Fp8CodeCounts> Fp8HealthCount(Context& ctx, const uint8_t* q, const float* x, int64_t n,
+                                     QuantDType dtype) {
+  const Op op = Op::kFp8HealthCount;
+  FP8MOE_RETURN_IF_ERROR(Format(op, dtype));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "q", q, {n}, 1));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "x", x, {n}));
+  Fp8CodeCounts counts;
+  FP8MOE_RETURN_IF_ERROR(
+      Run(ctx, Fp8HealthCountArgs{{op}, q, x, n, dtype, &counts}, &Backend::Fp8HealthCount));
+  return counts;
 }
 
 }  // namespace fp8moe::internal

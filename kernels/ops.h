@@ -10,6 +10,7 @@
 
 #include "fp8moe/context.h"
 #include "fp8moe/dtype.h"
+#include "fp8moe/quant.h"
 #include "fp8moe/status.h"
 
 namespace fp8moe::internal {
@@ -124,6 +125,51 @@ Status RouterBackward(Context& ctx, const int32_t* expert, const double* softmax
                       const double* probs, const float* dweight, const double* fraction,
                       int64_t tokens, int64_t experts, int64_t k, bool norm_topk_prob,
                       double lb_weight, float* dlogits);
+// ---- Quantization (quant/ is the cpu implementation's code) ----
+// The formulas, layouts and edge cases are fp8moe/quant.h's (scales from
+// amax, saturating codes, NaN and Inf reaching only their scaling group);
+// the arguments are checked as quant.h's functions check them. Every op is
+// exact per element (a max, one division or multiplication, a table of
+// decoded codes), so both backends give the same bits. None reads the
+// Context's scratch or counters.
+
+// QuantizeRows (quant.h): x [rows, cols] -> codes q [rows, cols] and scales
+// [rows, NumBlocks(cols, block_size)]; rows >= valid_rows are tail rows: not
+// read (x needs only valid_rows rows), code 0, scale 0.
+Status QuantizeRows(Context& ctx, const float* x, int64_t rows, int64_t cols,
+                    int64_t valid_rows, int64_t block_size, QuantDType dtype,
+                    const Calibration& calib, uint8_t* q, float* scales);
+// x [rows, cols] f32 = f32(q) * the scale of each element's row block;
+// q [rows, cols], scales [rows, NumBlocks(cols, block_size)]. x may not
+// overlap q or scales.
+Status DequantizeRows(Context& ctx, const uint8_t* q, int64_t rows, int64_t cols,
+                      int64_t block_size, const float* scales, QuantDType dtype, float* x);
+// QuantizeChannels (quant.h): w [experts, k, n] -> codes q [experts, k, n]
+// and scales [experts, n] (amax over k per expert and channel).
+Status QuantizeChannels(Context& ctx, const float* w, int64_t experts, int64_t k, int64_t n,
+                        QuantDType dtype, const Calibration& calib, uint8_t* q, float* scales);
+// out [experts, k, n] bf16 bits = bf16(f32(q) * scales[e, n]) (to nearest
+// even): q [experts, k, n], scales [experts, n].
+Status DequantizeChannelsToBf16(Context& ctx, const uint8_t* q, int64_t experts, int64_t k,
+                                int64_t n, const float* scales, QuantDType dtype,
+                                uint16_t* out);
+// out [rows, cols] f32 = f32(x) * s, x [rows, cols] of x_dtype (f32 or bf16),
+// with s per row (kRow: scale [rows]) or per column of the row's group
+// (kGroupColumn: scale [groups, cols]). Group g owns rows [off_g, off_g +
+// group_sizes[g]) (group_sizes [groups], no negative size, sum <= rows);
+// rows past the sum are neither read nor written. out overlaps no input.
+enum class ScaleBy : uint8_t { kRow, kGroupColumn };
+Status ScaleToF32(Context& ctx, const void* x, DType x_dtype, int64_t rows, int64_t cols,
+                  const int32_t* group_sizes, int64_t groups, ScaleBy by, const float* scale,
+                  float* out);
+// Of codes q [n] quantized from x [n]: those at the format's largest
+// magnitude (QuantMax) and the zero codes of non-zero x. Integer counts:
+// exact, for any thread count.
+struct Fp8CodeCounts {
+  int64_t saturated = 0, flushed = 0;
+};
+Result<Fp8CodeCounts> Fp8HealthCount(Context& ctx, const uint8_t* q, const float* x, int64_t n,
+                                     QuantDType dtype);
 
 }  // namespace fp8moe::internal
 

@@ -90,7 +90,9 @@ Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     const bool next = c + 1 < C;
     // The helper thread only runs the dispatch (collectives, copies, its
     // own OpenMP team); this thread runs the GMMs, which use no
-    // collective, so the communicator is used by one thread at a time.
+    // collective, so the communicator is used by one thread at a time. The
+    // dispatch's op (the gathered tokens' dequantization) reads only ctx's
+    // backend and thread count, never the scratch the GMMs use.
     std::thread helper;
     if (next && s.P > 1) helper = std::thread([&, c] { pending = dispatch(c + 1); });
     const Status experts = ExpertsForward(ctx, cfg, prepared, options, cs);

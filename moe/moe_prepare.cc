@@ -1,11 +1,11 @@
 // Preparing the expert weights once per step (codes + per-channel scales, or
 // a bf16 copy), the MoE workspace, and FP8 health counts.
-#include <cmath>
 #include <cstring>
 
 #include "fp8moe/moe.h"
 #include "fp8moe/numerics.h"
 #include "fp8moe/quant.h"
+#include "kernels/ops.h"
 #include "moe/moe_workspace.h"
 
 namespace fp8moe {
@@ -47,40 +47,13 @@ Result<TensorView> Exact(Tensor* t, DType dtype, const Shape& shape) {
   return t->view();
 }
 
-// Per code: is it at the format's largest magnitude, is it zero.
-struct CodeTable {
-  bool saturated[256];
-  bool zero[256];
-};
-
-const CodeTable& TableOf(QuantDType q) {
-  static const auto* tables = [] {
-    auto* t = new CodeTable[5];
-    for (int d = 0; d < 5; ++d) {
-      const auto qd = static_cast<QuantDType>(d);
-      for (int c = 0; c < 256; ++c) {
-        const float v = DequantizeValue(static_cast<uint8_t>(c), 1.0f, qd);
-        t[d].saturated[c] = std::fabs(v) == QuantMax(qd);
-        t[d].zero[c] = v == 0.0f;
-      }
-    }
-    return t;
-  }();
-  return tables[static_cast<int>(q)];
-}
-
 }  // namespace
 
-Fp8HealthCounts CountFp8Health(const uint8_t* q, const float* x, int64_t n, QuantDType dtype) {
-  const CodeTable& t = TableOf(dtype);
-  int64_t sat = 0, flushed = 0;
-  // Integer counts: the same total for any thread count.
-#pragma omp parallel for reduction(+ : sat, flushed) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    sat += t.saturated[q[i]];
-    flushed += t.zero[q[i]] && x[i] != 0.0f;
-  }
-  return {sat, flushed, n};
+Result<Fp8HealthCounts> CountFp8Health(Context& ctx, const uint8_t* q, const float* x, int64_t n,
+                                       QuantDType dtype) {
+  FP8MOE_ASSIGN_OR_RETURN(const internal::Fp8CodeCounts c,
+                          internal::Fp8HealthCount(ctx, q, x, n, dtype));
+  return Fp8HealthCounts{c.saturated, c.flushed, n};
 }
 
 Fp8Health Fp8HealthCounts::Fractions() const {
@@ -95,14 +68,9 @@ Fp8Health Fp8HealthCounts::Fractions() const {
 
 namespace {
 
-// Health of codes q [n] quantized from x [n] (the values that were there).
-Fp8Health CountHealth(const uint8_t* q, const float* x, int64_t n, QuantDType dtype) {
-  return CountFp8Health(q, x, n, dtype).Fractions();
-}
-
 // source: null, or where the codes / bf16 copy come from (FSDP), for
 // expert weight `wo` of layer `layer`.
-Status PrepareWeight(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
+Status PrepareWeight(Context& ctx, const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
                      const TensorView& master, PreparedExpertWeight* p,
                      ExpertWeightSource* source, int64_t layer, bool wo) {
   const int64_t E = master.shape[0], K = master.shape[1], N = master.shape[2];
@@ -127,30 +95,25 @@ Status PrepareWeight(const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
   FP8MOE_ASSIGN_OR_RETURN(p->view, Grow(&p->owned, QuantStorageDType(p->quant), master.shape));
   FP8MOE_ASSIGN_OR_RETURN(TensorView scale, Exact(&p->scale, DType::kF32, {E, N}));
   if (source != nullptr) {
-    FP8MOE_RETURN_IF_ERROR(source->Quantize(layer, wo, master.shape, p->quant,
+    FP8MOE_RETURN_IF_ERROR(source->Quantize(ctx, layer, wo, master.shape, p->quant,
                                             cfg.weight_quantization_calibration_method,
                                             p->view.as<uint8_t>(), scale.as<float>(),
                                             &p->health));
   } else {
-    FP8MOE_RETURN_IF_ERROR(QuantizeChannels(master.as<float>(), E, K, N, p->quant,
-                                            cfg.weight_quantization_calibration_method,
-                                            p->view.as<uint8_t>(), scale.as<float>()));
-    p->health = CountHealth(p->view.as<uint8_t>(), master.as<float>(),
-                            static_cast<int64_t>(master.num_elements()), p->quant);
+    FP8MOE_RETURN_IF_ERROR(internal::QuantizeChannels(
+        ctx, master.as<float>(), E, K, N, p->quant, cfg.weight_quantization_calibration_method,
+        p->view.as<uint8_t>(), scale.as<float>()));
+    FP8MOE_ASSIGN_OR_RETURN(const Fp8HealthCounts counts,
+                            CountFp8Health(ctx, p->view.as<uint8_t>(), master.as<float>(),
+                                           E * K * N, p->quant));
+    p->health = counts.Fractions();
   }
   if (p->quant == QuantDType::kInt8) {
     // The backward dLHS of the int8 scheme reads bf16(f32(q) * s).
     FP8MOE_ASSIGN_OR_RETURN(TensorView copy, Exact(&p->dlhs_copy, DType::kBF16, master.shape));
-    const uint8_t* q = p->view.as<uint8_t>();
-    const float* s = scale.as<float>();
-    uint16_t* out = copy.as<uint16_t>();
-#pragma omp parallel for schedule(static)
-    for (int64_t ek = 0; ek < E * K; ++ek) {
-      const float* se = s + (ek / K) * N;
-      for (int64_t n = 0; n < N; ++n) {
-        out[ek * N + n] = F32ToBf16(DequantizeValue(q[ek * N + n], se[n], QuantDType::kInt8));
-      }
-    }
+    FP8MOE_RETURN_IF_ERROR(internal::DequantizeChannelsToBf16(
+        ctx, p->view.as<uint8_t>(), E, K, N, scale.as<float>(), QuantDType::kInt8,
+        copy.as<uint16_t>()));
   }
   if (plan.mode == MoeQatMode::kRecipeFp8Full) {
     FP8MOE_ASSIGN_OR_RETURN(TensorView ones, Exact(&p->unit_scale, DType::kF32, {E, N}));
@@ -169,7 +132,6 @@ Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& w
 Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& wi,
                          const TensorView& wo, PreparedMoeWeights* prepared,
                          ExpertWeightSource* source, int64_t layer) {
-  (void)ctx;
   FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
   const bool ok = wi.dtype == DType::kF32 && wo.dtype == DType::kF32 && wi.rank() == 3 &&
                   wo.rank() == 3 && wi.shape[2] % 2 == 0 && wi.shape[0] == wo.shape[0] &&
@@ -186,16 +148,18 @@ Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& w
   p.act = p.plan.mode == MoeQatMode::kNone ? cfg.dtype : DType::kBF16;
   p.wi_shape = wi.shape;
   p.wo_shape = wo.shape;
-  FP8MOE_RETURN_IF_ERROR(PrepareWeight(cfg, p.plan, p.act, wi, &p.wi, source, layer, false));
-  return PrepareWeight(cfg, p.plan, p.act, wo, &p.wo, source, layer, true);
+  FP8MOE_RETURN_IF_ERROR(
+      PrepareWeight(ctx, cfg, p.plan, p.act, wi, &p.wi, source, layer, false));
+  return PrepareWeight(ctx, cfg, p.plan, p.act, wo, &p.wo, source, layer, true);
 }
 
 namespace {
 
 // Quantizes the valid rows of `buffer` [rows, cols] (act dtype) the way the
 // forward GMM does and adds the health counts to *out.
-Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const TensorView& buffer,
-                        QuantDType dtype, int64_t block, Fp8HealthCounts* out) {
+Status ActivationHealth(Context& ctx, const MoeConfig& cfg, MoeWorkspace::State& s,
+                        const TensorView& buffer, QuantDType dtype, int64_t block,
+                        Fp8HealthCounts* out) {
   const int64_t valid = s.valid, cols = buffer.shape[1];
   FP8MOE_ASSIGN_OR_RETURN(TensorView f, Grow(&s.health_f32, DType::kF32, {valid, cols}));
   if (buffer.dtype == DType::kF32) {
@@ -206,10 +170,11 @@ Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const Tens
   FP8MOE_ASSIGN_OR_RETURN(TensorView q, Grow(&s.health_q, DType::kU8, {valid, cols}));
   FP8MOE_ASSIGN_OR_RETURN(TensorView sc,
                           Grow(&s.health_sc, DType::kF32, {valid, NumBlocks(cols, block)}));
-  FP8MOE_RETURN_IF_ERROR(QuantizeRows(f.as<float>(), valid, cols, valid, block, dtype,
-                                      cfg.act_quantization_calibration_method, q.as<uint8_t>(),
-                                      sc.as<float>()));
-  const Fp8HealthCounts n = CountFp8Health(q.as<uint8_t>(), f.as<float>(), valid * cols, dtype);
+  FP8MOE_RETURN_IF_ERROR(internal::QuantizeRows(ctx, f.as<float>(), valid, cols, valid, block,
+                                                dtype, cfg.act_quantization_calibration_method,
+                                                q.as<uint8_t>(), sc.as<float>()));
+  FP8MOE_ASSIGN_OR_RETURN(const Fp8HealthCounts n,
+                          CountFp8Health(ctx, q.as<uint8_t>(), f.as<float>(), valid * cols, dtype));
   out->saturated += n.saturated;
   out->flushed += n.flushed;
   out->values += n.values;
@@ -220,7 +185,6 @@ Status ActivationHealth(const MoeConfig& cfg, MoeWorkspace::State& s, const Tens
 
 Status MoeActivationHealth(Context& ctx, const MoeConfig& cfg, const PreparedMoeWeights& prepared,
                            MoeWorkspace* workspace, Fp8Health* wi_lhs, Fp8Health* wo_lhs) {
-  (void)ctx;
   MoeWorkspace::State& s = workspace->state();
   *wi_lhs = {};
   *wo_lhs = {};
@@ -235,12 +199,12 @@ Status MoeActivationHealth(Context& ctx, const MoeConfig& cfg, const PreparedMoe
   // With num_moe_token_chunks the rows are the chunks' (counts add up).
   Fp8HealthCounts wi, wo;
   if (s.chunks.empty()) {
-    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, s, s.xs, dtype, block, &wi));
-    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, s, s.av, dtype, block, &wo));
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(ctx, cfg, s, s.xs, dtype, block, &wi));
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(ctx, cfg, s, s.av, dtype, block, &wo));
   }
   for (const auto& cs : s.chunks) {
-    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, *cs, cs->xs, dtype, block, &wi));
-    FP8MOE_RETURN_IF_ERROR(ActivationHealth(cfg, *cs, cs->av, dtype, block, &wo));
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(ctx, cfg, *cs, cs->xs, dtype, block, &wi));
+    FP8MOE_RETURN_IF_ERROR(ActivationHealth(ctx, cfg, *cs, cs->av, dtype, block, &wo));
   }
   *wi_lhs = wi.Fractions();
   *wo_lhs = wo.Fractions();

@@ -50,8 +50,8 @@ Status RingDispatch(Context& ctx, const MoeConfig& cfg, const TensorView& x,
     FP8MOE_RETURN_IF_ERROR(GatherQuantizedTokens(ring, x.as<float>(), T, D, QuantDType::kE4M3FN,
                                                  cfg.act_quantization_calibration_method,
                                                  q.as<uint8_t>(), sc.as<float>()));
-    DequantizeRows(q.as<uint8_t>(), TT, D, 0, sc.as<float>(), QuantDType::kE4M3FN,
-                   deq.as<float>());
+    FP8MOE_RETURN_IF_ERROR(DequantizeRows(ctx, q.as<uint8_t>(), TT, D, 0, sc.as<float>(),
+                                          QuantDType::kE4M3FN, deq.as<float>()));
     if (s.act == DType::kF32) {
       if (TT * D > 0) std::memcpy(xr.data, deq.data, U(TT * D) * sizeof(float));
     } else {

@@ -103,16 +103,16 @@ Status GatherSorted(Context& ctx, const MoeState& s, const TensorView& x) {
 
 // moe_quantize_token_all_gather on one rank: x_deq [T, D] = deq(q(x)), the
 // values the ring's gathered codes carry.
-Status QuantizeTokensRoundTrip(const MoeConfig& cfg, const TensorView& x, MoeState& s) {
+Status QuantizeTokensRoundTrip(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+                               MoeState& s) {
   FP8MOE_ASSIGN_OR_RETURN(TensorView q, Grow(&s.x_codes, DType::kU8, {s.T, s.D}));
   FP8MOE_ASSIGN_OR_RETURN(TensorView sc, Grow(&s.x_scales, DType::kF32, {s.T}));
   FP8MOE_ASSIGN_OR_RETURN(TensorView deq, Grow(&s.x_deq, DType::kF32, {s.T, s.D}));
-  FP8MOE_RETURN_IF_ERROR(QuantizeRows(x.as<float>(), s.T, s.D, s.T, 0, QuantDType::kE4M3FN,
+  FP8MOE_RETURN_IF_ERROR(QuantizeRows(ctx, x.as<float>(), s.T, s.D, s.T, 0, QuantDType::kE4M3FN,
                                       cfg.act_quantization_calibration_method,
                                       q.as<uint8_t>(), sc.as<float>()));
-  DequantizeRows(q.as<uint8_t>(), s.T, s.D, 0, sc.as<float>(), QuantDType::kE4M3FN,
-                 deq.as<float>());
-  return OkStatus();
+  return DequantizeRows(ctx, q.as<uint8_t>(), s.T, s.D, 0, sc.as<float>(), QuantDType::kE4M3FN,
+                        deq.as<float>());
 }
 
 // The backward of one expert GMM (wi or wo).
@@ -134,30 +134,17 @@ Result<TensorView> RecipeDlhsOperand(Context& ctx, const MoeConfig& cfg, MoeStat
                                      const TensorView& g, const Tensor& scale) {
   const int64_t rows = g.shape[0], n = g.shape[1], valid = s.valid;
   FP8MOE_ASSIGN_OR_RETURN(TensorView gs, Grow(&s.recipe_g, DType::kF32, {rows, n}));
-  const int32_t* sizes = s.local_sizes;
-  int64_t row = 0;
-  for (int64_t e = 0; e < s.E_local; ++e) {
-    const float* se = scale.data_as<float>() + e * n;
-    const int64_t end = row + sizes[e];
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-    for (int64_t i = row; i < end; ++i) {
-      float* dst = gs.as<float>() + i * n;
-      if (g.dtype == DType::kF32) {
-        std::memcpy(dst, g.as<float>() + i * n, static_cast<size_t>(n) * 4);
-      } else {
-        Bf16ToF32Span(g.as<uint16_t>() + i * n, dst, static_cast<size_t>(n));
-      }
-      for (int64_t j = 0; j < n; ++j) dst[j] *= se[j];
-    }
-    row = end;
-  }
+  FP8MOE_RETURN_IF_ERROR(ScaleToF32(ctx, g.data, g.dtype, rows, n, s.local_sizes, s.E_local,
+                                    ScaleBy::kGroupColumn, scale.data_as<float>(),
+                                    gs.as<float>()));
   FP8MOE_ASSIGN_OR_RETURN(TensorView q,
                           Grow(&s.recipe_q, QuantStorageDType(*s.plan.bwd_dtype), {rows, n}));
   FP8MOE_ASSIGN_OR_RETURN(TensorView sc, Grow(&s.recipe_sc, DType::kF32, {rows}));
-  FP8MOE_RETURN_IF_ERROR(QuantizeRows(gs.as<float>(), rows, n, valid, 0, *s.plan.bwd_dtype,
+  FP8MOE_RETURN_IF_ERROR(QuantizeRows(ctx, gs.as<float>(), rows, n, valid, 0, *s.plan.bwd_dtype,
                                       cfg.bwd_quantization_calibration_method, q.as<uint8_t>(),
                                       sc.as<float>()));
-  DequantizeRows(q.as<uint8_t>(), rows, n, 0, sc.as<float>(), *s.plan.bwd_dtype, gs.as<float>());
+  FP8MOE_RETURN_IF_ERROR(DequantizeRows(ctx, q.as<uint8_t>(), rows, n, 0, sc.as<float>(),
+                                        *s.plan.bwd_dtype, gs.as<float>()));
   return gs;
 }
 
@@ -209,18 +196,13 @@ Status GmmBackward(Context& ctx, const MoeConfig& cfg, MoeState& s, const GmmBac
     FP8MOE_ASSIGN_OR_RETURN(TensorView qa, Grow(&s.recipe_qa, DType::kE4M3FN, {rows, kdim}));
     FP8MOE_ASSIGN_OR_RETURN(TensorView sa, Grow(&s.recipe_sa, DType::kF32, {rows}));
     std::fill(sa.as<float>(), sa.as<float>() + rows, 0.0f);
-    FP8MOE_RETURN_IF_ERROR(QuantizeRows(a32.as<float>(), rows, kdim, valid, 0,
+    FP8MOE_RETURN_IF_ERROR(QuantizeRows(ctx, a32.as<float>(), rows, kdim, valid, 0,
                                         QuantDType::kE4M3FN,
                                         cfg.act_quantization_calibration_method,
                                         qa.as<uint8_t>(), sa.as<float>()));
     FP8MOE_ASSIGN_OR_RETURN(TensorView gs, Grow(&s.recipe_g, DType::kF32, {rows, n}));
-    const float* sap = sa.as<float>();
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-    for (int64_t i = 0; i < valid; ++i) {
-      float* dst = gs.as<float>() + i * n;
-      Bf16ToF32Span(b.g.as<uint16_t>() + i * n, dst, static_cast<size_t>(n));
-      for (int64_t j = 0; j < n; ++j) dst[j] *= sap[i];
-    }
+    FP8MOE_RETURN_IF_ERROR(ScaleToF32(ctx, b.g.data, b.g.dtype, rows, n, s.local_sizes,
+                                      s.E_local, ScaleBy::kRow, sa.as<float>(), gs.as<float>()));
     TgmmQuant q;
     q.dout_dtype = s.plan.bwd_dtype;
     q.per_group = !s.plan.inkernel_bwd;
@@ -305,7 +287,7 @@ Status DispatchForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   if (s.P > 1) {
     FP8MOE_RETURN_IF_ERROR(RingDispatch(ctx, cfg, x, options, s));
   } else {
-    if (s.quantized_tokens) FP8MOE_RETURN_IF_ERROR(QuantizeTokensRoundTrip(cfg, x, s));
+    if (s.quantized_tokens) FP8MOE_RETURN_IF_ERROR(QuantizeTokensRoundTrip(ctx, cfg, x, s));
     s.valid = s.T * s.k;
     s.E_local = s.E;
     s.local_sizes = s.routing.group_sizes.data();

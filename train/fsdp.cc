@@ -272,9 +272,9 @@ size_t FsdpState::ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status*
   return units_.size();
 }
 
-Status FsdpState::Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
-                           const Calibration& calib, uint8_t* codes, float* scale,
-                           Fp8Health* health) {
+Status FsdpState::Quantize(Context& ctx, int64_t layer, bool wo, const Shape& shape,
+                           QuantDType dtype, const Calibration& calib, uint8_t* codes,
+                           float* scale, Fp8Health* health) {
   Status error;
   const size_t k = ExpertUnit(layer, wo, shape, &error);
   if (k == units_.size()) return error;
@@ -288,8 +288,9 @@ Status FsdpState::Quantize(int64_t layer, bool wo, const Shape& shape, QuantDTyp
     // Integer counts of this rank's range, summed over every rank of the
     // job: the expert group's ranges tile this ring rank's experts and the
     // ring ranks hold the others, so the counts cover the whole tensor.
-    const Fp8HealthCounts mine =
-        CountFp8Health(codes + u.range.begin, u.master.data_as<float>(), u.range.size(), dtype);
+    FP8MOE_ASSIGN_OR_RETURN(const Fp8HealthCounts mine,
+                            CountFp8Health(ctx, codes + u.range.begin, u.master.data_as<float>(),
+                                           u.range.size(), dtype));
     int64_t counts[2] = {mine.saturated, mine.flushed};
     FP8MOE_RETURN_IF_ERROR(comm_.AllReduce(counts, counts, 2, DType::kI64, ReduceOp::kSum));
     const int64_t ring_size = ring_ != nullptr ? ring_->size() : 1;

@@ -91,7 +91,7 @@ class FsdpState : public ExpertWeightSource {
   void set_count_health(bool on) { count_health_ = on; }
 
   // ExpertWeightSource: gather8 (GatherFp8Weight) and the bf16 gather.
-  Status Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
+  Status Quantize(Context& ctx, int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
                   const Calibration& calib, uint8_t* codes, float* scale,
                   Fp8Health* health) override;
   Status RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) override;

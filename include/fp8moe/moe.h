@@ -140,9 +140,9 @@ struct Fp8HealthCounts {
   Fp8Health Fractions() const;
 };
 // Counts of codes q [n] quantized from x [n]: codes at the format's largest
-// magnitude, and zero codes of non-zero values.
-Fp8HealthCounts CountFp8Health(const uint8_t* codes, const float* x, int64_t n,
-                               QuantDType dtype);
+// magnitude, and zero codes of non-zero values (on the Context's backend).
+Result<Fp8HealthCounts> CountFp8Health(Context& ctx, const uint8_t* codes, const float* x,
+                                       int64_t n, QuantDType dtype);
 
 // One expert weight as the QAT mode hands it to the GMMs.
 struct PreparedExpertWeight {
@@ -183,10 +183,10 @@ class ExpertWeightSource {
   virtual ~ExpertWeightSource() = default;
   // Quantized modes: codes [E, K, N] and per-channel scale [E, N] as
   // QuantizeChannels of the whole master, and the codes' health (counted
-  // over the whole tensor). `wo`: false for wi.
-  virtual Status Quantize(int64_t layer, bool wo, const Shape& shape, QuantDType dtype,
-                          const Calibration& calib, uint8_t* codes, float* scale,
-                          Fp8Health* health) = 0;
+  // over the whole tensor, on ctx's backend). `wo`: false for wi.
+  virtual Status Quantize(Context& ctx, int64_t layer, bool wo, const Shape& shape,
+                          QuantDType dtype, const Calibration& calib, uint8_t* codes,
+                          float* scale, Fp8Health* health) = 0;
   // Unquantized modes with bf16 activations: the master rounded to bf16.
   virtual Status RoundToBf16(int64_t layer, bool wo, const Shape& shape, uint16_t* out) = 0;
 };

@@ -30,6 +30,13 @@ struct CpuOps {
   static void AttentionForward(Context& ctx, const AttentionForwardArgs& a);  // cpu/attention.cc
   static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
   static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);  // cpu/cross_entropy.cc
+  // Quantization (quant/ is the cpu implementation's code): cpu/quant_ops.cc
+  static void QuantizeRows(Context& ctx, const QuantizeRowsArgs& a);
+  static void DequantizeRows(Context& ctx, const DequantizeRowsArgs& a);
+  static void QuantizeChannels(Context& ctx, const QuantizeChannelsArgs& a);
+  static void DequantizeChannelsToBf16(Context& ctx, const DequantizeChannelsToBf16Args& a);
+  static void ScaleToF32(Context& ctx, const ScaleToF32Args& a);
+  static void Fp8HealthCount(Context& ctx, const Fp8HealthCountArgs& a);
 };
 
 }  // namespace fp8moe::internal

@@ -5,6 +5,8 @@
 #include <limits>
 #include <vector>
 
+#include "fp8moe/numerics.h"
+
 namespace fp8moe::internal {
 
 void ReferenceOps::EmbeddingGather(Context&, const EmbeddingGatherArgs& a) {
@@ -213,6 +215,109 @@ void ReferenceOps::AdamW(Context&, const AdamWArgs& a) {
     const float step = (a.m[i] * k.c1) / (std::sqrt(a.v[i] * k.c2) + k.eps);
     a.p[i] -= k.lr * (step + k.weight_decay * a.p[i]);
   }
+}
+
+// ---- Quantization (quant/ is the cpu implementation's code) ----
+
+namespace {
+
+// max |x| over x[first + i * stride], i < n; NaN if one is NaN; 0 if n = 0.
+float AbsMaxOf(const float* x, int64_t first, int64_t n, int64_t stride) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[first + i * stride];
+    nan = nan || std::isnan(v);
+    if (std::fabs(v) > amax) amax = std::fabs(v);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// The scale of a scaling group with elements x[first + i * stride], i < n.
+float GroupScaleOf(const float* x, int64_t first, int64_t n, int64_t stride, QuantDType dtype,
+                   const Calibration& calib) {
+  const bool absmax = calib.kind == Calibration::Kind::kAbsMax;
+  return CalibratedScale(absmax ? AbsMaxOf(x, first, n, stride) : 0.0f, dtype, calib);
+}
+
+}  // namespace
+
+void ReferenceOps::QuantizeRows(Context&, const QuantizeRowsArgs& a) {
+  const int64_t blocks = NumBlocks(a.cols, a.block_size);
+  const int64_t width = a.block_size > 0 ? a.block_size : a.cols;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t c0 = b * width, c1 = std::min(a.cols, c0 + width);
+      const bool tail = r >= a.valid_rows;
+      const float s =
+          tail ? 0.0f : GroupScaleOf(a.x, r * a.cols + c0, c1 - c0, 1, a.dtype, a.calib);
+      a.scales[r * blocks + b] = s;
+      for (int64_t c = c0; c < c1; ++c) {
+        a.q[r * a.cols + c] =
+            tail ? 0 : QuantizeValue(a.x[r * a.cols + c], s, a.dtype, a.calib.arithmetic);
+      }
+    }
+  }
+}
+
+void ReferenceOps::DequantizeRows(Context&, const DequantizeRowsArgs& a) {
+  const int64_t blocks = NumBlocks(a.cols, a.block_size);
+  const int64_t width = a.block_size > 0 ? a.block_size : a.cols;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const float s = a.scales[r * blocks + c / width];
+      a.x[r * a.cols + c] = DequantizeValue(a.q[r * a.cols + c], s, a.dtype);
+    }
+  }
+}
+
+void ReferenceOps::QuantizeChannels(Context&, const QuantizeChannelsArgs& a) {
+  for (int64_t e = 0; e < a.experts; ++e) {
+    for (int64_t j = 0; j < a.n; ++j) {  // channel j of expert e: a column of k
+      const int64_t first = e * a.k * a.n + j;
+      const float s = GroupScaleOf(a.w, first, a.k, a.n, a.dtype, a.calib);
+      a.scales[e * a.n + j] = s;
+      for (int64_t i = 0; i < a.k; ++i) {
+        a.q[first + i * a.n] = QuantizeValue(a.w[first + i * a.n], s, a.dtype, a.calib.arithmetic);
+      }
+    }
+  }
+}
+
+void ReferenceOps::DequantizeChannelsToBf16(Context&, const DequantizeChannelsToBf16Args& a) {
+  for (int64_t e = 0; e < a.experts; ++e) {
+    for (int64_t i = 0; i < a.k; ++i) {
+      for (int64_t j = 0; j < a.n; ++j) {
+        const int64_t at = (e * a.k + i) * a.n + j;
+        a.out[at] = F32ToBf16(DequantizeValue(a.q[at], a.scales[e * a.n + j], a.dtype));
+      }
+    }
+  }
+}
+
+void ReferenceOps::ScaleToF32(Context&, const ScaleToF32Args& a) {
+  int64_t r = 0;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    for (int64_t end = r + a.group_sizes[g]; r < end; ++r) {
+      for (int64_t c = 0; c < a.cols; ++c) {
+        const int64_t at = r * a.cols + c;
+        const float x = a.x_dtype == DType::kF32 ? static_cast<const float*>(a.x)[at]
+                                                 : Bf16ToF32(static_cast<const uint16_t*>(a.x)[at]);
+        a.out[at] = x * (a.by == ScaleBy::kRow ? a.scale[r] : a.scale[g * a.cols + c]);
+      }
+    }
+  }
+}
+
+void ReferenceOps::Fp8HealthCount(Context&, const Fp8HealthCountArgs& a) {
+  // saturated: |value| = the format's max; flushed: value 0 from x != 0.
+  Fp8CodeCounts counts;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const float v = DequantizeValue(a.q[i], 1.0f, a.dtype);
+    if (std::fabs(v) == QuantMax(a.dtype)) ++counts.saturated;
+    if (v == 0.0f && a.x[i] != 0.0f) ++counts.flushed;
+  }
+  *a.counts = counts;
 }
 
 }  // namespace fp8moe::internal

@@ -32,6 +32,15 @@ struct ReferenceOps {
   static void CombineRowsBackward(Context& ctx, const CombineRowsBackwardArgs& a);
   static void ScatterAddRows(Context& ctx, const ScatterAddRowsArgs& a);
   static void RouterBackward(Context& ctx, const RouterBackwardArgs& a);
+  // Quantization (quant/ is the cpu implementation's code): per element from
+  // quant.h's scalars (CalibratedScale, QuantizeValue, DequantizeValue), which
+  // are tested bit-exact against ml_dtypes; the same bits as the cpu's.
+  static void QuantizeRows(Context& ctx, const QuantizeRowsArgs& a);
+  static void DequantizeRows(Context& ctx, const DequantizeRowsArgs& a);
+  static void QuantizeChannels(Context& ctx, const QuantizeChannelsArgs& a);
+  static void DequantizeChannelsToBf16(Context& ctx, const DequantizeChannelsToBf16Args& a);
+  static void ScaleToF32(Context& ctx, const ScaleToF32Args& a);
+  static void Fp8HealthCount(Context& ctx, const Fp8HealthCountArgs& a);
 };
 
 }  // namespace fp8moe::internal
