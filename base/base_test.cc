@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
+#include <utility>
 
 #include "base/kernel_counters.h"
 #include "base/number_text.h"
@@ -155,6 +157,36 @@ TEST(Shape, InlineDimensionsReadLikeAVector) {
   EXPECT_EQ(full.size(), static_cast<size_t>(kMaxRank));
   EXPECT_DEATH(full.push_back(1), "at most");
   EXPECT_DEATH((void)s.at(3), "dimension 3 of the shape \\[2, 3, 4\\]");
+}
+
+// Views of const tensors are read-only: Tensor::view() of a const tensor is
+// a ConstTensorView, whose as<T>() gives const T*, and a ConstTensorView never
+// converts to the TensorView an output takes. A TensorView converts to a
+// ConstTensorView of the same bytes, dtype and shape (a written buffer handed
+// on as the next op's input).
+static_assert(std::is_same_v<decltype(std::declval<const Tensor&>().view()), ConstTensorView>);
+static_assert(std::is_same_v<decltype(std::declval<Tensor&>().view()), TensorView>);
+static_assert(std::is_same_v<decltype(std::declval<const ConstTensorView&>().as<float>()),
+                             const float*>);
+static_assert(std::is_convertible_v<TensorView, ConstTensorView>);
+static_assert(!std::is_convertible_v<ConstTensorView, TensorView>);
+static_assert(!std::is_convertible_v<const ConstTensorView*, const TensorView*>);
+
+TEST(TensorView, ConvertsToTheReadOnlyViewOfTheSameBytes) {
+  Tensor t = Tensor::Zeros(DType::kBF16, {2, 3, 5}).value();
+  const TensorView w = t.view();
+  const ConstTensorView r = w;
+  EXPECT_EQ(r.data, t.data());
+  EXPECT_EQ(r.dtype, DType::kBF16);
+  EXPECT_EQ(r.shape, (Shape{2, 3, 5}));
+  EXPECT_EQ(r.num_bytes(), 60u);
+  const Tensor& c = t;
+  const ConstTensorView cv = c.view();
+  EXPECT_EQ(cv.data, r.data);
+  EXPECT_EQ(cv.dtype, r.dtype);
+  EXPECT_EQ(cv.shape, r.shape);
+  w.as<uint16_t>()[7] = 0x3F80;  // written through the output's view...
+  EXPECT_EQ(cv.as<uint16_t>()[7], 0x3F80);  // ...read through the input's
 }
 
 TEST(Rng, DeterministicAndRestorable) {

@@ -116,8 +116,6 @@ size_t NumElements(const Shape& shape) {
   return n;
 }
 
-size_t TensorView::num_elements() const { return NumElements(shape); }
-
 void Tensor::Free::operator()(uint8_t* p) const {
   internal::TrackRelease(static_cast<int64_t>(bytes));
   if (bytes >= kHugeMin && Pool().Give(p, bytes)) return;

@@ -203,7 +203,7 @@ class PassRounds {
 struct GmmOperands {
   Tensor gs;
   Tensor x32, x16, w32, w16, wq, ws, w8, w8s, out, out32;
-  TensorView wsv, w8sv;  // views of ws and w8s, for the modes that take a scale pointer
+  ConstTensorView wsv, w8sv;  // views of ws and w8s, for the modes that take a scale pointer
 };
 
 GmmOperands MakeOperands(std::mt19937& rng, const Shape4& s, const std::vector<int32_t>& sizes) {
@@ -241,7 +241,8 @@ void QueueForwardModes(const GmmRun& run, const Shape4& s, int64_t valid, GmmOpe
   const double act = static_cast<double>(valid) * s.k, outb = static_cast<double>(valid) * oc;
   const double wn = static_cast<double>(s.e) * s.k * s.n;
   const std::vector<int64_t>& tiles = run.opt.fwd_tiles;
-  auto fwd = [&](GmmMode mode, Tensor& lhs, Tensor& rhs, TensorView* scale, double bytes) {
+  auto fwd = [&](GmmMode mode, const Tensor& lhs, const Tensor& rhs, const ConstTensorView* scale,
+                 double bytes) {
     GmmOptions o;
     o.mode = mode;
     o.epilogue = s.swiglu ? GmmEpilogue::kSwiGlu : GmmEpilogue::kNone;
@@ -250,7 +251,7 @@ void QueueForwardModes(const GmmRun& run, const Shape4& s, int64_t valid, GmmOpe
       if (tiles[1] > 0) o.tiles.k = tiles[1];
       if (tiles[2] > 0) o.tiles.n = tiles[2];
     }
-    const TensorView l = lhs.view(), r = rhs.view();
+    const ConstTensorView l = lhs.view(), r = rhs.view();
     const TensorView ov = (mode == GmmMode::kF32 ? ops.out32 : ops.out).view();
     Tensor& gs = ops.gs;
     q->Add("fwd", std::string(GmmModeName(mode)), bytes, [&gs, o, l, r, scale, ov] {
@@ -276,7 +277,7 @@ void TimeBackwardPasses(std::mt19937& rng, const Shape4& s, GmmOperands& ops, Pa
   Tensor d32 = RandomF32(rng, {s.m, s.n}, 1.0f);
   Tensor dl = MustCreate(DType::kBF16, {s.m, s.k}), dl32 = MustCreate(DType::kF32, {s.m, s.k});
   Tensor& gs = ops.gs;
-  TensorView& wsv = ops.wsv;
+  const ConstTensorView& wsv = ops.wsv;
   GmmOptions o;
   o.mode = GmmMode::kF32;
   q->Add("dlhs", "f32", 0, [&, o] { MustSucceed(GmmDlhs(o, d32.view(), ops.w32.view(), nullptr, gs.view(), dl32.view())); });

@@ -222,7 +222,7 @@ Status RunOpOnTensors(const std::string& name, const SafetensorsFile& in,
       if (auto f = ParseFp8Format(config->GetString("format")); f.ok()) u8_as = Fp8FormatDType(*f);
     }
     for (const auto& [tensor_name, t] : in.tensors) {
-      TensorView v = t.view();
+      ConstTensorView v = t.view();
       if (v.dtype == DType::kU8 && u8_as) v.dtype = *u8_as;
       const Status s = CheckFinite(tensor_name, v);
       if (!s.ok()) {

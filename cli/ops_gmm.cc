@@ -41,10 +41,8 @@ class Operand {
   }
 
   const Tensor& tensor() const { return *in_; }
-  // The library takes views with a mutable pointer; inputs are only read.
-  TensorView view() const {
-    return TensorView{const_cast<void*>(in_->data()), in_->dtype(), in_->shape()};
-  }
+  // What the library reads.
+  ConstTensorView view() const { return in_->view(); }
 
  private:
   Tensor owned_;
@@ -191,8 +189,8 @@ struct Input {
   // The operand as the library will get it, for the library's checks only:
   // data points at the input's bytes (non-null when there are elements, as
   // the checks require) and is never read through.
-  TensorView CheckView() const {
-    return TensorView{const_cast<void*>(tensor->data()), dtype, tensor->shape()};
+  ConstTensorView CheckView() const {
+    return ConstTensorView{tensor->data(), dtype, tensor->shape()};
   }
 };
 
@@ -318,7 +316,7 @@ Result<Rhs> ConvertRhs(const GmmRequest& r) {
 }
 
 // The scale view of the checks: given, made by the quantization, or none.
-std::optional<TensorView> CheckScaleView(const GmmRequest& r) {
+std::optional<ConstTensorView> CheckScaleView(const GmmRequest& r) {
   if (r.rhs_scale != nullptr) return r.rhs_scale->view();
   if (r.rhs.conversion == Conversion::kQuantizeChannels) {
     const Tensor& v = *r.rhs.tensor;
@@ -423,21 +421,21 @@ Status CheckCall(GmmRequest* r) {
   const std::vector<PlannedTensor> outputs = PlannedOutputs(*r);
   FP8MOE_RETURN_IF_ERROR(CheckPlannedShapes(r->op, outputs));
   const TensorView out = ShapeOnly(outputs[0].dtype, outputs[0].shape);
-  const TensorView gs = r->group_sizes->view();
+  const ConstTensorView gs = r->group_sizes->view();
   Status s;
   if (r->op == "tgmm") {
     s = internal::CheckTgmm(r->o, r->quant, r->lhs.CheckView(), r->dout.CheckView(), gs, out,
                             &r->problem);
   } else {
-    const std::optional<TensorView> scale = CheckScaleView(*r);
-    const TensorView* scale_ptr = scale ? &*scale : nullptr;
+    const std::optional<ConstTensorView> scale = CheckScaleView(*r);
+    const ConstTensorView* scale_ptr = scale ? &*scale : nullptr;
     if (r->op == "gmm") {
       const TensorView h = outputs.size() > 1 ? ShapeOnly(outputs[1].dtype, outputs[1].shape)
                                               : TensorView{};
       s = internal::CheckGmm(r->o, r->lhs.CheckView(), r->rhs.CheckView(), scale_ptr, gs, out,
                              outputs.size() > 1 ? &h : nullptr, &r->problem);
     } else {
-      const TensorView h = r->h != nullptr ? r->h->view() : TensorView{};
+      const ConstTensorView h = r->h != nullptr ? r->h->view() : ConstTensorView{};
       s = internal::CheckDlhs(r->o, r->lhs.CheckView(), r->rhs.CheckView(), scale_ptr, gs, out,
                               r->h != nullptr ? &h : nullptr, &r->problem);
     }
@@ -475,9 +473,10 @@ Status GmmWork(const GmmRequest& r, SafetensorsFile* out) {
   if (swiglu) {
     FP8MOE_ASSIGN_OR_RETURN(h, PoisonedOutput(r.out_dtype, outputs[1].shape));
   }
-  const TensorView scale_view = rhs.scale ? rhs.scale->view() : TensorView{};
-  const TensorView* scale = rhs.scale ? &scale_view : nullptr;
-  const TensorView gs_view = Operand(r.group_sizes).view(), h_view = h.view();
+  const ConstTensorView scale_view = rhs.scale ? rhs.scale->view() : ConstTensorView{};
+  const ConstTensorView* scale = rhs.scale ? &scale_view : nullptr;
+  const ConstTensorView gs_view = Operand(r.group_sizes).view();
+  const TensorView h_view = h.view();
   const TensorView* h_ptr = swiglu ? &h_view : nullptr;
   const Status s =
       r.reference ? reference::Gmm(r.o, lhs.view(), rhs.w.view(), scale, gs_view,
@@ -516,11 +515,11 @@ Status DlhsWork(const GmmRequest& r, SafetensorsFile* out) {
   FP8MOE_ASSIGN_OR_RETURN(const Operand dout, Convert(r.lhs));
   FP8MOE_ASSIGN_OR_RETURN(const Rhs rhs, ConvertRhs(r));
   FP8MOE_ASSIGN_OR_RETURN(Tensor result, PoisonedOutput(r.out_dtype, PlannedOutputs(r)[0].shape));
-  const TensorView scale_view = rhs.scale ? rhs.scale->view() : TensorView{};
-  const TensorView* scale = rhs.scale ? &scale_view : nullptr;
-  const TensorView gs_view = Operand(r.group_sizes).view();
-  const TensorView h_view = r.h != nullptr ? Operand(r.h).view() : TensorView{};
-  const TensorView* h_ptr = r.h != nullptr ? &h_view : nullptr;
+  const ConstTensorView scale_view = rhs.scale ? rhs.scale->view() : ConstTensorView{};
+  const ConstTensorView* scale = rhs.scale ? &scale_view : nullptr;
+  const ConstTensorView gs_view = Operand(r.group_sizes).view();
+  const ConstTensorView h_view = r.h != nullptr ? Operand(r.h).view() : ConstTensorView{};
+  const ConstTensorView* h_ptr = r.h != nullptr ? &h_view : nullptr;
   const Status s =
       r.reference ? reference::GmmDlhs(r.o, dout.view(), rhs.w.view(), scale, gs_view,
                                        result.view(), h_ptr)
@@ -561,7 +560,7 @@ Status TgmmWork(const GmmRequest& r, SafetensorsFile* out) {
   FP8MOE_ASSIGN_OR_RETURN(const Operand dout, Convert(r.dout));
   // The library's drhs is F32; out_dtype=bf16 rounds it afterwards.
   FP8MOE_ASSIGN_OR_RETURN(Tensor drhs, PoisonedOutput(DType::kF32, PlannedOutputs(r)[0].shape));
-  const TensorView gs_view = Operand(r.group_sizes).view();
+  const ConstTensorView gs_view = Operand(r.group_sizes).view();
   const Status s =
       r.reference
           ? reference::Tgmm(r.o, r.quant, lhs.view(), dout.view(), gs_view, drhs.view())

@@ -42,7 +42,7 @@ Result<MoeConfig> ConfigOf(const std::string& op, const Config& keys) {
 Status PlanMoe(const std::string& op, const MoeRequest& r, bool backward) {
   const MoeConfig& cfg = r.cfg;
   const Tensor* x = r.x;
-  const TensorView& wi = r.w.wi;
+  const ConstTensorView& wi = r.w.wi;
   const int64_t t = x->dim(0), d = x->dim(1), e = wi.shape[0], f2 = wi.shape[2];
   const int64_t k = cfg.num_experts_per_tok;
   const int64_t kInt32Max = std::numeric_limits<int32_t>::max();
@@ -113,7 +113,7 @@ Result<MoeRequest> CheckRequest(const std::string& op, const SafetensorsFile& in
   if (backward) {
     FP8MOE_ASSIGN_OR_RETURN(r.dy, GetInput(op, in, "dy", {DType::kF32}));
   }
-  const TensorView dy = backward ? r.dy->view() : TensorView{};
+  const ConstTensorView dy = backward ? r.dy->view() : ConstTensorView{};
   FP8MOE_RETURN_IF_ERROR(Prefixed(
       op, internal::CheckMoeCall(r.cfg, r.x->view(), r.w, backward ? &dy : nullptr)));
   FP8MOE_RETURN_IF_ERROR(PlanMoe(op, r, backward));

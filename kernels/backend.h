@@ -271,16 +271,17 @@ class Backend {
   // The arguments of Gmm / GmmDlhs / Tgmm (gmm.h), already checked: p is
   // their problem. Outputs are written in full (tail rows as zero).
   virtual Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& options,
-                     const TensorView& lhs, const TensorView& rhs, const TensorView* rhs_scale,
-                     const TensorView& group_sizes, const TensorView& out,
-                     const TensorView* h_out) = 0;
+                     const ConstTensorView& lhs, const ConstTensorView& rhs,
+                     const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+                     const TensorView& out, const TensorView* h_out) = 0;
   virtual Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& options,
-                      const TensorView& dout, const TensorView& rhs, const TensorView* rhs_scale,
-                      const TensorView& group_sizes, const TensorView& out,
-                      const TensorView* h) = 0;
+                      const ConstTensorView& dout, const ConstTensorView& rhs,
+                      const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+                      const TensorView& out, const ConstTensorView* h) = 0;
   virtual Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& options,
-                      const TgmmQuant& quant, const TensorView& lhs, const TensorView& dout,
-                      const TensorView& group_sizes, const TensorView& drhs) = 0;
+                      const TgmmQuant& quant, const ConstTensorView& lhs,
+                      const ConstTensorView& dout, const ConstTensorView& group_sizes,
+                      const TensorView& drhs) = 0;
 
   // The ops of kernels/ops.h, their arguments checked.
   virtual Status EmbeddingGather(Context& ctx, const EmbeddingGatherArgs& a) = 0;

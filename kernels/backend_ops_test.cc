@@ -1284,19 +1284,20 @@ class PartialBackend final : public internal::Backend {
     return args.op == Op::kAdd || args.op == Op::kGmm;
   }
   Status Gmm(Context& ctx, const internal::GmmProblem& p, const GmmOptions& o,
-             const TensorView& lhs, const TensorView& rhs, const TensorView* rhs_scale,
-             const TensorView& group_sizes, const TensorView& out,
-             const TensorView* h_out) override {
+             const ConstTensorView& lhs, const ConstTensorView& rhs,
+             const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+             const TensorView& out, const TensorView* h_out) override {
     return internal::ReferenceBackend().Gmm(ctx, p, o, lhs, rhs, rhs_scale, group_sizes, out,
                                             h_out);
   }
-  Status Dlhs(Context&, const internal::GmmProblem&, const GmmOptions&, const TensorView&,
-              const TensorView&, const TensorView*, const TensorView&, const TensorView&,
-              const TensorView*) override {
+  Status Dlhs(Context&, const internal::GmmProblem&, const GmmOptions&, const ConstTensorView&,
+              const ConstTensorView&, const ConstTensorView*, const ConstTensorView&,
+              const TensorView&, const ConstTensorView*) override {
     return Called("gmm_dlhs");
   }
   Status Tgmm(Context&, const internal::GmmProblem&, const GmmOptions&, const TgmmQuant&,
-              const TensorView&, const TensorView&, const TensorView&, const TensorView&) override {
+              const ConstTensorView&, const ConstTensorView&, const ConstTensorView&,
+              const TensorView&) override {
     return Called("tgmm");
   }
   Status Add(Context& ctx, const internal::AddArgs& a) override {

@@ -35,9 +35,9 @@ GmmProblem& ProblemOf(Context& ctx) { return ctx.scratch().Object<GmmProblem>();
 
 }  // namespace
 
-Status Gmm(Context& ctx, const GmmOptions& options, const TensorView& lhs,
-           const TensorView& rhs, const TensorView* rhs_scale, const TensorView& group_sizes,
-           const TensorView& out, const TensorView* h_out) {
+Status Gmm(Context& ctx, const GmmOptions& options, const ConstTensorView& lhs,
+           const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+           const ConstTensorView& group_sizes, const TensorView& out, const TensorView* h_out) {
   GmmProblem& p = ProblemOf(ctx);
   FP8MOE_RETURN_IF_ERROR(
       internal::CheckGmm(options, lhs, rhs, rhs_scale, group_sizes, out, h_out, &p));
@@ -48,9 +48,10 @@ Status Gmm(Context& ctx, const GmmOptions& options, const TensorView& lhs,
   return b->Gmm(ctx, p, options, lhs, rhs, rhs_scale, group_sizes, out, h_out);
 }
 
-Status GmmDlhs(Context& ctx, const GmmOptions& options, const TensorView& dout,
-               const TensorView& rhs, const TensorView* rhs_scale,
-               const TensorView& group_sizes, const TensorView& out, const TensorView* h) {
+Status GmmDlhs(Context& ctx, const GmmOptions& options, const ConstTensorView& dout,
+               const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+               const ConstTensorView& group_sizes, const TensorView& out,
+               const ConstTensorView* h) {
   GmmProblem& p = ProblemOf(ctx);
   FP8MOE_RETURN_IF_ERROR(
       internal::CheckDlhs(options, dout, rhs, rhs_scale, group_sizes, out, h, &p));
@@ -60,8 +61,8 @@ Status GmmDlhs(Context& ctx, const GmmOptions& options, const TensorView& dout,
 }
 
 Status Tgmm(Context& ctx, const GmmOptions& options, const TgmmQuant& quant,
-            const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
-            const TensorView& drhs) {
+            const ConstTensorView& lhs, const ConstTensorView& dout,
+            const ConstTensorView& group_sizes, const TensorView& drhs) {
   GmmProblem& p = ProblemOf(ctx);
   FP8MOE_RETURN_IF_ERROR(internal::CheckTgmm(options, quant, lhs, dout, group_sizes, drhs, &p));
   if (drhs.num_elements() == 0) return OkStatus();  // nothing to write
@@ -69,22 +70,23 @@ Status Tgmm(Context& ctx, const GmmOptions& options, const TgmmQuant& quant,
   return b->Tgmm(ctx, p, options, quant, lhs, dout, group_sizes, drhs);
 }
 
-Status Gmm(const GmmOptions& options, const TensorView& lhs, const TensorView& rhs,
-           const TensorView* rhs_scale, const TensorView& group_sizes, const TensorView& out,
-           const TensorView* h_out) {
+Status Gmm(const GmmOptions& options, const ConstTensorView& lhs, const ConstTensorView& rhs,
+           const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+           const TensorView& out, const TensorView* h_out) {
   std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   return Gmm(DefaultContext(), options, lhs, rhs, rhs_scale, group_sizes, out, h_out);
 }
 
-Status GmmDlhs(const GmmOptions& options, const TensorView& dout, const TensorView& rhs,
-               const TensorView* rhs_scale, const TensorView& group_sizes,
-               const TensorView& out, const TensorView* h) {
+Status GmmDlhs(const GmmOptions& options, const ConstTensorView& dout, const ConstTensorView& rhs,
+               const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+               const TensorView& out, const ConstTensorView* h) {
   std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   return GmmDlhs(DefaultContext(), options, dout, rhs, rhs_scale, group_sizes, out, h);
 }
 
-Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView& lhs,
-            const TensorView& dout, const TensorView& group_sizes, const TensorView& drhs) {
+Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const ConstTensorView& lhs,
+            const ConstTensorView& dout, const ConstTensorView& group_sizes,
+            const TensorView& drhs) {
   std::lock_guard<std::recursive_mutex> lock(internal::DefaultContextMutex());
   return Tgmm(DefaultContext(), options, quant, lhs, dout, group_sizes, drhs);
 }

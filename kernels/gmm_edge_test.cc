@@ -86,7 +86,7 @@ TEST(Gmm, SwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
           o.fp8_dtype = em.fp8;
           o.epilogue = GmmEpilogue::kSwiGlu;
           Tensor out = Poisoned(out_dtype, {m, 3}), ref = Poisoned(out_dtype, {m, 3});
-          const TensorView* scale = wt.Scale();
+          const ConstTensorView* scale = wt.Scale();
           ASSERT_TRUE(Gmm(o, lhs.view(), wt.w.view(), scale, gs.view(), out.view()).ok());
           ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), scale, gs.view(), ref.view()).ok());
           for (int64_t i = 0; i < m; ++i) {
@@ -139,8 +139,8 @@ TEST(GmmDlhs, DSwiGluOfVeryNegativeGatesIsZeroOnEveryTarget) {
         GmmOptions o;
         o.mode = c.mode;
         o.epilogue = GmmEpilogue::kDSwiGlu;
-        const TensorView* scale = wt.Scale();
-        TensorView hv = h.view();
+        const ConstTensorView* scale = wt.Scale();
+        const ConstTensorView hv = h.view();
         Tensor out = Poisoned(DType::kF32, {m, 6}), ref = Poisoned(DType::kF32, {m, 6});
         ASSERT_TRUE(GmmDlhs(o, dout.view(), wt.w.view(), scale, gs.view(), out.view(), &hv).ok());
         ASSERT_TRUE(
@@ -260,7 +260,7 @@ TEST(Gmm, QuantizedForwardNearFltMaxIsF32LeftToRightOnEveryTarget) {
           o.fp8_dtype = em.fp8;
           o.lhs_quant_block_size = block;
           Tensor out = Poisoned(DType::kF32, {m, 1}), ref = Poisoned(DType::kF32, {m, 1});
-          const TensorView sv = wt.scale.view();
+          const ConstTensorView sv = wt.scale.view();
           ASSERT_TRUE(Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), out.view()).ok());
           ASSERT_TRUE(reference::Gmm(o, lhs.view(), wt.w.view(), &sv, gs.view(), ref.view()).ok());
           for (int64_t i = 0; i < m; ++i) {
@@ -304,7 +304,7 @@ TEST(Gmm, InKernelQuantizationFollowsTheScaleArithmeticOnEveryTarget) {
     std::memcpy(lhs.data(), x.data(), x.size() * sizeof(float));
     Weight wt = WeightFromValues(em.rhs, eye, k, k);
     Tensor gs = GroupSizes({3});
-    const TensorView sv = wt.scale.view();
+    const ConstTensorView sv = wt.scale.view();
     std::vector<Tensor> refs;
     for (ScaleArithmetic a : {ScaleArithmetic::kExactDivide, ScaleArithmetic::kXlaReciprocal}) {
       GmmOptions o;

@@ -13,7 +13,7 @@ std::string Str(const Shape& s) { return ShapeToString(s); }
 
 // Compares in place: a Shape is built only for the error message, so a
 // valid call allocates nothing.
-Status NeedShape(const char* what, const TensorView& t, std::initializer_list<int64_t> want) {
+Status NeedShape(const char* what, const ConstTensorView& t, std::initializer_list<int64_t> want) {
   if (!std::equal(t.shape.begin(), t.shape.end(), want.begin(), want.end())) {
     return InvalidArgument(std::string(what) + " has shape " + Str(t.shape) +
                            "; expected " + Str(Shape(want)));
@@ -21,8 +21,8 @@ Status NeedShape(const char* what, const TensorView& t, std::initializer_list<in
   return OkStatus();
 }
 
-Status NeedDType(const char* what, const TensorView& t,
-                 std::initializer_list<DType> ok, const char* why) {
+Status NeedDType(const char* what, const ConstTensorView& t, std::initializer_list<DType> ok,
+                 const char* why) {
   for (DType d : ok) {
     if (t.dtype == d) return OkStatus();
   }
@@ -33,7 +33,7 @@ Status NeedDType(const char* what, const TensorView& t,
                          " needs " + names);
 }
 
-Status CheckRank(const char* what, const TensorView& t, int rank) {
+Status CheckRank(const char* what, const ConstTensorView& t, int rank) {
   if (t.rank() != rank) {
     return InvalidArgument(std::string(what) + " has shape " + Str(t.shape) +
                            "; expected rank " + std::to_string(rank));
@@ -78,8 +78,7 @@ Status CheckTiles(const GmmTiles& t) {
 }
 
 // Group sizes: I32 [e], none negative, sum <= m.
-Status CheckGroups(const TensorView& gs, int64_t e, int64_t m,
-                   GmmProblem* p) {
+Status CheckGroups(const ConstTensorView& gs, int64_t e, int64_t m, GmmProblem* p) {
   FP8MOE_RETURN_IF_ERROR(CheckRank("group_sizes", gs, 1));
   FP8MOE_RETURN_IF_ERROR(NeedDType("group_sizes", gs, {DType::kI32}, "a group count"));
   if (gs.shape[0] != e) {
@@ -96,9 +95,8 @@ Status CheckGroups(const TensorView& gs, int64_t e, int64_t m,
 }
 
 // rhs [e, k, n] of the mode, with rhs_scale [e, n] exactly when it holds codes.
-Status CheckRhs(GmmMode mode, const GmmOptions& o, const TensorView& rhs,
-                const TensorView* scale, bool allow_codes_in_float_modes,
-                GmmProblem* p) {
+Status CheckRhs(GmmMode mode, const GmmOptions& o, const ConstTensorView& rhs,
+                const ConstTensorView* scale, bool allow_codes_in_float_modes, GmmProblem* p) {
   FP8MOE_RETURN_IF_ERROR(CheckRank("rhs", rhs, 3));
   p->e = rhs.shape[0];
   p->k = rhs.shape[1];
@@ -154,8 +152,8 @@ Status CheckRhs(GmmMode mode, const GmmOptions& o, const TensorView& rhs,
 
 }  // namespace
 
-Status CheckGmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rhs,
-                const TensorView* rhs_scale, const TensorView& group_sizes,
+Status CheckGmm(const GmmOptions& o, const ConstTensorView& lhs, const ConstTensorView& rhs,
+                const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
                 const TensorView& out, const TensorView* h_out, GmmProblem* pp) {
   GmmProblem& p = *pp;
   p.Reset();
@@ -216,9 +214,9 @@ Status CheckGmm(const GmmOptions& o, const TensorView& lhs, const TensorView& rh
   return OkStatus();
 }
 
-Status CheckDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& rhs,
-                 const TensorView* rhs_scale, const TensorView& group_sizes,
-                 const TensorView& out, const TensorView* h, GmmProblem* pp) {
+Status CheckDlhs(const GmmOptions& o, const ConstTensorView& dout, const ConstTensorView& rhs,
+                 const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+                 const TensorView& out, const ConstTensorView* h, GmmProblem* pp) {
   GmmProblem& p = *pp;
   p.Reset();
   FP8MOE_RETURN_IF_ERROR(CheckTiles(o.tiles));
@@ -263,8 +261,8 @@ Status CheckDlhs(const GmmOptions& o, const TensorView& dout, const TensorView& 
   return OkStatus();
 }
 
-Status CheckTgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& lhs,
-                 const TensorView& dout, const TensorView& group_sizes,
+Status CheckTgmm(const GmmOptions& o, const TgmmQuant& quant, const ConstTensorView& lhs,
+                 const ConstTensorView& dout, const ConstTensorView& group_sizes,
                  const TensorView& drhs, GmmProblem* pp) {
   GmmProblem& p = *pp;
   p.Reset();
@@ -309,27 +307,27 @@ Status CheckTgmm(const GmmOptions& o, const TgmmQuant& quant, const TensorView& 
   return OkStatus();
 }
 
-Result<GmmProblem> CheckGmm(const GmmOptions& o, const TensorView& lhs,
-                            const TensorView& rhs, const TensorView* rhs_scale,
-                            const TensorView& group_sizes, const TensorView& out,
+Result<GmmProblem> CheckGmm(const GmmOptions& o, const ConstTensorView& lhs,
+                            const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                            const ConstTensorView& group_sizes, const TensorView& out,
                             const TensorView* h_out) {
   GmmProblem p;
   FP8MOE_RETURN_IF_ERROR(CheckGmm(o, lhs, rhs, rhs_scale, group_sizes, out, h_out, &p));
   return p;
 }
 
-Result<GmmProblem> CheckDlhs(const GmmOptions& o, const TensorView& dout,
-                             const TensorView& rhs, const TensorView* rhs_scale,
-                             const TensorView& group_sizes, const TensorView& out,
-                             const TensorView* h) {
+Result<GmmProblem> CheckDlhs(const GmmOptions& o, const ConstTensorView& dout,
+                             const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                             const ConstTensorView& group_sizes, const TensorView& out,
+                             const ConstTensorView* h) {
   GmmProblem p;
   FP8MOE_RETURN_IF_ERROR(CheckDlhs(o, dout, rhs, rhs_scale, group_sizes, out, h, &p));
   return p;
 }
 
 Result<GmmProblem> CheckTgmm(const GmmOptions& o, const TgmmQuant& quant,
-                             const TensorView& lhs, const TensorView& dout,
-                             const TensorView& group_sizes, const TensorView& drhs) {
+                             const ConstTensorView& lhs, const ConstTensorView& dout,
+                             const ConstTensorView& group_sizes, const TensorView& drhs) {
   GmmProblem p;
   FP8MOE_RETURN_IF_ERROR(CheckTgmm(o, quant, lhs, dout, group_sizes, drhs, &p));
   return p;

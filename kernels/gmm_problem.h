@@ -33,29 +33,28 @@ struct GmmProblem {
 };
 
 // Check a call and fill *p (Reset first); p is unspecified on an error.
-Status CheckGmm(const GmmOptions& options, const TensorView& lhs, const TensorView& rhs,
-                const TensorView* rhs_scale, const TensorView& group_sizes,
+Status CheckGmm(const GmmOptions& options, const ConstTensorView& lhs, const ConstTensorView& rhs,
+                const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
                 const TensorView& out, const TensorView* h_out, GmmProblem* p);
-Status CheckDlhs(const GmmOptions& options, const TensorView& dout, const TensorView& rhs,
-                 const TensorView* rhs_scale, const TensorView& group_sizes,
-                 const TensorView& out, const TensorView* h, GmmProblem* p);
-Status CheckTgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView& lhs,
-                 const TensorView& dout, const TensorView& group_sizes,
+Status CheckDlhs(const GmmOptions& options, const ConstTensorView& dout, const ConstTensorView& rhs,
+                 const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+                 const TensorView& out, const ConstTensorView* h, GmmProblem* p);
+Status CheckTgmm(const GmmOptions& options, const TgmmQuant& quant, const ConstTensorView& lhs,
+                 const ConstTensorView& dout, const ConstTensorView& group_sizes,
                  const TensorView& drhs, GmmProblem* p);
 
 // The same, returning a fresh problem.
-Result<GmmProblem> CheckGmm(const GmmOptions& options, const TensorView& lhs,
-                            const TensorView& rhs, const TensorView* rhs_scale,
-                            const TensorView& group_sizes, const TensorView& out,
+Result<GmmProblem> CheckGmm(const GmmOptions& options, const ConstTensorView& lhs,
+                            const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                            const ConstTensorView& group_sizes, const TensorView& out,
                             const TensorView* h_out);
-Result<GmmProblem> CheckDlhs(const GmmOptions& options, const TensorView& dout,
-                             const TensorView& rhs, const TensorView* rhs_scale,
-                             const TensorView& group_sizes,
-                             const TensorView& out, const TensorView* h);
+Result<GmmProblem> CheckDlhs(const GmmOptions& options, const ConstTensorView& dout,
+                             const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                             const ConstTensorView& group_sizes, const TensorView& out,
+                             const ConstTensorView* h);
 Result<GmmProblem> CheckTgmm(const GmmOptions& options, const TgmmQuant& quant,
-                             const TensorView& lhs, const TensorView& dout,
-                             const TensorView& group_sizes,
-                             const TensorView& drhs);
+                             const ConstTensorView& lhs, const ConstTensorView& dout,
+                             const ConstTensorView& group_sizes, const TensorView& drhs);
 
 // TGMM's in-kernel quantization of dout (TgmmQuant::per_group = false) scales
 // each m-tile of a group separately; this is the tile when tiles.m is unset.

@@ -22,15 +22,18 @@ Tensor Make(DType d, Shape s) { return std::move(Tensor::Zeros(d, std::move(s)))
 
 // The context-free entry points (Gmm and friends are overloaded with the
 // Context& ones, so the pointer types are spelled out).
-using GmmFn = Status (*)(const GmmOptions&, const TensorView&, const TensorView&,
-                         const TensorView*, const TensorView&, const TensorView&,
+using GmmFn = Status (*)(const GmmOptions&, const ConstTensorView&, const ConstTensorView&,
+                         const ConstTensorView*, const ConstTensorView&, const TensorView&,
                          const TensorView*);
-using TgmmFn = Status (*)(const GmmOptions&, const TgmmQuant&, const TensorView&,
-                          const TensorView&, const TensorView&, const TensorView&);
+using DlhsFn = Status (*)(const GmmOptions&, const ConstTensorView&, const ConstTensorView&,
+                          const ConstTensorView*, const ConstTensorView&, const TensorView&,
+                          const ConstTensorView*);
+using TgmmFn = Status (*)(const GmmOptions&, const TgmmQuant&, const ConstTensorView&,
+                          const ConstTensorView&, const ConstTensorView&, const TensorView&);
 struct Api {
   const char* name;
   GmmFn gmm;
-  GmmFn dlhs;
+  DlhsFn dlhs;
   TgmmFn tgmm;
 };
 const Api kApis[] = {{"fast", Gmm, GmmDlhs, Tgmm},
@@ -109,7 +112,7 @@ TEST(GmmRobustness, ZeroElementCallsWithHugeDimensionsReturnAtOnce) {
     Tensor codes = Make(DType::kE4M3FN, {1, kHuge, 0}), scale = Make(DType::kF32, {1, 0});
     Tensor out = Make(DType::kF32, {0, 0});
     bf.mode = GmmMode::kFakeQat;
-    TensorView sv = scale.view();
+    const ConstTensorView sv = scale.view();
     EXPECT_TRUE(api.gmm(bf, lhs.view(), codes.view(), &sv, gs.view(), out.view(), nullptr).ok());
     // gmm with 2^40 rows of width 0 and group sizes covering 2^31 - 1 rows.
     gs.data_as<int32_t>()[0] = std::numeric_limits<int32_t>::max();
@@ -123,7 +126,7 @@ TEST(GmmRobustness, ZeroElementCallsWithHugeDimensionsReturnAtOnce) {
     native.mode = GmmMode::kNativeFp8;
     Tensor c0 = Make(DType::kE4M3FN, {1, 0, 0});
     Tensor s0t = Make(DType::kF32, {1, 0});
-    TensorView s0 = s0t.view();
+    const ConstTensorView s0 = s0t.view();
     EXPECT_TRUE(api.gmm(native, tall.view(), c0.view(), &s0, gs.view(), tall_out.view(), nullptr).ok());
     // dlhs: dout [2^40, 0] x rhs [1, 0, 0]^T -> [2^40, 0].
     EXPECT_TRUE(api.dlhs(f32, tall.view(), w.view(), nullptr, gs.view(), tall_out.view(), nullptr).ok());
@@ -148,12 +151,12 @@ TEST(GmmRobustness, ViewsPastTheInt64RangeAreRefused) {
     Tensor gs = Make(DType::kI32, {1});
     GmmOptions o;
     o.mode = GmmMode::kF32;
-    TensorView lhs{nullptr, DType::kF32, {0, kHuge}};
-    TensorView rhs{nullptr, DType::kF32, {1, kHuge, kHuge}};
+    ConstTensorView lhs{nullptr, DType::kF32, {0, kHuge}};
+    ConstTensorView rhs{nullptr, DType::kF32, {1, kHuge, kHuge}};
     TensorView out{nullptr, DType::kF32, {0, kHuge}};
     Status s = api.gmm(o, lhs, rhs, nullptr, gs.view(), out, nullptr);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
-    TensorView neg{nullptr, DType::kF32, {-1, 4}};
+    ConstTensorView neg{nullptr, DType::kF32, {-1, 4}};
     s = api.gmm(o, neg, rhs, nullptr, gs.view(), out, nullptr);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   }

@@ -237,7 +237,7 @@ void CheckDlhs(Context& ctx, TestRng& r, const DlhsCase& c, int64_t m, int64_t k
   o.tiles = tiles;
   const int64_t oc = c.dswiglu ? 2 * k : k;
   Tensor hsave = RandomF32(r, {m, 2 * k}, valid);
-  TensorView hv = hsave.view();
+  const ConstTensorView hv = hsave.view();
   Tensor out = Poisoned(c.out_dtype, {m, oc});
   ASSERT_TRUE(GmmDlhs(ctx, o, dout.view(), w.w.view(), w.Scale(), gs.view(), out.view(),
                       c.dswiglu ? &hv : nullptr).ok());
@@ -323,7 +323,7 @@ TEST(GmmDlhs, NativeFromCodesIsBitIdenticalToFakeQat) {
       Tensor gs = GroupSizes(sizes);
       Tensor dout = ToBf16(RandomF32(r, {m, n}, Sum(sizes)));
       Weight w = MakeWeight(r, codes, e, k, n);
-      TensorView sv = w.scale.view();
+      const ConstTensorView sv = w.scale.view();
       Tensor a = Poisoned(out_dtype, {m, k}), b = Poisoned(out_dtype, {m, k});
       GmmOptions native, fake;
       native.mode = GmmMode::kBf16;
@@ -394,7 +394,7 @@ TEST(Gmm, RowBlockOrderGivesTheBitsOfChunkOrder) {
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8,
                          GmmMode::kInt8}) {
       Weight w = MakeWeight(r, WeightDTypeOf(mode), e, k, n);
-      const TensorView* scale = w.Scale();
+      const ConstTensorView* scale = w.Scale();
       for (const int64_t block : {int64_t{0}, int64_t{128}}) {
         if (block > 0 && mode != GmmMode::kNativeFp8) continue;
         for (const bool swiglu : {false, true}) {
@@ -431,7 +431,7 @@ TEST(Gmm, RowBlockOrderGivesTheBitsOfChunkOrder) {
         o.epilogue = dswiglu ? GmmEpilogue::kDSwiGlu : GmmEpilogue::kNone;
         o.tiles.m = 4096;
         const Tensor& d = mode == GmmMode::kF32 ? dout32 : dout;
-        TensorView hv = hsave.view();
+        const ConstTensorView hv = hsave.view();
         Tensor rows = Poisoned(DType::kF32, {m, dswiglu ? 2 * k : k});
         Tensor chunks = Poisoned(DType::kF32, {m, dswiglu ? 2 * k : k});
         Context ctx;
@@ -478,7 +478,7 @@ TEST(Gmm, PackPrefetchKeepsTheBits) {
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kFakeQat, GmmMode::kNativeFp8,
                          GmmMode::kInt8}) {
       Weight w = MakeWeight(r, WeightDTypeOf(mode), e, k, n);
-      const TensorView* scale = w.Scale();
+      const ConstTensorView* scale = w.Scale();
       const Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
       for (const bool swiglu : {false, true}) {
         SCOPED_TRACE(target.label + " fwd " + std::string(GmmModeName(mode)) +
@@ -676,7 +676,7 @@ TEST(Gmm, DirectAndPackedWeightPathsGiveTheSameBits) {
       Tensor lhs32 = RandomF32(r, {m, k}, Sum(sizes));
       Tensor lhs = mode == GmmMode::kF32 ? std::move(lhs32) : ToBf16(lhs32);
       Weight w = MakeWeight(r, c.wdtype, e, k, n);
-      const TensorView* scale = w.Scale();
+      const ConstTensorView* scale = w.Scale();
       const int64_t oc = swiglu ? n / 2 : n;
       std::vector<Tensor> outs;
       // 16 rows: packed; 1 to 12: the direct kernels' tile shapes.
@@ -732,7 +732,7 @@ TEST(Gmm, NaNWeightCodesGiveNaNColumnsOnEveryPath) {
       uint8_t* q = w.w.data_as<uint8_t>();
       q[(0 * k + 3) * n + 5] = fnuz ? 0x80 : 0x7F;
       q[(1 * k + 299) * n + 40] = fnuz ? 0x80 : 0xFF;
-      TensorView sv = w.scale.view();
+      const ConstTensorView sv = w.scale.view();
       std::vector<Tensor> outs;
       for (int64_t tile_m : {16, 1, 2, 4, 8}) {
         for (int64_t tile_k : {int64_t{0}, int64_t{64}}) {
@@ -890,7 +890,7 @@ TEST(Gmm, BitsDoNotDependOnThreadsOrTiles) {
     for (GmmMode mode : {GmmMode::kF32, GmmMode::kBf16, GmmMode::kNativeFp8, GmmMode::kInt8}) {
       SCOPED_TRACE(GmmModeName(mode));
       Weight w = MakeWeight(r, WeightDTypeOf(mode), e, k, n);
-      const TensorView* scale = w.Scale();
+      const ConstTensorView* scale = w.Scale();
       Tensor& l = mode == GmmMode::kF32 ? lhs32 : lhs;
       Tensor first = Make(DType::kF32, {m, n / 2});
       ExpectSameBitsEverywhere(

@@ -126,9 +126,9 @@ inline float ValueAt(const Tensor& t, size_t i) {
 struct Weight {
   Tensor w, scale;
   bool codes = false;
-  TensorView scale_view = {};
+  ConstTensorView scale_view = {};
   // The scale argument of the GMM calls: its view for codes, else nullptr.
-  const TensorView* Scale() {
+  const ConstTensorView* Scale() {
     if (!codes) return nullptr;
     scale_view = scale.view();
     return &scale_view;

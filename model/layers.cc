@@ -22,32 +22,32 @@ void RopeTables(int64_t seq, int64_t hd, double max_timescale, float* cos, float
   }
 }
 
-Status Linear(Context& ctx, const TensorView& group, const float* x, const float* w, int64_t m,
+Status Linear(Context& ctx, const ConstTensorView& group, const float* x, const float* w, int64_t m,
               int64_t k, int64_t n, float* out) {
   GmmOptions o;
   o.mode = GmmMode::kF32;
-  const TensorView xv{const_cast<float*>(x), DType::kF32, {m, k}};
-  const TensorView wv{const_cast<float*>(w), DType::kF32, {1, k, n}};
+  const ConstTensorView xv{x, DType::kF32, {m, k}};
+  const ConstTensorView wv{w, DType::kF32, {1, k, n}};
   const TensorView ov{out, DType::kF32, {m, n}};
   return CtxGmm(ctx, o, xv, wv, nullptr, group, ov);
 }
 
-Status LinearDx(Context& ctx, const TensorView& group, const float* dout, const float* w,
+Status LinearDx(Context& ctx, const ConstTensorView& group, const float* dout, const float* w,
                 int64_t m, int64_t k, int64_t n, float* dx) {
   GmmOptions o;
   o.mode = GmmMode::kF32;
-  const TensorView dv{const_cast<float*>(dout), DType::kF32, {m, n}};
-  const TensorView wv{const_cast<float*>(w), DType::kF32, {1, k, n}};
+  const ConstTensorView dv{dout, DType::kF32, {m, n}};
+  const ConstTensorView wv{w, DType::kF32, {1, k, n}};
   const TensorView xv{dx, DType::kF32, {m, k}};
   return CtxGmmDlhs(ctx, o, dv, wv, nullptr, group, xv);
 }
 
-Status LinearDw(Context& ctx, const TensorView& group, const float* x, const float* dout,
+Status LinearDw(Context& ctx, const ConstTensorView& group, const float* x, const float* dout,
                 int64_t m, int64_t k, int64_t n, float* dw) {
   GmmOptions o;
   o.mode = GmmMode::kF32;
-  const TensorView xv{const_cast<float*>(x), DType::kF32, {m, k}};
-  const TensorView dv{const_cast<float*>(dout), DType::kF32, {m, n}};
+  const ConstTensorView xv{x, DType::kF32, {m, k}};
+  const ConstTensorView dv{dout, DType::kF32, {m, n}};
   const TensorView wv{dw, DType::kF32, {1, k, n}};
   return CtxTgmm(ctx, o, {}, xv, dv, group, wv);
 }

@@ -20,13 +20,13 @@ void RopeTables(int64_t seq, int64_t hd, double max_timescale, float* cos, float
 // Dense f32 matmuls on the GMM kernel with one group of m rows
 // (group: I32 [1] holding m).
 // out [m, n] = x [m, k] @ w [k, n]
-Status Linear(Context& ctx, const TensorView& group, const float* x, const float* w, int64_t m,
+Status Linear(Context& ctx, const ConstTensorView& group, const float* x, const float* w, int64_t m,
               int64_t k, int64_t n, float* out);
 // dx [m, k] = dout [m, n] @ w^T (overwritten)
-Status LinearDx(Context& ctx, const TensorView& group, const float* dout, const float* w,
+Status LinearDx(Context& ctx, const ConstTensorView& group, const float* dout, const float* w,
                 int64_t m, int64_t k, int64_t n, float* dx);
 // dw [k, n] = x^T @ dout (overwritten)
-Status LinearDw(Context& ctx, const TensorView& group, const float* x, const float* dout,
+Status LinearDw(Context& ctx, const ConstTensorView& group, const float* x, const float* dout,
                 int64_t m, int64_t k, int64_t n, float* dw);
 
 }  // namespace fp8moe::internal

@@ -375,7 +375,7 @@ TEST(ModelLayers, EdgeValuesStayFinite) {
   EXPECT_TRUE(std::isfinite(inv[0]));
 }
 
-// Linear builds three TensorViews per call; their shapes are held inline
+// Linear builds three views per call; their shapes are held inline
 // (fp8moe/tensor.h), so once the GMM's scratch has grown a call makes no heap
 // allocation at all (every operator new of this binary is counted).
 TEST(ModelLayers, LinearMakesNoHeapAllocation) {

@@ -293,10 +293,12 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
 // whole one [E, ...] for ring rank r of P, all of one that holds only those
 // E/P rows, and for one that holds none (AllocateParams with 0) a view of the
 // E/P rows' shape without data, for the prepare and the shape checks of a
-// mode that never reads the master.
-TensorView ExpertRows(const ModelConfig& c, const Tensor& t, bool wo, const Communicator* ring) {
+// mode that never reads the master. T is const Tensor (a master: a read-only
+// view) or Tensor (a gradient: a writable one).
+template <class T>
+auto ExpertRows(const ModelConfig& c, T& t, bool wo, const Communicator* ring) {
   const int64_t E = c.moe.num_experts, P = ring != nullptr ? ring->size() : 1, El = E / P;
-  TensorView v = t.view();
+  auto v = t.view();
   if (v.shape.empty()) return v;  // not a model's tensor: the layer's check names it
   if (v.shape[0] == 0) {
     v.data = nullptr;
@@ -305,7 +307,7 @@ TensorView ExpertRows(const ModelConfig& c, const Tensor& t, bool wo, const Comm
   }
   if (P <= 1 || v.shape[0] != E) return v;
   const int64_t row = static_cast<int64_t>(t.num_elements()) / E;
-  v.data = const_cast<float*>(t.data_as<float>()) + ring->rank() * El * row;
+  v.data = t.template data_as<float>() + ring->rank() * El * row;
   v.shape[0] = El;
   return v;
 }
@@ -378,7 +380,7 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                              std::to_string(V) + "); raise vocab_size");
     }
   }
-  const TensorView group = b.group.view();
+  const ConstTensorView group = b.group.view();
   info->aux_loss = 0;
   info->dropless_reruns = 0;
   info->expert_load.resize(static_cast<size_t>(L));
@@ -419,7 +421,7 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                                       &mi, mo));
     info->aux_loss += mi.aux_loss;
     info->dropless_reruns += mi.stats.dropless_reruns;
-    const TensorView gs = A.moe.group_sizes();
+    const ConstTensorView gs = A.moe.group_sizes();
     auto& load = info->expert_load[static_cast<size_t>(l)];
     load.assign(gs.as<int32_t>(), gs.as<int32_t>() + gs.num_elements());
     float* next = l + 1 < L ? b.layers[static_cast<size_t>(l + 1)].x.data_as<float>()

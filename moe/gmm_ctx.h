@@ -13,25 +13,25 @@
 namespace fp8moe::internal {
 
 // out [M, N] = lhs [M, K] x rhs [E, K, N] per group (fp8moe/gmm.h).
-inline Status CtxGmm(Context& ctx, const GmmOptions& o, const TensorView& lhs,
-                     const TensorView& rhs, const TensorView* rhs_scale,
-                     const TensorView& group_sizes, const TensorView& out,
+inline Status CtxGmm(Context& ctx, const GmmOptions& o, const ConstTensorView& lhs,
+                     const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                     const ConstTensorView& group_sizes, const TensorView& out,
                      const TensorView* h_out = nullptr) {
   return Gmm(ctx, o, lhs, rhs, rhs_scale, group_sizes, out, h_out);
 }
 
 // dlhs [M, K] = dout [M, N] x rhs[g]^T per group.
-inline Status CtxGmmDlhs(Context& ctx, const GmmOptions& o, const TensorView& dout,
-                         const TensorView& rhs, const TensorView* rhs_scale,
-                         const TensorView& group_sizes, const TensorView& out,
-                         const TensorView* h = nullptr) {
+inline Status CtxGmmDlhs(Context& ctx, const GmmOptions& o, const ConstTensorView& dout,
+                         const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                         const ConstTensorView& group_sizes, const TensorView& out,
+                         const ConstTensorView* h = nullptr) {
   return GmmDlhs(ctx, o, dout, rhs, rhs_scale, group_sizes, out, h);
 }
 
 // drhs [E, K, N] = lhs[rows of g]^T x dout[rows of g].
 inline Status CtxTgmm(Context& ctx, const GmmOptions& o, const TgmmQuant& q,
-                      const TensorView& lhs, const TensorView& dout,
-                      const TensorView& group_sizes, const TensorView& drhs) {
+                      const ConstTensorView& lhs, const ConstTensorView& dout,
+                      const ConstTensorView& group_sizes, const TensorView& drhs) {
   return Tgmm(ctx, o, q, lhs, dout, group_sizes, drhs);
 }
 

@@ -12,8 +12,8 @@ namespace fp8moe::internal {
 // router [D, E], wi [E, D, 2F], wo [E, F, D] (E: the experts this rank holds
 // on an expert ring), num_moe_token_chunks against T, and when dy is given
 // dy [T, D] F32; with the layer's own messages.
-Status CheckMoeCall(const MoeConfig& cfg, const TensorView& x, const MoeWeights& w,
-                    const TensorView* dy, const MoeOptions& options = {});
+Status CheckMoeCall(const MoeConfig& cfg, const ConstTensorView& x, const MoeWeights& w,
+                    const ConstTensorView* dy, const MoeOptions& options = {});
 
 }  // namespace fp8moe::internal
 

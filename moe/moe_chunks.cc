@@ -34,10 +34,12 @@ using State = MoeWorkspace::State;
 
 namespace {
 
-// Rows [r.begin, r.end) of t [T, cols] f32.
-TensorView Rows(const TensorView& t, const ShardRange& r) {
+// Rows [r.begin, r.end) of t [T, cols] f32, as a view of t's kind: an
+// input's rows read-only (ConstTensorView), an output's read-write.
+template <class View>
+View Rows(const View& t, const ShardRange& r) {
   const int64_t cols = t.shape[1];
-  return TensorView{t.as<float>() + r.begin * cols, DType::kF32, {r.size(), cols}};
+  return View{t.template as<float>() + r.begin * cols, DType::kF32, {r.size(), cols}};
 }
 
 ShardRange ChunkRange(const State& s, int64_t c) {
@@ -66,10 +68,9 @@ Status PrepareChunk(Context& ctx, const MoeConfig& cfg, const State& s, int64_t 
 
 }  // namespace
 
-Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                      const TensorView& router, const PreparedMoeWeights& prepared,
-                      const MoeOptions& options, State& s, const TensorView& y,
-                      MoeStepInfo* info) {
+Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
+                      const ConstTensorView& router, const PreparedMoeWeights& prepared,
+                      const MoeOptions& options, State& s, const TensorView& y, MoeStepInfo* info) {
   const int64_t C = cfg.num_moe_token_chunks;
   FP8MOE_RETURN_IF_ERROR(RouteForward(ctx, cfg, x, router, options, s, &info->aux_loss));
   s.chunks.resize(static_cast<size_t>(C));
@@ -114,9 +115,9 @@ Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   return OkStatus();
 }
 
-Status ChunkedBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status ChunkedBackward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                        const MoeWeights& w, const PreparedMoeWeights& prepared,
-                       const MoeOptions& options, State& s, const TensorView& dy,
+                       const MoeOptions& options, State& s, const ConstTensorView& dy,
                        const MoeGradientViews& grads) {
   const int64_t C = static_cast<int64_t>(s.chunks.size());
   FP8MOE_ASSIGN_OR_RETURN(s.dwv, Grow(&s.dweight, DType::kF32, {s.T * s.k}));

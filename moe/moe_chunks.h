@@ -17,17 +17,17 @@ namespace fp8moe::internal {
 // chunk c's GMMs run; every rank issues the ring's collectives in the same
 // order (dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...).
 //   x [T, D] f32, y [T, D] f32 (written chunk by chunk)
-Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                      const TensorView& router, const PreparedMoeWeights& prepared,
+Status ChunkedForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
+                      const ConstTensorView& router, const PreparedMoeWeights& prepared,
                       const MoeOptions& options, MoeWorkspace::State& s, const TensorView& y,
                       MoeStepInfo* info);
 
 // The mirror: combine and expert backward chunk by chunk (dwi, dwo the sum
 // of the chunks' gradients, added in chunk order), the route backward on all
 // T tokens, then each chunk's dispatch backward into dx.
-Status ChunkedBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status ChunkedBackward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                        const MoeWeights& w, const PreparedMoeWeights& prepared,
-                       const MoeOptions& options, MoeWorkspace::State& s, const TensorView& dy,
+                       const MoeOptions& options, MoeWorkspace::State& s, const ConstTensorView& dy,
                        const MoeGradientViews& grads);
 
 }  // namespace fp8moe::internal

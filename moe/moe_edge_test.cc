@@ -55,7 +55,7 @@ TEST(MoeLayerEdges, VeryNegativeGateGivesZeroInEveryMode) {
     const float y = f->y.data_as<float>()[0];
     EXPECT_FALSE(std::isnan(y));
     EXPECT_LE(std::fabs(y), 1e-30f) << "y = " << y;
-    const TensorView dyv = dy.view();
+    const ConstTensorView dyv = dy.view();
     auto ref = reference::MoeLayer(cfg, x.view(), w, &dyv);
     ASSERT_TRUE(ref.ok()) << ref.status().ToString();
     EXPECT_LE(std::fabs(ref->y.data_as<float>()[0]), 1e-30f);
@@ -129,7 +129,7 @@ GradientsAndTwin RunLayer(const SaturatingLayer& in, const std::vector<std::stri
   EXPECT_TRUE(fwd.ok()) << fwd.status().ToString();
   auto g = MoeBackward(cfg, in.x.view(), w, *fwd, in.dy.view());
   EXPECT_TRUE(g.ok()) << g.status().ToString();
-  const TensorView dyv = in.dy.view();
+  const ConstTensorView dyv = in.dy.view();
   auto ref = reference::MoeLayer(cfg, in.x.view(), w, &dyv);
   EXPECT_TRUE(ref.ok()) << ref.status().ToString();
   return {std::move(*g), std::move(*ref)};

@@ -46,10 +46,10 @@ Result<int64_t> LocalExperts(const MoeConfig& cfg, const MoeOptions& o) {
 
 // Shapes: x [T, D], router [D, E], wi [El, D, 2F], wo [El, F, D], all F32,
 // El = the experts this rank holds.
-Status CheckShapes(const MoeConfig& cfg, const TensorView& x, const MoeWeights& w,
+Status CheckShapes(const MoeConfig& cfg, const ConstTensorView& x, const MoeWeights& w,
                    const MoeOptions& opt) {
   FP8MOE_ASSIGN_OR_RETURN(const int64_t El, LocalExperts(cfg, opt));
-  auto f32 = [](const TensorView& t) { return t.dtype == DType::kF32; };
+  auto f32 = [](const ConstTensorView& t) { return t.dtype == DType::kF32; };
   FP8MOE_RETURN_IF_ERROR(Need(x.rank() == 2 && f32(x), "x must be F32 [T, D]; got " +
                                                            std::string(DTypeName(x.dtype)) + " " +
                                                            ShapeToString(x.shape)));
@@ -92,7 +92,7 @@ Status CheckPrepared(const MoeConfig& cfg, const MoeWeights& w, const PreparedMo
   return OkStatus();
 }
 
-Status CheckF32(const TensorView& t, const Shape& shape, const char* name) {
+Status CheckF32(const ConstTensorView& t, const Shape& shape, const char* name) {
   if (t.dtype == DType::kF32 && t.shape == shape && (t.data != nullptr || t.num_elements() == 0)) {
     return OkStatus();
   }
@@ -105,7 +105,7 @@ Status CheckF32(const TensorView& t, const Shape& shape, const char* name) {
 // the others waiting in the ring's first collective until its timeout. One
 // small all-reduce (max of {failed, T, -T, D, -D}) after the local checks
 // turns either into an error on every rank. Off a ring: the local status.
-Status AgreeOnRing(const MoeOptions& o, const Status& local, const TensorView& x) {
+Status AgreeOnRing(const MoeOptions& o, const Status& local, const ConstTensorView& x) {
   if (o.ranks.expert_ring == nullptr || o.ranks.expert_ring->size() <= 1) return local;
   const bool shaped = x.rank() == 2;
   const int64_t T = shaped ? x.shape[0] : -1, D = shaped ? x.shape[1] : -1;
@@ -126,7 +126,7 @@ Status AgreeOnRing(const MoeOptions& o, const Status& local, const TensorView& x
 }
 
 // num_moe_token_chunks: at most one chunk per token.
-Status CheckChunks(const MoeConfig& cfg, const TensorView& x) {
+Status CheckChunks(const MoeConfig& cfg, const ConstTensorView& x) {
   if (cfg.num_moe_token_chunks <= 1 || x.shape[0] >= cfg.num_moe_token_chunks) return OkStatus();
   return InvalidArgument("num_moe_token_chunks=" + std::to_string(cfg.num_moe_token_chunks) +
                          " exceeds the " + std::to_string(x.shape[0]) +
@@ -139,8 +139,8 @@ Status CheckChunks(const MoeConfig& cfg, const TensorView& x) {
 
 namespace internal {
 
-Status CheckMoeCall(const MoeConfig& cfg, const TensorView& x, const MoeWeights& w,
-                    const TensorView* dy, const MoeOptions& options) {
+Status CheckMoeCall(const MoeConfig& cfg, const ConstTensorView& x, const MoeWeights& w,
+                    const ConstTensorView* dy, const MoeOptions& options) {
   FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
   FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
   FP8MOE_RETURN_IF_ERROR(CheckChunks(cfg, x));
@@ -149,10 +149,9 @@ Status CheckMoeCall(const MoeConfig& cfg, const TensorView& x, const MoeWeights&
 
 }  // namespace internal
 
-Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                  const MoeWeights& w, const PreparedMoeWeights& prepared,
-                  MoeWorkspace* workspace, const TensorView& y, MoeStepInfo* info,
-                  const MoeOptions& options) {
+Status MoeForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x, const MoeWeights& w,
+                  const PreparedMoeWeights& prepared, MoeWorkspace* workspace, const TensorView& y,
+                  MoeStepInfo* info, const MoeOptions& options) {
   const Status checked = [&]() -> Status {
     FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
     FP8MOE_RETURN_IF_ERROR(CheckShapes(cfg, x, w, options));
@@ -194,10 +193,10 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   return OkStatus();
 }
 
-Status MoeBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                   const MoeWeights& w, const PreparedMoeWeights& prepared,
-                   MoeWorkspace* workspace, const TensorView& dy,
-                   const MoeGradientViews& grads, const MoeOptions& options) {
+Status MoeBackward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
+                   const MoeWeights& w, const PreparedMoeWeights& prepared, MoeWorkspace* workspace,
+                   const ConstTensorView& dy, const MoeGradientViews& grads,
+                   const MoeOptions& options) {
   State& s = workspace->state();
   const Status checked = [&]() -> Status {
     if (!s.forward_done) {
@@ -264,7 +263,7 @@ struct MoeSaved {
   MoeWorkspace workspace;
 };
 
-Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const TensorView& x,
+Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const ConstTensorView& x,
                                     const MoeWeights& w, const MoeOptions& options) {
   CallContext call(options);
   Context& ctx = call.get();
@@ -282,7 +281,7 @@ Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const TensorView& x,
   MoeStepInfo info;
   FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, cfg, x, w, saved->prepared, &saved->workspace,
                                     out.y.view(), &info, options));
-  const TensorView gs = saved->workspace.group_sizes();
+  const ConstTensorView gs = saved->workspace.group_sizes();
   FP8MOE_ASSIGN_OR_RETURN(out.group_sizes, Tensor::Create(DType::kI32, gs.shape));
   std::memcpy(out.group_sizes.data(), gs.data, gs.num_bytes());
   out.aux_loss = info.aux_loss;
@@ -291,9 +290,9 @@ Result<MoeForwardResult> MoeForward(const MoeConfig& cfg, const TensorView& x,
   return out;
 }
 
-Result<MoeGradients> MoeBackward(const MoeConfig& cfg, const TensorView& x,
+Result<MoeGradients> MoeBackward(const MoeConfig& cfg, const ConstTensorView& x,
                                  const MoeWeights& w, const MoeForwardResult& fwd,
-                                 const TensorView& dy, const MoeOptions& options) {
+                                 const ConstTensorView& dy, const MoeOptions& options) {
   MoeGradients g;
   const Status before = [&]() -> Status {
     if (fwd.saved == nullptr) return InvalidArgument("MoeBackward needs the result of MoeForward");

@@ -64,7 +64,7 @@ void CheckAgainstReference(const ModeCase& c, unsigned seed, int64_t t, int64_t 
   ASSERT_TRUE(fwd.ok()) << fwd.status().ToString();
   auto grads = MoeBackward(cfg, in.x.view(), in.weights(), *fwd, in.dy.view());
   ASSERT_TRUE(grads.ok()) << grads.status().ToString();
-  TensorView dy = in.dy.view();
+  ConstTensorView dy = in.dy.view();
   auto ref = reference::MoeLayer(cfg, in.x.view(), in.weights(), &dy);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   ASSERT_EQ(0, std::memcmp(fwd->group_sizes.data(), ref->group_sizes.data(),
@@ -133,7 +133,7 @@ TEST(MoeLayerReference, F32GradientsMatchFiniteDifferences) {
     ASSERT_TRUE(fwd.ok());
     auto g = MoeBackward(cfg, in.x.view(), in.weights(), *fwd, in.dy.view());
     ASSERT_TRUE(g.ok());
-    TensorView dy = in.dy.view();
+    ConstTensorView dy = in.dy.view();
     auto loss_of = [&]() {
       auto r = reference::MoeLayer(cfg, in.x.view(), in.weights(), &dy);
       EXPECT_TRUE(r.ok());

@@ -211,7 +211,7 @@ TEST(MoeLayer, BadInputsAreClearErrors) {
          "num_experts");
   auto f = MoeForward(cfg, in.x.view(), in.weights());
   ASSERT_TRUE(f.ok());
-  TensorView dy = in.dy.view();
+  ConstTensorView dy = in.dy.view();
   dy.shape = {9, 8};
   expect(MoeBackward(cfg, in.x.view(), in.weights(), *f, dy).status(), "dy must be");
   MoeForwardResult empty;

@@ -27,12 +27,11 @@ MoeWorkspace::~MoeWorkspace() = default;
 MoeWorkspace::MoeWorkspace(MoeWorkspace&&) noexcept = default;
 MoeWorkspace& MoeWorkspace::operator=(MoeWorkspace&&) noexcept = default;
 
-TensorView MoeWorkspace::group_sizes() const {
+ConstTensorView MoeWorkspace::group_sizes() const {
   // The routing's counts of the layer's own tokens (on one rank the GMMs'
   // group sizes; on an expert ring those are of the local experts only).
   const std::vector<int32_t>& g = state_->routing.group_sizes;
-  return TensorView{const_cast<int32_t*>(g.data()), DType::kI32,
-                    {static_cast<int64_t>(g.size())}};
+  return ConstTensorView{g.data(), DType::kI32, {static_cast<int64_t>(g.size())}};
 }
 
 namespace {
@@ -71,7 +70,7 @@ namespace {
 // source: null, or where the codes / bf16 copy come from (FSDP), for
 // expert weight `wo` of layer `layer`.
 Status PrepareWeight(Context& ctx, const MoeConfig& cfg, const MoeQuantPlan& plan, DType act,
-                     const TensorView& master, PreparedExpertWeight* p,
+                     const ConstTensorView& master, PreparedExpertWeight* p,
                      ExpertWeightSource* source, int64_t layer, bool wo) {
   const int64_t E = master.shape[0], K = master.shape[1], N = master.shape[2];
   p->health = {};
@@ -80,29 +79,32 @@ Status PrepareWeight(Context& ctx, const MoeConfig& cfg, const MoeQuantPlan& pla
     if (act == DType::kF32) {
       p->view = master;
     } else {
-      FP8MOE_ASSIGN_OR_RETURN(p->view, Grow(&p->owned, DType::kBF16, master.shape));
+      FP8MOE_ASSIGN_OR_RETURN(const TensorView copy,
+                              Grow(&p->owned, DType::kBF16, master.shape));
+      p->view = copy;
       if (source != nullptr) {
-        FP8MOE_RETURN_IF_ERROR(
-            source->RoundToBf16(layer, wo, master.shape, p->view.as<uint16_t>()));
+        FP8MOE_RETURN_IF_ERROR(source->RoundToBf16(layer, wo, master.shape, copy.as<uint16_t>()));
       } else {
-        F32ToBf16Span(master.as<float>(), p->view.as<uint16_t>(), master.num_elements());
+        F32ToBf16Span(master.as<float>(), copy.as<uint16_t>(), master.num_elements());
       }
     }
     return OkStatus();
   }
   p->codes = true;
   p->quant = *plan.fwd.rhs;
-  FP8MOE_ASSIGN_OR_RETURN(p->view, Grow(&p->owned, QuantStorageDType(p->quant), master.shape));
+  FP8MOE_ASSIGN_OR_RETURN(const TensorView codes,
+                          Grow(&p->owned, QuantStorageDType(p->quant), master.shape));
+  p->view = codes;
   FP8MOE_ASSIGN_OR_RETURN(TensorView scale, Exact(&p->scale, DType::kF32, {E, N}));
   if (source != nullptr) {
     FP8MOE_RETURN_IF_ERROR(source->Quantize(ctx, layer, wo, master.shape, p->quant,
                                             cfg.weight_quantization_calibration_method,
-                                            p->view.as<uint8_t>(), scale.as<float>(),
+                                            codes.as<uint8_t>(), scale.as<float>(),
                                             &p->health));
   } else {
     FP8MOE_RETURN_IF_ERROR(internal::QuantizeChannels(
         ctx, master.as<float>(), E, K, N, p->quant, cfg.weight_quantization_calibration_method,
-        p->view.as<uint8_t>(), scale.as<float>()));
+        codes.as<uint8_t>(), scale.as<float>()));
     FP8MOE_ASSIGN_OR_RETURN(const Fp8HealthCounts counts,
                             CountFp8Health(ctx, p->view.as<uint8_t>(), master.as<float>(),
                                            E * K * N, p->quant));
@@ -124,13 +126,13 @@ Status PrepareWeight(Context& ctx, const MoeConfig& cfg, const MoeQuantPlan& pla
 
 }  // namespace
 
-Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& wi,
-                         const TensorView& wo, PreparedMoeWeights* prepared) {
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const ConstTensorView& wi,
+                         const ConstTensorView& wo, PreparedMoeWeights* prepared) {
   return PrepareMoeWeights(ctx, cfg, wi, wo, prepared, nullptr, 0);
 }
 
-Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const TensorView& wi,
-                         const TensorView& wo, PreparedMoeWeights* prepared,
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& cfg, const ConstTensorView& wi,
+                         const ConstTensorView& wo, PreparedMoeWeights* prepared,
                          ExpertWeightSource* source, int64_t layer) {
   FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(cfg));
   const bool ok = wi.dtype == DType::kF32 && wo.dtype == DType::kF32 && wi.rank() == 3 &&
@@ -158,7 +160,7 @@ namespace {
 // Quantizes the valid rows of `buffer` [rows, cols] (act dtype) the way the
 // forward GMM does and adds the health counts to *out.
 Status ActivationHealth(Context& ctx, const MoeConfig& cfg, MoeWorkspace::State& s,
-                        const TensorView& buffer, QuantDType dtype, int64_t block,
+                        const ConstTensorView& buffer, QuantDType dtype, int64_t block,
                         Fp8HealthCounts* out) {
   const int64_t valid = s.valid, cols = buffer.shape[1];
   FP8MOE_ASSIGN_OR_RETURN(TensorView f, Grow(&s.health_f32, DType::kF32, {valid, cols}));

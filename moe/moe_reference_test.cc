@@ -139,7 +139,7 @@ TEST_P(MoeReferenceGradTest, MatchesFiniteDifferences) {
     in = RandomInputs(t_n, d_n, f_n, e_n, 0.7, seed);
     if (TopKMargin(in, k) > 0.02) break;
   }
-  const TensorView dy = in.dy.view();
+  const ConstTensorView dy = in.dy.view();
   Result<reference::MoeReferenceResult> base =
       reference::MoeLayer(config, in.x.view(), in.weights(), &dy);
   ASSERT_TRUE(base.ok()) << base.status().ToString();
@@ -262,7 +262,7 @@ TEST(MoeReferenceTest, RoutingTiesGoToTheLowerExpert) {
 TEST(MoeReferenceTest, RejectsBadShapesAndDtypes) {
   Inputs in = RandomInputs(3, 4, 2, 4, 0.5, 1);
   MoeConfig config = Config(4, 2, DType::kF32);
-  TensorView dy = in.dy.view();
+  ConstTensorView dy = in.dy.view();
   MoeWeights w = in.weights();
   w.wi.shape = {4, 4, 5};
   Result<reference::MoeReferenceResult> r =
@@ -291,7 +291,7 @@ TEST(MoeReferenceTest, RejectsBadShapesAndDtypes) {
 TEST(MoeReferenceTest, EmptyBatch) {
   Inputs in = RandomInputs(0, 4, 3, 4, 0.5, 3);
   const MoeConfig config = Fp8Full(Config(4, 2, DType::kBF16));
-  const TensorView dy = in.dy.view();
+  const ConstTensorView dy = in.dy.view();
   Result<reference::MoeReferenceResult> r =
       reference::MoeLayer(config, in.x.view(), in.weights(), &dy);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -383,7 +383,7 @@ class MoeReferenceQatTest : public ::testing::Test {
   MoeReferenceQatTest() : in_(RandomInputs(16, 160, 24, 4, 0.15, 11)) {}
 
   reference::MoeReferenceResult Run(const MoeConfig& config) {
-    const TensorView dy = in_.dy.view();
+    const ConstTensorView dy = in_.dy.view();
     Result<reference::MoeReferenceResult> r =
         reference::MoeLayer(config, in_.x.view(), in_.weights(), &dy);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -473,7 +473,7 @@ TEST(MoeReferenceTest, FixedCalibrationMasksClippedWeights) {
     if (std::string(mode) == "fp8_full") config = Fp8Full(config);
     config.weight_quantization_calibration_method =
         Calibration::Fixed(-clip, clip);
-    const TensorView dy = in.dy.view();
+    const ConstTensorView dy = in.dy.view();
     Result<reference::MoeReferenceResult> r =
         reference::MoeLayer(config, in.x.view(), in.weights(), &dy);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -497,7 +497,7 @@ TEST(MoeReferenceTest, FixedCalibrationMasksClippedWeights) {
   }
   // absmax never clips: no gradient is masked.
   MoeConfig config = FakeQat(Config(e_n, 2, DType::kBF16));
-  const TensorView dy = in.dy.view();
+  const ConstTensorView dy = in.dy.view();
   Result<reference::MoeReferenceResult> r =
       reference::MoeLayer(config, in.x.view(), in.weights(), &dy);
   ASSERT_TRUE(r.ok());

@@ -30,7 +30,7 @@ size_t U(int64_t i) { return static_cast<size_t>(i); }
 
 }  // namespace
 
-Status RingDispatch(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status RingDispatch(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                     const MoeOptions& options, State& s) {
   (void)options;
   Communicator& ring = *s.ring;
@@ -108,7 +108,7 @@ Status RingCombine(Context& ctx, State& s, const TensorView& y) {
   return s.ring->ReduceScatter(yr.data, y.data, s.T * D, DType::kF32, ReduceOp::kSum);
 }
 
-Status RingCombineBackward(Context& ctx, const TensorView& dy, State& s) {
+Status RingCombineBackward(Context& ctx, const ConstTensorView& dy, State& s) {
   const int64_t T = s.T, TT = s.P * T, D = s.D, k = s.k;
   FP8MOE_ASSIGN_OR_RETURN(TensorView dyr, Grow(&s.dy_ring, DType::kF32, {TT, D}));
   FP8MOE_RETURN_IF_ERROR(s.ring->AllGather(dy.data, dyr.data, T * D, DType::kF32));

@@ -20,7 +20,7 @@ namespace fp8moe::internal {
 // local_sizes.
 // With moe_quantize_token_all_gather the codes + per-token scales are
 // gathered (GatherQuantizedTokens) and dequantized into x_ring instead.
-Status RingDispatch(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status RingDispatch(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                     const MoeOptions& options, MoeWorkspace::State& s);
 
 // The largest valid row count of the ring (an all-reduce max).
@@ -36,7 +36,7 @@ Status RingCombine(Context& ctx, MoeWorkspace::State& s, const TensorView& y);
 // Combine backward: dy [T, D] all-gathered over the ring (f32); dy_sorted of
 // the local pairs; dweight [T*k] of this rank's tokens (each pair's value
 // comes from the one rank that ran its expert: a reduce-scatter, exact).
-Status RingCombineBackward(Context& ctx, const TensorView& dy, MoeWorkspace::State& s);
+Status RingCombineBackward(Context& ctx, const ConstTensorView& dy, MoeWorkspace::State& s);
 
 // dx [T, D] += the ring's dx_sorted rows scattered to their ring tokens and
 // reduce-scattered back to the tokens' ranks.

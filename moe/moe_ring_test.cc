@@ -147,7 +147,7 @@ TEST(MoeRing, OneCallApiRunsOnARingOfThreadRanks) {
     o.ranks.expert_ring = &comm;
     o.ranks.batch = &comm;  // as RunRing
     const MoeWeights w{in.router.view(), Rows(in.wi, r * 4, 4), Rows(in.wo, r * 4, 4)};
-    const TensorView x = Rows(in.x, r * T, T);
+    const ConstTensorView x = Rows(in.x, r * T, T);
     FP8MOE_ASSIGN_OR_RETURN(MoeForwardResult f, MoeForward(cfg, x, w, o));
     FP8MOE_ASSIGN_OR_RETURN(MoeGradients g, MoeBackward(cfg, x, w, f, Rows(in.dy, r * T, T), o));
     std::memcpy(Rows(y, r * T, T).data, f.y.data(), f.y.num_bytes());
@@ -180,13 +180,13 @@ TEST(MoeRing, InputThatDiffersBetweenRanksIsAnErrorOnEveryRank) {
       Context ctx;
       MoeOptions o;
       o.ranks.expert_ring = &comm;
-      const TensorView router = which == 1 && r == 0 ? bad_router.view() : in.router.view();
+      const ConstTensorView router = which == 1 && r == 0 ? bad_router.view() : in.router.view();
       const MoeWeights w{router, Rows(in.wi, r * 4, 4), Rows(in.wo, r * 4, 4)};
       const int64_t t = which == 0 && r == 1 ? T - 1 : T;
-      const TensorView x = Rows(in.x, r * T, t);
+      const ConstTensorView x = Rows(in.x, r * T, t);
       Status s;
       if (which == 2) {
-        const TensorView bad_x = r == 1 ? Rows(in.x, r * T, T - 3) : x;
+        const ConstTensorView bad_x = r == 1 ? Rows(in.x, r * T, T - 3) : x;
         s = MoeForward(cfg, bad_x, w, o).status();
       } else {
         PreparedMoeWeights p;
@@ -227,8 +227,8 @@ TEST(MoeRing, ExpertsThatDoNotDivideOverTheRingAreAnError) {
     PreparedMoeWeights p;
     MoeWorkspace ws;
     Tensor y = F32({8, 16});
-    const TensorView x = Rows(in.x, comm.rank() * 8, 8);
-    const TensorView wi = Rows(in.wi, 0, 1), wo = Rows(in.wo, 0, 1);
+    const ConstTensorView x = Rows(in.x, comm.rank() * 8, 8);
+    const ConstTensorView wi = Rows(in.wi, 0, 1), wo = Rows(in.wo, 0, 1);
     Status s = PrepareMoeWeights(ctx, cfg, wi, wo, &p);
     if (s.ok()) s = MoeForward(ctx, cfg, x, {in.router.view(), wi, wo}, p, &ws, y.view(), nullptr, o);
     std::lock_guard<std::mutex> lock(mu);
@@ -379,7 +379,7 @@ TEST(MoeRing, QuantizedTokenAllGatherSendsTheCountedBytes) {
       MoeOptions o;
       o.ranks.expert_ring = &comm;
       const int64_t El = 8 / P, r = comm.rank();
-      const TensorView wi = Rows(in.wi, r * El, El), wo = Rows(in.wo, r * El, El);
+      const ConstTensorView wi = Rows(in.wi, r * El, El), wo = Rows(in.wo, r * El, El);
       PreparedMoeWeights p;
       MoeWorkspace ws;
       Tensor y = F32({T, D});

@@ -31,11 +31,15 @@ struct Out {
         dwi(F32(in.wi.shape())), dwo(F32(in.wo.shape())) {}
 };
 
-inline TensorView Rows(const Tensor& t, int64_t first, int64_t n) {
-  Shape s = t.shape();
-  const int64_t row = static_cast<int64_t>(t.num_elements()) / s[0];
-  s[0] = n;
-  return TensorView{const_cast<float*>(t.data_as<float>()) + first * row, DType::kF32, s};
+// Rows [first, first + n) of an f32 tensor: a read-only view of a const
+// tensor (an input), a writable one of a mutable tensor (an output).
+template <class T>
+auto Rows(T& t, int64_t first, int64_t n) {
+  auto v = t.view();
+  const int64_t row = static_cast<int64_t>(t.num_elements()) / v.shape[0];
+  v.data = t.template data_as<float>() + first * row;
+  v.shape[0] = n;
+  return v;
 }
 
 inline Status RunWhole(const MoeConfig& cfg, const LayerInputs& in, Out* out) {
@@ -72,13 +76,13 @@ inline Status RunRing(int P, const MoeConfig& cfg, const LayerInputs& in, Out* o
     o.poison_tail_rows = poison;
     o.ranks.batch = &comm;
     const int64_t e_first = El <= 0 ? 0 : r * El;
-    const TensorView wi = Rows(in.wi, e_first, El), wo = Rows(in.wo, e_first, El);
+    const ConstTensorView wi = Rows(in.wi, e_first, El), wo = Rows(in.wo, e_first, El);
     const MoeWeights w{in.router.view(), wi, wo};
     PreparedMoeWeights p;
     MoeWorkspace ws;
     MoeStepInfo info;
     FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(ctx, cfg, wi, wo, &p));
-    const TensorView x = Rows(in.x, r * T, T);
+    const ConstTensorView x = Rows(in.x, r * T, T);
     FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, cfg, x, w, p, &ws, Rows(out->y, r * T, T), &info, o));
     aux[static_cast<size_t>(r)] = info.aux_loss;
     out->stats[static_cast<size_t>(r)] = info.stats;

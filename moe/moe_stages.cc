@@ -94,7 +94,7 @@ Result<int64_t> BufferRows(const MoeConfig& cfg, MoeState& s, int64_t all, MoeSt
 
 // x_sorted's valid rows from the tokens (one rank: x, or its quantization
 // round trip; ring: the gathered x).
-Status GatherSorted(Context& ctx, const MoeState& s, const TensorView& x) {
+Status GatherSorted(Context& ctx, const MoeState& s, const ConstTensorView& x) {
   if (s.P > 1) return RingGatherRows(ctx, s, s.xs.data, s.act);
   const float* src = s.quantized_tokens ? s.x_deq.data_as<float>() : x.as<float>();
   return PermuteRows(ctx, src, DType::kF32, s.T, s.D, s.k, s.routing.pair_of_row.data(), s.valid,
@@ -103,7 +103,7 @@ Status GatherSorted(Context& ctx, const MoeState& s, const TensorView& x) {
 
 // moe_quantize_token_all_gather on one rank: x_deq [T, D] = deq(q(x)), the
 // values the ring's gathered codes carry.
-Status QuantizeTokensRoundTrip(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status QuantizeTokensRoundTrip(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                                MoeState& s) {
   FP8MOE_ASSIGN_OR_RETURN(TensorView q, Grow(&s.x_codes, DType::kU8, {s.T, s.D}));
   FP8MOE_ASSIGN_OR_RETURN(TensorView sc, Grow(&s.x_scales, DType::kF32, {s.T}));
@@ -121,17 +121,18 @@ Status QuantizeTokensRoundTrip(Context& ctx, const MoeConfig& cfg, const TensorV
 //   dlhs  [rows, K]  (or dh [rows, 2F] with dSwiGLU), dw [E, K, N] f32
 struct GmmBackwardArgs {
   const char* name;  // "wi" or "wo"
-  const TensorView* master;
+  const ConstTensorView* master;
   const PreparedExpertWeight* weight;
-  TensorView a_in, g, dlhs;
-  const TensorView* h = nullptr;  // dSwiGLU
+  ConstTensorView a_in, g;
+  TensorView dlhs;
+  const ConstTensorView* h = nullptr;  // dSwiGLU
   MoeGmmTiles tiles;
 };
 
 // deq(q_bwd(g * s, per row)) [rows, N] f32 for fp8_full's dLHS, where s scales
 // each column by the weight's per-channel scale of the row's expert.
 Result<TensorView> RecipeDlhsOperand(Context& ctx, const MoeConfig& cfg, MoeState& s,
-                                     const TensorView& g, const Tensor& scale) {
+                                     const ConstTensorView& g, const Tensor& scale) {
   const int64_t rows = g.shape[0], n = g.shape[1], valid = s.valid;
   FP8MOE_ASSIGN_OR_RETURN(TensorView gs, Grow(&s.recipe_g, DType::kF32, {rows, n}));
   FP8MOE_RETURN_IF_ERROR(ScaleToF32(ctx, g.data, g.dtype, rows, n, s.local_sizes, s.E_local,
@@ -156,12 +157,12 @@ Status GmmBackward(Context& ctx, const MoeConfig& cfg, MoeState& s, const GmmBac
   GmmOptions od;
   od.tiles = b.tiles.dlhs;
   od.epilogue = b.h != nullptr ? GmmEpilogue::kDSwiGlu : GmmEpilogue::kNone;
-  TensorView scale = wt.codes ? wt.scale.view() : TensorView{};
+  ConstTensorView scale = wt.codes ? wt.scale.view() : ConstTensorView{};
   const MoeQatMode mode = s.plan.mode;
   // ---- dLHS ----
   if (mode == MoeQatMode::kRecipeFp8Full) {
     FP8MOE_ASSIGN_OR_RETURN(TensorView lhs, RecipeDlhsOperand(ctx, cfg, s, b.g, wt.scale));
-    TensorView ov = wt.unit_scale.view();
+    ConstTensorView ov = wt.unit_scale.view();
     od.mode = GmmMode::kF32;
     Report(options, name + "_dlhs", od.mode, s.plan.bwd_dtype, wt.quant);
     FP8MOE_RETURN_IF_ERROR(
@@ -248,15 +249,15 @@ Result<TensorView> RaggedBuffer(Tensor* t, DType d, int64_t rows, int64_t cols,
   return v;
 }
 
-Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                    const TensorView& router, const MoeOptions& options, MoeState& s,
+Status RouteForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
+                    const ConstTensorView& router, const MoeOptions& options, MoeState& s,
                     float* aux_loss) {
   FP8MOE_ASSIGN_OR_RETURN(TensorView logits, Grow(&s.logits, DType::kF32, {s.T, s.E}));
   FP8MOE_ASSIGN_OR_RETURN(TensorView one, OneGroup(s));
   {
     GmmOptions o;
     o.mode = GmmMode::kF32;
-    TensorView r3{router.data, DType::kF32, {1, s.D, s.E}};
+    ConstTensorView r3{router.data, DType::kF32, {1, s.D, s.E}};
     FP8MOE_RETURN_IF_ERROR(CtxGmm(ctx, o, x, r3, nullptr, one, logits));
   }
   FP8MOE_RETURN_IF_ERROR(
@@ -281,7 +282,7 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   return OkStatus();
 }
 
-Status DispatchForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status DispatchForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                        const MoeOptions& options, MoeState& s, MoeStats* stats) {
   s.quantized_tokens = cfg.moe_quantize_token_all_gather;
   if (s.P > 1) {
@@ -312,14 +313,14 @@ Status ExpertsForward(Context& ctx, const MoeConfig& cfg, const PreparedMoeWeigh
   {
     GmmOptions o = ForwardOptions(cfg, s.plan, s.act, cfg.wi_tiles.fwd);
     o.epilogue = GmmEpilogue::kSwiGlu;
-    TensorView scale = wi.codes ? wi.scale.view() : TensorView{};
+    ConstTensorView scale = wi.codes ? wi.scale.view() : ConstTensorView{};
     Report(options, "wi_fwd", o.mode, lhs_q, rhs_q);
     FP8MOE_RETURN_IF_ERROR(CtxGmm(ctx, o, s.xs, wi.view, wi.codes ? &scale : nullptr,
                                   s.group_sizes_view, s.av, &s.hv));
   }
   {
     GmmOptions o = ForwardOptions(cfg, s.plan, s.act, cfg.wo_tiles.fwd);
-    TensorView scale = wo.codes ? wo.scale.view() : TensorView{};
+    ConstTensorView scale = wo.codes ? wo.scale.view() : ConstTensorView{};
     Report(options, "wo_fwd", o.mode, lhs_q, rhs_q);
     FP8MOE_RETURN_IF_ERROR(CtxGmm(ctx, o, s.av, wo.view, wo.codes ? &scale : nullptr,
                                   s.group_sizes_view, s.ysv));
@@ -334,7 +335,7 @@ Status CombineForward(Context& ctx, MoeState& s, const TensorView& y) {
 }
 
 Status CombineBackwardStage(Context& ctx, const MoeOptions& options, MoeState& s,
-                            const TensorView& dy) {
+                            const ConstTensorView& dy) {
   FP8MOE_ASSIGN_OR_RETURN(s.dys, RaggedBuffer(&s.dy_sorted, s.act, s.rows, s.D, options, s.valid));
   FP8MOE_ASSIGN_OR_RETURN(s.dwv, Grow(&s.dweight, DType::kF32, {s.T * s.k}));
   if (s.P > 1) return RingCombineBackward(ctx, dy, s);
@@ -343,13 +344,14 @@ Status CombineBackwardStage(Context& ctx, const MoeOptions& options, MoeState& s
                              s.dys.data, s.dwv.as<float>());
 }
 
-Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                        const MoeWeights& w, const PreparedMoeWeights& prepared,
                        const MoeOptions& options, MoeState& s, const TensorView& dwi,
                        const TensorView& dwo) {
   // wo: dh = dSwiGLU(dy_sorted @ wo'^T, h); dwo = a^T dy_sorted.
   FP8MOE_ASSIGN_OR_RETURN(s.dhv, RaggedBuffer(&s.dh, s.act, s.rows, 2 * s.F, options, s.valid));
-  GmmBackwardArgs bo{"wo", &w.wo, &prepared.wo, s.av, s.dys, s.dhv, &s.hv, cfg.wo_tiles};
+  const ConstTensorView h = s.hv;  // the forward's pre-activation, read by dSwiGLU
+  GmmBackwardArgs bo{"wo", &w.wo, &prepared.wo, s.av, s.dys, s.dhv, &h, cfg.wo_tiles};
   FP8MOE_RETURN_IF_ERROR(GmmBackward(ctx, cfg, s, bo, options, dwo));
   // wi: dx_sorted = dh @ wi'^T; dwi = x_sorted^T dh. With remat_policy=full
   // x_sorted is gathered again (here into the same buffer; a memory-bound
@@ -364,8 +366,8 @@ Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
   return GmmBackward(ctx, cfg, s, bi, options, dwi);
 }
 
-Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                          const TensorView& router, MoeState& s, const TensorView& drouter,
+Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
+                          const ConstTensorView& router, MoeState& s, const TensorView& drouter,
                           const TensorView& dx) {
   FP8MOE_ASSIGN_OR_RETURN(TensorView dlogits, Grow(&s.dlogits, DType::kF32, {s.T, s.E}));
   const Routing& r = s.routing;
@@ -378,7 +380,7 @@ Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const TensorView& 
   o32.mode = GmmMode::kF32;
   TensorView dr3{drouter.data, DType::kF32, {1, s.D, s.E}};
   FP8MOE_RETURN_IF_ERROR(CtxTgmm(ctx, o32, {}, x, dlogits, one, dr3));
-  TensorView r3{router.data, DType::kF32, {1, s.D, s.E}};
+  ConstTensorView r3{router.data, DType::kF32, {1, s.D, s.E}};
   return CtxGmmDlhs(ctx, o32, dlogits, r3, nullptr, one, dx);
 }
 

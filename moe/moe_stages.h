@@ -26,8 +26,8 @@ using MoeState = MoeWorkspace::State;
 // Route: logits = x @ router (f32), top-k, the stable expert order of this
 // rank's T*k pairs, the load fractions and the aux loss.
 //   x [T, D] f32, router [D, E] f32
-Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                    const TensorView& router, const MoeOptions& options, MoeState& s,
+Status RouteForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
+                    const ConstTensorView& router, const MoeOptions& options, MoeState& s,
                     float* aux_loss);
 
 // Dispatch: the ragged buffer x_sorted [rows, D] (act dtype) of the pairs the
@@ -35,7 +35,7 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
 // [E_local]; the buffer's size and the collective overflow decision in
 // *stats. One rank: the T*k pairs of x. Ring: the P*T tokens of the ring.
 //   x [T, D] f32
-Status DispatchForward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status DispatchForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                        const MoeOptions& options, MoeState& s, MoeStats* stats);
 
 // Expert GMMs: h = x_sorted @ wi' [rows, 2F], a = SwiGLU(h) [rows, F],
@@ -51,11 +51,11 @@ Status CombineForward(Context& ctx, MoeState& s, const TensorView& y);
 // Combine backward: dy_sorted [rows, D] (act) and dweight [T*k] f32 of this
 // rank's pairs.   dy [T, D] f32
 Status CombineBackwardStage(Context& ctx, const MoeOptions& options, MoeState& s,
-                            const TensorView& dy);
+                            const ConstTensorView& dy);
 
 // Expert GMMs backward: dh, dx_sorted [rows, D] f32, dwi and dwo of the
 // local experts (overwritten). x [T, D] is re-gathered with remat=full.
-Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
+Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
                        const MoeWeights& w, const PreparedMoeWeights& prepared,
                        const MoeOptions& options, MoeState& s, const TensorView& dwi,
                        const TensorView& dwo);
@@ -63,8 +63,8 @@ Status ExpertsBackward(Context& ctx, const MoeConfig& cfg, const TensorView& x,
 // Route backward: dlogits [T, E] from dweight and the aux loss; drouter =
 // x^T dlogits [D, E] (this rank's tokens) and dx = dlogits router^T [T, D]
 // (overwritten).
-Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const TensorView& x,
-                          const TensorView& router, MoeState& s, const TensorView& drouter,
+Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x,
+                          const ConstTensorView& router, MoeState& s, const TensorView& drouter,
                           const TensorView& dx);
 
 // Dispatch backward: dx [T, D] += the rows of dx_sorted scattered back to

@@ -11,7 +11,7 @@ namespace fp8moe {
 namespace {
 
 // Element i as a double: the exact value for every floating dtype.
-double ValueAt(const TensorView& t, size_t i) {
+double ValueAt(const ConstTensorView& t, size_t i) {
   const uint8_t* p = static_cast<const uint8_t*>(t.data);
   switch (t.dtype) {
     case DType::kF64: {
@@ -50,7 +50,7 @@ bool IsFloatingDType(DType dtype) {
          dtype == DType::kBF16 || IsFp8(dtype);
 }
 
-NonFinite FindNonFinite(const TensorView& t) {
+NonFinite FindNonFinite(const ConstTensorView& t) {
   NonFinite r;
   if (!IsFloatingDType(t.dtype) || t.data == nullptr) return r;
   const size_t n = t.num_elements();
@@ -66,7 +66,7 @@ NonFinite FindNonFinite(const TensorView& t) {
   return r;
 }
 
-Status CheckFinite(std::string_view name, const TensorView& t) {
+Status CheckFinite(std::string_view name, const ConstTensorView& t) {
   const NonFinite nf = FindNonFinite(t);
   if (nf.count == 0) return OkStatus();
   // The multi-index of the first, row-major.

@@ -371,7 +371,8 @@ Result<ContentCheck> CheckContents(const std::string& path, const SafetensorsRea
     if (out.first_nonfinite.empty() && it != wanted.end() && e->dtype == DType::kF32 &&
         e->shape == it->second->shape) {
       // The trainer never saves NaN or Inf (it skips non-finite steps).
-      out.nonfinite = FindNonFinite(TensorView{out.buffer.data(), DType::kF32, e->shape}).count;
+      out.nonfinite =
+          FindNonFinite(ConstTensorView{out.buffer.data(), DType::kF32, e->shape}).count;
       if (out.nonfinite > 0) out.first_nonfinite = e->name;
     }
   }

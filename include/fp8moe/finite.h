@@ -25,12 +25,12 @@ struct NonFinite {
 bool IsFloatingDType(DType dtype);
 
 // Counts the NaN and Inf elements of `t` (0 for non-floating dtypes).
-NonFinite FindNonFinite(const TensorView& t);
+NonFinite FindNonFinite(const ConstTensorView& t);
 
 // OkStatus, or InvalidArgument naming the tensor, the count and the first
 // one: "tensor 'lhs' (f32 [4, 8]) holds 3 NaN or Inf values; the first is nan
 // at index 9 [1, 1]".
-Status CheckFinite(std::string_view name, const TensorView& t);
+Status CheckFinite(std::string_view name, const ConstTensorView& t);
 
 }  // namespace fp8moe
 

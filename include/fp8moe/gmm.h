@@ -8,6 +8,10 @@
 // output rows are written as zero. Empty groups are legal. Negative sizes or
 // a sum above M are errors.
 //
+// Operands are read through ConstTensorViews and outputs written through
+// TensorViews (fp8moe/tensor.h); an output's view converts to an operand's,
+// so a buffer just written may be handed to the next call as its input.
+//
 // Every function has a twin in namespace fp8moe::reference (plain loops,
 // double accumulation) with the signature of the overload without a Context
 // and the same validation.
@@ -98,14 +102,13 @@ struct GmmOptions {
 //  rhs_scale: F32 [E, N], required exactly when rhs holds codes.
 //  group_sizes: I32 [E].  out: F32 or BF16.
 //  h_out (kSwiGlu only, optional): F32 or BF16 [M, N], the pre-activation.
-Status Gmm(Context& ctx, const GmmOptions& options, const TensorView& lhs,
-           const TensorView& rhs, const TensorView* rhs_scale,
-           const TensorView& group_sizes, const TensorView& out,
+Status Gmm(Context& ctx, const GmmOptions& options, const ConstTensorView& lhs,
+           const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+           const ConstTensorView& group_sizes, const TensorView& out,
            const TensorView* h_out = nullptr);
-Status Gmm(const GmmOptions& options, const TensorView& lhs,
-           const TensorView& rhs, const TensorView* rhs_scale,
-           const TensorView& group_sizes, const TensorView& out,
-           const TensorView* h_out = nullptr);
+Status Gmm(const GmmOptions& options, const ConstTensorView& lhs, const ConstTensorView& rhs,
+           const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+           const TensorView& out, const TensorView* h_out = nullptr);
 
 // dlhs [M, K] = dout [M, N] x rhs[g]^T per group (rhs [E, K, N]).
 //  kF32: dout F32; rhs F32, or codes + scale used as f32(q) * s.
@@ -115,14 +118,13 @@ Status Gmm(const GmmOptions& options, const TensorView& lhs,
 //  kFakeQat: dout BF16; rhs codes + scale, dequantized to a BF16 copy first.
 //  kDSwiGlu: h [M, 2K] (F32 or BF16) is required and out is dh [M, 2K].
 //  out: F32 or BF16.
-Status GmmDlhs(Context& ctx, const GmmOptions& options, const TensorView& dout,
-               const TensorView& rhs, const TensorView* rhs_scale,
-               const TensorView& group_sizes, const TensorView& out,
-               const TensorView* h = nullptr);
-Status GmmDlhs(const GmmOptions& options, const TensorView& dout,
-               const TensorView& rhs, const TensorView* rhs_scale,
-               const TensorView& group_sizes, const TensorView& out,
-               const TensorView* h = nullptr);
+Status GmmDlhs(Context& ctx, const GmmOptions& options, const ConstTensorView& dout,
+               const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+               const ConstTensorView& group_sizes, const TensorView& out,
+               const ConstTensorView* h = nullptr);
+Status GmmDlhs(const GmmOptions& options, const ConstTensorView& dout, const ConstTensorView& rhs,
+               const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+               const TensorView& out, const ConstTensorView* h = nullptr);
 
 // How TGMM treats its gradient operand (the fp8_full recipe, docs/design.md §4).
 struct TgmmQuant {
@@ -146,11 +148,11 @@ struct TgmmQuant {
 //  rows only and used dequantized: f32(q) * scale.
 //  drhs: F32.
 Status Tgmm(Context& ctx, const GmmOptions& options, const TgmmQuant& quant,
-            const TensorView& lhs, const TensorView& dout,
-            const TensorView& group_sizes, const TensorView& drhs);
-Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
-            const TensorView& lhs, const TensorView& dout,
-            const TensorView& group_sizes, const TensorView& drhs);
+            const ConstTensorView& lhs, const ConstTensorView& dout,
+            const ConstTensorView& group_sizes, const TensorView& drhs);
+Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const ConstTensorView& lhs,
+            const ConstTensorView& dout, const ConstTensorView& group_sizes,
+            const TensorView& drhs);
 
 // The kernels keep their scratch (packing buffers, activation codes, the
 // fake-QAT weight copy) in the Context from call to call; this frees
@@ -158,17 +160,15 @@ Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
 void ReleaseGmmScratch();
 
 namespace reference {
-Status Gmm(const GmmOptions& options, const TensorView& lhs,
-           const TensorView& rhs, const TensorView* rhs_scale,
-           const TensorView& group_sizes, const TensorView& out,
-           const TensorView* h_out = nullptr);
-Status GmmDlhs(const GmmOptions& options, const TensorView& dout,
-               const TensorView& rhs, const TensorView* rhs_scale,
-               const TensorView& group_sizes, const TensorView& out,
-               const TensorView* h = nullptr);
-Status Tgmm(const GmmOptions& options, const TgmmQuant& quant,
-            const TensorView& lhs, const TensorView& dout,
-            const TensorView& group_sizes, const TensorView& drhs);
+Status Gmm(const GmmOptions& options, const ConstTensorView& lhs, const ConstTensorView& rhs,
+           const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+           const TensorView& out, const TensorView* h_out = nullptr);
+Status GmmDlhs(const GmmOptions& options, const ConstTensorView& dout, const ConstTensorView& rhs,
+               const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+               const TensorView& out, const ConstTensorView* h = nullptr);
+Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const ConstTensorView& lhs,
+            const ConstTensorView& dout, const ConstTensorView& group_sizes,
+            const TensorView& drhs);
 }  // namespace reference
 
 }  // namespace fp8moe

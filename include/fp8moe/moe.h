@@ -46,6 +46,9 @@
 //  hand-crafted  int8 / fp8 / nanoo_fp8: forward kInt8 or kNativeFp8 (e4m3fn,
 //                e4m3fnuz) on weights quantized per channel; backward bf16
 //                from the dequantized weights.
+//
+// Inputs (x, dy, the master weights, the prepared weights' views) are
+// ConstTensorViews; outputs (y, the gradients) are TensorViews, written.
 #ifndef FP8MOE_MOE_H_
 #define FP8MOE_MOE_H_
 
@@ -67,9 +70,9 @@ class Communicator;  // fp8moe/communicator.h
 
 // The f32 master weights of one layer.
 struct MoeWeights {
-  TensorView router;  // [D, E]
-  TensorView wi;      // [E, D, 2F]
-  TensorView wo;      // [E, F, D]
+  ConstTensorView router;  // [D, E]
+  ConstTensorView wi;      // [E, D, 2F]
+  ConstTensorView wo;      // [E, F, D]
 };
 
 // What one GMM of the layer was handed (for tests and logging).
@@ -146,7 +149,7 @@ Result<Fp8HealthCounts> CountFp8Health(Context& ctx, const uint8_t* codes, const
 
 // One expert weight as the QAT mode hands it to the GMMs.
 struct PreparedExpertWeight {
-  TensorView view;      // what the GMMs read: the f32 master, a bf16 copy or codes
+  ConstTensorView view;  // what the GMMs read: the f32 master, a bf16 copy or codes
   Tensor owned;         // the bf16 copy or the codes [E, K, N]
   Tensor scale;         // [E, N] per-channel scale of the codes
   Tensor dlhs_copy;     // int8 schemes: bf16(dequantized weight) for the dLHS
@@ -171,8 +174,8 @@ struct PreparedMoeWeights {
 // Quantizes (or copies) the master wi [E, D, 2F] and wo [E, F, D] as the
 // config's QAT mode wants them, into `prepared` (its buffers are reused when
 // the shapes match). The config must have passed ValidateMoeConfig.
-Status PrepareMoeWeights(Context& ctx, const MoeConfig& config, const TensorView& wi,
-                         const TensorView& wo, PreparedMoeWeights* prepared);
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& config, const ConstTensorView& wi,
+                         const ConstTensorView& wo, PreparedMoeWeights* prepared);
 
 // Where the prepared expert weights come from when the master is not whole in
 // this process (FSDP: each rank holds a flat shard and gathers; train/). Each
@@ -195,8 +198,8 @@ class ExpertWeightSource {
 // `layer`); wi and wo give only the shapes, and in the f32 mode (no QAT,
 // dtype=float32) the weights the GMMs read, which the caller must have made
 // whole. With a fixed weight calibration the backward reads the masters too.
-Status PrepareMoeWeights(Context& ctx, const MoeConfig& config, const TensorView& wi,
-                         const TensorView& wo, PreparedMoeWeights* prepared,
+Status PrepareMoeWeights(Context& ctx, const MoeConfig& config, const ConstTensorView& wi,
+                         const ConstTensorView& wo, PreparedMoeWeights* prepared,
                          ExpertWeightSource* source, int64_t layer);
 
 // The layer's intermediate buffers (routing, ragged buffers, saved
@@ -212,7 +215,7 @@ class MoeWorkspace {
 
   // After a forward: this rank's (token, slot) pairs per expert, I32 [E] (a
   // view into the workspace; all E experts, also on an expert ring).
-  TensorView group_sizes() const;
+  ConstTensorView group_sizes() const;
 
   struct State;  // moe_layer.cc
   State& state() { return *state_; }
@@ -236,7 +239,7 @@ struct MoeGradientViews {
 // The layer's forward into y [T, D] F32 (caller-owned). `master` gives the
 // router and the shapes; the expert GMMs read `prepared`, which must come
 // from PrepareMoeWeights with the same config and these masters.
-Status MoeForward(Context& ctx, const MoeConfig& config, const TensorView& x,
+Status MoeForward(Context& ctx, const MoeConfig& config, const ConstTensorView& x,
                   const MoeWeights& master, const PreparedMoeWeights& prepared,
                   MoeWorkspace* workspace, const TensorView& y, MoeStepInfo* info,
                   const MoeOptions& options = {});
@@ -244,9 +247,9 @@ Status MoeForward(Context& ctx, const MoeConfig& config, const TensorView& x,
 // Gradients of sum(y * dy) + aux_loss into `grads`, after MoeForward ran on
 // the same workspace with the same inputs. The masters give the straight-
 // through mask of fixed weight calibration.
-Status MoeBackward(Context& ctx, const MoeConfig& config, const TensorView& x,
+Status MoeBackward(Context& ctx, const MoeConfig& config, const ConstTensorView& x,
                    const MoeWeights& master, const PreparedMoeWeights& prepared,
-                   MoeWorkspace* workspace, const TensorView& dy,
+                   MoeWorkspace* workspace, const ConstTensorView& dy,
                    const MoeGradientViews& grads, const MoeOptions& options = {});
 
 // FP8 health of the activations the forward GMMs quantize (x_sorted for wi,
@@ -280,16 +283,14 @@ struct MoeGradients {
 
 // Runs the layer. The config must have passed ValidateMoeConfig; shapes are
 // checked here (x [T, D] f32, weights as MoeWeights, E = num_experts).
-Result<MoeForwardResult> MoeForward(const MoeConfig& config, const TensorView& x,
-                                    const MoeWeights& w,
-                                    const MoeOptions& options = {});
+Result<MoeForwardResult> MoeForward(const MoeConfig& config, const ConstTensorView& x,
+                                    const MoeWeights& w, const MoeOptions& options = {});
 
 // Gradients of sum(y * dy) + aux_loss; dy [T, D] f32. `fwd` must come from
 // MoeForward with the same config, x and weights.
-Result<MoeGradients> MoeBackward(const MoeConfig& config, const TensorView& x,
+Result<MoeGradients> MoeBackward(const MoeConfig& config, const ConstTensorView& x,
                                  const MoeWeights& w, const MoeForwardResult& fwd,
-                                 const TensorView& dy,
-                                 const MoeOptions& options = {});
+                                 const ConstTensorView& dy, const MoeOptions& options = {});
 
 namespace reference {
 // Dense per-token twin of the layer: the same semantics with plain loops and
@@ -303,8 +304,8 @@ struct MoeReferenceResult {
   double loss = 0;
   Tensor dx, drouter, dwi, dwo;  // when dy is given
 };
-Result<MoeReferenceResult> MoeLayer(const MoeConfig& config, const TensorView& x,
-                                    const MoeWeights& w, const TensorView* dy);
+Result<MoeReferenceResult> MoeLayer(const MoeConfig& config, const ConstTensorView& x,
+                                    const MoeWeights& w, const ConstTensorView* dy);
 }  // namespace reference
 
 }  // namespace fp8moe

@@ -1,5 +1,7 @@
 // Tensor: an owning, 64-byte aligned, row-major buffer with a dtype and shape.
-// TensorView: the non-owning (pointer, shape, dtype) currency between layers.
+// ConstTensorView / TensorView: the non-owning (pointer, dtype, shape)
+// currency between layers, read-only for what an op reads, read-write for
+// what it writes.
 #ifndef FP8MOE_TENSOR_H_
 #define FP8MOE_TENSOR_H_
 
@@ -9,6 +11,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "fp8moe/dtype.h"
 #include "fp8moe/status.h"
@@ -110,20 +113,36 @@ size_t NumElements(const Shape& shape);
 // "[2, 3, 4]".
 std::string ShapeToString(const Shape& shape);
 
-// A read-write view of contiguous row-major data owned elsewhere.
-struct TensorView {
-  void* data = nullptr;
+// A view of contiguous row-major data owned elsewhere: (pointer, dtype,
+// shape), the currency between layers. One template, two kinds:
+//  ConstTensorView (Void = const void): read-only, the type of every input
+//    of an op; as<T>() gives const T*.
+//  TensorView (Void = void): read-write, the type of every output (passed by
+//    const reference: the view is fixed, the bytes it points at are written).
+//    It converts implicitly to the ConstTensorView of the same bytes, so a
+//    buffer just written is handed on as the next op's input; nothing
+//    converts back, so a view of a const Tensor cannot reach an output.
+template <class Void>
+struct BasicTensorView {
+  Void* data = nullptr;
   DType dtype = DType::kF32;
   Shape shape;
 
-  size_t num_elements() const;
+  size_t num_elements() const { return NumElements(shape); }
   size_t num_bytes() const { return num_elements() * DTypeSize(dtype); }
   int rank() const { return static_cast<int>(shape.size()); }
   template <typename T>
-  T* as() const {
-    return static_cast<T*>(data);
+  auto* as() const {
+    return static_cast<std::conditional_t<std::is_const_v<Void>, const T, T>*>(data);
+  }
+  operator BasicTensorView<const void>() const
+    requires(!std::is_const_v<Void>)
+  {
+    return {data, dtype, shape};
   }
 };
+using ConstTensorView = BasicTensorView<const void>;
+using TensorView = BasicTensorView<void>;
 
 // Owns its bytes; 64-byte aligned; the padding up to a multiple of 64 bytes
 // is zeroed so vector loads past the end read defined data.
@@ -154,12 +173,10 @@ class Tensor {
   const T* data_as() const {
     return reinterpret_cast<const T*>(bytes_.get());
   }
-  // A view of the whole tensor. Views carry a mutable pointer (they are the
-  // currency between layers, inputs and outputs alike); a view of a const
-  // tensor must only be read.
-  TensorView view() const {
-    return TensorView{const_cast<uint8_t*>(bytes_.get()), dtype_, shape_};
-  }
+  // A view of the whole tensor: read-write from a mutable tensor, read-only
+  // from a const one.
+  TensorView view() { return TensorView{bytes_.get(), dtype_, shape_}; }
+  ConstTensorView view() const { return ConstTensorView{bytes_.get(), dtype_, shape_}; }
 
   // Same bytes, new shape with the same number of elements.
   Status Reshape(Shape shape);

@@ -73,10 +73,10 @@ Source Plain(const void* data, DType dtype, int64_t ld) {
   }
   return s;
 }
-Source Plain(const TensorView& t, int64_t ld) { return Plain(t.data, t.dtype, ld); }
+Source Plain(const ConstTensorView& t, int64_t ld) { return Plain(t.data, t.dtype, ld); }
 
 // rhs [e, k, n] as a per-group source with its per-channel scale, if codes.
-Source RhsSource(const TensorView& rhs, const TensorView* scale, const GmmProblem& p) {
+Source RhsSource(const ConstTensorView& rhs, const ConstTensorView* scale, const GmmProblem& p) {
   Source s = Plain(rhs, p.n);
   s.group_stride = p.k * p.n;
   if (scale != nullptr && s.kind == SrcKind::kFp8) {
@@ -189,7 +189,7 @@ ItemTiles ChooseItemTiles(const Context& ctx, const GmmProblem& p, const GemmCal
 // The fake-QAT weight copy w[e,k,n] = bf16(f32(q) * s[e,n]), in the
 // context's scratch: a trainer keeps that buffer from step to step (it stays
 // allocated: that memory is what fake QAT costs over native).
-Result<const uint16_t*> DequantizeToBf16(Context& ctx, const TensorView& codes,
+Result<const uint16_t*> DequantizeToBf16(Context& ctx, const ConstTensorView& codes,
                                          const float* scale, const GmmProblem& p) {
   const int64_t rows = p.e * p.k;
   auto* out = SharedArray<uint16_t>(ctx, SharedSlot::kWeightCopy, rows * p.n);
@@ -210,9 +210,8 @@ Result<const uint16_t*> DequantizeToBf16(Context& ctx, const TensorView& codes,
 // (QuantizeOneRow opens no nested parallel region: a region per row cost a
 // team setup per row). BF16 rows are read as they are (QuantizeOneRowBf16):
 // widening each into an f32 row first was a quarter of this pass.
-Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int64_t block,
-                   QuantDType dtype, const Calibration& calib, uint8_t** codes,
-                   float** scales) {
+Status QuantizeLhs(Context& ctx, const ConstTensorView& lhs, const GmmProblem& p, int64_t block,
+                   QuantDType dtype, const Calibration& calib, uint8_t** codes, float** scales) {
   // Sized by all m rows, not the valid ones, so that the routing of a step
   // never grows them.
   const int64_t rows = p.valid_rows, nb = NumBlocks(p.k, block);
@@ -241,7 +240,7 @@ Status QuantizeLhs(Context& ctx, const TensorView& lhs, const GmmProblem& p, int
 // twice, and an item quantizes at most 512 rows at once (row-block order
 // quantizes 96 at a time); else in a pre-pass over the valid rows.
 Status PlanLhsCodes(Context& ctx, const GmmProblem& p, const GmmOptions& o,
-                    const TensorView& lhs, int64_t cols, int64_t tile_m, int64_t tile_n,
+                    const ConstTensorView& lhs, int64_t cols, int64_t tile_m, int64_t tile_n,
                     GemmCall* call) {
   const bool int8 = o.mode == GmmMode::kInt8;
   const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
@@ -289,23 +288,25 @@ class CpuBackendImpl final : public OpsBackend<CpuOps> {
  public:
   BackendKind kind() const override { return BackendKind::kCpu; }
   bool Supports(const OpArgs&) const override { return true; }  // every op, every case
-  Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
-             const TensorView& rhs, const TensorView* rhs_scale, const TensorView& group_sizes,
-             const TensorView& out, const TensorView* h_out) override;
-  Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& dout,
-              const TensorView& rhs, const TensorView* rhs_scale, const TensorView& group_sizes,
-              const TensorView& out, const TensorView* h) override;
+  Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const ConstTensorView& lhs,
+             const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+             const ConstTensorView& group_sizes, const TensorView& out,
+             const TensorView* h_out) override;
+  Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const ConstTensorView& dout,
+              const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+              const ConstTensorView& group_sizes, const TensorView& out,
+              const ConstTensorView* h) override;
   Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TgmmQuant& quant,
-              const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
-              const TensorView& drhs) override;
+              const ConstTensorView& lhs, const ConstTensorView& dout,
+              const ConstTensorView& group_sizes, const TensorView& drhs) override;
 
   // The other ops: OpsBackend<CpuOps> (kernels/cpu/cpu_ops.h).
 };
 
 Status CpuBackendImpl::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
-                           const TensorView& lhs, const TensorView& rhs,
-                           const TensorView* rhs_scale, const TensorView&, const TensorView& out,
-                           const TensorView* h_out) {
+                           const ConstTensorView& lhs, const ConstTensorView& rhs,
+                           const ConstTensorView* rhs_scale, const ConstTensorView&,
+                           const TensorView& out, const TensorView* h_out) {
   GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kFwd;
   call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.k);
@@ -345,7 +346,7 @@ Status CpuBackendImpl::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& 
     call.epi.kind = Epilogue::Kind::kSwiGlu;
     call.epi.half = p.n / 2;
     if (h_out != nullptr) {
-      call.epi.h = h_out->data;
+      call.epi.h_out = h_out->data;
       call.epi.h_dtype = h_out->dtype;
       call.epi.h_ld = p.n;
       ZeroRows(*h_out, p.valid_rows);
@@ -363,9 +364,9 @@ Status CpuBackendImpl::Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& 
 }
 
 Status CpuBackendImpl::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o,
-                            const TensorView& dout, const TensorView& rhs,
-                            const TensorView* rhs_scale, const TensorView&, const TensorView& out,
-                            const TensorView* h) {
+                            const ConstTensorView& dout, const ConstTensorView& rhs,
+                            const ConstTensorView* rhs_scale, const ConstTensorView&,
+                            const TensorView& out, const ConstTensorView* h) {
   GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kDlhs;
   call.kc = ReductionBlock(o.tiles.k.value_or(kDefaultKc), p.n);
@@ -395,8 +396,9 @@ Status CpuBackendImpl::Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions&
 }
 
 Status CpuBackendImpl::Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o,
-                            const TgmmQuant& quant, const TensorView& lhs, const TensorView& dout,
-                            const TensorView& group_sizes, const TensorView& drhs) {
+                            const TgmmQuant& quant, const ConstTensorView& lhs,
+                            const ConstTensorView& dout, const ConstTensorView& group_sizes,
+                            const TensorView& drhs) {
   GemmCall& call = FreshCall(ctx);
   call.pass = Pass::kTgmm;
   call.a = Plain(lhs, p.k);

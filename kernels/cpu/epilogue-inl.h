@@ -45,6 +45,10 @@ inline void LoadRow(const void* in, DType dtype, int64_t n, float* v) {
 inline void* RowPtr(void* base, DType dtype, int64_t row, int64_t ld, int64_t col) {
   return static_cast<uint8_t*>(base) + (row * ld + col) * static_cast<int64_t>(DTypeSize(dtype));
 }
+inline const void* RowPtr(const void* base, DType dtype, int64_t row, int64_t ld, int64_t col) {
+  return static_cast<const uint8_t*>(base) +
+         (row * ld + col) * static_cast<int64_t>(DTypeSize(dtype));
+}
 
 // TGMM with one gradient scale per (group, column): applied once to the
 // item's finished sums, C [rows x cols] at c (ldc).
@@ -96,9 +100,9 @@ inline void RunEpilogue(const internal::GemmCall& call, const internal::WorkItem
         StoreRow(v0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);
         break;
       case Epilogue::Kind::kSwiGlu:
-        if (e.h != nullptr) {
-          StoreRow(v0, w, RowPtr(e.h, e.h_dtype, row, e.h_ld, it.col0), e.h_dtype);
-          StoreRow(v1, w, RowPtr(e.h, e.h_dtype, row, e.h_ld, e.half + it.col0), e.h_dtype);
+        if (e.h_out != nullptr) {
+          StoreRow(v0, w, RowPtr(e.h_out, e.h_dtype, row, e.h_ld, it.col0), e.h_dtype);
+          StoreRow(v1, w, RowPtr(e.h_out, e.h_dtype, row, e.h_ld, e.half + it.col0), e.h_dtype);
         }
         SiluMulRow(v0, v1, w, t0);
         StoreRow(t0, w, RowPtr(e.out, e.out_dtype, row, e.out_ld, it.col0), e.out_dtype);

@@ -76,8 +76,10 @@ struct Epilogue {
   const float* row_scale = nullptr;
   const float* col_scale = nullptr;  // + g * col_scale_group_stride
   int64_t col_scale_group_stride = 0;
-  // kSwiGlu: the pre-activation h_out [M, 2F] (optional). kDSwiGlu: h [M, 2K].
-  void* h = nullptr;
+  // kSwiGlu: the pre-activation h_out [M, 2F] (optional), written.
+  // kDSwiGlu: the saved pre-activation h [M, 2K], read. Both F32 or BF16.
+  void* h_out = nullptr;
+  const void* h = nullptr;
   DType h_dtype = DType::kF32;
   int64_t h_ld = 0;
   int64_t half = 0;  // F (kSwiGlu) or K (kDSwiGlu): offset of the up half

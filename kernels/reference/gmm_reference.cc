@@ -29,7 +29,7 @@ using internal::KernelPath;
 size_t Idx(int64_t i) { return static_cast<size_t>(i); }
 
 // Element i of an F32 tensor, or of a BF16 one (bits) widened exactly.
-float FloatAt(const TensorView& t, int64_t i) {
+float FloatAt(const ConstTensorView& t, int64_t i) {
   if (t.dtype == DType::kBF16) return Bf16ToF32(t.as<uint16_t>()[i]);
   return t.as<float>()[i];
 }
@@ -57,8 +57,8 @@ float CodeValue(uint8_t code, QuantDType dtype) {
 // values as they are, or codes [E, K, N] with rhs_scale [E, N] dequantized to
 // the f32 product f32(q) * s, then rounded to bf16 when `to_bf16` (fake QAT's
 // BF16 copy; native dLHS's in-kernel tiles, which must match it).
-std::vector<float> WeightValues(const GmmProblem& p, const TensorView& rhs,
-                                const TensorView* rhs_scale, bool to_bf16) {
+std::vector<float> WeightValues(const GmmProblem& p, const ConstTensorView& rhs,
+                                const ConstTensorView* rhs_scale, bool to_bf16) {
   std::vector<float> w(Idx(p.e * p.k * p.n));
   for (int64_t g = 0; g < p.e; ++g) {
     for (int64_t k = 0; k < p.k; ++k) {
@@ -81,8 +81,8 @@ std::vector<float> WeightValues(const GmmProblem& p, const TensorView& rhs,
 
 // The float GMM: h [M, N] = lhs [M, K] x w [E, K, N] per group, each element
 // a double sum of f32 products rounded once to f32. Tail rows stay 0.
-void FloatProduct(const GmmProblem& p, const TensorView& lhs,
-                  const std::vector<float>& w, std::vector<float>* h) {
+void FloatProduct(const GmmProblem& p, const ConstTensorView& lhs, const std::vector<float>& w,
+                  std::vector<float>* h) {
   for (int64_t g = 0; g < p.e; ++g) {
     for (int64_t i = p.offsets[Idx(g)]; i < p.offsets[Idx(g) + 1]; ++i) {
       for (int64_t n = 0; n < p.n; ++n) {
@@ -104,9 +104,9 @@ void FloatProduct(const GmmProblem& p, const TensorView& lhs,
 // rounded once to f32. The code sums are exact: int8 in int64, and fp8 in
 // double (every e4m3 product is a multiple of 2^-20 below 2^18, so any sum of
 // fewer than 2^15 of them fits the 53-bit significand).
-Status QuantizedProduct(const GmmOptions& o, const GmmProblem& p,
-                        const TensorView& lhs, const TensorView& rhs,
-                        const TensorView& rhs_scale, std::vector<float>* h) {
+Status QuantizedProduct(const GmmOptions& o, const GmmProblem& p, const ConstTensorView& lhs,
+                        const ConstTensorView& rhs, const ConstTensorView& rhs_scale,
+                        std::vector<float>* h) {
   const bool int8 = o.mode == GmmMode::kInt8;
   const QuantDType qdt = int8 ? QuantDType::kInt8 : o.fp8_dtype;
   const int64_t block = int8 ? 0 : o.lhs_quant_block_size;
@@ -155,9 +155,9 @@ Status QuantizedProduct(const GmmOptions& o, const GmmProblem& p,
 
 // out [M, N] (kSwiGlu: [M, N/2]) = lhs [M, K] x rhs [E, K, N] per group;
 // rhs_scale [E, N] with codes; h_out [M, N] (kSwiGlu only). p checked.
-Status GmmChecked(const GmmProblem& p, const GmmOptions& options, const TensorView& lhs,
-                  const TensorView& rhs, const TensorView* rhs_scale, const TensorView& out,
-                  const TensorView* h_out) {
+Status GmmChecked(const GmmProblem& p, const GmmOptions& options, const ConstTensorView& lhs,
+                  const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                  const TensorView& out, const TensorView* h_out) {
   // h [M, N]: the product rounded to f32; tail rows stay 0.
   std::vector<float> h(Idx(p.m * p.n), 0.0f);
   switch (options.mode) {
@@ -198,9 +198,9 @@ Status GmmChecked(const GmmProblem& p, const GmmOptions& options, const TensorVi
 
 // out [M, K] (kDSwiGlu: [M, 2K]) = dout [M, N] x rhs[g]^T (rhs [E, K, N]);
 // rhs_scale [E, N] with codes; h [M, 2K] (kDSwiGlu only). p checked.
-Status DlhsChecked(const GmmProblem& p, const GmmOptions& options, const TensorView& dout,
-                   const TensorView& rhs, const TensorView* rhs_scale, const TensorView& out,
-                   const TensorView* h) {
+Status DlhsChecked(const GmmProblem& p, const GmmOptions& options, const ConstTensorView& dout,
+                   const ConstTensorView& rhs, const ConstTensorView* rhs_scale,
+                   const TensorView& out, const ConstTensorView* h) {
   // kBf16 and kFakeQat see the same bf16 weight values, so their results are
   // identical by construction, as gmm.h promises for the fast kernels.
   const std::vector<float> w =
@@ -246,8 +246,8 @@ Status DlhsChecked(const GmmProblem& p, const GmmOptions& options, const TensorV
 // drhs [E, K, N] = lhs[rows of g]^T [K, rows] x dout[rows of g] [rows, N];
 // lhs [M, K] (F32, BF16 or fp8 codes), dout [M, N], group_sizes [E]. p checked.
 Status TgmmChecked(const GmmProblem& p, const GmmOptions& options, const TgmmQuant& quant,
-                   const TensorView& lhs, const TensorView& dout,
-                   const TensorView& group_sizes, const TensorView& drhs) {
+                   const ConstTensorView& lhs, const ConstTensorView& dout,
+                   const ConstTensorView& group_sizes, const TensorView& drhs) {
   // a [M, K]: lhs values (codes as their exact values, no scale).
   // b [M, N]: dout values, or dout quantized and dequantized.
   // Tail rows of both stay 0 and are never used.
@@ -311,21 +311,21 @@ class ReferenceBackendImpl final : public internal::OpsBackend<internal::Referen
  public:
   BackendKind kind() const override { return BackendKind::kReference; }
   bool Supports(const internal::OpArgs&) const override { return true; }
-  Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& lhs,
-             const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
+  Status Gmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const ConstTensorView& lhs,
+             const ConstTensorView& rhs, const ConstTensorView* rhs_scale, const ConstTensorView&,
              const TensorView& out, const TensorView* h_out) override {
     CountKernel(ctx, KernelPath::kReference);
     return GmmChecked(p, o, lhs, rhs, rhs_scale, out, h_out);
   }
-  Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TensorView& dout,
-              const TensorView& rhs, const TensorView* rhs_scale, const TensorView&,
-              const TensorView& out, const TensorView* h) override {
+  Status Dlhs(Context& ctx, const GmmProblem& p, const GmmOptions& o, const ConstTensorView& dout,
+              const ConstTensorView& rhs, const ConstTensorView* rhs_scale, const ConstTensorView&,
+              const TensorView& out, const ConstTensorView* h) override {
     CountKernel(ctx, KernelPath::kReference);
     return DlhsChecked(p, o, dout, rhs, rhs_scale, out, h);
   }
   Status Tgmm(Context& ctx, const GmmProblem& p, const GmmOptions& o, const TgmmQuant& quant,
-              const TensorView& lhs, const TensorView& dout, const TensorView& group_sizes,
-              const TensorView& drhs) override {
+              const ConstTensorView& lhs, const ConstTensorView& dout,
+              const ConstTensorView& group_sizes, const TensorView& drhs) override {
     CountKernel(ctx, KernelPath::kReference);
     return TgmmChecked(p, o, quant, lhs, dout, group_sizes, drhs);
   }
@@ -333,9 +333,9 @@ class ReferenceBackendImpl final : public internal::OpsBackend<internal::Referen
 
 }  // namespace
 
-Status Gmm(const GmmOptions& options, const TensorView& lhs, const TensorView& rhs,
-           const TensorView* rhs_scale, const TensorView& group_sizes, const TensorView& out,
-           const TensorView* h_out) {
+Status Gmm(const GmmOptions& options, const ConstTensorView& lhs, const ConstTensorView& rhs,
+           const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+           const TensorView& out, const TensorView* h_out) {
   FP8MOE_ASSIGN_OR_RETURN(
       const GmmProblem p,
       internal::CheckGmm(options, lhs, rhs, rhs_scale, group_sizes, out, h_out));
@@ -345,17 +345,18 @@ Status Gmm(const GmmOptions& options, const TensorView& lhs, const TensorView& r
   return GmmChecked(p, options, lhs, rhs, rhs_scale, out, h_out);
 }
 
-Status GmmDlhs(const GmmOptions& options, const TensorView& dout, const TensorView& rhs,
-               const TensorView* rhs_scale, const TensorView& group_sizes,
-               const TensorView& out, const TensorView* h) {
+Status GmmDlhs(const GmmOptions& options, const ConstTensorView& dout, const ConstTensorView& rhs,
+               const ConstTensorView* rhs_scale, const ConstTensorView& group_sizes,
+               const TensorView& out, const ConstTensorView* h) {
   FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p, internal::CheckDlhs(options, dout, rhs, rhs_scale,
                                                                    group_sizes, out, h));
   if (out.num_elements() == 0) return OkStatus();  // nothing to compute
   return DlhsChecked(p, options, dout, rhs, rhs_scale, out, h);
 }
 
-Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const TensorView& lhs,
-            const TensorView& dout, const TensorView& group_sizes, const TensorView& drhs) {
+Status Tgmm(const GmmOptions& options, const TgmmQuant& quant, const ConstTensorView& lhs,
+            const ConstTensorView& dout, const ConstTensorView& group_sizes,
+            const TensorView& drhs) {
   FP8MOE_ASSIGN_OR_RETURN(const GmmProblem p, internal::CheckTgmm(options, quant, lhs, dout,
                                                                    group_sizes, drhs));
   if (drhs.num_elements() == 0) return OkStatus();  // nothing to compute

@@ -37,8 +37,7 @@ struct Dims {
 };
 
 // Checks one tensor's dtype (F32) and shape; `what` names it in the error.
-Status CheckF32(const std::string& what, const TensorView& v,
-                const Shape& want) {
+Status CheckF32(const std::string& what, const ConstTensorView& v, const Shape& want) {
   if (v.dtype != DType::kF32) {
     return InvalidArgument(what + " must be f32, got " +
                            std::string(DTypeName(v.dtype)));
@@ -54,8 +53,8 @@ Status CheckF32(const std::string& what, const TensorView& v,
 }
 
 // x [T, D], router [D, E], wi [E, D, 2F], wo [E, F, D], dy [T, D].
-Result<Dims> CheckShapes(const MoeConfig& config, const TensorView& x,
-                         const MoeWeights& w, const TensorView* dy) {
+Result<Dims> CheckShapes(const MoeConfig& config, const ConstTensorView& x, const MoeWeights& w,
+                         const ConstTensorView* dy) {
   if (x.rank() != 2) {
     return InvalidArgument("x must be [T, D], got " + ShapeToString(x.shape));
   }
@@ -227,9 +226,8 @@ std::vector<double> LogitGradients(const MoeConfig& config, const Dims& dims,
 }  // namespace
 
 // x [T, D] f32, router [D, E], wi [E, D, 2F], wo [E, F, D], dy [T, D] or null.
-Result<MoeReferenceResult> MoeLayer(const MoeConfig& config,
-                                    const TensorView& x, const MoeWeights& w,
-                                    const TensorView* dy) {
+Result<MoeReferenceResult> MoeLayer(const MoeConfig& config, const ConstTensorView& x,
+                                    const MoeWeights& w, const ConstTensorView* dy) {
   FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(config));
   FP8MOE_ASSIGN_OR_RETURN(const Dims dims, CheckShapes(config, x, w, dy));
   const int64_t t_n = dims.t, d_n = dims.d, f_n = dims.f, e_n = dims.e,

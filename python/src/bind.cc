@@ -69,8 +69,8 @@ nb::dlpack::dtype StorageDType(DType dtype) {
 
 }  // namespace
 
-TensorView View(std::string_view fn, std::string_view name, const Array& a,
-                std::string_view dtype) {
+ConstTensorView View(std::string_view fn, std::string_view name, const Array& a,
+                     std::string_view dtype) {
   auto parsed = ParseDType(dtype);
   if (!parsed.ok()) Bad(fn, std::string(name) + ": " + parsed.status().message());
   const DType d = *parsed;
@@ -85,7 +85,7 @@ TensorView View(std::string_view fn, std::string_view name, const Array& a,
                 std::to_string(a.ndim()) + " dimensions; fp8moe takes at most " +
                 std::to_string(kMaxRank));
   }
-  TensorView v;
+  ConstTensorView v;
   v.dtype = d;
   int64_t expect = 1;  // C-contiguous strides, in elements
   bool contiguous = true;
@@ -100,7 +100,7 @@ TensorView View(std::string_view fn, std::string_view name, const Array& a,
                 " is not C-contiguous; fp8moe reads arrays in place and never "
                 "copies them: pass np.ascontiguousarray(" + std::string(name) + ")");
   }
-  v.data = const_cast<void*>(a.data());
+  v.data = a.data();
   if (reinterpret_cast<uintptr_t>(v.data) % width != 0) {
     Bad(fn, std::string(name) + " is not aligned to its " + std::to_string(width) +
                 "-byte elements; pass a copy (np.array(" + std::string(name) + "))");

@@ -43,12 +43,13 @@ std::mutex& LibraryLock();
 // otherwise. Does nothing when s is ok.
 void ThrowIfError(std::string_view fn, const Status& s);
 
-// A TensorView of `a` whose bytes hold `dtype` (a DTypeName / ParseDType
-// name). Raises ValueError naming `fn` and `name` when the dtype is unknown or
-// does not match the array's element width, or when the array is not
-// C-contiguous or not aligned to its element size (no copy is ever made).
-TensorView View(std::string_view fn, std::string_view name, const Array& a,
-                std::string_view dtype);
+// A read-only view of `a` (arrays come in read-only, nb::ro) whose bytes
+// hold `dtype` (a DTypeName / ParseDType name). Raises ValueError naming `fn`
+// and `name` when the dtype is unknown or does not match the array's element
+// width, or when the array is not C-contiguous or not aligned to its element
+// size (no copy is ever made).
+ConstTensorView View(std::string_view fn, std::string_view name, const Array& a,
+                     std::string_view dtype);
 
 // A new numpy array of `dtype` and `shape` that owns a fp8moe Tensor (64-byte
 // aligned, large ones on huge pages), and a view of it for the library to

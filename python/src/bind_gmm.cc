@@ -25,9 +25,9 @@ GmmOptions Options(std::string_view fn, const GmmSpec& spec) {
 }
 
 // An optional (array, dtype) pair as an optional view.
-std::optional<TensorView> Maybe(std::string_view fn, const char* name,
-                                const std::optional<Array>& a,
-                                const std::optional<std::string>& dtype) {
+std::optional<ConstTensorView> Maybe(std::string_view fn, const char* name,
+                                     const std::optional<Array>& a,
+                                     const std::optional<std::string>& dtype) {
   if (!a) return std::nullopt;
   return View(fn, name, *a, dtype.value_or(""));
 }
@@ -61,10 +61,10 @@ nb::tuple GmmCall(const Array& lhs, const std::string& lhs_dtype, const Array& r
   spec.lhs_calibration = lhs_calibration;
   spec.scale_arithmetic = scale_arithmetic;
   const GmmOptions o = Options(fn, spec);
-  const TensorView l = View(fn, "lhs", lhs, lhs_dtype);
-  const TensorView r = View(fn, "rhs", rhs, rhs_dtype);
+  const ConstTensorView l = View(fn, "lhs", lhs, lhs_dtype);
+  const ConstTensorView r = View(fn, "rhs", rhs, rhs_dtype);
   const auto s = Maybe(fn, "rhs_scale", rhs_scale, rhs_scale_dtype);
-  const TensorView gs = View(fn, "group_sizes", group_sizes, gs_dtype);
+  const ConstTensorView gs = View(fn, "group_sizes", group_sizes, gs_dtype);
   const bool swiglu = o.epilogue == GmmEpilogue::kSwiGlu;
   const DType od = OutDType(fn, out_dtype);
   NewArray out = MakeArray(fn, od, GmmOutShape(l.shape, r.shape, swiglu));
@@ -77,7 +77,7 @@ nb::tuple GmmCall(const Array& lhs, const std::string& lhs_dtype, const Array& r
   {
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(LibraryLock());
-    const TensorView* sp = s ? &*s : nullptr;
+    const ConstTensorView* sp = s ? &*s : nullptr;
     const TensorView* hp = h ? &h->view : nullptr;
     st = reference ? reference::Gmm(o, l, r, sp, gs, out.view, hp)
                    : Gmm(o, l, r, sp, gs, out.view, hp);
@@ -98,19 +98,19 @@ nb::tuple DlhsCall(const Array& dout, const std::string& dout_dtype, const Array
                    bool reference) {
   const char* fn = "dlhs";
   const GmmOptions o = Options(fn, Spec(mode, fp8_dtype, epilogue, tile_m, tile_k, tile_n));
-  const TensorView d = View(fn, "dout", dout, dout_dtype);
-  const TensorView r = View(fn, "rhs", rhs, rhs_dtype);
+  const ConstTensorView d = View(fn, "dout", dout, dout_dtype);
+  const ConstTensorView r = View(fn, "rhs", rhs, rhs_dtype);
   const auto s = Maybe(fn, "rhs_scale", rhs_scale, rhs_scale_dtype);
   const auto hv = Maybe(fn, "h", h, h_dtype);
-  const TensorView gs = View(fn, "group_sizes", group_sizes, gs_dtype);
+  const ConstTensorView gs = View(fn, "group_sizes", group_sizes, gs_dtype);
   NewArray out = MakeArray(fn, OutDType(fn, out_dtype),
                            DlhsOutShape(d.shape, r.shape, o.epilogue == GmmEpilogue::kDSwiGlu));
   Status st;
   {
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(LibraryLock());
-    const TensorView* sp = s ? &*s : nullptr;
-    const TensorView* hp = hv ? &*hv : nullptr;
+    const ConstTensorView* sp = s ? &*s : nullptr;
+    const ConstTensorView* hp = hv ? &*hv : nullptr;
     st = reference ? reference::GmmDlhs(o, d, r, sp, gs, out.view, hp)
                    : GmmDlhs(o, d, r, sp, gs, out.view, hp);
   }
@@ -135,9 +135,9 @@ nb::tuple TgmmCall(const Array& lhs, const std::string& lhs_dtype, const Array& 
   ts.scale_arithmetic = scale_arithmetic;
   auto quant = ToTgmmQuant(ts);
   ThrowIfError(fn, quant.status());
-  const TensorView l = View(fn, "lhs", lhs, lhs_dtype);
-  const TensorView d = View(fn, "dout", dout, dout_dtype);
-  const TensorView gs = View(fn, "group_sizes", group_sizes, gs_dtype);
+  const ConstTensorView l = View(fn, "lhs", lhs, lhs_dtype);
+  const ConstTensorView d = View(fn, "dout", dout, dout_dtype);
+  const ConstTensorView gs = View(fn, "group_sizes", group_sizes, gs_dtype);
   NewArray out = MakeArray(fn, DType::kF32, TgmmOutShape(l.shape, d.shape, gs.shape));
   Status st;
   {

@@ -63,7 +63,7 @@ nb::dict MoeConfigDict(const std::vector<std::string>& flags) {
 }
 
 struct MoeArrays {
-  TensorView x;
+  ConstTensorView x;
   MoeWeights w;
 };
 
@@ -111,7 +111,7 @@ nb::dict MoeBackwardCall(const std::vector<std::string>& flags, const Array& x,
   auto cfg = MoeConfigOf(flags);
   ThrowIfError(fn, cfg.status());
   const MoeArrays a = Views(fn, x, xd, router, rd, wi, wid, wo, wod);
-  const TensorView dyv = View(fn, "dy", dy, dyd);
+  const ConstTensorView dyv = View(fn, "dy", dy, dyd);
   Result<MoeForwardResult> f = Status();
   Result<MoeGradients> g = Status();
   {
@@ -168,7 +168,7 @@ Status CopyInto(const Tensor& t, const TensorView& out, const char* name) {
   return OkStatus();
 }
 
-Status Inputs(const ffi::RemainingArgs& args, TensorView* x, MoeWeights* w) {
+Status Inputs(const ffi::RemainingArgs& args, ConstTensorView* x, MoeWeights* w) {
   FP8MOE_ASSIGN_OR_RETURN(*x, Arg(args, 0, "x"));
   FP8MOE_ASSIGN_OR_RETURN(w->router, Arg(args, 1, "router"));
   FP8MOE_ASSIGN_OR_RETURN(w->wi, Arg(args, 2, "wi"));
@@ -181,7 +181,7 @@ Status ForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                    const ffi::Dictionary& attrs) {
   FP8MOE_ASSIGN_OR_RETURN(const std::string_view text,
                           GetAttr<std::string_view>(attrs, "config"));
-  TensorView x;
+  ConstTensorView x;
   MoeWeights w;
   FP8MOE_RETURN_IF_ERROR(Inputs(args, &x, &w));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView y, Ret(rets, 0, "y"));
@@ -201,11 +201,11 @@ Status BackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                     const ffi::Dictionary& attrs) {
   FP8MOE_ASSIGN_OR_RETURN(const std::string_view text,
                           GetAttr<std::string_view>(attrs, "config"));
-  TensorView x;
+  ConstTensorView x;
   MoeWeights w;
   FP8MOE_RETURN_IF_ERROR(Inputs(args, &x, &w));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView dy, Arg(args, 4, "dy"));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView daux, Arg(args, 5, "daux"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView dy, Arg(args, 4, "dy"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView daux, Arg(args, 5, "daux"));
   if (daux.dtype != DType::kF32 || daux.num_elements() != 1) {
     return InvalidArgument("daux must be one f32");
   }

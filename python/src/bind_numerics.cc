@@ -16,8 +16,8 @@ namespace {
   throw nb::value_error((std::string(fn) + ": " + msg).c_str());
 }
 
-void NeedDType(std::string_view fn, std::string_view name, const TensorView& v,
-               DType want, std::string_view hint) {
+void NeedDType(std::string_view fn, std::string_view name, const ConstTensorView& v, DType want,
+               std::string_view hint) {
   if (v.dtype == want) return;
   Bad(fn, std::string(name) + " has dtype " + std::string(DTypeName(v.dtype)) +
               "; expected " + std::string(DTypeName(want)) + std::string(hint));
@@ -27,7 +27,7 @@ void NeedDType(std::string_view fn, std::string_view name, const TensorView& v,
 nb::tuple Cast(const Array& x, const std::string& x_dtype, const std::string& format,
                bool saturate) {
   const char* fn = "cast";
-  const TensorView xv = View(fn, "x", x, x_dtype);
+  const ConstTensorView xv = View(fn, "x", x, x_dtype);
   NeedDType(fn, "x", xv, DType::kF32, " (widen other types with x.astype(np.float32))");
   const bool bf16 = format == "bf16" || format == "bfloat16";
   std::optional<Fp8Format> f;
@@ -65,7 +65,7 @@ nb::tuple Cast(const Array& x, const std::string& x_dtype, const std::string& fo
 // y (fp8 codes or bf16) -> f32.
 nb::tuple Decode(const Array& y, const std::string& y_dtype) {
   const char* fn = "decode";
-  const TensorView yv = View(fn, "y", y, y_dtype);
+  const ConstTensorView yv = View(fn, "y", y, y_dtype);
   if (!IsFp8(yv.dtype) && yv.dtype != DType::kBF16) {
     Bad(fn, "y has dtype " + std::string(DTypeName(yv.dtype)) +
                 "; expected an fp8 dtype (float8_e4m3fn, float8_e4m3fnuz, "
@@ -96,7 +96,7 @@ struct Layout {
 };
 
 Layout MakeLayout(std::string_view fn, const Shape& shape, const std::string& granularity,
-                  int64_t block, const std::optional<TensorView>& gs, int64_t tile_m) {
+                  int64_t block, const std::optional<ConstTensorView>& gs, int64_t tile_m) {
   Layout l;
   if (granularity == "tensor") {
     l.kind = Layout::kTensor;
@@ -169,9 +169,9 @@ Layout MakeLayout(std::string_view fn, const Shape& shape, const std::string& gr
   return l;
 }
 
-std::optional<TensorView> OptionalView(std::string_view fn, const char* name,
-                                       const std::optional<Array>& a,
-                                       const std::optional<std::string>& dtype) {
+std::optional<ConstTensorView> OptionalView(std::string_view fn, const char* name,
+                                            const std::optional<Array>& a,
+                                            const std::optional<std::string>& dtype) {
   if (!a) return std::nullopt;
   return View(fn, name, *a, dtype.value_or(""));
 }
@@ -183,7 +183,7 @@ nb::tuple Quantize(const Array& x, const std::string& x_dtype, const std::string
                    std::optional<int64_t> valid_rows, std::optional<Array> group_sizes,
                    std::optional<std::string> gs_dtype, int64_t tile_m) {
   const char* fn = "quantize";
-  const TensorView xv = View(fn, "x", x, x_dtype);
+  const ConstTensorView xv = View(fn, "x", x, x_dtype);
   NeedDType(fn, "x", xv, DType::kF32, " (widen other types with x.astype(np.float32))");
   auto qdt = ParseQuantDType(dtype);
   ThrowIfError(fn, qdt.status());
@@ -233,10 +233,10 @@ nb::tuple Dequantize(const Array& q, const std::string& q_dtype, const Array& sc
                      int64_t block_size, std::optional<Array> group_sizes,
                      std::optional<std::string> gs_dtype, int64_t tile_m) {
   const char* fn = "dequantize";
-  const TensorView qv = View(fn, "q", q, q_dtype);
+  const ConstTensorView qv = View(fn, "q", q, q_dtype);
   auto qdt = QuantDTypeOf(qv.dtype);
   if (!qdt.ok()) Bad(fn, "q " + qdt.status().message());
-  const TensorView sv = View(fn, "scale", scale, scale_dtype);
+  const ConstTensorView sv = View(fn, "scale", scale, scale_dtype);
   NeedDType(fn, "scale", sv, DType::kF32, "");
   const auto gs = OptionalView(fn, "group_sizes", group_sizes, gs_dtype);
   const Layout l = MakeLayout(fn, qv.shape, granularity, block_size, gs, tile_m);

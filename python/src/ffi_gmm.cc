@@ -54,13 +54,13 @@ Status GmmImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   FP8MOE_ASSIGN_OR_RETURN(const bool has_scale, GetAttr<bool>(attrs, "has_scale"));
   FP8MOE_ASSIGN_OR_RETURN(const GmmOptions o, ToGmmOptions(spec));
   size_t i = 0;
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView lhs, Arg(args, i++, "lhs"));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView rhs, Arg(args, i++, "rhs"));
-  std::optional<TensorView> scale;
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView lhs, Arg(args, i++, "lhs"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView rhs, Arg(args, i++, "rhs"));
+  std::optional<ConstTensorView> scale;
   if (has_scale) {
     FP8MOE_ASSIGN_OR_RETURN(scale, Arg(args, i++, "rhs_scale"));
   }
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView gs, Arg(args, i++, "group_sizes"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView gs, Arg(args, i++, "group_sizes"));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView out, Ret(rets, 0, "out"));
   std::optional<TensorView> h;
   if (rets.size() > 1) {
@@ -81,13 +81,13 @@ Status DlhsImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   FP8MOE_ASSIGN_OR_RETURN(const bool has_h, GetAttr<bool>(attrs, "has_h"));
   FP8MOE_ASSIGN_OR_RETURN(const GmmOptions o, ToGmmOptions(spec));
   size_t i = 0;
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView dout, Arg(args, i++, "dout"));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView rhs, Arg(args, i++, "rhs"));
-  std::optional<TensorView> scale, h;
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView dout, Arg(args, i++, "dout"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView rhs, Arg(args, i++, "rhs"));
+  std::optional<ConstTensorView> scale, h;
   if (has_scale) {
     FP8MOE_ASSIGN_OR_RETURN(scale, Arg(args, i++, "rhs_scale"));
   }
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView gs, Arg(args, i++, "group_sizes"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView gs, Arg(args, i++, "group_sizes"));
   if (has_h) {
     FP8MOE_ASSIGN_OR_RETURN(h, Arg(args, i++, "h"));
   }
@@ -109,9 +109,9 @@ Status TgmmImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                           GetAttr<std::string_view>(attrs, "scale_arithmetic"));
   FP8MOE_ASSIGN_OR_RETURN(const GmmOptions o, ToGmmOptions(spec));
   FP8MOE_ASSIGN_OR_RETURN(const TgmmQuant quant, ToTgmmQuant(ts));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView lhs, Arg(args, 0, "lhs"));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView dout, Arg(args, 1, "dout"));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView gs, Arg(args, 2, "group_sizes"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView lhs, Arg(args, 0, "lhs"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView dout, Arg(args, 1, "dout"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView gs, Arg(args, 2, "group_sizes"));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView drhs, Ret(rets, 0, "drhs"));
   std::lock_guard<std::mutex> lock(LibraryLock());
   return Tgmm(o, quant, lhs, dout, gs, drhs);
@@ -130,7 +130,7 @@ Status QuantizeImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                           GetAttr<std::string_view>(attrs, "scale_arithmetic"));
   FP8MOE_ASSIGN_OR_RETURN(Calibration cal, Calibration::Parse(calib_text));
   FP8MOE_ASSIGN_OR_RETURN(cal.arithmetic, ParseScaleArithmetic(arith_text));
-  FP8MOE_ASSIGN_OR_RETURN(const TensorView x, Arg(args, 0, "x"));
+  FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView x, Arg(args, 0, "x"));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView q, Ret(rets, 0, "q"));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView s, Ret(rets, 1, "scale"));
   FP8MOE_ASSIGN_OR_RETURN(const QuantDType dt, QuantDTypeOf(q.dtype));

@@ -58,13 +58,14 @@ ffi::Error ToError(std::string_view fn, const Status& s) {
   return ffi::Error(code, std::string(fn) + ": " + s.message());
 }
 
-Result<TensorView> Arg(const ffi::RemainingArgs& args, size_t i, std::string_view name) {
+Result<ConstTensorView> Arg(const ffi::RemainingArgs& args, size_t i, std::string_view name) {
   auto b = args.get<ffi::AnyBuffer>(i);
   if (!b.has_value()) {
     return InvalidArgument("operand " + std::to_string(i) + " (" + std::string(name) +
                            "): " + b.error().message());
   }
-  return ToView(name, *b);
+  FP8MOE_ASSIGN_OR_RETURN(const TensorView v, ToView(name, *b));
+  return ConstTensorView(v);
 }
 
 Result<TensorView> Ret(const ffi::RemainingRets& rets, size_t i, std::string_view name) {

@@ -1,7 +1,7 @@
 // Helpers of the XLA FFI handlers (compiled only with the XLA FFI headers,
-// jax.ffi.include_dir()): XLA buffers as TensorViews (no copy: the kernels
-// read XLA's operands and write XLA's results in place), attributes, and
-// Status -> ffi::Error.
+// jax.ffi.include_dir()): XLA buffers as views (no copy: the kernels read
+// XLA's operands through ConstTensorViews and write XLA's results in place
+// through TensorViews), attributes, and Status -> ffi::Error.
 #ifndef FP8MOE_PYTHON_SRC_FFI_UTIL_H_
 #define FP8MOE_PYTHON_SRC_FFI_UTIL_H_
 
@@ -21,7 +21,9 @@ namespace ffi = ::xla::ffi;
 // not know (then ToView reports it).
 std::optional<DType> FromXla(ffi::DataType t);
 
-// A view of an XLA buffer (XLA buffers are dense row-major).
+// A view of an XLA buffer (XLA buffers are dense row-major). XLA's API hands
+// out a mutable pointer for operands and results alike; Arg makes an
+// operand's view read-only.
 Result<TensorView> ToView(std::string_view name, const ffi::AnyBuffer& b);
 
 // `fn` + ": " + s.message() with the matching XLA error code.
@@ -38,8 +40,9 @@ Result<T> GetAttr(const ffi::Dictionary& attrs, std::string_view name) {
   return T(*v);
 }
 
-// Operand / result `i` of a variadic handler as a view.
-Result<TensorView> Arg(const ffi::RemainingArgs& args, size_t i, std::string_view name);
+// Operand `i` of a variadic handler as a read-only view, result `i` as a
+// writable one.
+Result<ConstTensorView> Arg(const ffi::RemainingArgs& args, size_t i, std::string_view name);
 Result<TensorView> Ret(const ffi::RemainingRets& rets, size_t i, std::string_view name);
 
 }  // namespace fp8moe::py::ffi_util
