@@ -83,32 +83,10 @@ std::vector<int32_t> Tokens(std::mt19937& rng, int64_t n, int64_t vocab) {
 
 std::vector<float> Poisoned(int64_t n) { return std::vector<float>(static_cast<size_t>(n), kNaN); }
 
-// got within abs + rel * |want| of want, elementwise; a NaN matches a NaN
-// and an infinity the same infinity. abs = rel = 0: the same value (and the
-// same sign of zero).
-void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double abs,
-                 double rel, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  int reported = 0;
-  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
-    const float g = got[i], w = want[i];
-    bool ok;
-    if (std::isnan(w) || std::isnan(g) || std::isinf(w) || std::isinf(g)) {
-      ok = (std::isnan(w) && std::isnan(g)) || g == w;
-    } else if (abs == 0 && rel == 0) {
-      ok = g == w && std::signbit(g) == std::signbit(w);
-    } else {
-      ok = std::fabs(static_cast<double>(g) - w) <= abs + rel * std::fabs(static_cast<double>(w));
-    }
-    if (!ok) {
-      ++reported;
-      ADD_FAILURE() << what << "[" << i << "]: cpu " << g << ", reference " << w;
-    }
-  }
-}
-
-// As ExpectClose, with an absolute bound per element (abs[i]; a NaN or an
-// infinity there accepts any value) beside the relative one.
+// got within abs[i] + rel * |want| of want, elementwise; a NaN matches a
+// NaN and an infinity the same infinity; a NaN or infinite abs[i] accepts
+// any value there. abs[i] = rel = 0: the same value (and the same sign of
+// zero).
 void ExpectCloseWithin(const std::vector<float>& got, const std::vector<float>& want,
                        const std::vector<double>& abs, double rel, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
@@ -121,6 +99,8 @@ void ExpectCloseWithin(const std::vector<float>& got, const std::vector<float>& 
       ok = true;
     } else if (std::isnan(w) || std::isnan(g) || std::isinf(w) || std::isinf(g)) {
       ok = (std::isnan(w) && std::isnan(g)) || g == w;
+    } else if (abs[i] == 0 && rel == 0) {
+      ok = g == w && std::signbit(g) == std::signbit(w);
     } else {
       ok = std::fabs(static_cast<double>(g) - w) <= abs[i] + rel * std::fabs(static_cast<double>(w));
     }
@@ -130,6 +110,12 @@ void ExpectCloseWithin(const std::vector<float>& got, const std::vector<float>& 
                     << " (bound " << abs[i] << " + " << rel << " |reference|)";
     }
   }
+}
+
+// As ExpectCloseWithin with the same absolute bound for every element.
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double abs,
+                 double rel, const std::string& what) {
+  ExpectCloseWithin(got, want, std::vector<double>(want.size(), abs), rel, what);
 }
 
 Context& Ctx(BackendKind kind) { return test::ContextOf(kind); }
