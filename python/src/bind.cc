@@ -2,6 +2,10 @@
 
 #include <Python.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -14,6 +18,34 @@ namespace fp8moe::py {
 std::mutex& LibraryLock() {
   static std::mutex* mu = new std::mutex;  // never destroyed: FFI calls may outlive statics
   return *mu;
+}
+
+namespace {
+
+#if defined(__x86_64__) || defined(__i386__)
+constexpr unsigned kFlushBits = 0x8000u | 0x0040u;  // MXCSR FTZ | DAZ
+unsigned ReadMxcsr() { return _mm_getcsr(); }
+void WriteMxcsr(unsigned v) { _mm_setcsr(v); }
+#else
+// The library's SIMD targets are x86's; elsewhere there is no MXCSR to mend.
+constexpr unsigned kFlushBits = 0;
+unsigned ReadMxcsr() { return 0; }
+void WriteMxcsr(unsigned) {}
+#endif
+
+}  // namespace
+
+LibraryCall::LibraryCall() : lock_(LibraryLock()), caller_mxcsr_(ReadMxcsr()) {
+  if (kFlushBits == 0) return;
+  WriteMxcsr(caller_mxcsr_ & ~kFlushBits);
+  // One region with the team later regions of this call reuse (libgomp
+  // keeps a team per calling thread): each worker clears its own bits.
+#pragma omp parallel
+  WriteMxcsr(ReadMxcsr() & ~kFlushBits);
+}
+
+LibraryCall::~LibraryCall() {
+  if (kFlushBits != 0) WriteMxcsr(caller_mxcsr_);
 }
 
 void ThrowIfError(std::string_view fn, const Status& s) {

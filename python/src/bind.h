@@ -37,6 +37,30 @@ using Array = nb::ndarray<nb::ro, nb::device::cpu>;
 // then never sees two calls interleaved.
 std::mutex& LibraryLock();
 
+// What every call into the library holds for its duration (one per entry
+// point, from Python and from the XLA FFI handlers): LibraryLock, and IEEE
+// subnormals (MXCSR's flush-to-zero and denormals-are-zero bits clear) on the
+// calling thread and on every OpenMP worker of its team. Why: XLA runs its
+// CPU computations, our FFI handlers among them, with FTZ/DAZ set, and a
+// thread inherits MXCSR from the thread that creates it, so an OpenMP team
+// first started inside an FFI call would flush subnormals in every later
+// call too, and a kernel's result would depend on which thread computed
+// which rows. The numerics contract (bit-exact with ml_dtypes) needs
+// subnormals. The caller's MXCSR is restored at the end (XLA's own code
+// after the handler keeps its mode); the workers are left IEEE (their
+// default).
+class LibraryCall {
+ public:
+  LibraryCall();
+  ~LibraryCall();
+  LibraryCall(const LibraryCall&) = delete;
+  LibraryCall& operator=(const LibraryCall&) = delete;
+
+ private:
+  std::lock_guard<std::mutex> lock_;
+  unsigned caller_mxcsr_ = 0;
+};
+
 // Raises the Python exception for `s` with `fn` + ": " + s.message():
 // ValueError for caller errors (invalid argument, not found, out of range,
 // failed precondition), MemoryError for resource exhaustion, RuntimeError

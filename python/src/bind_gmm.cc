@@ -76,7 +76,7 @@ nb::tuple GmmCall(const Array& lhs, const std::string& lhs_dtype, const Array& r
   Status st;
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     const ConstTensorView* sp = s ? &*s : nullptr;
     const TensorView* hp = h ? &h->view : nullptr;
     st = reference ? reference::Gmm(o, l, r, sp, gs, out.view, hp)
@@ -108,7 +108,7 @@ nb::tuple DlhsCall(const Array& dout, const std::string& dout_dtype, const Array
   Status st;
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     const ConstTensorView* sp = s ? &*s : nullptr;
     const ConstTensorView* hp = hv ? &*hv : nullptr;
     st = reference ? reference::GmmDlhs(o, d, r, sp, gs, out.view, hp)
@@ -142,7 +142,7 @@ nb::tuple TgmmCall(const Array& lhs, const std::string& lhs_dtype, const Array& 
   Status st;
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     st = reference ? reference::Tgmm(o, *quant, l, d, gs, out.view)
                    : Tgmm(o, *quant, l, d, gs, out.view);
   }

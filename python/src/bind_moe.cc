@@ -93,7 +93,7 @@ nb::dict MoeForwardCall(const std::vector<std::string>& flags, const Array& x,
   Result<MoeForwardResult> f = Status();
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     f = MoeForward(*cfg, a.x, a.w);
   }
   ThrowIfError(fn, f.status());
@@ -116,7 +116,7 @@ nb::dict MoeBackwardCall(const std::vector<std::string>& flags, const Array& x,
   Result<MoeGradients> g = Status();
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     f = MoeForward(*cfg, a.x, a.w);
     if (f.ok()) {
       MoeConfig bwd = *cfg;
@@ -187,7 +187,7 @@ Status ForwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   FP8MOE_ASSIGN_OR_RETURN(const TensorView y, Ret(rets, 0, "y"));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView gs, Ret(rets, 1, "group_sizes"));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView aux, Ret(rets, 2, "aux_loss"));
-  std::lock_guard<std::mutex> lock(LibraryLock());
+  LibraryCall call;
   FP8MOE_ASSIGN_OR_RETURN(const MoeConfig cfg, CachedConfig(text));
   FP8MOE_ASSIGN_OR_RETURN(const MoeForwardResult f, MoeForward(cfg, x, w));
   FP8MOE_RETURN_IF_ERROR(CopyInto(f.y, y, "y"));
@@ -214,7 +214,7 @@ Status BackwardImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   for (size_t i = 0; i < 4; ++i) {
     FP8MOE_ASSIGN_OR_RETURN(outs[i], Ret(rets, i, names[i]));
   }
-  std::lock_guard<std::mutex> lock(LibraryLock());
+  LibraryCall call;
   FP8MOE_ASSIGN_OR_RETURN(MoeConfig cfg, CachedConfig(text));
   FP8MOE_ASSIGN_OR_RETURN(const MoeForwardResult f, MoeForward(cfg, x, w));
   cfg.load_balance_loss_weight *= *daux.as<float>();

@@ -41,7 +41,7 @@ nb::tuple Cast(const Array& x, const std::string& x_dtype, const std::string& fo
   const float* xs = xv.as<float>();
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     if (!bf16) {
       EncodeFp8Span(xs, y.view.as<uint8_t>(), n, *f, saturate);
     } else if (!saturate) {
@@ -74,7 +74,7 @@ nb::tuple Decode(const Array& y, const std::string& y_dtype) {
   NewArray x = MakeArray(fn, DType::kF32, yv.shape);
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     if (yv.dtype == DType::kBF16) {
       Bf16ToF32Span(yv.as<uint16_t>(), x.view.as<float>(), yv.num_elements());
     } else {
@@ -202,7 +202,7 @@ nb::tuple Quantize(const Array& x, const std::string& x_dtype, const std::string
   Status st;
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     const float* xs = xv.as<float>();
     uint8_t* qs = q.view.as<uint8_t>();
     float* ss = s.view.as<float>();
@@ -249,7 +249,7 @@ nb::tuple Dequantize(const Array& q, const std::string& q_dtype, const Array& sc
   Status st;
   {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(LibraryLock());
+    LibraryCall call;
     const uint8_t* qs = qv.as<uint8_t>();
     const float* ss = sv.as<float>();
     float* xs = x.view.as<float>();

@@ -66,7 +66,7 @@ Status GmmImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   if (rets.size() > 1) {
     FP8MOE_ASSIGN_OR_RETURN(h, Ret(rets, 1, "h"));
   }
-  std::lock_guard<std::mutex> lock(LibraryLock());
+  LibraryCall call;
   return Gmm(o, lhs, rhs, scale ? &*scale : nullptr, gs, out, h ? &*h : nullptr);
 }
 
@@ -92,7 +92,7 @@ Status DlhsImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
     FP8MOE_ASSIGN_OR_RETURN(h, Arg(args, i++, "h"));
   }
   FP8MOE_ASSIGN_OR_RETURN(const TensorView out, Ret(rets, 0, "dlhs"));
-  std::lock_guard<std::mutex> lock(LibraryLock());
+  LibraryCall call;
   return GmmDlhs(o, dout, rhs, scale ? &*scale : nullptr, gs, out, h ? &*h : nullptr);
 }
 
@@ -113,7 +113,7 @@ Status TgmmImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView dout, Arg(args, 1, "dout"));
   FP8MOE_ASSIGN_OR_RETURN(const ConstTensorView gs, Arg(args, 2, "group_sizes"));
   FP8MOE_ASSIGN_OR_RETURN(const TensorView drhs, Ret(rets, 0, "drhs"));
-  std::lock_guard<std::mutex> lock(LibraryLock());
+  LibraryCall call;
   return Tgmm(o, quant, lhs, dout, gs, drhs);
 }
 
@@ -153,7 +153,7 @@ Status QuantizeImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
     return InvalidArgument("scale has shape " + ShapeToString(s.shape) + "; expected " +
                            ShapeToString(want));
   }
-  std::lock_guard<std::mutex> lock(LibraryLock());
+  LibraryCall call;
   const float* xs = x.as<float>();
   if (granularity == "tensor") {
     return QuantizeTensor(xs, static_cast<int64_t>(x.num_elements()), dt, cal,

@@ -338,3 +338,38 @@ def test_group_sizes_from_python_ints_under_x64():
                        timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["60.0", "60.0"], p.stdout
+
+
+SUBNORMALS_AFTER_XLA = """
+import numpy as np, jax
+import fp8moe, fp8moe.jax as fj
+M, K, N = 256, 4, 8
+lhs = np.full((M, K), np.float32(2.0 ** -140), np.float32)  # subnormal
+rhs = np.ones((1, K, N), np.float32)
+gs = np.array([M], np.int32)
+flushed = np.asarray(jax.jit(lambda x, y: x * y)(lhs, np.ones_like(lhs)))
+ffi = np.asarray(jax.jit(lambda l, r, g: fj.gmm(l, r, g, "f32"))(lhs, rhs, gs))
+binding = np.asarray(fp8moe.gmm(lhs, rhs, gs, "f32"))
+for name, out in (("xla", flushed), ("ffi", ffi), ("binding", binding)):
+    print(name, np.unique(out.view(np.uint32)).tolist())
+"""
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_subnormals_survive_xla_flush_to_zero(threads):
+    """XLA:CPU runs its computations, fp8moe's FFI handlers among them, with
+    MXCSR's flush-to-zero and denormals-are-zero set (its own x * 1 flushes a
+    subnormal, checked here so the test notices if that changes), and OpenMP
+    workers first started inside an FFI call inherited that mode, so a later
+    call from Python flushed too. fp8moe's numerics keep subnormals wherever
+    it is called from: 4 x 2^-140 = 2^-138 exactly, in the FFI
+    handler and in the Python binding after it, on 1 and 2 threads."""
+    env = dict(os.environ, OMP_NUM_THREADS=threads, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", SUBNORMALS_AFTER_XLA], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = dict((line.split(" ", 1)[0], line.split(" ", 1)[1]) for line in p.stdout.splitlines())
+    assert got["xla"] == "[0]", "XLA no longer flushes subnormals: " + p.stdout
+    want = str([int(np.array([2.0 ** -138], np.float32).view(np.uint32)[0])])
+    assert got["ffi"] == want, p.stdout
+    assert got["binding"] == want, p.stdout
