@@ -10,6 +10,7 @@
 #include "base/check.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/memory.h"
+#include "model/ffn_block.h"
 #include "model/layers.h"
 
 namespace fp8moe {
@@ -34,6 +35,10 @@ Status ValidateModelConfig(const ModelConfig& c) {
   positive(c.mlp_dim, "base_moe_mlp_dim");
   positive(c.seq_len, "max_target_length");
   positive(c.batch, "per_device_batch_size");
+  if (c.shared_experts < 0) {
+    problems.push_back("shared_experts=" + std::to_string(c.shared_experts) +
+                       " is negative; set shared_experts=0 (none) or a count of shared experts");
+  }
   if (c.head_dim >= 1 && c.head_dim % 2 != 0) {
     problems.push_back("head_dim=" + std::to_string(c.head_dim) +
                        " is odd, but RoPE rotates pairs of dimensions; set head_dim=" +
@@ -63,6 +68,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
   bounded(c.mlp_dim, "base_moe_mlp_dim");
   bounded(c.seq_len, "max_target_length");
   bounded(c.batch, "per_device_batch_size");
+  bounded(c.shared_experts, "shared_experts");
   // Sizes whose products would overflow the kernels' int32 group sizes. Only
   // once B and S are known to be below 2^31 (k below 2^63): the product then
   // fits in 128 bits.
@@ -85,6 +91,12 @@ Status ValidateModelConfig(const ModelConfig& c) {
     problems.push_back("2 x base_moe_mlp_dim exceeds " + std::to_string(kMaxDim) +
                        " (wi's fused gate|up width); lower base_moe_mlp_dim");
   }
+  if (problems.empty() && 2 * c.shared_experts * c.mlp_dim > kMaxDim) {
+    problems.push_back("2 x shared_experts x base_moe_mlp_dim exceeds " +
+                       std::to_string(kMaxDim) +
+                       " (shared_wi's fused gate|up width); lower shared_experts or "
+                       "base_moe_mlp_dim");
+  }
   if (!problems.empty()) {
     std::string m = "invalid model configuration: " + problems[0];
     for (size_t i = 1; i < problems.size(); ++i) m += "; " + problems[i];
@@ -106,6 +118,10 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
     out.emplace_back(p + "router", &L.router);
     out.emplace_back(p + "wi", &L.wi);
     out.emplace_back(p + "wo", &L.wo);
+    if (L.shared) {
+      out.emplace_back(p + "shared_wi", &L.shared_wi);
+      out.emplace_back(p + "shared_wo", &L.shared_wo);
+    }
   }
   out.emplace_back("final_norm", &final_norm);
   out.emplace_back("lm_head", &lm_head);
@@ -118,6 +134,13 @@ std::vector<std::pair<std::string, const Tensor*>> ModelParams::Named() const {
   return out;
 }
 
+ModelParams ModelParams::Layout(const ModelConfig& c) {
+  ModelParams p;
+  p.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
+  for (LayerParams& L : p.layers) L.shared = c.shared_experts > 0;
+  return p;
+}
+
 uint64_t ModelParamCount(const ModelConfig& c) {
   // Sizes clamped to [0, 2^31] (validation refuses more): products of four
   // of them stay inside 128 bits; the total saturates at UINT64_MAX.
@@ -125,8 +148,9 @@ uint64_t ModelParamCount(const ModelConfig& c) {
   auto size = [](int64_t v) { return static_cast<U>(std::clamp<int64_t>(v, 0, int64_t{1} << 31)); };
   const U D = size(c.emb_dim), HD = size(c.num_heads) * size(c.head_dim),
           E = size(c.moe.num_experts), F = size(c.mlp_dim), V = size(c.vocab_size),
-          L = size(c.num_layers);
-  const U layer = 2 * D + D * 3 * HD + HD * D + D * E + E * D * 2 * F + E * F * D;
+          L = size(c.num_layers), SF = size(c.shared_experts) * F;
+  const U layer = 2 * D + D * 3 * HD + HD * D + D * E + E * D * 2 * F + E * F * D +
+                  D * 2 * SF + SF * D;
   const U total = 2 * V * D + D + L * layer;
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
@@ -137,8 +161,8 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
   const int64_t D = c.emb_dim, HD = c.num_heads * c.head_dim, E = c.moe.num_experts,
                 F = c.mlp_dim, V = c.vocab_size;
   const int64_t rows = expert_rows < 0 ? E : expert_rows;
-  ModelParams skeleton;  // Named() gives the names and their order
-  skeleton.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
+  const int64_t SF = c.shared_experts * F;
+  ModelParams skeleton = ModelParams::Layout(c);  // Named() gives the names and their order
   std::vector<std::pair<std::string, Shape>> out;
   for (const auto& [name, t] : skeleton.Named()) {
     const std::string leaf = name.substr(name.rfind('.') + 1);  // npos + 1 = 0
@@ -151,6 +175,8 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
     if (leaf == "router") s = {D, E};
     if (leaf == "wi") s = {rows, D, 2 * F};
     if (leaf == "wo") s = {rows, F, D};
+    if (leaf == "shared_wi") s = {D, 2 * SF};
+    if (leaf == "shared_wo") s = {SF, D};
     FP8MOE_DCHECK(!s.empty());  // every tensor of Named() has its shape here
     out.emplace_back(name, std::move(s));
   }
@@ -177,8 +203,7 @@ Result<ModelParams> AllocateParams(const ModelConfig& c, int64_t expert_rows) {
       count > std::numeric_limits<uint64_t>::max() / 4 ? std::numeric_limits<uint64_t>::max()
                                                        : count * 4));
   const auto shapes = ParamShapes(c, rows);
-  ModelParams p;
-  p.layers.resize(static_cast<size_t>(c.num_layers));
+  ModelParams p = ModelParams::Layout(c);
   const auto named = p.Named();
   for (size_t k = 0; k < named.size(); ++k) {
     FP8MOE_ASSIGN_OR_RETURN(*named[k].second, Tensor::Create(DType::kF32, shapes[k].second));
@@ -242,6 +267,8 @@ struct Model::Buffers {
   std::vector<Layer> layers;
   Tensor xf, nf, invf, logits, dlogits;
   Tensor dx, dtmp, dqkv, dattn, moe_y;
+  std::vector<internal::DenseMlpState> ffn;  // per layer: the shared experts' activations
+  internal::DenseMlpScratch ffn_scratch;
 };
 
 Model::Model(const ModelConfig& config) : config_(config), b_(std::make_unique<Buffers>()) {}
@@ -285,6 +312,7 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   FP8MOE_RETURN_IF_ERROR(Make(&b->dqkv, {N, 3 * HD}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dattn, {N, HD}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->moe_y, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(internal::AllocateFfn(c, &b->ffn, &b->ffn_scratch));
   b->ready = true;
   return OkStatus();
 }
@@ -416,9 +444,9 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     MoeStepInfo mi;
     MoeOptions mo;
     mo.ranks = ranks_;
-    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(c, P, ranks_.expert_ring),
-                                      prepared[static_cast<size_t>(l)], &A.moe, b.moe_y.view(),
-                                      &mi, mo));
+    FP8MOE_RETURN_IF_ERROR(internal::FfnForward(
+        ctx, c, mo, P, MasterOf(c, P, ranks_.expert_ring), prepared[static_cast<size_t>(l)],
+        A.n2.view(), &A.moe, &b.ffn[static_cast<size_t>(l)], &b.ffn_scratch, b.moe_y.view(), &mi));
     info->aux_loss += mi.aux_loss;
     info->dropless_reruns += mi.stats.dropless_reruns;
     const ConstTensorView gs = A.moe.group_sizes();
@@ -457,15 +485,15 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     const LayerParams& P = params.layers[static_cast<size_t>(l)];
     LayerParams& G = grads->layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
-    // MoE FFN: dy = dx; its dx is the gradient of n2.
+    // FFN (MoE + shared experts): dy = dx; its dx is the gradient of n2.
     const MoeGradientViews mg{b.dtmp.view(), G.router.view(),
                               ExpertRows(c, G.wi, false, ranks_.expert_ring),
                               ExpertRows(c, G.wo, true, ranks_.expert_ring)};
     MoeOptions mo;
     mo.ranks = ranks_;
-    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(c, P, ranks_.expert_ring),
-                                       prepared[static_cast<size_t>(l)], &A.moe, b.dx.view(),
-                                       mg, mo));
+    FP8MOE_RETURN_IF_ERROR(internal::FfnBackward(
+        ctx, c, mo, P, MasterOf(c, P, ranks_.expert_ring), prepared[static_cast<size_t>(l)],
+        A.n2.view(), &A.moe, b.ffn[static_cast<size_t>(l)], &b.ffn_scratch, b.dx.view(), mg, &G));
     FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, A.x1.data_as<float>(),
                                                      P.mlp_norm.data_as<float>(),
                                                      A.inv2.data_as<float>(), dtmp, N, D, dx,

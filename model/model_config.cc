@@ -22,6 +22,13 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
              "rope_max_timescale^(2i / head_dim).");
     t->Float("normalization_layer_epsilon", &M::norm_eps,
              "RMSNorm epsilon under the square root.");
+    // The FFN variants (docs/design.md "FFN variants").
+    t->Int("shared_experts", &M::shared_experts,
+           "Always-active SwiGLU experts of width base_moe_mlp_dim beside the routed ones "
+           "(DeepSeek-V3: 1), fused as one MLP of width shared_experts x base_moe_mlp_dim "
+           "(shared_wi [D, 2 S F], shared_wo [S F, D]) on the MoE layer's input, its output "
+           "added to the routed output; run in dtype, never quantized. 0: none. "
+           "Range [0, 2^31).");
     return t;
   }();
   return *table;

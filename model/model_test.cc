@@ -142,6 +142,36 @@ TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
   ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
 }
 
+// The FFN variants (shared experts): the same check of every parameter,
+// the shared experts' shared_wi / shared_wo included.
+void CheckGradientsOfSomeDraw(const ModelConfig& c, uint64_t seed) {
+  for (uint64_t draw = 0; draw < 3; ++draw) {
+    bool near_tie = false;
+    CheckGradients(c, seed + draw * 1000003, &near_tie);
+    if (::testing::Test::HasFatalFailure() || !near_tie) return;
+  }
+  ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
+}
+
+TEST(Model, SharedExpertGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (int64_t shared : {1, 2}) {
+    ModelConfig c = Tiny();
+    c.shared_experts = shared;
+    SCOPED_TRACE("shared_experts=" + std::to_string(shared));
+    CheckGradientsOfSomeDraw(c, seed);
+    auto params = AllocateParams(c);
+    ASSERT_TRUE(params.ok());
+    int shared_tensors = 0;
+    for (const auto& [name, t] : params->Named()) {
+      if (name.find(".shared_w") != std::string::npos) ++shared_tensors;
+    }
+    EXPECT_EQ(shared_tensors, 2 * c.num_layers);
+    EXPECT_EQ(params->layers[1].shared_wi.shape(), (Shape{c.emb_dim, 2 * shared * c.mlp_dim}));
+    EXPECT_EQ(params->layers[1].shared_wo.shape(), (Shape{shared * c.mlp_dim, c.emb_dim}));
+  }
+}
+
 // Loss and every gradient of one step, as bytes.
 std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads, uint64_t seed) {
   auto params = AllocateParams(c);
@@ -180,6 +210,9 @@ TEST(Model, BitsDoNotDependOnTheThreadCount) {
     c.emb_dim = 32;
     c.mlp_dim = 48;
     EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed)) << (flags.empty() ? "bf16" : flags[0]);
+    c.shared_experts = 2;
+    EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed))
+        << (flags.empty() ? "bf16" : flags[0]) << " with shared experts";
   }
   omp_set_num_threads(saved);
 }
@@ -210,8 +243,7 @@ TEST(Model, SteadyStateStepAllocatesNothing) {
 // The trainer draws the initial weights a tensor at a time (never the whole
 // set): the same bits as InitParams into whole tensors; ParamShapes are the
 // shapes AllocateParams makes, experts included or not.
-TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
-  const ModelConfig c = Tiny();
+void CheckInitStreams(const ModelConfig& c) {
   auto whole = AllocateParams(c);
   ASSERT_TRUE(whole.ok());
   FP8MOE_RANDOM_SEED(seed);
@@ -246,12 +278,23 @@ TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
   }
 }
 
+TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
+  ModelConfig c = Tiny();
+  CheckInitStreams(c);
+  c.shared_experts = 2;
+  CheckInitStreams(c);
+}
+
 TEST(Model, BadInputsAreClearErrors) {
   ModelConfig c = Tiny();
   c.head_dim = 3;
   Status s = ValidateModelConfig(c);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("head_dim=3"), std::string::npos) << s.message();
+  c = Tiny();
+  c.shared_experts = -1;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("shared_experts=-1"), std::string::npos) << s.message();
   c = Tiny();
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);

@@ -58,7 +58,8 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U experts = L * expert_layer;
   const U dense = params - std::min(params, experts);
   const U local_experts = experts / Pe;
-  const U largest = std::max({V * D, D * 3 * HD, E * D * 2 * F, D * E});
+  const U SF = Pos(m.shared_experts) * F;  // the shared experts' fused width
+  const U largest = std::max({V * D, D * 3 * HD, E * D * 2 * F, D * E, D * 2 * SF});
   const U shards = 4 * (dense / ranks + experts / ranks + 2 * L + 1);
   const U f32_experts = MoeReadsF32Masters(m.moe) ? local_experts : 0;
   plan.weights_bytes =
@@ -111,7 +112,15 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
                       health;
   // The token ids of the whole global batch (every rank reads it).
   const U global = 4 * (5 * Nl * D + Nl + 2 * Nl * V + 4 * Nl * HD + S * Pos(m.head_dim)) + 8 * N;
-  plan.activation_bytes = Saturate(L * per_layer + global);
+  // The shared experts (model/ffn_block.h), per layer: h [N, 2SF] and a
+  // [N, SF] in the activation dtype, and in bfloat16 the bf16 copies of the
+  // input [N, D] and of shared_wi / shared_wo; once: the output and input
+  // gradient [N, D] f32, dh [N, 2SF] and dy [N, D] in the activation dtype.
+  const U dense_act = m.moe.dtype == DType::kF32 ? 4 : 2;
+  const U shared_layer =
+      SF == 0 ? 0 : dense_act * 3 * Nl * SF + (dense_act == 2 ? 2 * (Nl * D + 3 * D * SF) : 0);
+  const U shared_once = SF == 0 ? 0 : 8 * Nl * D + dense_act * Nl * (2 * SF + D);
+  plan.activation_bytes = Saturate(L * (per_layer + shared_layer) + global + shared_once);
   // The data: the synthetic corpus's transition tables (doubles), or the
   // whole text file.
   if (c.data.type == "text") {

@@ -40,6 +40,9 @@ struct ModelConfig {
   double rope_max_timescale = 10000.0;
   double norm_eps = 1e-6;      // normalization_layer_epsilon
   MoeConfig moe;
+  // The FFN variants (docs/design.md "FFN variants"): always-active shared
+  // experts beside the routed ones.
+  int64_t shared_experts = 0;  // S: shared SwiGLU experts of width F per MoE layer
 };
 
 // The shape flags (vocab_size, base_emb_dim, ..., max_target_length, the
@@ -60,6 +63,12 @@ struct LayerParams {
   Tensor router;     // [D, E]
   Tensor wi;         // [E, D, 2F]
   Tensor wo;         // [E, F, D]
+  // The shared experts, fused into one SwiGLU MLP of width S*F in wi's
+  // gate | up layout; in Named() (and so in checkpoints) only when `shared`
+  // (shared_experts S > 0; ModelParams::Layout sets it).
+  bool shared = false;
+  Tensor shared_wi;  // [D, 2*S*F]: the S experts' gates | their ups
+  Tensor shared_wo;  // [S*F, D]
 };
 
 // All weights of the model (or, with the same shapes, their gradients or an
@@ -74,6 +83,10 @@ struct ModelParams {
   // in a fixed order.
   std::vector<std::pair<std::string, Tensor*>> Named();
   std::vector<std::pair<std::string, const Tensor*>> Named() const;
+
+  // L layers, each marked with the optional tensors the config gives it
+  // (none allocated): what Named() lists. AllocateParams starts from it.
+  static ModelParams Layout(const ModelConfig& config);
 };
 
 // Parameters of the model (every tensor of ModelParams), saturating at
