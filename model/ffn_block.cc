@@ -81,19 +81,31 @@ Status DenseMlpBackward(Context& ctx, DType act, const ConstTensorView& group, c
   return CtxTgmm(ctx, o, {}, xa, dh, group, TensorView{dwi, DType::kF32, {1, D, 2 * W}});
 }
 
-// An error unless L holds the shared experts' tensors exactly when the config
-// has shared experts, shaped [D, 2W] and [W, D] (ModelParams::Layout and
-// AllocateParams make them so).
-Status CheckShared(const ModelConfig& c, const LayerParams& L, const char* what) {
-  const int64_t D = c.emb_dim, W = c.shared_experts * c.mlp_dim;
-  if (L.shared != (c.shared_experts > 0) ||
-      (L.shared && (L.shared_wi.shape() != Shape{D, 2 * W} ||
-                    L.shared_wo.shape() != Shape{W, D} || L.shared_wi.dtype() != DType::kF32 ||
-                    L.shared_wo.dtype() != DType::kF32))) {
-    return InvalidArgument(std::string("the ") + what + "' shared experts do not match " +
-                           "shared_experts=" + std::to_string(c.shared_experts) +
-                           " (shared_wi [D, 2 S F], shared_wo [S F, D] f32); allocate them with "
-                           "AllocateParams of this config");
+// The hidden width of layer L's dense MLP: base_mlp_dim on a dense layer,
+// S*F with shared experts, 0 without either.
+int64_t MlpWidth(const ModelConfig& c, const LayerParams& L) {
+  if (L.dense) return c.base_mlp_dim;
+  return L.shared ? c.shared_experts * c.mlp_dim : 0;
+}
+
+// An error unless L is the layer `l` of this config (AllocateParams): dense
+// or MoE as IsDenseLayer says, the shared experts exactly with
+// shared_experts > 0 on an MoE layer, and the MLP's tensors f32 [D, 2W] and
+// [W, D].
+Status CheckLayer(const ModelConfig& c, int64_t l, const LayerParams& L, const char* what) {
+  const bool dense = IsDenseLayer(c, l);
+  const int64_t D = c.emb_dim, W = MlpWidth(c, L);
+  const Tensor& wi = dense ? L.mlp_wi : L.shared_wi;
+  const Tensor& wo = dense ? L.mlp_wo : L.shared_wo;
+  if (L.dense != dense || L.shared != (!dense && c.shared_experts > 0) ||
+      (W > 0 && (wi.shape() != Shape{D, 2 * W} || wo.shape() != Shape{W, D} ||
+                 wi.dtype() != DType::kF32 || wo.dtype() != DType::kF32))) {
+    return InvalidArgument(
+        std::string("layer ") + std::to_string(l) + " of the " + what +
+        " does not match first_num_dense_layers=" + std::to_string(c.first_num_dense_layers) +
+        " and shared_experts=" + std::to_string(c.shared_experts) +
+        " (mlp_wi [D, 2 base_mlp_dim] and mlp_wo on a dense layer, shared_wi [D, 2 S F] and "
+        "shared_wo on an MoE layer, f32); allocate them with AllocateParams of this config");
   }
   return OkStatus();
 }
@@ -104,11 +116,15 @@ Status AllocateFfn(const ModelConfig& c, std::vector<DenseMlpState>* layers,
                    DenseMlpScratch* scratch) {
   layers->clear();
   layers->resize(static_cast<size_t>(c.num_layers));
-  if (c.shared_experts == 0) return OkStatus();
-  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, W = c.shared_experts * c.mlp_dim;
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim;
   const DType act = ActOf(c);
   const bool bf16 = act == DType::kBF16;
-  for (DenseMlpState& st : *layers) {
+  int64_t widest = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const int64_t W = IsDenseLayer(c, l) ? c.base_mlp_dim : c.shared_experts * c.mlp_dim;
+    if (W == 0) continue;
+    widest = std::max(widest, W);
+    DenseMlpState& st = (*layers)[static_cast<size_t>(l)];
     FP8MOE_RETURN_IF_ERROR(Make(&st.h, act, {N, 2 * W}));
     FP8MOE_RETURN_IF_ERROR(Make(&st.a, act, {N, W}));
     if (bf16) {
@@ -117,44 +133,65 @@ Status AllocateFfn(const ModelConfig& c, std::vector<DenseMlpState>* layers,
       FP8MOE_RETURN_IF_ERROR(Make(&st.wo_act, act, {1, W, D}));
     }
   }
+  if (widest == 0) return OkStatus();
   FP8MOE_RETURN_IF_ERROR(Make(&scratch->group, DType::kI32, {1}));
   scratch->group.data_as<int32_t>()[0] = static_cast<int32_t>(N);
   FP8MOE_RETURN_IF_ERROR(Make(&scratch->y, DType::kF32, {N, D}));
   FP8MOE_RETURN_IF_ERROR(Make(&scratch->dx, DType::kF32, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&scratch->dh, act, {N, 2 * W}));
+  FP8MOE_RETURN_IF_ERROR(Make(&scratch->dh, act, {N, 2 * widest}));
   if (bf16) FP8MOE_RETURN_IF_ERROR(Make(&scratch->dy_act, act, {N, D}));
   return OkStatus();
 }
 
-Status FfnForward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, const LayerParams& P,
-                  const MoeWeights& master, const PreparedMoeWeights& prepared,
-                  const ConstTensorView& x, MoeWorkspace* moe, DenseMlpState* state,
-                  DenseMlpScratch* scratch, const TensorView& y, MoeStepInfo* info) {
-  FP8MOE_RETURN_IF_ERROR(CheckShared(c, P, "parameters"));
+Status FfnForward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, int64_t layer,
+                  const LayerParams& P, const MoeWeights& master,
+                  const PreparedMoeWeights& prepared, const ConstTensorView& x,
+                  MoeWorkspace* moe, DenseMlpState* state, DenseMlpScratch* scratch,
+                  const TensorView& y, MoeStepInfo* info, std::vector<int32_t>* load) {
+  FP8MOE_RETURN_IF_ERROR(CheckLayer(c, layer, P, "parameters"));
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, W = MlpWidth(c, P);
+  const Tensor& wi = P.dense ? P.mlp_wi : P.shared_wi;
+  const Tensor& wo = P.dense ? P.mlp_wo : P.shared_wo;
+  if (P.dense) {
+    load->clear();
+    return DenseMlpForward(ctx, ActOf(c), scratch->group.view(), x.as<float>(),
+                           wi.data_as<float>(), wo.data_as<float>(), N, D, W, state,
+                           y.as<float>());
+  }
   FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, x, master, prepared, moe, y, info, mo));
+  const ConstTensorView gs = moe->group_sizes();
+  load->assign(gs.as<int32_t>(), gs.as<int32_t>() + gs.num_elements());
   if (!P.shared) return OkStatus();
-  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, W = c.shared_experts * c.mlp_dim;
   FP8MOE_RETURN_IF_ERROR(DenseMlpForward(ctx, ActOf(c), scratch->group.view(), x.as<float>(),
-                                         P.shared_wi.data_as<float>(),
-                                         P.shared_wo.data_as<float>(), N, D, W, state,
-                                         scratch->y.data_as<float>()));
+                                         wi.data_as<float>(), wo.data_as<float>(), N, D, W,
+                                         state, scratch->y.data_as<float>()));
   return Add(ctx, y.as<float>(), scratch->y.data_as<float>(), N * D, y.as<float>());
 }
 
-Status FfnBackward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, const LayerParams& P,
-                   const MoeWeights& master, const PreparedMoeWeights& prepared,
-                   const ConstTensorView& x, MoeWorkspace* moe, const DenseMlpState& state,
-                   DenseMlpScratch* scratch, const ConstTensorView& dy,
-                   const MoeGradientViews& grads, LayerParams* G) {
-  FP8MOE_RETURN_IF_ERROR(CheckShared(c, *G, "gradients"));
+Status FfnBackward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, int64_t layer,
+                   const LayerParams& P, const MoeWeights& master,
+                   const PreparedMoeWeights& prepared, const ConstTensorView& x,
+                   MoeWorkspace* moe, const DenseMlpState& state, DenseMlpScratch* scratch,
+                   const ConstTensorView& dy, const MoeGradientViews& grads, LayerParams* G) {
+  FP8MOE_RETURN_IF_ERROR(CheckLayer(c, layer, *G, "gradients"));
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, W = MlpWidth(c, P);
+  const Tensor& wi = P.dense ? P.mlp_wi : P.shared_wi;
+  const Tensor& wo = P.dense ? P.mlp_wo : P.shared_wo;
+  Tensor& dwi = P.dense ? G->mlp_wi : G->shared_wi;
+  Tensor& dwo = P.dense ? G->mlp_wo : G->shared_wo;
+  if (P.dense) {
+    return DenseMlpBackward(ctx, ActOf(c), scratch->group.view(), x.as<float>(),
+                            wi.data_as<float>(), wo.data_as<float>(), N, D, W, state, scratch,
+                            dy.as<float>(), grads.dx.as<float>(), dwi.data_as<float>(),
+                            dwo.data_as<float>());
+  }
   FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, x, master, prepared, moe, dy, grads, mo));
   if (!P.shared) return OkStatus();
-  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, W = c.shared_experts * c.mlp_dim;
   float* dx = scratch->dx.data_as<float>();
-  FP8MOE_RETURN_IF_ERROR(DenseMlpBackward(
-      ctx, ActOf(c), scratch->group.view(), x.as<float>(), P.shared_wi.data_as<float>(),
-      P.shared_wo.data_as<float>(), N, D, W, state, scratch, dy.as<float>(), dx,
-      G->shared_wi.data_as<float>(), G->shared_wo.data_as<float>()));
+  FP8MOE_RETURN_IF_ERROR(DenseMlpBackward(ctx, ActOf(c), scratch->group.view(), x.as<float>(),
+                                          wi.data_as<float>(), wo.data_as<float>(), N, D, W,
+                                          state, scratch, dy.as<float>(), dx,
+                                          dwi.data_as<float>(), dwo.data_as<float>()));
   return Add(ctx, grads.dx.as<float>(), dx, N * D, grads.dx.as<float>());
 }
 

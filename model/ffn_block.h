@@ -1,7 +1,9 @@
-// The model's FFN sublayer (docs/design.md "FFN variants"), internal to
-// model/: the MoE layer on the normalized input, plus, with shared_experts
-// S > 0, the shared experts fused as one dense SwiGLU MLP of width S*F on the
-// same input, its output added to the routed one. The shared MLP runs on the
+// The model's FFN sublayer (docs/design.md §5.1), internal to model/: the
+// MoE layer on the normalized input, plus, with shared_experts S > 0, the
+// shared experts fused as one dense SwiGLU MLP of width S*F on the same
+// input, its output added to the routed one; or, on the first
+// first_num_dense_layers layers, a dense SwiGLU MLP of width base_mlp_dim
+// instead of MoE. The dense MLPs run on the
 // library's GMM with one group and its SwiGLU / dSwiGLU epilogues, in the
 // configured dtype (float32: f32 operands; bfloat16: bf16 operands and
 // activations, f32 accumulation and outputs, as the routed experts in QAT mode
@@ -10,6 +12,7 @@
 #define FP8MOE_MODEL_FFN_BLOCK_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "fp8moe/context.h"
 #include "fp8moe/model.h"
@@ -38,26 +41,31 @@ struct DenseMlpScratch {
   Tensor dx;      // [N, D] f32: the gradient of the MLP's input
 };
 
-// Allocates the shared experts' state of every layer and the scratch (none
-// when shared_experts = 0). Called once, with the model's other buffers.
+// Allocates the dense MLPs' state of every layer (the shared experts' or a
+// dense layer's; none for a plain MoE layer) and the scratch. Called once,
+// with the model's other buffers.
 Status AllocateFfn(const ModelConfig& c, std::vector<DenseMlpState>* layers,
                    DenseMlpScratch* scratch);
 
 // The FFN sublayer's forward: y [N, D] f32 = MoE(x) (+ the shared experts'
-// MLP of x with P.shared). x [N, D] f32 (the normalized residual).
-Status FfnForward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, const LayerParams& P,
-                  const MoeWeights& master, const PreparedMoeWeights& prepared,
-                  const ConstTensorView& x, MoeWorkspace* moe, DenseMlpState* state,
-                  DenseMlpScratch* scratch, const TensorView& y, MoeStepInfo* info);
+// MLP of x with P.shared), or the dense MLP of x on a dense layer (P.dense:
+// no MoE, *info untouched). x [N, D] f32 (the normalized residual). *load:
+// the tokens routed to each expert [E] (empty on a dense layer).
+Status FfnForward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, int64_t layer,
+                  const LayerParams& P, const MoeWeights& master,
+                  const PreparedMoeWeights& prepared, const ConstTensorView& x,
+                  MoeWorkspace* moe, DenseMlpState* state, DenseMlpScratch* scratch,
+                  const TensorView& y, MoeStepInfo* info, std::vector<int32_t>* load);
 
 // Its backward from dy [N, D] f32: grads.dx [N, D] = the gradient of x
 // (overwritten), the MoE's gradients into grads' views and the shared MLP's
-// into G.shared_wi / G.shared_wo (overwritten).
-Status FfnBackward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, const LayerParams& P,
-                   const MoeWeights& master, const PreparedMoeWeights& prepared,
-                   const ConstTensorView& x, MoeWorkspace* moe, const DenseMlpState& state,
-                   DenseMlpScratch* scratch, const ConstTensorView& dy,
-                   const MoeGradientViews& grads, LayerParams* G);
+// into G.shared_wi / G.shared_wo, or on a dense layer the MLP's into
+// G.mlp_wi / G.mlp_wo (overwritten).
+Status FfnBackward(Context& ctx, const ModelConfig& c, const MoeOptions& mo, int64_t layer,
+                   const LayerParams& P, const MoeWeights& master,
+                   const PreparedMoeWeights& prepared, const ConstTensorView& x,
+                   MoeWorkspace* moe, const DenseMlpState& state, DenseMlpScratch* scratch,
+                   const ConstTensorView& dy, const MoeGradientViews& grads, LayerParams* G);
 
 }  // namespace fp8moe::internal
 

@@ -29,6 +29,14 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
            "(shared_wi [D, 2 S F], shared_wo [S F, D]) on the MoE layer's input, its output "
            "added to the routed output; run in dtype, never quantized. 0: none. "
            "Range [0, 2^31).");
+    t->Int("first_num_dense_layers", &M::first_num_dense_layers,
+           "Leading decoder layers with a dense SwiGLU MLP of width base_mlp_dim instead of "
+           "MoE (DeepSeek-V3: 3): no router, experts or shared experts there (mlp_wi "
+           "[D, 2 base_mlp_dim], mlp_wo [base_mlp_dim, D]); run in dtype, never quantized. "
+           "Range [0, base_num_decoder_layers]; all layers dense only with the MoE-only flags "
+           "(shared_experts, the QAT modes) unset.");
+    t->Int("base_mlp_dim", &M::base_mlp_dim,
+           "Hidden width of the dense layers' MLP (first_num_dense_layers). Range [1, 2^30).");
     return t;
   }();
   return *table;

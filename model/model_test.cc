@@ -142,8 +142,8 @@ TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
   ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
 }
 
-// The FFN variants (shared experts): the same check of every parameter,
-// the shared experts' shared_wi / shared_wo included.
+// The FFN variants (shared experts, dense first layers): the same check of
+// every parameter, shared_wi / shared_wo and mlp_wi / mlp_wo included.
 void CheckGradientsOfSomeDraw(const ModelConfig& c, uint64_t seed) {
   for (uint64_t draw = 0; draw < 3; ++draw) {
     bool near_tie = false;
@@ -169,6 +169,46 @@ TEST(Model, SharedExpertGradientsMatchFiniteDifferences) {
     EXPECT_EQ(shared_tensors, 2 * c.num_layers);
     EXPECT_EQ(params->layers[1].shared_wi.shape(), (Shape{c.emb_dim, 2 * shared * c.mlp_dim}));
     EXPECT_EQ(params->layers[1].shared_wo.shape(), (Shape{shared * c.mlp_dim, c.emb_dim}));
+  }
+}
+
+TEST(Model, DenseLayerGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (int64_t shared : {0, 1}) {
+    ModelConfig c = Tiny();
+    c.num_layers = 3;
+    c.first_num_dense_layers = 1;
+    c.base_mlp_dim = 10;
+    c.shared_experts = shared;
+    SCOPED_TRACE("first_num_dense_layers=1 shared_experts=" + std::to_string(shared));
+    CheckGradientsOfSomeDraw(c, seed);
+    auto params = AllocateParams(c);
+    ASSERT_TRUE(params.ok());
+    std::vector<std::string> layer0;
+    for (const auto& [name, t] : params->Named()) {
+      if (name.starts_with("layers.0.")) layer0.push_back(name.substr(9));
+    }
+    EXPECT_EQ(layer0, (std::vector<std::string>{"attn_norm", "wqkv", "wo_attn", "mlp_norm",
+                                                "mlp_wi", "mlp_wo"}));
+    EXPECT_EQ(params->layers[0].mlp_wi.shape(), (Shape{c.emb_dim, 2 * c.base_mlp_dim}));
+    EXPECT_EQ(params->layers[0].mlp_wo.shape(), (Shape{c.base_mlp_dim, c.emb_dim}));
+    EXPECT_EQ(params->layers[1].shared, shared > 0);
+    uint64_t total = 0;
+    for (const auto& [name, t] : params->Named()) total += t->num_elements();
+    EXPECT_EQ(ModelParamCount(c), total);
+    // A dense layer routes nothing: its load is empty, the MoE layers' are not.
+    Context ctx;
+    Model model(c);
+    std::vector<PreparedMoeWeights> prepared;
+    ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+    const Tokens tok(c, seed);
+    ModelStepInfo info;
+    ASSERT_TRUE(model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info).ok());
+    EXPECT_TRUE(info.expert_load[0].empty());
+    EXPECT_EQ(info.expert_load[1].size(), static_cast<size_t>(c.moe.num_experts));
+    Fp8Health wi, wo;
+    EXPECT_TRUE(model.ActivationHealth(ctx, 0, prepared, &wi, &wo).ok());
   }
 }
 
@@ -213,6 +253,10 @@ TEST(Model, BitsDoNotDependOnTheThreadCount) {
     c.shared_experts = 2;
     EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed))
         << (flags.empty() ? "bf16" : flags[0]) << " with shared experts";
+    c.first_num_dense_layers = 1;
+    c.base_mlp_dim = 40;
+    EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed))
+        << (flags.empty() ? "bf16" : flags[0]) << " with a dense first layer";
   }
   omp_set_num_threads(saved);
 }
@@ -283,6 +327,9 @@ TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
   CheckInitStreams(c);
   c.shared_experts = 2;
   CheckInitStreams(c);
+  c.first_num_dense_layers = 1;
+  c.base_mlp_dim = 5;
+  CheckInitStreams(c);
 }
 
 TEST(Model, BadInputsAreClearErrors) {
@@ -295,6 +342,27 @@ TEST(Model, BadInputsAreClearErrors) {
   c.shared_experts = -1;
   s = ValidateModelConfig(c);
   EXPECT_NE(s.message().find("shared_experts=-1"), std::string::npos) << s.message();
+  c = Tiny();
+  c.first_num_dense_layers = 3;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("first_num_dense_layers=3 is outside [0, base_num_decoder_layers=2]"),
+            std::string::npos) << s.message();
+  c = Tiny();
+  c.base_mlp_dim = 0;
+  EXPECT_NE(ValidateModelConfig(c).message().find("base_mlp_dim=0"), std::string::npos);
+  // Every layer dense with MoE-only flags set: refused, naming them.
+  c = Tiny();
+  c.first_num_dense_layers = 2;
+  EXPECT_TRUE(ValidateModelConfig(c).ok()) << "all dense, no MoE-only flag";
+  c.shared_experts = 1;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("MoE-only flags are set: shared_experts=1"), std::string::npos)
+      << s.message();
+  c = Tiny({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8"});
+  c.first_num_dense_layers = 2;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("a QAT mode of the routed experts (fake_qat"), std::string::npos)
+      << s.message();
   c = Tiny();
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);

@@ -228,7 +228,11 @@ std::string ModelSignature(const ModelConfig& m) {
          " E=" + std::to_string(m.moe.num_experts) + " k=" + std::to_string(m.moe.num_experts_per_tok) +
          // The FFN variants, named only when set: the default model's
          // signature (and so its existing checkpoints) is unchanged.
-         (m.shared_experts != 0 ? " shared_experts=" + std::to_string(m.shared_experts) : "");
+         (m.shared_experts != 0 ? " shared_experts=" + std::to_string(m.shared_experts) : "") +
+         (m.first_num_dense_layers != 0
+              ? " first_num_dense_layers=" + std::to_string(m.first_num_dense_layers) +
+                    " base_mlp_dim=" + std::to_string(m.base_mlp_dim)
+              : "");
 }
 
 std::string CheckpointPath(const std::string& dir, int64_t step) {

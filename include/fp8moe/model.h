@@ -40,10 +40,15 @@ struct ModelConfig {
   double rope_max_timescale = 10000.0;
   double norm_eps = 1e-6;      // normalization_layer_epsilon
   MoeConfig moe;
-  // The FFN variants (docs/design.md "FFN variants"): always-active shared
-  // experts beside the routed ones.
-  int64_t shared_experts = 0;  // S: shared SwiGLU experts of width F per MoE layer
+  // The FFN variants (docs/design.md §5.1): always-active shared experts
+  // beside the routed ones, and dense first layers.
+  int64_t shared_experts = 0;          // S: shared SwiGLU experts of width F per MoE layer
+  int64_t first_num_dense_layers = 0;  // layers [0, this) have a dense MLP instead of MoE
+  int64_t base_mlp_dim = 128;          // Fd: the dense MLP's hidden width
 };
+
+// Whether layer l has the dense MLP (first_num_dense_layers) instead of MoE.
+inline bool IsDenseLayer(const ModelConfig& c, int64_t l) { return l < c.first_num_dense_layers; }
 
 // The shape flags (vocab_size, base_emb_dim, ..., max_target_length, the
 // RoPE and norm constants) bound to ModelConfig's fields; batch has its
@@ -69,6 +74,11 @@ struct LayerParams {
   bool shared = false;
   Tensor shared_wi;  // [D, 2*S*F]: the S experts' gates | their ups
   Tensor shared_wo;  // [S*F, D]
+  // A dense layer (IsDenseLayer): a SwiGLU MLP of width Fd in wi's layout
+  // and no router, wi, wo or shared experts (left empty, not in Named()).
+  bool dense = false;
+  Tensor mlp_wi;  // [D, 2*Fd]: gate | up
+  Tensor mlp_wo;  // [Fd, D]
 };
 
 // All weights of the model (or, with the same shapes, their gradients or an

@@ -217,6 +217,13 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
     MatMul(attn.data(), P.wo_attn.data_as<float>(), N, HD, D, proj.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += proj[i];
     RmsNorm(x.data(), ToDouble(P.mlp_norm).data(), N, D, c.norm_eps, n.data());
+    if (P.dense) {  // first_num_dense_layers: the dense MLP instead of MoE
+      std::fill(y.begin(), y.end(), 0.0);
+      AddSwiGluMlp(n.data(), N, D, P.mlp_wi.data_as<float>(), P.mlp_wo.data_as<float>(),
+                   c.base_mlp_dim, y.data());
+      for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
+      continue;
+    }
     aux += MoeFfn(n.data(), N, D, P.router.data_as<float>(), P.wi.data_as<float>(),
                   P.wo.data_as<float>(), c.moe.num_experts, c.moe.num_experts_per_tok, F,
                   c.moe.norm_topk_prob, c.moe.load_balance_loss_weight, y.data(), route);
