@@ -27,8 +27,9 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
            "Always-active SwiGLU experts of width base_moe_mlp_dim beside the routed ones "
            "(DeepSeek-V3: 1), fused as one MLP of width shared_experts x base_moe_mlp_dim "
            "(shared_wi [D, 2 S F], shared_wo [S F, D]) on the MoE layer's input, its output "
-           "added to the routed output; run in dtype, never quantized. 0: none. "
-           "Range [0, 2^31).");
+           "added to the routed output; run in dtype, never quantized. 0: none (MaxText's "
+           "base.yml has 1, read only by its DeepSeek decoder; 0 keeps this default model "
+           "unchanged). Range [0, 2^31).");
     t->Int("first_num_dense_layers", &M::first_num_dense_layers,
            "Leading decoder layers with a dense SwiGLU MLP of width base_mlp_dim instead of "
            "MoE (DeepSeek-V3: 3): no router, experts or shared experts there (mlp_wi "
@@ -36,7 +37,8 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
            "Range [0, base_num_decoder_layers]; all layers dense only with the MoE-only flags "
            "(shared_experts, the QAT modes) unset.");
     t->Int("base_mlp_dim", &M::base_mlp_dim,
-           "Hidden width of the dense layers' MLP (first_num_dense_layers). Range [1, 2^30).");
+           "Hidden width of the dense layers' MLP (first_num_dense_layers; MaxText's default "
+           "7168, scaled down here like the other sizes). Range [1, 2^30).");
     return t;
   }();
   return *table;
