@@ -4,6 +4,7 @@
 // in a steady-state step, and clear errors.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -209,6 +210,55 @@ TEST(Model, DenseLayerGradientsMatchFiniteDifferences) {
     EXPECT_EQ(info.expert_load[1].size(), static_cast<size_t>(c.moe.num_experts));
     Fp8Health wi, wo;
     EXPECT_TRUE(model.ActivationHealth(ctx, 0, prepared, &wi, &wo).ok());
+  }
+}
+
+// Every QAT mode of the routed experts runs with a dense first layer and
+// shared experts (which stay in dtype): a finite loss and finite, non-zero
+// gradients of the dense MLPs' tensors.
+TEST(Model, EveryRoutedQatModeRunsWithTheFfnVariants) {
+  FP8MOE_RANDOM_SEED(seed);
+  const std::vector<std::vector<std::string>> modes = {
+      {},
+      {"dtype=float32"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
+       "fp8_moe_native_bwd_dlhs=true"},
+      {"quantization=fp8_full", "use_qwix_quantization=true"},
+      {"quantization=fp8_full", "use_qwix_quantization=true", "bwd_quantization_dtype=e4m3",
+       "moe_bwd_inkernel_quant=true"},
+      {"quantization=int8"},
+      {"quantization=nanoo_fp8"}};
+  for (const auto& flags : modes) {
+    SCOPED_TRACE(flags.empty() ? "none bf16" : flags.back());
+    ModelConfig c = Tiny(flags);
+    c.num_layers = 3;
+    c.first_num_dense_layers = 1;
+    c.base_mlp_dim = 12;
+    c.shared_experts = 1;
+    auto params = AllocateParams(c);
+    auto grads = AllocateParams(c);
+    ASSERT_TRUE(params.ok() && grads.ok());
+    ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+    const Tokens tok(c, seed + 1);
+    Context ctx;
+    Model model(c);
+    std::vector<PreparedMoeWeights> prepared;
+    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+    // NaN-poisoned: a gradient the backward does not write stays NaN.
+    for (auto& [name, t] : grads->Named()) {
+      std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), NAN);
+    }
+    ModelStepInfo info;
+    Status s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_TRUE(std::isfinite(info.loss));
+    for (const auto& [name, t] : grads->Named()) {
+      double sum = 0;
+      for (size_t i = 0; i < t->num_elements(); ++i) sum += std::fabs(t->data_as<float>()[i]);
+      EXPECT_TRUE(std::isfinite(sum) && sum > 0) << name << " " << sum;
+    }
   }
 }
 
