@@ -4,7 +4,9 @@
 // mean cross-entropy plus the MoE load-balancing losses. Forward and full
 // backward. Attention, norms and the dense matmuls run in f32 (the dense
 // matmuls on the library's f32 GMM with one group); the routed-expert GMMs
-// run in the MoE config's QAT mode.
+// run in the MoE config's QAT mode. The FFN variants (docs/design.md §5.1:
+// shared experts, dense first layers) are SwiGLU MLPs on the GMM with one
+// group in the configured dtype, never quantized.
 //
 // model/reference/ holds float64 twins of every piece, which the tests
 // compare with and take finite differences of.
