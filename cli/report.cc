@@ -126,14 +126,23 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
   if (runs[0].floor) {
     loss_plot += ", " + std::to_string(*runs[0].floor) + " with lines dt 2 lc rgb 'black' title 'entropy floor'";
   }
-  // Router load of layer 0 of the first run.
+  // Router load of the first MoE layer of the first run (a dense layer,
+  // first_num_dense_layers, logs an empty load).
   std::string load_plot;
   {
     std::ofstream load(tmp / "load");
     size_t experts = 0;
     for (const json& j : runs[0].steps) {
-      if (!j.contains("expert_load") || j["expert_load"].empty()) continue;
-      const json& l0 = j["expert_load"][0];
+      if (!j.contains("expert_load")) continue;
+      const json* first = nullptr;
+      for (const json& layer : j["expert_load"]) {
+        if (!layer.empty()) {
+          first = &layer;
+          break;
+        }
+      }
+      if (first == nullptr) continue;
+      const json& l0 = *first;
       experts = l0.size();
       load << j["step"].get<int64_t>();
       for (const json& v : l0) load << " " << v.get<double>();

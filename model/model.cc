@@ -10,6 +10,7 @@
 #include "base/check.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/memory.h"
+#include "model/ffn_block.h"
 #include "model/layers.h"
 
 namespace fp8moe {
@@ -34,6 +35,17 @@ Status ValidateModelConfig(const ModelConfig& c) {
   positive(c.mlp_dim, "base_moe_mlp_dim");
   positive(c.seq_len, "max_target_length");
   positive(c.batch, "per_device_batch_size");
+  if (c.shared_experts < 0) {
+    problems.push_back("shared_experts=" + std::to_string(c.shared_experts) +
+                       " is negative; set shared_experts=0 (none) or a count of shared experts");
+  }
+  positive(c.base_mlp_dim, "base_mlp_dim");
+  if (c.first_num_dense_layers < 0 || c.first_num_dense_layers > c.num_layers) {
+    problems.push_back("first_num_dense_layers=" + std::to_string(c.first_num_dense_layers) +
+                       " is outside [0, base_num_decoder_layers=" +
+                       std::to_string(c.num_layers) +
+                       "]; set it to the number of leading layers with a dense MLP");
+  }
   if (c.head_dim >= 1 && c.head_dim % 2 != 0) {
     problems.push_back("head_dim=" + std::to_string(c.head_dim) +
                        " is odd, but RoPE rotates pairs of dimensions; set head_dim=" +
@@ -63,6 +75,8 @@ Status ValidateModelConfig(const ModelConfig& c) {
   bounded(c.mlp_dim, "base_moe_mlp_dim");
   bounded(c.seq_len, "max_target_length");
   bounded(c.batch, "per_device_batch_size");
+  bounded(c.shared_experts, "shared_experts");
+  bounded(c.base_mlp_dim, "base_mlp_dim");
   // Sizes whose products would overflow the kernels' int32 group sizes. Only
   // once B and S are known to be below 2^31 (k below 2^63): the product then
   // fits in 128 bits.
@@ -85,12 +99,45 @@ Status ValidateModelConfig(const ModelConfig& c) {
     problems.push_back("2 x base_moe_mlp_dim exceeds " + std::to_string(kMaxDim) +
                        " (wi's fused gate|up width); lower base_moe_mlp_dim");
   }
+  if (problems.empty() && 2 * c.shared_experts * c.mlp_dim > kMaxDim) {
+    problems.push_back("2 x shared_experts x base_moe_mlp_dim exceeds " +
+                       std::to_string(kMaxDim) +
+                       " (shared_wi's fused gate|up width); lower shared_experts or "
+                       "base_moe_mlp_dim");
+  }
+  if (problems.empty() && 2 * c.base_mlp_dim > kMaxDim) {
+    problems.push_back("2 x base_mlp_dim exceeds " + std::to_string(kMaxDim) +
+                       " (mlp_wi's fused gate|up width); lower base_mlp_dim");
+  }
   if (!problems.empty()) {
     std::string m = "invalid model configuration: " + problems[0];
     for (size_t i = 1; i < problems.size(); ++i) m += "; " + problems[i];
     return InvalidArgument(m);
   }
-  return ValidateMoeConfig(c.moe);
+  FP8MOE_RETURN_IF_ERROR(ValidateMoeConfig(c.moe));
+  // Every layer dense: the flags that only act on MoE layers would do
+  // nothing, which is refused rather than ignored.
+  if (c.first_num_dense_layers >= c.num_layers) {
+    std::string moe_only;
+    if (c.shared_experts > 0) moe_only += " shared_experts=" + std::to_string(c.shared_experts);
+    const MoeQatMode qat = PlanMoeQuantization(c.moe).mode;
+    if (qat != MoeQatMode::kNone) {
+      moe_only += std::string(" a QAT mode of the routed experts (") +
+                  std::string(MoeQatModeName(qat)) +
+                  ": fp8_moe_fake_quant, fp8_moe_native_fwd, fp8_moe_native_bwd_dlhs, "
+                  "quantization)";
+    }
+    if (!moe_only.empty()) {
+      return InvalidArgument(
+          "invalid model configuration: first_num_dense_layers=" +
+          std::to_string(c.first_num_dense_layers) + " makes every one of the " +
+          std::to_string(c.num_layers) + " layers dense, but MoE-only flags are set:" + moe_only +
+          "; lower first_num_dense_layers below base_num_decoder_layers, or unset them "
+          "(shared_experts=0, fp8_moe_fake_quant=false fp8_fake_quant_hoist= "
+          "fp8_moe_native_fwd=false fp8_moe_native_bwd_dlhs=false quantization=)");
+    }
+  }
+  return OkStatus();
 }
 
 std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
@@ -103,9 +150,18 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
     out.emplace_back(p + "wqkv", &L.wqkv);
     out.emplace_back(p + "wo_attn", &L.wo_attn);
     out.emplace_back(p + "mlp_norm", &L.mlp_norm);
+    if (L.dense) {
+      out.emplace_back(p + "mlp_wi", &L.mlp_wi);
+      out.emplace_back(p + "mlp_wo", &L.mlp_wo);
+      continue;
+    }
     out.emplace_back(p + "router", &L.router);
     out.emplace_back(p + "wi", &L.wi);
     out.emplace_back(p + "wo", &L.wo);
+    if (L.shared) {
+      out.emplace_back(p + "shared_wi", &L.shared_wi);
+      out.emplace_back(p + "shared_wo", &L.shared_wo);
+    }
   }
   out.emplace_back("final_norm", &final_norm);
   out.emplace_back("lm_head", &lm_head);
@@ -118,6 +174,16 @@ std::vector<std::pair<std::string, const Tensor*>> ModelParams::Named() const {
   return out;
 }
 
+ModelParams ModelParams::Layout(const ModelConfig& c) {
+  ModelParams p;
+  p.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    p.layers[l].dense = IsDenseLayer(c, static_cast<int64_t>(l));
+    p.layers[l].shared = !p.layers[l].dense && c.shared_experts > 0;
+  }
+  return p;
+}
+
 uint64_t ModelParamCount(const ModelConfig& c) {
   // Sizes clamped to [0, 2^31] (validation refuses more): products of four
   // of them stay inside 128 bits; the total saturates at UINT64_MAX.
@@ -125,9 +191,12 @@ uint64_t ModelParamCount(const ModelConfig& c) {
   auto size = [](int64_t v) { return static_cast<U>(std::clamp<int64_t>(v, 0, int64_t{1} << 31)); };
   const U D = size(c.emb_dim), HD = size(c.num_heads) * size(c.head_dim),
           E = size(c.moe.num_experts), F = size(c.mlp_dim), V = size(c.vocab_size),
-          L = size(c.num_layers);
-  const U layer = 2 * D + D * 3 * HD + HD * D + D * E + E * D * 2 * F + E * F * D;
-  const U total = 2 * V * D + D + L * layer;
+          L = size(c.num_layers), SF = size(c.shared_experts) * F,
+          Ld = std::min(size(c.first_num_dense_layers), L), Fd = size(c.base_mlp_dim);
+  const U layer = 2 * D + D * 3 * HD + HD * D + D * E + E * D * 2 * F + E * F * D +
+                  D * 2 * SF + SF * D;
+  const U dense_layer = 2 * D + D * 3 * HD + HD * D + D * 2 * Fd + Fd * D;
+  const U total = 2 * V * D + D + (L - Ld) * layer + Ld * dense_layer;
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }
@@ -137,8 +206,8 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
   const int64_t D = c.emb_dim, HD = c.num_heads * c.head_dim, E = c.moe.num_experts,
                 F = c.mlp_dim, V = c.vocab_size;
   const int64_t rows = expert_rows < 0 ? E : expert_rows;
-  ModelParams skeleton;  // Named() gives the names and their order
-  skeleton.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
+  const int64_t SF = c.shared_experts * F, Fd = c.base_mlp_dim;
+  ModelParams skeleton = ModelParams::Layout(c);  // Named() gives the names and their order
   std::vector<std::pair<std::string, Shape>> out;
   for (const auto& [name, t] : skeleton.Named()) {
     const std::string leaf = name.substr(name.rfind('.') + 1);  // npos + 1 = 0
@@ -151,6 +220,10 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
     if (leaf == "router") s = {D, E};
     if (leaf == "wi") s = {rows, D, 2 * F};
     if (leaf == "wo") s = {rows, F, D};
+    if (leaf == "shared_wi") s = {D, 2 * SF};
+    if (leaf == "shared_wo") s = {SF, D};
+    if (leaf == "mlp_wi") s = {D, 2 * Fd};
+    if (leaf == "mlp_wo") s = {Fd, D};
     FP8MOE_DCHECK(!s.empty());  // every tensor of Named() has its shape here
     out.emplace_back(name, std::move(s));
   }
@@ -169,7 +242,8 @@ Result<ModelParams> AllocateParams(const ModelConfig& c, int64_t expert_rows) {
   using U = unsigned __int128;  // four validated sizes (< 2^31 each) fit
   const int64_t E = c.moe.num_experts, rows = expert_rows < 0 ? E : expert_rows;
   const U whole = ModelParamCount(c);
-  const U left_out = static_cast<U>(c.num_layers) * 3 * static_cast<U>(c.emb_dim) *
+  const U left_out = static_cast<U>(c.num_layers - c.first_num_dense_layers) * 3 *
+                     static_cast<U>(c.emb_dim) *
                      static_cast<U>(c.mlp_dim) * static_cast<U>(E - rows);
   const uint64_t count = static_cast<uint64_t>(whole > left_out ? whole - left_out : 0);
   FP8MOE_RETURN_IF_ERROR(CheckMemoryRequest(
@@ -177,8 +251,7 @@ Result<ModelParams> AllocateParams(const ModelConfig& c, int64_t expert_rows) {
       count > std::numeric_limits<uint64_t>::max() / 4 ? std::numeric_limits<uint64_t>::max()
                                                        : count * 4));
   const auto shapes = ParamShapes(c, rows);
-  ModelParams p;
-  p.layers.resize(static_cast<size_t>(c.num_layers));
+  ModelParams p = ModelParams::Layout(c);
   const auto named = p.Named();
   for (size_t k = 0; k < named.size(); ++k) {
     FP8MOE_ASSIGN_OR_RETURN(*named[k].second, Tensor::Create(DType::kF32, shapes[k].second));
@@ -242,6 +315,8 @@ struct Model::Buffers {
   std::vector<Layer> layers;
   Tensor xf, nf, invf, logits, dlogits;
   Tensor dx, dtmp, dqkv, dattn, moe_y;
+  std::vector<internal::DenseMlpState> ffn;  // per layer: the shared experts' activations
+  internal::DenseMlpScratch ffn_scratch;
 };
 
 Model::Model(const ModelConfig& config) : config_(config), b_(std::make_unique<Buffers>()) {}
@@ -285,6 +360,7 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   FP8MOE_RETURN_IF_ERROR(Make(&b->dqkv, {N, 3 * HD}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dattn, {N, HD}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->moe_y, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(internal::AllocateFfn(c, &b->ffn, &b->ffn_scratch));
   b->ready = true;
   return OkStatus();
 }
@@ -316,6 +392,7 @@ auto ExpertRows(const ModelConfig& c, T& t, bool wo, const Communicator* ring) {
 // with 0): what reads or writes them needs them.
 Status NeedExperts(const ModelParams& p, const std::string& what, const std::string& why) {
   for (size_t l = 0; l < p.layers.size(); ++l) {
+    if (p.layers[l].dense) continue;  // a dense MLP layer has no experts
     if (p.layers[l].wi.rank() == 3 && p.layers[l].wi.dim(0) > 0 && p.layers[l].wo.rank() == 3 &&
         p.layers[l].wo.dim(0) > 0) {
       continue;
@@ -343,6 +420,7 @@ Status Model::PrepareExperts(Context& ctx, const ModelParams& params,
   }
   if (prepared->size() != params.layers.size()) prepared->resize(params.layers.size());
   for (size_t l = 0; l < params.layers.size(); ++l) {
+    if (IsDenseLayer(config_, static_cast<int64_t>(l))) continue;  // no experts to prepare
     Communicator* ring = ranks_.expert_ring;
     FP8MOE_RETURN_IF_ERROR(PrepareMoeWeights(
         ctx, config_.moe, ExpertRows(config_, params.layers[l].wi, false, ring),
@@ -416,14 +494,12 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     MoeStepInfo mi;
     MoeOptions mo;
     mo.ranks = ranks_;
-    FP8MOE_RETURN_IF_ERROR(MoeForward(ctx, c.moe, A.n2.view(), MasterOf(c, P, ranks_.expert_ring),
-                                      prepared[static_cast<size_t>(l)], &A.moe, b.moe_y.view(),
-                                      &mi, mo));
+    FP8MOE_RETURN_IF_ERROR(internal::FfnForward(
+        ctx, c, mo, l, P, MasterOf(c, P, ranks_.expert_ring), prepared[static_cast<size_t>(l)],
+        A.n2.view(), &A.moe, &b.ffn[static_cast<size_t>(l)], &b.ffn_scratch, b.moe_y.view(), &mi,
+        &info->expert_load[static_cast<size_t>(l)]));
     info->aux_loss += mi.aux_loss;
     info->dropless_reruns += mi.stats.dropless_reruns;
-    const ConstTensorView gs = A.moe.group_sizes();
-    auto& load = info->expert_load[static_cast<size_t>(l)];
-    load.assign(gs.as<int32_t>(), gs.as<int32_t>() + gs.num_elements());
     float* next = l + 1 < L ? b.layers[static_cast<size_t>(l + 1)].x.data_as<float>()
                             : b.xf.data_as<float>();
     FP8MOE_RETURN_IF_ERROR(internal::Add(ctx, A.x1.data_as<float>(), b.moe_y.data_as<float>(),
@@ -457,15 +533,15 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     const LayerParams& P = params.layers[static_cast<size_t>(l)];
     LayerParams& G = grads->layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
-    // MoE FFN: dy = dx; its dx is the gradient of n2.
+    // FFN (MoE + shared experts): dy = dx; its dx is the gradient of n2.
     const MoeGradientViews mg{b.dtmp.view(), G.router.view(),
                               ExpertRows(c, G.wi, false, ranks_.expert_ring),
                               ExpertRows(c, G.wo, true, ranks_.expert_ring)};
     MoeOptions mo;
     mo.ranks = ranks_;
-    FP8MOE_RETURN_IF_ERROR(MoeBackward(ctx, c.moe, A.n2.view(), MasterOf(c, P, ranks_.expert_ring),
-                                       prepared[static_cast<size_t>(l)], &A.moe, b.dx.view(),
-                                       mg, mo));
+    FP8MOE_RETURN_IF_ERROR(internal::FfnBackward(
+        ctx, c, mo, l, P, MasterOf(c, P, ranks_.expert_ring), prepared[static_cast<size_t>(l)],
+        A.n2.view(), &A.moe, b.ffn[static_cast<size_t>(l)], &b.ffn_scratch, b.dx.view(), mg, &G));
     FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, A.x1.data_as<float>(),
                                                      P.mlp_norm.data_as<float>(),
                                                      A.inv2.data_as<float>(), dtmp, N, D, dx,
@@ -498,6 +574,11 @@ Status Model::ActivationHealth(Context& ctx, int64_t layer,
                                Fp8Health* wo_lhs) {
   if (layer < 0 || layer >= config_.num_layers || !b_->ready) {
     return InvalidArgument("no activations of layer " + std::to_string(layer));
+  }
+  if (IsDenseLayer(config_, layer)) {  // a dense MLP: nothing quantized
+    *wi_lhs = {};
+    *wo_lhs = {};
+    return OkStatus();
   }
   return MoeActivationHealth(ctx, config_.moe, prepared[static_cast<size_t>(layer)],
                              &b_->layers[static_cast<size_t>(layer)].moe, wi_lhs, wo_lhs);

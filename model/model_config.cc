@@ -22,6 +22,23 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
              "rope_max_timescale^(2i / head_dim).");
     t->Float("normalization_layer_epsilon", &M::norm_eps,
              "RMSNorm epsilon under the square root.");
+    // The FFN variants (docs/design.md "FFN variants").
+    t->Int("shared_experts", &M::shared_experts,
+           "Always-active SwiGLU experts of width base_moe_mlp_dim beside the routed ones "
+           "(DeepSeek-V3: 1), fused as one MLP of width shared_experts x base_moe_mlp_dim "
+           "(shared_wi [D, 2 S F], shared_wo [S F, D]) on the MoE layer's input, its output "
+           "added to the routed output; run in dtype, never quantized. 0: none (MaxText's "
+           "base.yml has 1, read only by its DeepSeek decoder; 0 keeps this default model "
+           "unchanged). Range [0, 2^31).");
+    t->Int("first_num_dense_layers", &M::first_num_dense_layers,
+           "Leading decoder layers with a dense SwiGLU MLP of width base_mlp_dim instead of "
+           "MoE (DeepSeek-V3: 3): no router, experts or shared experts there (mlp_wi "
+           "[D, 2 base_mlp_dim], mlp_wo [base_mlp_dim, D]); run in dtype, never quantized. "
+           "Range [0, base_num_decoder_layers]; all layers dense only with the MoE-only flags "
+           "(shared_experts, the QAT modes) unset.");
+    t->Int("base_mlp_dim", &M::base_mlp_dim,
+           "Hidden width of the dense layers' MLP (first_num_dense_layers; MaxText's default "
+           "7168, scaled down here like the other sizes). Range [1, 2^30).");
     return t;
   }();
   return *table;

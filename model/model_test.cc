@@ -4,6 +4,7 @@
 // in a steady-state step, and clear errors.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -142,6 +143,125 @@ TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
   ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
 }
 
+// The FFN variants (shared experts, dense first layers): the same check of
+// every parameter, shared_wi / shared_wo and mlp_wi / mlp_wo included.
+void CheckGradientsOfSomeDraw(const ModelConfig& c, uint64_t seed) {
+  for (uint64_t draw = 0; draw < 3; ++draw) {
+    bool near_tie = false;
+    CheckGradients(c, seed + draw * 1000003, &near_tie);
+    if (::testing::Test::HasFatalFailure() || !near_tie) return;
+  }
+  ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
+}
+
+TEST(Model, SharedExpertGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (int64_t shared : {1, 2}) {
+    ModelConfig c = Tiny();
+    c.shared_experts = shared;
+    SCOPED_TRACE("shared_experts=" + std::to_string(shared));
+    CheckGradientsOfSomeDraw(c, seed);
+    auto params = AllocateParams(c);
+    ASSERT_TRUE(params.ok());
+    int shared_tensors = 0;
+    for (const auto& [name, t] : params->Named()) {
+      if (name.find(".shared_w") != std::string::npos) ++shared_tensors;
+    }
+    EXPECT_EQ(shared_tensors, 2 * c.num_layers);
+    EXPECT_EQ(params->layers[1].shared_wi.shape(), (Shape{c.emb_dim, 2 * shared * c.mlp_dim}));
+    EXPECT_EQ(params->layers[1].shared_wo.shape(), (Shape{shared * c.mlp_dim, c.emb_dim}));
+  }
+}
+
+TEST(Model, DenseLayerGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (int64_t shared : {0, 1}) {
+    ModelConfig c = Tiny();
+    c.num_layers = 3;
+    c.first_num_dense_layers = 1;
+    c.base_mlp_dim = 10;
+    c.shared_experts = shared;
+    SCOPED_TRACE("first_num_dense_layers=1 shared_experts=" + std::to_string(shared));
+    CheckGradientsOfSomeDraw(c, seed);
+    auto params = AllocateParams(c);
+    ASSERT_TRUE(params.ok());
+    std::vector<std::string> layer0;
+    for (const auto& [name, t] : params->Named()) {
+      if (name.starts_with("layers.0.")) layer0.push_back(name.substr(9));
+    }
+    EXPECT_EQ(layer0, (std::vector<std::string>{"attn_norm", "wqkv", "wo_attn", "mlp_norm",
+                                                "mlp_wi", "mlp_wo"}));
+    EXPECT_EQ(params->layers[0].mlp_wi.shape(), (Shape{c.emb_dim, 2 * c.base_mlp_dim}));
+    EXPECT_EQ(params->layers[0].mlp_wo.shape(), (Shape{c.base_mlp_dim, c.emb_dim}));
+    EXPECT_EQ(params->layers[1].shared, shared > 0);
+    uint64_t total = 0;
+    for (const auto& [name, t] : params->Named()) total += t->num_elements();
+    EXPECT_EQ(ModelParamCount(c), total);
+    // A dense layer routes nothing: its load is empty, the MoE layers' are not.
+    Context ctx;
+    Model model(c);
+    std::vector<PreparedMoeWeights> prepared;
+    ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+    const Tokens tok(c, seed);
+    ModelStepInfo info;
+    ASSERT_TRUE(model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info).ok());
+    EXPECT_TRUE(info.expert_load[0].empty());
+    EXPECT_EQ(info.expert_load[1].size(), static_cast<size_t>(c.moe.num_experts));
+    Fp8Health wi, wo;
+    EXPECT_TRUE(model.ActivationHealth(ctx, 0, prepared, &wi, &wo).ok());
+  }
+}
+
+// Every QAT mode of the routed experts runs with a dense first layer and
+// shared experts (which stay in dtype): a finite loss and finite, non-zero
+// gradients of the dense MLPs' tensors.
+TEST(Model, EveryRoutedQatModeRunsWithTheFfnVariants) {
+  FP8MOE_RANDOM_SEED(seed);
+  const std::vector<std::vector<std::string>> modes = {
+      {},
+      {"dtype=float32"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
+       "fp8_moe_native_bwd_dlhs=true"},
+      {"quantization=fp8_full", "use_qwix_quantization=true"},
+      {"quantization=fp8_full", "use_qwix_quantization=true", "bwd_quantization_dtype=e4m3",
+       "moe_bwd_inkernel_quant=true"},
+      {"quantization=int8"},
+      {"quantization=nanoo_fp8"}};
+  for (const auto& flags : modes) {
+    SCOPED_TRACE(flags.empty() ? "none bf16" : flags.back());
+    ModelConfig c = Tiny(flags);
+    c.num_layers = 3;
+    c.first_num_dense_layers = 1;
+    c.base_mlp_dim = 12;
+    c.shared_experts = 1;
+    auto params = AllocateParams(c);
+    auto grads = AllocateParams(c);
+    ASSERT_TRUE(params.ok() && grads.ok());
+    ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+    const Tokens tok(c, seed + 1);
+    Context ctx;
+    Model model(c);
+    std::vector<PreparedMoeWeights> prepared;
+    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+    // NaN-poisoned: a gradient the backward does not write stays NaN.
+    for (auto& [name, t] : grads->Named()) {
+      std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), NAN);
+    }
+    ModelStepInfo info;
+    Status s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_TRUE(std::isfinite(info.loss));
+    for (const auto& [name, t] : grads->Named()) {
+      double sum = 0;
+      for (size_t i = 0; i < t->num_elements(); ++i) sum += std::fabs(t->data_as<float>()[i]);
+      EXPECT_TRUE(std::isfinite(sum) && sum > 0) << name << " " << sum;
+    }
+  }
+}
+
 // Loss and every gradient of one step, as bytes.
 std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads, uint64_t seed) {
   auto params = AllocateParams(c);
@@ -180,6 +300,13 @@ TEST(Model, BitsDoNotDependOnTheThreadCount) {
     c.emb_dim = 32;
     c.mlp_dim = 48;
     EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed)) << (flags.empty() ? "bf16" : flags[0]);
+    c.shared_experts = 2;
+    EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed))
+        << (flags.empty() ? "bf16" : flags[0]) << " with shared experts";
+    c.first_num_dense_layers = 1;
+    c.base_mlp_dim = 40;
+    EXPECT_TRUE(StepBits(c, 1, seed) == StepBits(c, 2, seed))
+        << (flags.empty() ? "bf16" : flags[0]) << " with a dense first layer";
   }
   omp_set_num_threads(saved);
 }
@@ -210,8 +337,7 @@ TEST(Model, SteadyStateStepAllocatesNothing) {
 // The trainer draws the initial weights a tensor at a time (never the whole
 // set): the same bits as InitParams into whole tensors; ParamShapes are the
 // shapes AllocateParams makes, experts included or not.
-TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
-  const ModelConfig c = Tiny();
+void CheckInitStreams(const ModelConfig& c) {
   auto whole = AllocateParams(c);
   ASSERT_TRUE(whole.ok());
   FP8MOE_RANDOM_SEED(seed);
@@ -246,12 +372,47 @@ TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
   }
 }
 
+TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
+  ModelConfig c = Tiny();
+  CheckInitStreams(c);
+  c.shared_experts = 2;
+  CheckInitStreams(c);
+  c.first_num_dense_layers = 1;
+  c.base_mlp_dim = 5;
+  CheckInitStreams(c);
+}
+
 TEST(Model, BadInputsAreClearErrors) {
   ModelConfig c = Tiny();
   c.head_dim = 3;
   Status s = ValidateModelConfig(c);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("head_dim=3"), std::string::npos) << s.message();
+  c = Tiny();
+  c.shared_experts = -1;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("shared_experts=-1"), std::string::npos) << s.message();
+  c = Tiny();
+  c.first_num_dense_layers = 3;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("first_num_dense_layers=3 is outside [0, base_num_decoder_layers=2]"),
+            std::string::npos) << s.message();
+  c = Tiny();
+  c.base_mlp_dim = 0;
+  EXPECT_NE(ValidateModelConfig(c).message().find("base_mlp_dim=0"), std::string::npos);
+  // Every layer dense with MoE-only flags set: refused, naming them.
+  c = Tiny();
+  c.first_num_dense_layers = 2;
+  EXPECT_TRUE(ValidateModelConfig(c).ok()) << "all dense, no MoE-only flag";
+  c.shared_experts = 1;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("MoE-only flags are set: shared_experts=1"), std::string::npos)
+      << s.message();
+  c = Tiny({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8"});
+  c.first_num_dense_layers = 2;
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("a QAT mode of the routed experts (fake_qat"), std::string::npos)
+      << s.message();
   c = Tiny();
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);

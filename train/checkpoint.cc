@@ -225,7 +225,14 @@ std::string ModelSignature(const ModelConfig& m) {
   return "V=" + std::to_string(m.vocab_size) + " D=" + std::to_string(m.emb_dim) +
          " L=" + std::to_string(m.num_layers) + " H=" + std::to_string(m.num_heads) +
          " hd=" + std::to_string(m.head_dim) + " F=" + std::to_string(m.mlp_dim) +
-         " E=" + std::to_string(m.moe.num_experts) + " k=" + std::to_string(m.moe.num_experts_per_tok);
+         " E=" + std::to_string(m.moe.num_experts) + " k=" + std::to_string(m.moe.num_experts_per_tok) +
+         // The FFN variants, named only when set: the default model's
+         // signature (and so its existing checkpoints) is unchanged.
+         (m.shared_experts != 0 ? " shared_experts=" + std::to_string(m.shared_experts) : "") +
+         (m.first_num_dense_layers != 0
+              ? " first_num_dense_layers=" + std::to_string(m.first_num_dense_layers) +
+                    " base_mlp_dim=" + std::to_string(m.base_mlp_dim)
+              : "");
 }
 
 std::string CheckpointPath(const std::string& dir, int64_t step) {

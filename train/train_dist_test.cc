@@ -315,6 +315,32 @@ TEST(TrainDist, ExpertParallelLossesMatchOneRank) {
   }
 }
 
+// The FFN variants (a dense first layer, shared experts on the MoE layer):
+// their tensors are dense parameters under FSDP and outside the expert ring,
+// so f32 runs on FSDP ranks and on an expert ring match one rank within 1e-5.
+TEST(TrainDist, FfnVariantsMatchOneRank) {
+  const auto flags = With(With(Tiny("ffn", 20), kF32),
+                          {"base_num_decoder_layers=3", "first_num_dense_layers=1",
+                           "base_mlp_dim=24", "shared_experts=1"});
+  RunResult one = RunRanks(1, flags, true);
+  ASSERT_TRUE(one.status.ok()) << one.status.ToString();
+  ASSERT_EQ(one.losses.size(), 20u);
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"ici_fsdp_parallelism=2", "ici_expert_parallelism=1"},
+        std::vector<std::string>{"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}}) {
+    SCOPED_TRACE(layout[0] + " " + layout[1]);
+    RunResult n = RunRanks(2, With(flags, layout), true);
+    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
+    ASSERT_EQ(n.losses.size(), 20u);
+    const double rel = MaxRelative(n.losses, one.losses);
+    std::printf("ffn variants %s %s: max relative loss difference over 20 steps %.3g\n",
+                layout[0].c_str(), layout[1].c_str(), rel);
+    EXPECT_LT(rel, 1e-5);
+    EXPECT_LT(MaxRelative(n.grad_norms, one.grad_norms), 1e-4);
+  }
+  EXPECT_LT(one.losses.back(), one.losses.front());
+}
+
 // num_moe_token_chunks: the layer's tokens in chunks, on one rank and on
 // expert rings (the ring overlaps the next chunk's dispatch with this chunk's
 // GMMs), against one rank without chunks. Only the expert weight gradients

@@ -55,10 +55,14 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   //   through (the largest tensor).
   const U params = ModelParamCount(m);
   const U expert_layer = E * D * 2 * F + E * F * D;
-  const U experts = L * expert_layer;
+  // first_num_dense_layers have no experts (their MLP is a dense tensor).
+  const U Ld = std::min(Pos(m.first_num_dense_layers), L), Fd = Pos(m.base_mlp_dim);
+  const U experts = (L - Ld) * expert_layer;
   const U dense = params - std::min(params, experts);
   const U local_experts = experts / Pe;
-  const U largest = std::max({V * D, D * 3 * HD, E * D * 2 * F, D * E});
+  const U SF = Pos(m.shared_experts) * F;  // the shared experts' fused width
+  const U largest =
+      std::max({V * D, D * 3 * HD, E * D * 2 * F, D * E, D * 2 * SF, Ld > 0 ? D * 2 * Fd : 0});
   const U shards = 4 * (dense / ranks + experts / ranks + 2 * L + 1);
   const U f32_experts = MoeReadsF32Masters(m.moe) ? local_experts : 0;
   plan.weights_bytes =
@@ -111,7 +115,21 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
                       health;
   // The token ids of the whole global batch (every rank reads it).
   const U global = 4 * (5 * Nl * D + Nl + 2 * Nl * V + 4 * Nl * HD + S * Pos(m.head_dim)) + 8 * N;
-  plan.activation_bytes = Saturate(L * per_layer + global);
+  // The dense MLPs (model/ffn_block.h: the shared experts, width SF, of an
+  // MoE layer, a dense layer's, width Fd), per layer: h [N, 2W] and a [N, W]
+  // in the activation dtype, and in bfloat16 the bf16 copies of the input
+  // [N, D] and of the two weights; once: the output and input gradient
+  // [N, D] f32, dh [N, 2W] and dy [N, D] in the activation dtype. A dense
+  // layer is counted with an MoE layer's buffers too (an upper bound: its
+  // workspace stays empty).
+  const U dense_act = m.moe.dtype == DType::kF32 ? 4 : 2;
+  auto mlp = [&](U W) {
+    return W == 0 ? 0 : dense_act * 3 * Nl * W + (dense_act == 2 ? 2 * (Nl * D + 3 * D * W) : 0);
+  };
+  const U widest = Ld > 0 ? std::max(SF, Fd) : SF;
+  const U mlp_once = widest == 0 ? 0 : 8 * Nl * D + dense_act * Nl * (2 * widest + D);
+  plan.activation_bytes =
+      Saturate(L * per_layer + (L - Ld) * mlp(SF) + Ld * mlp(Fd) + global + mlp_once);
   // The data: the synthetic corpus's transition tables (doubles), or the
   // whole text file.
   if (c.data.type == "text") {

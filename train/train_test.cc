@@ -268,10 +268,16 @@ TEST(Train, LossFallsAndTheRunDirectoryIsComplete) {
 }
 
 TEST(Train, ResumingGivesTheBitsOfAnUninterruptedRun) {
-  for (const char* mode : {"fp8_moe_native_bwd_dlhs=true", "fp8_moe_fake_quant=false"}) {
+  for (const char* mode :
+       {"fp8_moe_native_bwd_dlhs=true", "fp8_moe_fake_quant=false", "shared_experts=1"}) {
     SCOPED_TRACE(mode);
     std::vector<std::string> a = Tiny("whole");
     std::vector<std::string> b = Tiny("pieces");
+    if (std::string(mode) == "shared_experts=1") {  // the FFN variants' tensors resume too
+      for (auto* f : {&a, &b}) {
+        f->insert(f->end(), {"shared_experts=1", "first_num_dense_layers=1", "base_mlp_dim=24"});
+      }
+    }
     if (std::string(mode) == "fp8_moe_fake_quant=false") {
       for (auto* f : {&a, &b}) {
         f->insert(f->end(), {"fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=",

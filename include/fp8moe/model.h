@@ -4,7 +4,9 @@
 // mean cross-entropy plus the MoE load-balancing losses. Forward and full
 // backward. Attention, norms and the dense matmuls run in f32 (the dense
 // matmuls on the library's f32 GMM with one group); the routed-expert GMMs
-// run in the MoE config's QAT mode.
+// run in the MoE config's QAT mode. The FFN variants (docs/design.md §5.1:
+// shared experts, dense first layers) are SwiGLU MLPs on the GMM with one
+// group in the configured dtype, never quantized.
 //
 // model/reference/ holds float64 twins of every piece, which the tests
 // compare with and take finite differences of.
@@ -40,7 +42,15 @@ struct ModelConfig {
   double rope_max_timescale = 10000.0;
   double norm_eps = 1e-6;      // normalization_layer_epsilon
   MoeConfig moe;
+  // The FFN variants (docs/design.md §5.1): always-active shared experts
+  // beside the routed ones, and dense first layers.
+  int64_t shared_experts = 0;          // S: shared SwiGLU experts of width F per MoE layer
+  int64_t first_num_dense_layers = 0;  // layers [0, this) have a dense MLP instead of MoE
+  int64_t base_mlp_dim = 128;          // Fd: the dense MLP's hidden width
 };
+
+// Whether layer l has the dense MLP (first_num_dense_layers) instead of MoE.
+inline bool IsDenseLayer(const ModelConfig& c, int64_t l) { return l < c.first_num_dense_layers; }
 
 // The shape flags (vocab_size, base_emb_dim, ..., max_target_length, the
 // RoPE and norm constants) bound to ModelConfig's fields; batch has its
@@ -60,6 +70,17 @@ struct LayerParams {
   Tensor router;     // [D, E]
   Tensor wi;         // [E, D, 2F]
   Tensor wo;         // [E, F, D]
+  // The shared experts, fused into one SwiGLU MLP of width S*F in wi's
+  // gate | up layout; in Named() (and so in checkpoints) only when `shared`
+  // (shared_experts S > 0; ModelParams::Layout sets it).
+  bool shared = false;
+  Tensor shared_wi;  // [D, 2*S*F]: the S experts' gates | their ups
+  Tensor shared_wo;  // [S*F, D]
+  // A dense layer (IsDenseLayer): a SwiGLU MLP of width Fd in wi's layout
+  // and no router, wi, wo or shared experts (left empty, not in Named()).
+  bool dense = false;
+  Tensor mlp_wi;  // [D, 2*Fd]: gate | up
+  Tensor mlp_wo;  // [Fd, D]
 };
 
 // All weights of the model (or, with the same shapes, their gradients or an
@@ -74,6 +95,10 @@ struct ModelParams {
   // in a fixed order.
   std::vector<std::pair<std::string, Tensor*>> Named();
   std::vector<std::pair<std::string, const Tensor*>> Named() const;
+
+  // L layers, each marked with the optional tensors the config gives it
+  // (none allocated): what Named() lists. AllocateParams starts from it.
+  static ModelParams Layout(const ModelConfig& config);
 };
 
 // Parameters of the model (every tensor of ModelParams), saturating at

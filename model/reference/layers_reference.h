@@ -30,6 +30,12 @@ double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, c
               const float* wo, int64_t experts, int64_t k, int64_t f, bool norm_topk_prob,
               double lb_weight, double* y, std::vector<int32_t>* routing);
 
+// A dense SwiGLU MLP in double, added to y: y [rows, d] += (silu(gate) * up)
+// @ wo, gate | up = x [rows, d] @ wi [d, 2w] (columns [0, w) | [w, 2w)),
+// wo [w, d]. The shared experts (w = S*F) and the dense layers' MLP.
+void AddSwiGluMlp(const double* x, int64_t rows, int64_t d, const float* wi, const float* wo,
+                  int64_t w, double* y);
+
 }  // namespace fp8moe::reference
 
 #endif  // FP8MOE_MODEL_REFERENCE_LAYERS_REFERENCE_H_

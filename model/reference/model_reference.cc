@@ -156,6 +156,26 @@ double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, c
   return lb_weight * static_cast<double>(experts) * aux;
 }
 
+void AddSwiGluMlp(const double* x, int64_t rows, int64_t d, const float* wi, const float* wo,
+                  int64_t w, double* y) {
+  std::vector<double> a(static_cast<size_t>(w));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t n = 0; n < w; ++n) {
+      double g = 0, u = 0;
+      for (int64_t i = 0; i < d; ++i) {
+        g += x[r * d + i] * wi[i * 2 * w + n];
+        u += x[r * d + i] * wi[i * 2 * w + w + n];
+      }
+      a[static_cast<size_t>(n)] = g / (1.0 + std::exp(-g)) * u;
+    }
+    for (int64_t i = 0; i < d; ++i) {
+      double s = 0;
+      for (int64_t n = 0; n < w; ++n) s += a[static_cast<size_t>(n)] * wo[n * d + i];
+      y[r * d + i] += s;
+    }
+  }
+}
+
 namespace {
 std::vector<double> ToDouble(const Tensor& t) {
   const float* d = t.data_as<float>();
@@ -197,9 +217,20 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
     MatMul(attn.data(), P.wo_attn.data_as<float>(), N, HD, D, proj.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += proj[i];
     RmsNorm(x.data(), ToDouble(P.mlp_norm).data(), N, D, c.norm_eps, n.data());
+    if (P.dense) {  // first_num_dense_layers: the dense MLP instead of MoE
+      std::fill(y.begin(), y.end(), 0.0);
+      AddSwiGluMlp(n.data(), N, D, P.mlp_wi.data_as<float>(), P.mlp_wo.data_as<float>(),
+                   c.base_mlp_dim, y.data());
+      for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
+      continue;
+    }
     aux += MoeFfn(n.data(), N, D, P.router.data_as<float>(), P.wi.data_as<float>(),
                   P.wo.data_as<float>(), c.moe.num_experts, c.moe.num_experts_per_tok, F,
                   c.moe.norm_topk_prob, c.moe.load_balance_loss_weight, y.data(), route);
+    if (P.shared) {
+      AddSwiGluMlp(n.data(), N, D, P.shared_wi.data_as<float>(), P.shared_wo.data_as<float>(),
+                   c.shared_experts * F, y.data());
+    }
     for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
   }
   RmsNorm(x.data(), ToDouble(params.final_norm).data(), N, D, c.norm_eps, n.data());

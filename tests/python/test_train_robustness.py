@@ -76,6 +76,15 @@ BAD_FLAGS = [
     (["dataset_type=text", "vocab_size=256", "dataset_path=/etc/hostname", "eval_split_fraction=1"],
      "eval_split_fraction"),
     (["nosuchkey=1"], "nosuchkey"), (["stpes=10"], "did you mean 'steps'"), (["steps"], "steps"),
+    # The FFN variants (issue 36).
+    (["shared_experts=-1"], "shared_experts=-1"),
+    (["shared_experts=1000000000"], "shared_experts x base_moe_mlp_dim"),
+    (["first_num_dense_layers=3"], "first_num_dense_layers=3 is outside"),
+    (["first_num_dense_layers=-1"], "first_num_dense_layers=-1"),
+    (["base_mlp_dim=0"], "base_mlp_dim=0"),
+    (["first_num_dense_layers=2", "shared_experts=1"], "MoE-only flags are set: shared_experts=1"),
+    # The trainer's default QAT mode is native FP8: an all-dense model must unset it.
+    (["first_num_dense_layers=2"], "a QAT mode of the routed experts"),
 ]
 
 
@@ -229,6 +238,9 @@ def test_random_mutations_of_a_checkpoint_are_refused_and_left_alone(fp8moe_bin,
 def test_checkpoint_of_another_config_or_a_future_step_exits_2(fp8moe_bin, tmp_path):
     tiny_checkpoint(fp8moe_bin, tmp_path)
     for flags, needle in ((["steps=8", "base_moe_mlp_dim=24"], "holds a model of shape"),
+                          # the FFN variants: the signature names the flag
+                          (["steps=8", "shared_experts=1"], "shared_experts=1"),
+                          (["steps=8", "first_num_dense_layers=1"], "first_num_dense_layers=1"),
                           (["steps=8", "fp8_moe_native_bwd_dlhs=false"], "QAT mode"),
                           (["steps=2"], "past this run's steps=2")):
         before = {c.name: c.read_bytes() for c in (tmp_path / "seed" / "checkpoints").iterdir()}
