@@ -10,6 +10,7 @@
 #include "base/check.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/memory.h"
+#include "model/attention_block.h"
 #include "model/layers.h"
 
 namespace fp8moe {
@@ -60,6 +61,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
   bounded(c.num_layers, "base_num_decoder_layers");
   bounded(c.num_heads, "base_num_query_heads");
   bounded(c.head_dim, "head_dim");
+  bounded(c.num_kv_heads, "base_num_kv_heads");
   bounded(c.mlp_dim, "base_moe_mlp_dim");
   bounded(c.seq_len, "max_target_length");
   bounded(c.batch, "per_device_batch_size");
@@ -76,10 +78,23 @@ Status ValidateModelConfig(const ModelConfig& c) {
         "routed rows for one step (group sizes are int32); lower per_device_batch_size or "
         "max_target_length");
   }
+  if (c.num_kv_heads < 0) {
+    problems.push_back("base_num_kv_heads=" + std::to_string(c.num_kv_heads) +
+                       " is negative; set it to a divisor of base_num_query_heads, or 0 for "
+                       "base_num_query_heads (multi-head attention)");
+  }
+  if (problems.empty() && c.num_heads % KvHeads(c) != 0) {
+    problems.push_back("base_num_query_heads=" + std::to_string(c.num_heads) +
+                       " is not a multiple of base_num_kv_heads=" +
+                       std::to_string(c.num_kv_heads) +
+                       " (each kv head serves the same number of query heads); set "
+                       "base_num_kv_heads to a divisor of base_num_query_heads");
+  }
   if (problems.empty() &&
-      static_cast<__int128>(c.num_heads) * c.head_dim * 3 > kMaxDim) {
-    problems.push_back("3 x base_num_query_heads x head_dim exceeds " + std::to_string(kMaxDim) +
-                       " (the fused q|k|v width); lower base_num_query_heads or head_dim");
+      (static_cast<__int128>(c.num_heads) + 2 * KvHeads(c)) * c.head_dim > kMaxDim) {
+    problems.push_back("(base_num_query_heads + 2 x base_num_kv_heads) x head_dim exceeds " +
+                       std::to_string(kMaxDim) +
+                       " (the fused q|k|v width); lower the head counts or head_dim");
   }
   if (problems.empty() && 2 * c.mlp_dim > kMaxDim) {
     problems.push_back("2 x base_moe_mlp_dim exceeds " + std::to_string(kMaxDim) +
@@ -124,9 +139,10 @@ uint64_t ModelParamCount(const ModelConfig& c) {
   using U = unsigned __int128;
   auto size = [](int64_t v) { return static_cast<U>(std::clamp<int64_t>(v, 0, int64_t{1} << 31)); };
   const U D = size(c.emb_dim), HD = size(c.num_heads) * size(c.head_dim),
+          QKV = (size(c.num_heads) + 2 * size(KvHeads(c))) * size(c.head_dim),
           E = size(c.moe.num_experts), F = size(c.mlp_dim), V = size(c.vocab_size),
           L = size(c.num_layers);
-  const U layer = 2 * D + D * 3 * HD + HD * D + D * E + E * D * 2 * F + E * F * D;
+  const U layer = 2 * D + D * QKV + HD * D + D * E + E * D * 2 * F + E * F * D;
   const U total = 2 * V * D + D + L * layer;
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
@@ -146,7 +162,7 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
     if (leaf == "embed") s = {V, D};
     if (leaf == "lm_head") s = {D, V};
     if (leaf == "attn_norm" || leaf == "mlp_norm" || leaf == "final_norm") s = {D};
-    if (leaf == "wqkv") s = {D, 3 * HD};
+    if (leaf == "wqkv") s = {D, (c.num_heads + 2 * KvHeads(c)) * c.head_dim};
     if (leaf == "wo_attn") s = {HD, D};
     if (leaf == "router") s = {D, E};
     if (leaf == "wi") s = {rows, D, 2 * F};
@@ -234,14 +250,15 @@ Status InitParams(const ModelConfig& c, uint64_t seed, ModelParams* params) {
 struct Model::Buffers {
   bool ready = false;
   Tensor group;     // I32 [1] = B*S: the dense matmuls' single group
-  Tensor cos, sin;  // [S, hd/2]
+  internal::AttentionShared attention;
   struct Layer {
-    Tensor x, n1, inv1, qkv, probs, attn, x1, n2, inv2;
+    Tensor x, x1, n2, inv2;
+    internal::AttentionActivations attention;
     MoeWorkspace moe;
   };
   std::vector<Layer> layers;
   Tensor xf, nf, invf, logits, dlogits;
-  Tensor dx, dtmp, dqkv, dattn, moe_y;
+  Tensor dx, dtmp, moe_y;
 };
 
 Model::Model(const ModelConfig& config) : config_(config), b_(std::make_unique<Buffers>()) {}
@@ -255,22 +272,14 @@ Status Make(Tensor* t, Shape s, DType d = DType::kF32) {
 }
 
 Status Allocate(const ModelConfig& c, Model::Buffers* b) {
-  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, HD = c.num_heads * c.head_dim,
-                V = c.vocab_size, S = c.seq_len;
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, V = c.vocab_size;
   FP8MOE_RETURN_IF_ERROR(Make(&b->group, {1}, DType::kI32));
   b->group.data_as<int32_t>()[0] = static_cast<int32_t>(N);
-  FP8MOE_RETURN_IF_ERROR(Make(&b->cos, {S, c.head_dim / 2}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->sin, {S, c.head_dim / 2}));
-  internal::RopeTables(S, c.head_dim, c.rope_max_timescale, b->cos.data_as<float>(),
-                       b->sin.data_as<float>());
+  FP8MOE_RETURN_IF_ERROR(internal::AllocateAttention(c, &b->attention));
   b->layers.resize(static_cast<size_t>(c.num_layers));
   for (auto& L : b->layers) {
     FP8MOE_RETURN_IF_ERROR(Make(&L.x, {N, D}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.n1, {N, D}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.inv1, {N}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.qkv, {N, 3 * HD}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.probs, {c.batch, c.num_heads, S, S}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.attn, {N, HD}));
+    FP8MOE_RETURN_IF_ERROR(internal::AllocateAttention(c, &L.attention));
     FP8MOE_RETURN_IF_ERROR(Make(&L.x1, {N, D}));
     FP8MOE_RETURN_IF_ERROR(Make(&L.n2, {N, D}));
     FP8MOE_RETURN_IF_ERROR(Make(&L.inv2, {N}));
@@ -282,8 +291,6 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   FP8MOE_RETURN_IF_ERROR(Make(&b->dlogits, {N, V}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dx, {N, D}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dtmp, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->dqkv, {N, 3 * HD}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->dattn, {N, HD}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->moe_y, {N, D}));
   b->ready = true;
   return OkStatus();
@@ -358,8 +365,7 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   const ModelConfig& c = config_;
   if (!b_->ready) FP8MOE_RETURN_IF_ERROR(Allocate(c, b_.get()));
   Buffers& b = *b_;
-  const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
-                hd = c.head_dim, HD = H * hd, V = c.vocab_size, L = c.num_layers;
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, V = c.vocab_size, L = c.num_layers;
   const int64_t ND = N * D;
   if (static_cast<int64_t>(params.layers.size()) != L ||
       static_cast<int64_t>(prepared.size()) != L ||
@@ -391,23 +397,8 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   for (int64_t l = 0; l < L; ++l) {
     const LayerParams& P = params.layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
-    const float* x = A.x.data_as<float>();
-    FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, x, P.attn_norm.data_as<float>(), N, D,
-                                                    static_cast<float>(c.norm_eps),
-                                                    A.n1.data_as<float>(),
-                                                    A.inv1.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.n1.data_as<float>(), P.wqkv.data_as<float>(), N,
-                                  D, 3 * HD, A.qkv.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::RopeApply(ctx, A.qkv.data_as<float>(), B, S, H, hd,
-                                               b.cos.data_as<float>(), b.sin.data_as<float>(),
-                                               /*inverse=*/false));
-    FP8MOE_RETURN_IF_ERROR(internal::AttentionForward(ctx, A.qkv.data_as<float>(), B, S, H, hd,
-                                                      A.probs.data_as<float>(),
-                                                      A.attn.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.attn.data_as<float>(),
-                                  P.wo_attn.data_as<float>(), N, HD, D, A.x1.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::Add(ctx, A.x1.data_as<float>(), x, ND,
-                                         A.x1.data_as<float>()));
+    FP8MOE_RETURN_IF_ERROR(internal::AttentionSublayerForward(
+        ctx, c, group, b.attention, P, A.x.data_as<float>(), &A.attention, A.x1.data_as<float>()));
     FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, A.x1.data_as<float>(),
                                                     P.mlp_norm.data_as<float>(), N, D,
                                                     static_cast<float>(c.norm_eps),
@@ -470,25 +461,9 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                                                      P.mlp_norm.data_as<float>(),
                                                      A.inv2.data_as<float>(), dtmp, N, D, dx,
                                                      G.mlp_norm.data_as<float>()));
-    // Attention output projection: dx is now the gradient of x1.
-    FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, dx, P.wo_attn.data_as<float>(), N, HD, D,
-                                    b.dattn.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.attn.data_as<float>(), dx, N, HD, D,
-                                    G.wo_attn.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::AttentionBackward(
-        ctx, A.qkv.data_as<float>(), A.probs.data_as<float>(), b.dattn.data_as<float>(), B, S, H,
-        hd, b.dqkv.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::RopeApply(ctx, b.dqkv.data_as<float>(), B, S, H, hd,
-                                               b.cos.data_as<float>(), b.sin.data_as<float>(),
-                                               /*inverse=*/true));
-    FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, b.dqkv.data_as<float>(), P.wqkv.data_as<float>(),
-                                    N, D, 3 * HD, dtmp));
-    FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.n1.data_as<float>(), b.dqkv.data_as<float>(),
-                                    N, D, 3 * HD, G.wqkv.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, A.x.data_as<float>(),
-                                                     P.attn_norm.data_as<float>(),
-                                                     A.inv1.data_as<float>(), dtmp, N, D, dx,
-                                                     G.attn_norm.data_as<float>()));
+    // The attention sublayer: dx is now the gradient of x1.
+    FP8MOE_RETURN_IF_ERROR(internal::AttentionSublayerBackward(
+        ctx, c, group, &b.attention, P, A.x.data_as<float>(), A.attention, &G, dx, dtmp));
   }
   return internal::EmbeddingScatterAdd(ctx, dx, inputs, N, V, D, grads->embed.data_as<float>());
 }

@@ -22,6 +22,11 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
              "rope_max_timescale^(2i / head_dim).");
     t->Float("normalization_layer_epsilon", &M::norm_eps,
              "RMSNorm epsilon under the square root.");
+    // Attention (docs/design.md 5.1)
+    t->Int("base_num_kv_heads", &M::num_kv_heads,
+           "Key/value heads Hkv (grouped-query attention; 1: multi-query; 0: "
+           "base_num_query_heads, multi-head). base_num_query_heads must be a multiple of it; "
+           "query head h reads kv head h / (base_num_query_heads / Hkv).");
     return t;
   }();
   return *table;

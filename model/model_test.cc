@@ -291,5 +291,104 @@ TEST(Model, BadInputsAreClearErrors) {
       << s.message();
 }
 
+// ---- Attention architectures (issue 36): grouped-query and multi-query
+// attention, a head width independent of the model width ----
+
+// Tiny() with H query heads of width hd over Hkv kv heads (H * hd != D).
+ModelConfig TinyAttention(int64_t heads, int64_t kv_heads, int64_t hd,
+                          std::vector<std::string> moe_flags = {"dtype=float32"}) {
+  ModelConfig c = Tiny(std::move(moe_flags));
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = hd;
+  return c;
+}
+
+// Every parameter's gradient, wqkv's q, k and v columns among them, against
+// finite differences of the float64 twin: grouped-query (4 query heads on 2
+// kv heads, hd 6: H hd = 24 over D = 8) and multi-query (3 on 1, hd 4).
+TEST(Model, GroupedQueryAttentionGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (const ModelConfig& c : {TinyAttention(4, 2, 6), TinyAttention(3, 1, 4)}) {
+    SCOPED_TRACE("H " + std::to_string(c.num_heads) + " Hkv " + std::to_string(c.num_kv_heads));
+    ASSERT_EQ(ParamShapes(c)[2].first, "layers.0.wqkv");
+    EXPECT_EQ(ParamShapes(c)[2].second,
+              (Shape{c.emb_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim}));
+    bool near_tie = true;
+    for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
+      CheckGradients(c, seed + draw * 1000003, &near_tie);
+      if (HasFatalFailure()) return;
+    }
+    EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+  }
+}
+
+// base_num_kv_heads = 0 (the default) and = H are the same model: the same
+// shapes, the same initial weights and the same bits as before GQA.
+TEST(Model, KvHeadsEqualToTheQueryHeadsIsTheMultiHeadModel) {
+  FP8MOE_RANDOM_SEED(seed);
+  ModelConfig mha = Tiny();
+  ASSERT_EQ(mha.num_kv_heads, 0);
+  EXPECT_EQ(KvHeads(mha), mha.num_heads);
+  ModelConfig same = mha;
+  same.num_kv_heads = mha.num_heads;
+  EXPECT_EQ(ParamShapes(mha), ParamShapes(same));
+  EXPECT_EQ(ModelParamCount(mha), ModelParamCount(same));
+  EXPECT_TRUE(StepBits(mha, 1, seed) == StepBits(same, 1, seed));
+}
+
+// Every QAT mode of the routed experts runs with grouped-query and
+// multi-query attention, with the same bits for 1 and 2 threads.
+TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCount) {
+  FP8MOE_RANDOM_SEED(seed);
+  const int saved = omp_get_max_threads();
+  const std::vector<std::vector<std::string>> modes = {
+      {"dtype=float32"},
+      {},
+      {"fp8_moe_fake_quant=true"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true"},
+      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
+       "fp8_moe_native_bwd_dlhs=true"},
+      {"quantization=int8"},
+      {"quantization=fp8_full", "use_qwix_quantization=true"}};
+  for (const auto& flags : modes) {
+    for (auto [heads, kv] : {std::pair<int64_t, int64_t>{4, 2}, {4, 1}}) {
+      ModelConfig c = TinyAttention(heads, kv, 6, flags);
+      c.batch = 4;
+      c.seq_len = 24;
+      c.emb_dim = 32;
+      c.mlp_dim = 48;
+      const std::string what = (flags.empty() ? std::string("bf16") : flags.back()) + " H " +
+                               std::to_string(heads) + " Hkv " + std::to_string(kv);
+      const auto one = StepBits(c, 1, seed);
+      double loss = 0;
+      std::memcpy(&loss, one[0].data(), sizeof(loss));
+      EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
+      EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+// Head counts that do not group: exit 2 in the CLI (InvalidArgument here)
+// with a message naming both flags and the fix.
+TEST(Model, KvHeadsThatDoNotDivideTheQueryHeadsAreAClearError) {
+  ModelConfig c = TinyAttention(4, 3, 4);
+  Status s = ValidateModelConfig(c);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("base_num_query_heads=4 is not a multiple of base_num_kv_heads=3"),
+            std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("set base_num_kv_heads to a divisor of base_num_query_heads"),
+            std::string::npos) << s.message();
+  EXPECT_FALSE(AllocateParams(c).ok());
+  c = TinyAttention(2, 4, 4);  // more kv heads than query heads
+  EXPECT_NE(ValidateModelConfig(c).message().find("base_num_kv_heads=4"), std::string::npos);
+  c = TinyAttention(4, -1, 4);
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("base_num_kv_heads=-1 is negative"), std::string::npos)
+      << s.message();
+  for (int64_t kv : {1, 2, 4}) EXPECT_TRUE(ValidateModelConfig(TinyAttention(4, kv, 4)).ok()) << kv;
+}
+
 }  // namespace
 }  // namespace fp8moe

@@ -1,5 +1,5 @@
 // A tiny decoder-only MoE transformer (docs/design.md §1, §5): token embedding; L
-// layers of (RMSNorm, causal multi-head attention with RoPE, residual,
+// layers of (RMSNorm, causal grouped-query attention with RoPE, residual,
 // RMSNorm, MoE FFN with SwiGLU experts, residual); final RMSNorm; LM head;
 // mean cross-entropy plus the MoE load-balancing losses. Forward and full
 // backward. Attention, norms and the dense matmuls run in f32 (the dense
@@ -34,6 +34,8 @@ struct ModelConfig {
   int64_t num_layers = 2;      // L (base_num_decoder_layers)
   int64_t num_heads = 4;       // H (base_num_query_heads)
   int64_t head_dim = 16;       // hd (even: RoPE rotates pairs)
+  // Attention (docs/design.md 5.1)
+  int64_t num_kv_heads = 0;    // Hkv (base_num_kv_heads); 0: H (KvHeads)
   int64_t mlp_dim = 128;       // F (base_moe_mlp_dim)
   int64_t seq_len = 64;        // S (max_target_length)
   int64_t batch = 16;          // B: the sequences of one Step (per_device_batch_size)
@@ -41,6 +43,13 @@ struct ModelConfig {
   double norm_eps = 1e-6;      // normalization_layer_epsilon
   MoeConfig moe;
 };
+
+// The kv heads Hkv of grouped-query attention: num_kv_heads, or H where it is
+// 0 (the default: multi-head attention, so that setting base_num_query_heads
+// alone keeps meaning multi-head attention).
+inline int64_t KvHeads(const ModelConfig& c) {
+  return c.num_kv_heads > 0 ? c.num_kv_heads : c.num_heads;
+}
 
 // The shape flags (vocab_size, base_emb_dim, ..., max_target_length, the
 // RoPE and norm constants) bound to ModelConfig's fields; batch has its
@@ -54,7 +63,7 @@ Status ValidateModelConfig(const ModelConfig& config);
 // The f32 master weights of one decoder layer.
 struct LayerParams {
   Tensor attn_norm;  // [D]
-  Tensor wqkv;       // [D, 3*H*hd]: q | k | v columns
+  Tensor wqkv;       // [D, (H + 2*Hkv)*hd]: q | k | v heads' columns
   Tensor wo_attn;    // [H*hd, D]
   Tensor mlp_norm;   // [D]
   Tensor router;     // [D, E]

@@ -229,6 +229,7 @@ def test_random_mutations_of_a_checkpoint_are_refused_and_left_alone(fp8moe_bin,
 def test_checkpoint_of_another_config_or_a_future_step_exits_2(fp8moe_bin, tmp_path):
     tiny_checkpoint(fp8moe_bin, tmp_path)
     for flags, needle in ((["steps=8", "base_moe_mlp_dim=24"], "holds a model of shape"),
+                          (["steps=8", "base_num_kv_heads=1"], "base_num_kv_heads=1"),
                           (["steps=8", "fp8_moe_native_bwd_dlhs=false"], "QAT mode"),
                           (["steps=2"], "past this run's steps=2")):
         before = {c.name: c.read_bytes() for c in (tmp_path / "seed" / "checkpoints").iterdir()}
