@@ -12,6 +12,7 @@
 #include "fp8moe/memory.h"
 #include "model/attention_block.h"
 #include "model/layers.h"
+#include "model/logits_block.h"
 
 namespace fp8moe {
 
@@ -123,7 +124,7 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
     out.emplace_back(p + "wo", &L.wo);
   }
   out.emplace_back("final_norm", &final_norm);
-  out.emplace_back("lm_head", &lm_head);
+  if (has_lm_head) out.emplace_back("lm_head", &lm_head);
   return out;
 }
 
@@ -143,7 +144,7 @@ uint64_t ModelParamCount(const ModelConfig& c) {
           E = size(c.moe.num_experts), F = size(c.mlp_dim), V = size(c.vocab_size),
           L = size(c.num_layers);
   const U layer = 2 * D + D * QKV + HD * D + D * E + E * D * 2 * F + E * F * D;
-  const U total = 2 * V * D + D + L * layer;
+  const U total = (c.logits_via_embedding ? 1 : 2) * V * D + D + L * layer;
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }
@@ -154,6 +155,7 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
                 F = c.mlp_dim, V = c.vocab_size;
   const int64_t rows = expert_rows < 0 ? E : expert_rows;
   ModelParams skeleton;  // Named() gives the names and their order
+  skeleton.has_lm_head = !c.logits_via_embedding;
   skeleton.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
   std::vector<std::pair<std::string, Shape>> out;
   for (const auto& [name, t] : skeleton.Named()) {
@@ -195,6 +197,7 @@ Result<ModelParams> AllocateParams(const ModelConfig& c, int64_t expert_rows) {
   const auto shapes = ParamShapes(c, rows);
   ModelParams p;
   p.layers.resize(static_cast<size_t>(c.num_layers));
+  p.has_lm_head = !c.logits_via_embedding;
   const auto named = p.Named();
   for (size_t k = 0; k < named.size(); ++k) {
     FP8MOE_ASSIGN_OR_RETURN(*named[k].second, Tensor::Create(DType::kF32, shapes[k].second));
@@ -258,6 +261,7 @@ struct Model::Buffers {
   };
   std::vector<Layer> layers;
   Tensor xf, nf, invf, logits, dlogits;
+  internal::LogitsBuffers tied;  // logits_via_embedding's
   Tensor dx, dtmp, moe_y;
 };
 
@@ -289,6 +293,7 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   FP8MOE_RETURN_IF_ERROR(Make(&b->invf, {N}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->logits, {N, V}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dlogits, {N, V}));
+  FP8MOE_RETURN_IF_ERROR(internal::AllocateLogits(c, &b->tied));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dx, {N, D}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dtmp, {N, D}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->moe_y, {N, D}));
@@ -424,9 +429,8 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                                                   params.final_norm.data_as<float>(), N, D,
                                                   static_cast<float>(c.norm_eps),
                                                   b.nf.data_as<float>(), b.invf.data_as<float>()));
-  FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, b.nf.data_as<float>(),
-                                params.lm_head.data_as<float>(), N, D, V,
-                                b.logits.data_as<float>()));
+  FP8MOE_RETURN_IF_ERROR(internal::LogitsForward(ctx, c, group, params, b.nf.data_as<float>(),
+                                                 &b.tied, b.logits.data_as<float>()));
   FP8MOE_ASSIGN_OR_RETURN(info->loss,
                           internal::CrossEntropy(ctx, b.logits.data_as<float>(), targets, N, V,
                                                  grads ? b.dlogits.data_as<float>() : nullptr));
@@ -435,10 +439,9 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   // ---- Backward ----
   float* dx = b.dx.data_as<float>();
   float* dtmp = b.dtmp.data_as<float>();
-  FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, b.dlogits.data_as<float>(),
-                                  params.lm_head.data_as<float>(), N, D, V, dtmp));
-  FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, b.nf.data_as<float>(), b.dlogits.data_as<float>(),
-                                  N, D, V, grads->lm_head.data_as<float>()));
+  FP8MOE_RETURN_IF_ERROR(internal::LogitsBackward(ctx, c, group, params, b.nf.data_as<float>(),
+                                                  b.dlogits.data_as<float>(), &b.tied, dtmp,
+                                                  grads));
   std::fill(dx, dx + ND, 0.0f);
   FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, b.xf.data_as<float>(),
                                                    params.final_norm.data_as<float>(),
@@ -465,7 +468,9 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     FP8MOE_RETURN_IF_ERROR(internal::AttentionSublayerBackward(
         ctx, c, group, &b.attention, P, A.x.data_as<float>(), A.attention, &G, dx, dtmp));
   }
-  return internal::EmbeddingScatterAdd(ctx, dx, inputs, N, V, D, grads->embed.data_as<float>());
+  FP8MOE_RETURN_IF_ERROR(
+      internal::EmbeddingScatterAdd(ctx, dx, inputs, N, V, D, grads->embed.data_as<float>()));
+  return internal::AddTiedEmbeddingGradient(ctx, c, b.tied, grads->embed.data_as<float>());
 }
 
 Status Model::ActivationHealth(Context& ctx, int64_t layer,

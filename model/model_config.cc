@@ -27,6 +27,12 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
            "Key/value heads Hkv (grouped-query attention; 1: multi-query; 0: "
            "base_num_query_heads, multi-head). base_num_query_heads must be a multiple of it; "
            "query head h reads kv head h / (base_num_query_heads / Hkv).");
+    t->Bool("logits_via_embedding", &M::logits_via_embedding,
+            "Tied embedding: the logits are the final norm's output times the embedding "
+            "table's transpose (no lm_head tensor; embed's gradient gets both uses).");
+    t->Bool("normalize_embedding_logits", &M::normalize_embedding_logits,
+            "With logits_via_embedding: divide the logits by sqrt(base_emb_dim), as MaxText "
+            "does; a Hugging Face tie_word_embeddings model needs false.");
     return t;
   }();
   return *table;

@@ -337,8 +337,70 @@ TEST(Model, KvHeadsEqualToTheQueryHeadsIsTheMultiHeadModel) {
   EXPECT_TRUE(StepBits(mha, 1, seed) == StepBits(same, 1, seed));
 }
 
+// Tied embedding and LM head (logits_via_embedding), MaxText's normalized
+// logits and Hugging Face's unnormalized ones, alone and with multi-query
+// attention: embed's gradient (its gather and the logits' use) and every
+// other one against finite differences of the float64 twin.
+TEST(Model, TiedEmbeddingGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::vector<ModelConfig> configs;
+  for (bool normalize : {true, false}) {
+    ModelConfig c = Tiny();
+    c.logits_via_embedding = true;
+    c.normalize_embedding_logits = normalize;
+    configs.push_back(c);
+  }
+  ModelConfig together = TinyAttention(4, 1, 6);
+  together.logits_via_embedding = true;
+  configs.push_back(together);
+  for (const ModelConfig& c : configs) {
+    SCOPED_TRACE("normalize " + std::to_string(c.normalize_embedding_logits) + " Hkv " +
+                 std::to_string(KvHeads(c)));
+    const auto shapes = ParamShapes(c);
+    EXPECT_EQ(shapes.back().first, "final_norm");  // no lm_head
+    bool near_tie = true;
+    for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
+      CheckGradients(c, seed + draw * 1000003, &near_tie);
+      if (HasFatalFailure()) return;
+    }
+    EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+  }
+}
+
+// Tied: no lm_head in the parameters, the count one V x D smaller, and the
+// other tensors' initial values unchanged (lm_head was drawn last).
+TEST(Model, TiedEmbeddingHasNoLmHead) {
+  ModelConfig untied = Tiny(), tied = Tiny();
+  tied.logits_via_embedding = true;
+  EXPECT_EQ(ModelParamCount(untied) - ModelParamCount(tied),
+            static_cast<uint64_t>(tied.vocab_size * tied.emb_dim));
+  auto a = AllocateParams(untied), b = AllocateParams(tied);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(b->has_lm_head);
+  ASSERT_EQ(a->Named().size(), b->Named().size() + 1);
+  ASSERT_TRUE(InitParams(untied, 7, &*a).ok());
+  ASSERT_TRUE(InitParams(tied, 7, &*b).ok());
+  const auto na = a->Named(), nb = b->Named();
+  for (size_t k = 0; k < nb.size(); ++k) {
+    EXPECT_EQ(na[k].first, nb[k].first);
+    EXPECT_EQ(std::memcmp(na[k].second->data(), nb[k].second->data(), nb[k].second->num_bytes()), 0)
+        << nb[k].first;
+  }
+  // Parameters of the other config: a clear error, not a read of no data.
+  const Tokens tok(tied, 3);
+  Context ctx;
+  Model model(tied);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *a, &prepared).ok());
+  ModelStepInfo info;
+  const Status s = model.Step(ctx, *a, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info);
+  EXPECT_NE(s.message().find("hold an lm_head but the config has logits_via_embedding=true"),
+            std::string::npos) << s.message();
+}
+
 // Every QAT mode of the routed experts runs with grouped-query and
-// multi-query attention, with the same bits for 1 and 2 threads.
+// multi-query attention and tied logits, with the same bits for 1 and 2
+// threads.
 TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCount) {
   FP8MOE_RANDOM_SEED(seed);
   const int saved = omp_get_max_threads();
@@ -354,12 +416,14 @@ TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCo
   for (const auto& flags : modes) {
     for (auto [heads, kv] : {std::pair<int64_t, int64_t>{4, 2}, {4, 1}}) {
       ModelConfig c = TinyAttention(heads, kv, 6, flags);
+      c.logits_via_embedding = kv == 1;  // MQA runs with tied logits
       c.batch = 4;
       c.seq_len = 24;
       c.emb_dim = 32;
       c.mlp_dim = 48;
       const std::string what = (flags.empty() ? std::string("bf16") : flags.back()) + " H " +
-                               std::to_string(heads) + " Hkv " + std::to_string(kv);
+                               std::to_string(heads) + " Hkv " + std::to_string(kv) +
+                               (c.logits_via_embedding ? " tied" : "");
       const auto one = StepBits(c, 1, seed);
       double loss = 0;
       std::memcpy(&loss, one[0].data(), sizeof(loss));

@@ -1,7 +1,8 @@
 // A tiny decoder-only MoE transformer (docs/design.md §1, §5): token embedding; L
 // layers of (RMSNorm, causal grouped-query attention with RoPE, residual,
 // RMSNorm, MoE FFN with SwiGLU experts, residual); final RMSNorm; LM head;
-// mean cross-entropy plus the MoE load-balancing losses. Forward and full
+// mean cross-entropy plus the MoE load-balancing losses. The LM head may be
+// the embedding's transpose (logits_via_embedding). Forward and full
 // backward. Attention, norms and the dense matmuls run in f32 (the dense
 // matmuls on the library's f32 GMM with one group); the routed-expert GMMs
 // run in the MoE config's QAT mode.
@@ -36,6 +37,8 @@ struct ModelConfig {
   int64_t head_dim = 16;       // hd (even: RoPE rotates pairs)
   // Attention (docs/design.md 5.1)
   int64_t num_kv_heads = 0;    // Hkv (base_num_kv_heads); 0: H (KvHeads)
+  bool logits_via_embedding = false;       // tied: logits = nf @ embed^T, no lm_head
+  bool normalize_embedding_logits = true;  // tied logits / sqrt(D) (MaxText's)
   int64_t mlp_dim = 128;       // F (base_moe_mlp_dim)
   int64_t seq_len = 64;        // S (max_target_length)
   int64_t batch = 16;          // B: the sequences of one Step (per_device_batch_size)
@@ -77,7 +80,8 @@ struct ModelParams {
   Tensor embed;  // [V, D]
   std::vector<LayerParams> layers;
   Tensor final_norm;  // [D]
-  Tensor lm_head;     // [D, V]
+  Tensor lm_head;     // [D, V]; none (not in Named()) with logits_via_embedding
+  bool has_lm_head = true;  // false: logits_via_embedding (AllocateParams sets it)
 
   // Every tensor with its checkpoint name ("embed", "layers.0.wqkv", ...),
   // in a fixed order.

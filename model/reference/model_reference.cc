@@ -204,7 +204,19 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
   }
   RmsNorm(x.data(), ToDouble(params.final_norm).data(), N, D, c.norm_eps, n.data());
   std::vector<double> logits(static_cast<size_t>(N * V));
-  MatMul(n.data(), params.lm_head.data_as<float>(), N, D, V, logits.data());
+  if (c.logits_via_embedding) {  // tied: n @ embed^T, / sqrt(D) where normalized
+    const double scale = c.normalize_embedding_logits ? std::sqrt(static_cast<double>(D)) : 1.0;
+    const float* e = params.embed.data_as<float>();
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t v = 0; v < V; ++v) {
+        double s = 0;
+        for (int64_t i = 0; i < D; ++i) s += n[static_cast<size_t>(r * D + i)] * e[v * D + i];
+        logits[static_cast<size_t>(r * V + v)] = s / scale;
+      }
+    }
+  } else {
+    MatMul(n.data(), params.lm_head.data_as<float>(), N, D, V, logits.data());
+  }
   return CrossEntropy(logits.data(), targets, N, V) + aux;
 }
 
