@@ -16,6 +16,7 @@
 #include "base/test_seed.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/model.h"
+#include "moe/moe_test_util.h"
 
 namespace fp8moe {
 namespace {
@@ -304,6 +305,17 @@ ModelConfig TinyAttention(int64_t heads, int64_t kv_heads, int64_t hd,
   return c;
 }
 
+// CheckGradients on up to three models drawn from seed, until one has no
+// routing tie within a perturbation (Model.GradientsMatch... says why).
+void CheckGradientsOfADrawWithoutTies(const ModelConfig& c, uint64_t seed) {
+  bool near_tie = true;
+  for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
+    CheckGradients(c, seed + draw * 1000003, &near_tie);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+}
+
 // Every parameter's gradient, wqkv's q, k and v columns among them, against
 // finite differences of the float64 twin: grouped-query (4 query heads on 2
 // kv heads, hd 6: H hd = 24 over D = 8) and multi-query (3 on 1, hd 4).
@@ -314,12 +326,8 @@ TEST(Model, GroupedQueryAttentionGradientsMatchFiniteDifferences) {
     ASSERT_EQ(ParamShapes(c)[2].first, "layers.0.wqkv");
     EXPECT_EQ(ParamShapes(c)[2].second,
               (Shape{c.emb_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim}));
-    bool near_tie = true;
-    for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
-      CheckGradients(c, seed + draw * 1000003, &near_tie);
-      if (HasFatalFailure()) return;
-    }
-    EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
   }
 }
 
@@ -358,12 +366,8 @@ TEST(Model, TiedEmbeddingGradientsMatchFiniteDifferences) {
                  std::to_string(KvHeads(c)));
     const auto shapes = ParamShapes(c);
     EXPECT_EQ(shapes.back().first, "final_norm");  // no lm_head
-    bool near_tie = true;
-    for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
-      CheckGradients(c, seed + draw * 1000003, &near_tie);
-      if (HasFatalFailure()) return;
-    }
-    EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
   }
 }
 
@@ -404,16 +408,7 @@ TEST(Model, TiedEmbeddingHasNoLmHead) {
 TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCount) {
   FP8MOE_RANDOM_SEED(seed);
   const int saved = omp_get_max_threads();
-  const std::vector<std::vector<std::string>> modes = {
-      {"dtype=float32"},
-      {},
-      {"fp8_moe_fake_quant=true"},
-      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true"},
-      {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8", "fp8_moe_native_fwd=true",
-       "fp8_moe_native_bwd_dlhs=true"},
-      {"quantization=int8"},
-      {"quantization=fp8_full", "use_qwix_quantization=true"}};
-  for (const auto& flags : modes) {
+  for (const auto& flags : test::Modes()) {
     for (auto [heads, kv] : {std::pair<int64_t, int64_t>{4, 2}, {4, 1}}) {
       ModelConfig c = TinyAttention(heads, kv, 6, flags);
       c.logits_via_embedding = kv == 1;  // MQA runs with tied logits
