@@ -118,6 +118,10 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
     out.emplace_back(p + "attn_norm", &L.attn_norm);
     out.emplace_back(p + "wqkv", &L.wqkv);
     out.emplace_back(p + "wo_attn", &L.wo_attn);
+    if (has_qk_norm) {
+      out.emplace_back(p + "q_norm", &L.q_norm);
+      out.emplace_back(p + "k_norm", &L.k_norm);
+    }
     out.emplace_back(p + "mlp_norm", &L.mlp_norm);
     out.emplace_back(p + "router", &L.router);
     out.emplace_back(p + "wi", &L.wi);
@@ -143,7 +147,8 @@ uint64_t ModelParamCount(const ModelConfig& c) {
           QKV = (size(c.num_heads) + 2 * size(KvHeads(c))) * size(c.head_dim),
           E = size(c.moe.num_experts), F = size(c.mlp_dim), V = size(c.vocab_size),
           L = size(c.num_layers);
-  const U layer = 2 * D + D * QKV + HD * D + D * E + E * D * 2 * F + E * F * D;
+  const U qk_norm = c.use_qk_norm ? 2 * size(c.head_dim) : 0;
+  const U layer = 2 * D + D * QKV + HD * D + qk_norm + D * E + E * D * 2 * F + E * F * D;
   const U total = (c.logits_via_embedding ? 1 : 2) * V * D + D + L * layer;
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
@@ -156,6 +161,7 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
   const int64_t rows = expert_rows < 0 ? E : expert_rows;
   ModelParams skeleton;  // Named() gives the names and their order
   skeleton.has_lm_head = !c.logits_via_embedding;
+  skeleton.has_qk_norm = c.use_qk_norm;
   skeleton.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
   std::vector<std::pair<std::string, Shape>> out;
   for (const auto& [name, t] : skeleton.Named()) {
@@ -166,6 +172,7 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
     if (leaf == "attn_norm" || leaf == "mlp_norm" || leaf == "final_norm") s = {D};
     if (leaf == "wqkv") s = {D, (c.num_heads + 2 * KvHeads(c)) * c.head_dim};
     if (leaf == "wo_attn") s = {HD, D};
+    if (leaf == "q_norm" || leaf == "k_norm") s = {c.head_dim};
     if (leaf == "router") s = {D, E};
     if (leaf == "wi") s = {rows, D, 2 * F};
     if (leaf == "wo") s = {rows, F, D};
@@ -198,6 +205,7 @@ Result<ModelParams> AllocateParams(const ModelConfig& c, int64_t expert_rows) {
   ModelParams p;
   p.layers.resize(static_cast<size_t>(c.num_layers));
   p.has_lm_head = !c.logits_via_embedding;
+  p.has_qk_norm = c.use_qk_norm;
   const auto named = p.Named();
   for (size_t k = 0; k < named.size(); ++k) {
     FP8MOE_ASSIGN_OR_RETURN(*named[k].second, Tensor::Create(DType::kF32, shapes[k].second));
@@ -403,7 +411,7 @@ Status Model::Step(Context& ctx, const ModelParams& params,
     const LayerParams& P = params.layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
     FP8MOE_RETURN_IF_ERROR(internal::AttentionSublayerForward(
-        ctx, c, group, b.attention, P, A.x.data_as<float>(), &A.attention, A.x1.data_as<float>()));
+        ctx, c, group, &b.attention, P, A.x.data_as<float>(), &A.attention, A.x1.data_as<float>()));
     FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, A.x1.data_as<float>(),
                                                     P.mlp_norm.data_as<float>(), N, D,
                                                     static_cast<float>(c.norm_eps),

@@ -33,6 +33,9 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
     t->Bool("normalize_embedding_logits", &M::normalize_embedding_logits,
             "With logits_via_embedding: divide the logits by sqrt(base_emb_dim), as MaxText "
             "does; a Hugging Face tie_word_embeddings model needs false.");
+    t->Bool("use_qk_norm", &M::use_qk_norm,
+            "RMSNorm over head_dim of every query and key head before RoPE (Qwen3), with "
+            "gains q_norm and k_norm [head_dim] per layer and normalization_layer_epsilon.");
     return t;
   }();
   return *table;

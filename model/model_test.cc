@@ -185,9 +185,8 @@ TEST(Model, BitsDoNotDependOnTheThreadCount) {
   omp_set_num_threads(saved);
 }
 
-TEST(Model, SteadyStateStepAllocatesNothing) {
-  ModelConfig c = Tiny({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
-                        "fp8_moe_native_fwd=true", "fp8_moe_native_bwd_dlhs=true"});
+// Steps after the first (which allocates the buffers) allocate nothing.
+void ExpectSteadyStepsAllocateNothing(const ModelConfig& c) {
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);
   FP8MOE_RANDOM_SEED(seed);
@@ -206,6 +205,12 @@ TEST(Model, SteadyStateStepAllocatesNothing) {
       EXPECT_EQ(GetMemoryStats().allocations, before) << "step " << i;
     }
   }
+}
+
+TEST(Model, SteadyStateStepAllocatesNothing) {
+  ExpectSteadyStepsAllocateNothing(Tiny({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
+                                         "fp8_moe_native_fwd=true",
+                                         "fp8_moe_native_bwd_dlhs=true"}));
 }
 
 // The trainer draws the initial weights a tensor at a time (never the whole
@@ -331,6 +336,29 @@ TEST(Model, GroupedQueryAttentionGradientsMatchFiniteDifferences) {
   }
 }
 
+// use_qk_norm (Qwen3): the q_norm and k_norm gains and every other
+// gradient through the per-head norms against finite differences of the
+// float64 twin, alone (multi-head) and with every attention knob at once
+// (grouped-query, hd 6 over D 8, tied normalized logits).
+TEST(Model, QkNormGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  ModelConfig alone = Tiny();
+  alone.use_qk_norm = true;
+  ModelConfig together = TinyAttention(4, 2, 6);
+  together.use_qk_norm = true;
+  together.logits_via_embedding = true;
+  for (const ModelConfig& c : {alone, together}) {
+    SCOPED_TRACE("Hkv " + std::to_string(KvHeads(c)) + " tied " +
+                 std::to_string(c.logits_via_embedding));
+    const auto shapes = ParamShapes(c);
+    ASSERT_EQ(shapes[4].first, "layers.0.q_norm");
+    EXPECT_EQ(shapes[4].second, (Shape{c.head_dim}));
+    EXPECT_EQ(shapes[5].first, "layers.0.k_norm");
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // base_num_kv_heads = 0 (the default) and = H are the same model: the same
 // shapes, the same initial weights and the same bits as before GQA.
 TEST(Model, KvHeadsEqualToTheQueryHeadsIsTheMultiHeadModel) {
@@ -411,14 +439,15 @@ TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCo
   for (const auto& flags : test::Modes()) {
     for (auto [heads, kv] : {std::pair<int64_t, int64_t>{4, 2}, {4, 1}}) {
       ModelConfig c = TinyAttention(heads, kv, 6, flags);
-      c.logits_via_embedding = kv == 1;  // MQA runs with tied logits
+      c.logits_via_embedding = kv == 1;  // MQA runs with tied logits, GQA with qk norms
+      c.use_qk_norm = kv == 2;
       c.batch = 4;
       c.seq_len = 24;
       c.emb_dim = 32;
       c.mlp_dim = 48;
       const std::string what = (flags.empty() ? std::string("bf16") : flags.back()) + " H " +
                                std::to_string(heads) + " Hkv " + std::to_string(kv) +
-                               (c.logits_via_embedding ? " tied" : "");
+                               (c.logits_via_embedding ? " tied" : " qk_norm");
       const auto one = StepBits(c, 1, seed);
       double loss = 0;
       std::memcpy(&loss, one[0].data(), sizeof(loss));
@@ -427,6 +456,16 @@ TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCo
     }
   }
   omp_set_num_threads(saved);
+}
+
+// Every attention knob on: still no allocation in a steady-state step.
+TEST(Model, SteadyStateStepWithEveryAttentionKnobAllocatesNothing) {
+  ModelConfig c = TinyAttention(4, 2, 6, {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
+                                          "fp8_moe_native_fwd=true",
+                                          "fp8_moe_native_bwd_dlhs=true"});
+  c.use_qk_norm = true;
+  c.logits_via_embedding = true;
+  ExpectSteadyStepsAllocateNothing(c);
 }
 
 // Head counts that do not group: exit 2 in the CLI (InvalidArgument here)

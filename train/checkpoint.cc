@@ -228,6 +228,7 @@ namespace {
 std::string AttentionSignature(const ModelConfig& m) {
   std::string s;
   if (KvHeads(m) != m.num_heads) s += " base_num_kv_heads=" + std::to_string(KvHeads(m));
+  if (m.use_qk_norm) s += " use_qk_norm=true";
   if (m.logits_via_embedding) {
     s += " logits_via_embedding=true";
     if (!m.normalize_embedding_logits) s += " normalize_embedding_logits=false";

@@ -712,14 +712,15 @@ TEST(TrainDist, ResumingWithAnotherGlobalBatchSaysSo) {
   EXPECT_EQ(rest.summary.resume_changes[0].now, "8");
 }
 
-// Issue 36's attention architectures (multi-query attention with tied
-// logits): wqkv [D, (H + 2 Hkv) hd] and the tied embedding are dense
+// Issue 36's attention architectures (multi-query attention with qk norms
+// and tied logits): wqkv [D, (H + 2 Hkv) hd], q_norm, k_norm and the tied
+// embedding are dense
 // parameters under FSDP, sharded and gathered like the others; on 2 ranks
 // (FSDP, and an expert ring) f32 stays within 1e-5 of one rank over 20 steps.
 TEST(TrainDist, GroupedQueryAttentionWithTiedLogitsMatchesOneRank) {
   const auto flags = With(With(Tiny("gqa", 20), kF32),
                           {"base_num_query_heads=4", "base_num_kv_heads=1", "head_dim=6",
-                           "logits_via_embedding=true"});
+                           "logits_via_embedding=true", "use_qk_norm=true"});
   RunResult one = RunRanks(1, flags, true);
   ASSERT_TRUE(one.status.ok()) << one.status.ToString();
   ASSERT_EQ(one.losses.size(), 20u);

@@ -106,13 +106,27 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U C = std::max(D, F), G = std::max(2 * F, D);
   const U recipe = qp.mode == MoeQatMode::kRecipeFp8Full ? rows * (5 * G + 5 * C + 8) : 0;
   const U health = qp.fwd.lhs.has_value() ? rows * (5 * C + 4 * (C / 128 + 1)) : 0;
-  const U per_layer = 4 * (4 * Nl * D + 2 * Nl + Nl * QKV + Bl * H * S * S + Nl * HD + Nl * E) +
+  // use_qk_norm keeps the q and k heads before their norm and their 1/rms
+  // per layer, and shares the projection, its head-major rows and two I64
+  // row maps (model/attention_block.h); tied logits keep the embedding's
+  // part of its gradient and, normalized, the raw logits and a row scale
+  // (model/logits_block.h).
+  const U heads_qk = H + Pos(KvHeads(m)), heads_all = heads_qk + Pos(KvHeads(m));
+  const U qk_norm_layer =
+      m.use_qk_norm ? 4 * (Nl * heads_qk * Pos(m.head_dim) + Nl * heads_qk) : 0;
+  const U qk_norm_global = m.use_qk_norm ? 4 * 2 * Nl * QKV + 16 * Nl * heads_all : 0;
+  const U tied_global =
+      !m.logits_via_embedding ? 0
+      : 4 * (V * D + (m.normalize_embedding_logits ? Nl * V + Nl : 0));
+  const U per_layer = qk_norm_layer +
+                      4 * (4 * Nl * D + 2 * Nl + Nl * QKV + Bl * H * S * S + Nl * HD + Nl * E) +
                       24 * pairs + act * rows * (D + 2 * F + F + D) + ring +
                       act * rows * (D + 2 * F) + 4 * rows * D + 4 * (Nl * E + pairs) + recipe +
                       health;
   // The token ids of the whole global batch (every rank reads it).
   const U global =
-      4 * (5 * Nl * D + Nl + 2 * Nl * V + Nl * QKV + Nl * HD + S * Pos(m.head_dim)) + 8 * N;
+      4 * (5 * Nl * D + Nl + 2 * Nl * V + Nl * QKV + Nl * HD + S * Pos(m.head_dim)) + 8 * N +
+      qk_norm_global + tied_global;
   plan.activation_bytes = Saturate(L * per_layer + global);
   // The data: the synthetic corpus's transition tables (doubles), or the
   // whole text file.

@@ -39,6 +39,7 @@ struct ModelConfig {
   int64_t num_kv_heads = 0;    // Hkv (base_num_kv_heads); 0: H (KvHeads)
   bool logits_via_embedding = false;       // tied: logits = nf @ embed^T, no lm_head
   bool normalize_embedding_logits = true;  // tied logits / sqrt(D) (MaxText's)
+  bool use_qk_norm = false;    // RMSNorm over hd of each q and k head, before RoPE
   int64_t mlp_dim = 128;       // F (base_moe_mlp_dim)
   int64_t seq_len = 64;        // S (max_target_length)
   int64_t batch = 16;          // B: the sequences of one Step (per_device_batch_size)
@@ -68,6 +69,8 @@ struct LayerParams {
   Tensor attn_norm;  // [D]
   Tensor wqkv;       // [D, (H + 2*Hkv)*hd]: q | k | v heads' columns
   Tensor wo_attn;    // [H*hd, D]
+  Tensor q_norm;     // [hd] gain of every q head's RMSNorm (use_qk_norm only)
+  Tensor k_norm;     // [hd] gain of every k head's RMSNorm (use_qk_norm only)
   Tensor mlp_norm;   // [D]
   Tensor router;     // [D, E]
   Tensor wi;         // [E, D, 2F]
@@ -82,6 +85,7 @@ struct ModelParams {
   Tensor final_norm;  // [D]
   Tensor lm_head;     // [D, V]; none (not in Named()) with logits_via_embedding
   bool has_lm_head = true;  // false: logits_via_embedding (AllocateParams sets it)
+  bool has_qk_norm = false;  // the layers' q_norm / k_norm exist (use_qk_norm)
 
   // Every tensor with its checkpoint name ("embed", "layers.0.wqkv", ...),
   // in a fixed order.

@@ -192,6 +192,15 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
   for (const LayerParams& P : params.layers) {
     RmsNorm(x.data(), ToDouble(P.attn_norm).data(), N, D, c.norm_eps, n.data());
     MatMul(n.data(), P.wqkv.data_as<float>(), N, D, QKV, qkv.data());
+    if (c.use_qk_norm) {  // every q head with q_norm, every k head with k_norm, in place
+      const std::vector<double> gq = ToDouble(P.q_norm), gk = ToDouble(P.k_norm);
+      for (int64_t r = 0; r < N; ++r) {
+        for (int64_t h = 0; h < H + Hkv; ++h) {
+          double* head = qkv.data() + r * QKV + h * hd;
+          RmsNorm(head, h < H ? gq.data() : gk.data(), 1, hd, c.norm_eps, head);
+        }
+      }
+    }
     Rope(qkv.data(), B, S, H, Hkv, hd, c.rope_max_timescale);
     Attention(qkv.data(), B, S, H, Hkv, hd, attn.data());
     MatMul(attn.data(), P.wo_attn.data_as<float>(), N, HD, D, proj.data());

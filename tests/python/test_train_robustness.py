@@ -231,6 +231,7 @@ def test_checkpoint_of_another_config_or_a_future_step_exits_2(fp8moe_bin, tmp_p
     for flags, needle in ((["steps=8", "base_moe_mlp_dim=24"], "holds a model of shape"),
                           (["steps=8", "base_num_kv_heads=1"], "base_num_kv_heads=1"),
                           (["steps=8", "logits_via_embedding=true"], "logits_via_embedding=true"),
+                          (["steps=8", "use_qk_norm=true"], "use_qk_norm=true"),
                           (["steps=8", "fp8_moe_native_bwd_dlhs=false"], "QAT mode"),
                           (["steps=2"], "past this run's steps=2")):
         before = {c.name: c.read_bytes() for c in (tmp_path / "seed" / "checkpoints").iterdir()}
