@@ -106,25 +106,28 @@ struct RmsNormBackwardArgs : OpArgs {
   float* dx;               // [rows, d] (added to)
   float* dg;               // [d] (overwritten)
 };
+// Attention's rows hold q | k | v: `heads` query heads, then `kv_heads` key
+// heads and `kv_heads` value heads of hd each (width (heads + 2 kv_heads)
+// hd); query head h reads kv head h / (heads / kv_heads).
 struct RopeArgs : OpArgs {
-  float* qkv;              // [batch*seq, 3*heads*hd], rotated in place
-  int64_t batch, seq, heads, hd;
+  float* qkv;              // [batch*seq, (heads + 2*kv_heads)*hd], q and k rotated in place
+  int64_t batch, seq, heads, kv_heads, hd;
   const float* cos;        // [seq, hd/2]
   const float* sin;        // [seq, hd/2]
   bool inverse;
 };
 struct AttentionForwardArgs : OpArgs {
-  const float* qkv;        // [batch*seq, 3*heads*hd]
-  int64_t batch, seq, heads, hd;
+  const float* qkv;        // [batch*seq, (heads + 2*kv_heads)*hd]
+  int64_t batch, seq, heads, kv_heads, hd;  // kv_heads >= 1 divides heads
   float* probs;            // [batch, heads, seq, seq]
   float* out;              // [batch*seq, heads*hd]
 };
 struct AttentionBackwardArgs : OpArgs {
-  const float* qkv;        // [batch*seq, 3*heads*hd]
+  const float* qkv;        // [batch*seq, (heads + 2*kv_heads)*hd]
   const float* probs;      // [batch, heads, seq, seq]
   const float* dout;       // [batch*seq, heads*hd]
-  int64_t batch, seq, heads, hd;
-  float* dqkv;             // [batch*seq, 3*heads*hd] (overwritten)
+  int64_t batch, seq, heads, kv_heads, hd;  // kv_heads >= 1 divides heads
+  float* dqkv;             // like qkv (overwritten); dk, dv summed over a kv head's query heads
 };
 struct CrossEntropyArgs : OpArgs {
   const float* logits;     // [rows, v]

@@ -218,21 +218,25 @@ void CheckRmsNorm(std::mt19937& rng, bool edges) {
 }
 
 // RoPE: per element the same two f32 products and a sum: the same bits,
-// forward and inverse.
+// forward and inverse; grouped-query (kv heads 2 of 4) and multi-query
+// (1 of 3) rows, whose v heads stay as they are.
 void CheckRope(std::mt19937& rng, bool edges) {
-  for (auto [batch, seq, heads, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 4},
-                                       {1, 19, 2, 10},
-                                       {0, 3, 1, 2},
-                                       {1, 1, 1, 2},
-                                       {2, 3, 1, 0}}) {
-    const std::string what = "rope " + Dims({batch, seq, heads, hd});
-    const std::vector<float> qkv = Values(rng, batch * seq * 3 * heads * hd, edges);
+  for (auto [batch, seq, heads, kv, hd] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4},
+        {1, 19, 2, 2, 10},
+        {0, 3, 1, 1, 2},
+        {1, 1, 1, 1, 2},
+        {2, 3, 1, 1, 0},
+        {2, 5, 4, 2, 6},
+        {1, 7, 3, 1, 10}}) {
+    const std::string what = "rope " + Dims({batch, seq, heads, kv, hd});
+    const std::vector<float> qkv = Values(rng, batch * seq * (heads + 2 * kv) * hd, edges);
     const std::vector<float> cos = Values(rng, seq * hd / 2, false),
                              sin = Values(rng, seq * hd / 2, false);
     for (bool inverse : {false, true}) {
       CompareBackends({qkv}, false, 0, 0, what + (inverse ? " inverse" : ""),
                       [&](Context& ctx, Outputs& o) {
-                        return internal::RopeApply(ctx, o[0].data(), batch, seq, heads, hd,
+                        return internal::RopeApply(ctx, o[0].data(), batch, seq, heads, kv, hd,
                                                    cos.data(), sin.data(), inverse);
                       });
     }
@@ -260,13 +264,17 @@ void CheckRope(std::mt19937& rng, bool edges) {
 std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
                                                const std::vector<float>& probs,
                                                const std::vector<float>& dout, int64_t batch,
-                                               int64_t seq, int64_t heads, int64_t hd) {
-  const int64_t S = seq, width = 3 * heads * hd;
+                                               int64_t seq, int64_t heads, int64_t kv_heads,
+                                               int64_t hd) {
+  const int64_t S = seq, width = (heads + 2 * kv_heads) * hd;
   const double scale = hd > 0 ? 1.0 / std::sqrt(static_cast<double>(hd)) : 0.0;
   std::vector<double> size(static_cast<size_t>(batch * S * width), 0.0);
+  // Column of query head h's q (part 0), or of the k (1) or v (2) it reads.
+  auto col = [&](int64_t part, int64_t h) {
+    return part == 0 ? h * hd : (heads + (part - 1) * kv_heads + h / (heads / kv_heads)) * hd;
+  };
   auto x = [&](int64_t row, int64_t part, int64_t h, int64_t t) {
-    return std::fabs(static_cast<double>(qkv[static_cast<size_t>(row * width +
-                                                                 part * heads * hd + h * hd + t)]));
+    return std::fabs(static_cast<double>(qkv[static_cast<size_t>(row * width + col(part, h) + t)]));
   };
   auto dO = [&](int64_t row, int64_t h, int64_t t) {
     return std::fabs(static_cast<double>(dout[static_cast<size_t>(row * heads * hd + h * hd + t)]));
@@ -297,9 +305,9 @@ std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
             v += std::fabs(P[i * S + n]) * dO(b * S + i, h, t);
           }
           double* row = size.data() + (b * S + n) * width;
-          row[h * hd + t] = q;
-          row[heads * hd + h * hd + t] = k;
-          row[2 * heads * hd + h * hd + t] = v;
+          row[col(0, h) + t] = q;
+          row[col(1, h) + t] += k;  // a kv head's: the sum over its query heads
+          row[col(2, h) + t] += v;
         }
       }
     }
@@ -311,8 +319,9 @@ std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
 // probs [batch, heads, seq, seq] -> [rows, heads*hd]): sum_j P_ij |v_j|.
 std::vector<double> AttentionOutputTermSizes(const std::vector<float>& qkv,
                                              const std::vector<float>& probs, int64_t batch,
-                                             int64_t seq, int64_t heads, int64_t hd) {
-  const int64_t width = 3 * heads * hd;
+                                             int64_t seq, int64_t heads, int64_t kv_heads,
+                                             int64_t hd) {
+  const int64_t width = (heads + 2 * kv_heads) * hd;
   std::vector<double> size(static_cast<size_t>(batch * seq * heads * hd), 0.0);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -321,8 +330,9 @@ std::vector<double> AttentionOutputTermSizes(const std::vector<float>& qkv,
         for (int64_t t = 0; t < hd; ++t) {
           double sum = 0;
           for (int64_t j = 0; j <= i; ++j) {
-            const float v = qkv[static_cast<size_t>((b * seq + j) * width + 2 * heads * hd +
-                                                    h * hd + t)];
+            const int64_t kv = h / (heads / kv_heads);
+            const float v = qkv[static_cast<size_t>((b * seq + j) * width +
+                                                    (heads + kv_heads + kv) * hd + t)];
             sum += std::fabs(static_cast<double>(P[i * seq + j])) * std::fabs(v);
           }
           size[static_cast<size_t>((b * seq + i) * heads * hd + h * hd + t)] = sum;
@@ -333,41 +343,53 @@ std::vector<double> AttentionOutputTermSizes(const std::vector<float>& qkv,
   return size;
 }
 
+// Grouped-query shapes (kv heads 2 of 4, 2 of 6 with an odd seq and a
+// head width with a scalar tail) and multi-query ones (1 of 3, 1 of 1 at
+// a single position) beside multi-head ones (kv = heads).
 void CheckAttention(std::mt19937& rng, bool edges) {
-  for (auto [batch, seq, heads, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 4},
-                                       {1, 37, 2, 12},
-                                       {1, 1, 1, 8},
-                                       {0, 5, 2, 4},
-                                       {1, 9, 1, 0}}) {
-    const int64_t rows = batch * seq, width = 3 * heads * hd;
+  for (auto [batch, seq, heads, kv, hd] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4},
+        {1, 37, 2, 2, 12},
+        {1, 1, 1, 1, 8},
+        {0, 5, 2, 2, 4},
+        {1, 9, 1, 1, 0},
+        {2, 7, 4, 2, 4},
+        {1, 13, 6, 2, 20},
+        {1, 11, 3, 1, 8},
+        {0, 3, 4, 1, 4}}) {
+    const int64_t rows = batch * seq, width = (heads + 2 * kv) * hd;
     for (int part = 0; part < (edges ? 3 : 1); ++part) {
-      const std::string what = "attention " + Dims({batch, seq, heads, hd}) +
+      const std::string what = "attention " + Dims({batch, seq, heads, kv, hd}) +
                                (edges ? " edges in " + std::string(1, "qkv"[part]) : "");
       std::vector<float> qkv = Values(rng, rows * width, false);
-      if (edges && heads * hd > 0) {  // the edges into part `part` of every row
-        const std::vector<float> e = Values(rng, rows * heads * hd, true);
+      // The edges into part `part` (q, k or v heads) of every row.
+      const int64_t first = part == 0 ? 0 : (heads + (part - 1) * kv) * hd;
+      const int64_t count = (part == 0 ? heads : kv) * hd;
+      if (edges && count > 0) {
+        const std::vector<float> e = Values(rng, rows * count, true);
         for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(qkv.data() + r * width + part * heads * hd, e.data() + r * heads * hd,
-                      static_cast<size_t>(heads * hd) * sizeof(float));
+          std::memcpy(qkv.data() + r * width + first, e.data() + r * count,
+                      static_cast<size_t>(count) * sizeof(float));
         }
       }
       const std::vector<float> dout = Values(rng, rows * heads * hd, false);
       const int64_t nprobs = batch * heads * seq * seq;
       std::vector<float> probs = Poisoned(nprobs), out = Poisoned(rows * heads * hd);
       ASSERT_TRUE(internal::AttentionForward(Ctx(BackendKind::kReference), qkv.data(), batch, seq,
-                                             heads, hd, probs.data(), out.data())
+                                             heads, kv, hd, probs.data(), out.data())
                       .ok());
       // The probabilities within 2e-5; each output within that of the size
       // of its terms sum_j P_ij |v_j| (the cpu's own P carries 2e-5), plus
       // (seq + 4) u of it for the f32 sum, which cancels where v holds 1e30.
-      std::vector<double> out_abs = AttentionOutputTermSizes(qkv, probs, batch, seq, heads, hd);
+      std::vector<double> out_abs =
+          AttentionOutputTermSizes(qkv, probs, batch, seq, heads, kv, hd);
       for (double& a : out_abs) {
         a = std::isfinite(a) ? 2e-5 + (2e-5 + static_cast<double>(seq + 4) * 0x1p-24) * a : a;
       }
       test::ForEachTarget([&] {
         std::vector<float> got_probs = Poisoned(nprobs), got_out = Poisoned(rows * heads * hd);
         ASSERT_TRUE(internal::AttentionForward(Ctx(BackendKind::kCpu), qkv.data(), batch, seq,
-                                               heads, hd, got_probs.data(), got_out.data())
+                                               heads, kv, hd, got_probs.data(), got_out.data())
                         .ok());
         ExpectClose(got_probs, probs, 2e-5, 2e-5, what + " forward probabilities");
         ExpectCloseWithin(got_out, out, out_abs, 2e-5, what + " forward output");
@@ -375,18 +397,20 @@ void CheckAttention(std::mt19937& rng, bool edges) {
       // Within 2e-5 relative, or (seq + hd + 4) u of the size of its terms
       // (a NaN or infinite size, from an infinite input, accepts any value:
       // the forward's check has held those rows).
-      std::vector<double> abs = AttentionBackwardTermSizes(qkv, probs, dout, batch, seq, heads, hd);
-      const double terms_u = static_cast<double>(seq + hd + 4) * 0x1p-24;
+      std::vector<double> abs =
+          AttentionBackwardTermSizes(qkv, probs, dout, batch, seq, heads, kv, hd);
+      // dK and dV sum heads / kv heads' sums: that many more terms.
+      const double terms_u = static_cast<double>(seq * (kv > 0 ? heads / kv : 1) + hd + 4) * 0x1p-24;
       for (double& a : abs) a = std::isfinite(a) ? 2e-5 + terms_u * a : a;
       std::vector<float> want = Poisoned(rows * width);
       ASSERT_TRUE(internal::AttentionBackward(Ctx(BackendKind::kReference), qkv.data(),
-                                              probs.data(), dout.data(), batch, seq, heads, hd,
+                                              probs.data(), dout.data(), batch, seq, heads, kv, hd,
                                               want.data())
                       .ok());
       test::ForEachTarget([&] {
         std::vector<float> got = Poisoned(rows * width);
         ASSERT_TRUE(internal::AttentionBackward(Ctx(BackendKind::kCpu), qkv.data(), probs.data(),
-                                                dout.data(), batch, seq, heads, hd, got.data())
+                                                dout.data(), batch, seq, heads, kv, hd, got.data())
                         .ok());
         ExpectCloseWithin(got, want, abs, 2e-5, what + " backward");
       });
@@ -403,8 +427,8 @@ void CheckAttentionSaturates() {
   qkv[static_cast<size_t>(1 * width + heads * hd)] = 5.0f;                       // k of key 1
   for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
     std::vector<float> probs = Poisoned(seq * seq), out = Poisoned(seq * heads * hd);
-    ASSERT_TRUE(internal::AttentionForward(Ctx(kind), qkv.data(), 1, seq, heads, hd, probs.data(),
-                                           out.data())
+    ASSERT_TRUE(internal::AttentionForward(Ctx(kind), qkv.data(), 1, seq, heads, heads, hd,
+                                           probs.data(), out.data())
                     .ok());
     for (int64_t i = 1; i < seq; ++i) {
       for (int64_t j = 0; j < seq; ++j) {
@@ -1253,6 +1277,39 @@ TEST(BackendOps, CpuMatchesTheReferenceAtTheEdgesOfTheF32Range) {
 }
 
 TEST(BackendOps, SaturatedAttentionSoftmaxGivesZeroAndOne) { CheckAttentionSaturates(); }
+
+// kv heads that do not split the query heads into equal groups (or none):
+// each attention op refuses them by name before writing anything.
+TEST(BackendOps, AttentionRefusesKvHeadsThatDoNotDivideTheQueryHeads) {
+  const int64_t seq = 3, heads = 3, hd = 4;
+  for (int64_t kv : {int64_t{0}, int64_t{2}, int64_t{-1}, int64_t{6}}) {
+    const int64_t width = (heads + 2 * std::max<int64_t>(kv, 0)) * hd;
+    std::vector<float> qkv(static_cast<size_t>(seq * width), 1.0f), cos(seq * hd / 2, 1.0f),
+        sin(seq * hd / 2, 0.0f), dout(seq * heads * hd, 1.0f);
+    for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+      std::vector<float> probs = Poisoned(heads * seq * seq), out = Poisoned(seq * heads * hd),
+                         dqkv = Poisoned(seq * width), rotated = qkv;
+      const Status st[] = {
+          internal::RopeApply(Ctx(kind), rotated.data(), 1, seq, heads, kv, hd, cos.data(),
+                              sin.data(), false),
+          internal::AttentionForward(Ctx(kind), qkv.data(), 1, seq, heads, kv, hd, probs.data(),
+                                     out.data()),
+          internal::AttentionBackward(Ctx(kind), qkv.data(), probs.data(), dout.data(), 1, seq,
+                                      heads, kv, hd, dqkv.data())};
+      for (const Status& s : st) {
+        EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << kv << ": " << s.message();
+        EXPECT_NE(s.message().find("3 query heads do not split into groups of " +
+                                   std::to_string(kv) + " kv heads"),
+                  std::string::npos)
+            << s.message();
+      }
+      EXPECT_EQ(rotated, qkv);
+      for (float v : probs) EXPECT_TRUE(std::isnan(v));
+      for (float v : out) EXPECT_TRUE(std::isnan(v));
+      for (float v : dqkv) EXPECT_TRUE(std::isnan(v));
+    }
+  }
+}
 
 TEST(BackendOps, RouteBreaksTiesToTheLowerExpertAndSaturatesToZeroAndOne) {
   CheckRouteContract();

@@ -142,37 +142,59 @@ Status RmsNormBackward(Context& ctx, const float* x, const float* g, const float
              &Backend::RmsNormBackward);
 }
 
+namespace {
+
+// Hkv >= 1 dividing H (kernels/ops.h); zero heads of both is an empty call.
+Status KvHeads(Op op, int64_t heads, int64_t kv_heads) {
+  if ((heads == 0 && kv_heads == 0) || (kv_heads >= 1 && heads >= 0 && heads % kv_heads == 0)) {
+    return OkStatus();
+  }
+  return InvalidArgument(std::string(OpName(op)) + ": " + std::to_string(heads) +
+                         " query heads do not split into groups of " +
+                         std::to_string(kv_heads) + " kv heads (kv_heads must be >= 1 and "
+                         "divide heads)");
+}
+
+}  // namespace
+
 Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
-                 int64_t hd, const float* cos, const float* sin, bool inverse) {
+                 int64_t kv_heads, int64_t hd, const float* cos, const float* sin,
+                 bool inverse) {
   const Op op = Op::kRope;
   if (hd % 2 != 0) {
     return InvalidArgument("rope: head dimension " + std::to_string(hd) +
                            " is odd; RoPE rotates pairs of dimensions");
   }
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, 3, heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, heads + 2 * kv_heads, hd}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "cos", cos, {seq, hd / 2}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "sin", sin, {seq, hd / 2}));
-  return Run(ctx, RopeArgs{{op}, qkv, batch, seq, heads, hd, cos, sin, inverse}, &Backend::Rope);
+  return Run(ctx, RopeArgs{{op}, qkv, batch, seq, heads, kv_heads, hd, cos, sin, inverse},
+             &Backend::Rope);
 }
 
 Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq,
-                        int64_t heads, int64_t hd, float* probs, float* out) {
+                        int64_t heads, int64_t kv_heads, int64_t hd, float* probs, float* out) {
   const Op op = Op::kAttentionForward;
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, 3, heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, heads + 2 * kv_heads, hd}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {batch, seq, heads, hd}));
-  return Run(ctx, AttentionForwardArgs{{op}, qkv, batch, seq, heads, hd, probs, out},
+  return Run(ctx, AttentionForwardArgs{{op}, qkv, batch, seq, heads, kv_heads, hd, probs, out},
              &Backend::AttentionForward);
 }
 
 Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
-                         int64_t batch, int64_t seq, int64_t heads, int64_t hd, float* dqkv) {
+                         int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd,
+                         float* dqkv) {
   const Op op = Op::kAttentionBackward;
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, 3, heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, heads + 2 * kv_heads, hd}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "dout", dout, {batch, seq, heads, hd}));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "dqkv", dqkv, {batch, seq, 3, heads, hd}));
-  return Run(ctx, AttentionBackwardArgs{{op}, qkv, probs, dout, batch, seq, heads, hd, dqkv},
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dqkv", dqkv, {batch, seq, heads + 2 * kv_heads, hd}));
+  return Run(ctx,
+             AttentionBackwardArgs{{op}, qkv, probs, dout, batch, seq, heads, kv_heads, hd, dqkv},
              &Backend::AttentionBackward);
 }
 

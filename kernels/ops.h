@@ -34,21 +34,28 @@ Status RmsNormForward(Context& ctx, const float* x, const float* g, int64_t rows
 Status RmsNormBackward(Context& ctx, const float* x, const float* g, const float* inv_rms,
                        const float* dy, int64_t rows, int64_t d, float* dx, float* dg);
 
-// Rotates the q and k columns of qkv [B*S, 3*H*hd] in place: pairs
-// (i, i + hd/2) of each head at position s by angle(s, i) of the tables
-// cos, sin [S, hd/2]; inverse rotates back (the backward of the rotation).
-// hd even.
-Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
-                 int64_t hd, const float* cos, const float* sin, bool inverse);
+// Attention's rows [B*S, (H + 2 Hkv) hd] hold q | k | v: H = `heads` query
+// heads, then Hkv = `kv_heads` key heads and Hkv value heads (grouped-query
+// attention; Hkv = H is multi-head, Hkv = 1 multi-query). Query head h reads
+// kv head h / (H / Hkv); Hkv >= 1 divides H (else InvalidArgument).
 
-// Causal softmax attention per (batch, head) on qkv [B*S, 3*H*hd] (q | k | v,
-// q and k already rotated): probs [B, H, S, S] (zero above the diagonal),
+// Rotates the q and k heads of qkv in place: pairs (i, i + hd/2) of each
+// head at position s by angle(s, i) of the tables cos, sin [S, hd/2];
+// inverse rotates back (the backward of the rotation). hd even; v is not
+// rotated.
+Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
+                 int64_t kv_heads, int64_t hd, const float* cos, const float* sin, bool inverse);
+
+// Causal softmax attention per (batch, query head) on qkv (q and k already
+// rotated), scale 1/sqrt(hd): probs [B, H, S, S] (zero above the diagonal),
 // out [B*S, H*hd].
 Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq,
-                        int64_t heads, int64_t hd, float* probs, float* out);
-// dqkv [B*S, 3*H*hd] (overwritten) from dout [B*S, H*hd].
+                        int64_t heads, int64_t kv_heads, int64_t hd, float* probs, float* out);
+// dqkv (qkv's shape, overwritten) from dout [B*S, H*hd]: dK and dV of a kv
+// head are the sums over the query heads that share it, in head order.
 Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
-                         int64_t batch, int64_t seq, int64_t heads, int64_t hd, float* dqkv);
+                         int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd,
+                         float* dqkv);
 
 // Mean over rows of -log softmax(logits[r])[target[r]]; logits [rows, v].
 // With dlogits non-null: its gradient (softmax - onehot) / rows. A target

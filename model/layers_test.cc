@@ -84,19 +84,23 @@ TEST(ModelLayers, RmsNormMatchesReferenceAndFiniteDifferences) {
 
 // Rope + attention forward against the float64 twins, and the backward by
 // central differences, on every SIMD target: a head width below one vector
-// (hd 4) and one with a scalar tail after whole vectors (hd 20).
+// (hd 4) and one with a scalar tail after whole vectors (hd 20); multi-head,
+// grouped-query (Hkv 2 of H 4 and 6) and multi-query (Hkv 1) attention.
 TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
   struct Shape {
-    int64_t B, S, H, hd;
+    int64_t B, S, H, Hkv, hd;
   };
   FP8MOE_RANDOM_SEED(seed);
   // Listed before any is forced: SimdTargets() lists what dispatch allows.
   const std::vector<test::SimdTarget> targets = test::SimdTargets();
-  for (const Shape& sh : {Shape{2, 7, 3, 4}, Shape{1, 19, 2, 20}}) {
+  for (const Shape& sh : {Shape{2, 7, 3, 3, 4}, Shape{1, 19, 2, 2, 20}, Shape{2, 7, 4, 2, 4},
+                          Shape{1, 9, 3, 1, 20}, Shape{1, 5, 6, 2, 6}}) {
     for (const test::SimdTarget& target : targets) [&] {
       test::UseSimdTarget(target);
-      const int64_t B = sh.B, S = sh.S, H = sh.H, hd = sh.hd, W = 3 * H * hd;
-      SCOPED_TRACE(target.label + " hd " + std::to_string(hd));
+      const int64_t B = sh.B, S = sh.S, H = sh.H, Hkv = sh.Hkv, hd = sh.hd,
+                    W = (H + 2 * Hkv) * hd;
+      SCOPED_TRACE(target.label + " H " + std::to_string(H) + " Hkv " + std::to_string(Hkv) +
+                   " hd " + std::to_string(hd));
       std::mt19937 rng(static_cast<unsigned>(seed));
       const double theta = 10000.0;
       auto qkv = Normal(rng, B * S * W), dout = Normal(rng, B * S * H * hd);
@@ -105,14 +109,15 @@ TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
       internal::RopeTables(S, hd, theta, cos.data(), sin.data());
       std::vector<float> q = F32(qkv), probs(B * H * S * S), out(B * S * H * hd), dq(B * S * W);
       ASSERT_TRUE(
-          internal::RopeApply(ctx, q.data(), B, S, H, hd, cos.data(), sin.data(), false).ok());
-      ASSERT_TRUE(
-          internal::AttentionForward(ctx, q.data(), B, S, H, hd, probs.data(), out.data()).ok());
+          internal::RopeApply(ctx, q.data(), B, S, H, Hkv, hd, cos.data(), sin.data(), false).ok());
+      ASSERT_TRUE(internal::AttentionForward(ctx, q.data(), B, S, H, Hkv, hd, probs.data(),
+                                             out.data())
+                      .ok());
       std::vector<double> rq, ro(out.size());
       auto ref = [&] {
         rq = qkv;
-        reference::Rope(rq.data(), B, S, H, hd, theta);
-        reference::Attention(rq.data(), B, S, H, hd, ro.data());
+        reference::Rope(rq.data(), B, S, H, Hkv, hd, theta);
+        reference::Attention(rq.data(), B, S, H, Hkv, hd, ro.data());
       };
       ref();
       for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ro[i], 1e-5) << i;
@@ -122,11 +127,11 @@ TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
       }
       std::vector<float> doutf = F32(dout);
       ASSERT_TRUE(internal::AttentionBackward(ctx, q.data(), probs.data(), doutf.data(), B, S, H,
-                                              hd, dq.data())
+                                              Hkv, hd, dq.data())
                       .ok());
-      ASSERT_TRUE(
-          internal::RopeApply(ctx, dq.data(), B, S, H, hd, cos.data(), sin.data(), /*inverse=*/true)
-              .ok());
+      ASSERT_TRUE(internal::RopeApply(ctx, dq.data(), B, S, H, Hkv, hd, cos.data(), sin.data(),
+                                      /*inverse=*/true)
+                      .ok());
       auto loss = [&] {
         ref();
         double s = 0;
@@ -149,15 +154,16 @@ TEST(ModelLayers, AttentionWithRopeMatchesReferenceAndFiniteDifferences) {
 TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
   FP8MOE_RANDOM_SEED(seed);
   struct Shape {
-    int64_t B, S, H, hd;
+    int64_t B, S, H, Hkv, hd;
   };
   const std::vector<test::SimdTarget> targets = test::SimdTargets();
   int compared = 0;  // targets held to the first one's bits
-  for (const Shape& sh : {Shape{2, 64, 2, 16}, Shape{1, 65, 3, 16}, Shape{2, 1, 1, 8},
-                          Shape{1, 33, 2, 12}}) {
-    const int64_t B = sh.B, S = sh.S, H = sh.H, hd = sh.hd, W = 3 * H * hd;
+  const std::vector<Shape> shapes = {{2, 64, 2, 2, 16}, {1, 65, 3, 3, 16}, {2, 1, 1, 1, 8},
+                                     {1, 33, 2, 2, 12}, {2, 33, 4, 2, 12}, {1, 17, 3, 1, 16}};
+  for (const Shape& sh : shapes) {
+    const int64_t B = sh.B, S = sh.S, H = sh.H, Hkv = sh.Hkv, hd = sh.hd, W = (H + 2 * Hkv) * hd;
     SCOPED_TRACE("B " + std::to_string(B) + " S " + std::to_string(S) + " H " +
-                 std::to_string(H) + " hd " + std::to_string(hd));
+                 std::to_string(H) + " Hkv " + std::to_string(Hkv) + " hd " + std::to_string(hd));
     std::mt19937 rng(static_cast<unsigned>(seed));
     const auto qkv = Normal(rng, B * S * W, 2.0), dout = Normal(rng, B * S * H * hd);
     const std::vector<float> qf = F32(qkv), df = F32(dout);
@@ -168,10 +174,11 @@ TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
       SCOPED_TRACE(target.label);
       Context ctx;
       std::vector<float> probs(B * H * S * S, NAN), out(B * S * H * hd, NAN), dq(B * S * W, NAN);
-      ASSERT_TRUE(
-          internal::AttentionForward(ctx, qf.data(), B, S, H, hd, probs.data(), out.data()).ok());
-      ASSERT_TRUE(internal::AttentionBackward(ctx, qf.data(), probs.data(), df.data(), B, S, H, hd,
-                                              dq.data())
+      ASSERT_TRUE(internal::AttentionForward(ctx, qf.data(), B, S, H, Hkv, hd, probs.data(),
+                                             out.data())
+                      .ok());
+      ASSERT_TRUE(internal::AttentionBackward(ctx, qf.data(), probs.data(), df.data(), B, S, H,
+                                              Hkv, hd, dq.data())
                       .ok());
       for (const auto* v : {&probs, &out, &dq}) {
         for (size_t i = 0; i < v->size(); ++i) {
@@ -179,7 +186,7 @@ TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
         }
       }
       std::vector<double> ro(out.size());
-      reference::Attention(qkv.data(), B, S, H, hd, ro.data());
+      reference::Attention(qkv.data(), B, S, H, Hkv, hd, ro.data());
       for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ro[i], 2e-5) << i;
       if (target.hwy > HWY_AVX2) return;  // no FMA: other bits, same tolerance
       if (first.empty()) {
@@ -203,7 +210,7 @@ TEST(ModelLayers, AttentionGivesTheSameBitsOnEveryTarget) {
   // AVX3 targets were held to each other and to AVX2.
   int fma_targets = 0;
   for (const test::SimdTarget& t : targets) fma_targets += t.hwy <= HWY_AVX2;
-  EXPECT_EQ(compared, 4 * (fma_targets - 1));
+  EXPECT_EQ(compared, static_cast<int>(shapes.size()) * (fma_targets - 1));
 }
 
 // Non-finite inputs reach the rows they touch and no others, on every
@@ -226,7 +233,7 @@ TEST(ModelLayers, AttentionSpreadsNaNToTheRowsItReaches) {
     Context ctx;
     std::vector<float> probs(B * H * S * S), out(B * S * H * hd);
     ASSERT_TRUE(
-        internal::AttentionForward(ctx, qkv.data(), B, S, H, hd, probs.data(), out.data()).ok());
+        internal::AttentionForward(ctx, qkv.data(), B, S, H, H, hd, probs.data(), out.data()).ok());
     for (int64_t i = 0; i < S; ++i) {
       for (int64_t h = 0; h < H; ++h) {
         const bool nan_row = (h == 0 && i == 3) || (h == 1 && i >= 7) || (h == 0 && i == 11);

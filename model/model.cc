@@ -10,8 +10,10 @@
 #include "base/check.h"
 #include "fp8moe/communicator.h"
 #include "fp8moe/memory.h"
+#include "model/attention_block.h"
 #include "model/ffn_block.h"
 #include "model/layers.h"
+#include "model/logits_block.h"
 
 namespace fp8moe {
 
@@ -72,6 +74,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
   bounded(c.num_layers, "base_num_decoder_layers");
   bounded(c.num_heads, "base_num_query_heads");
   bounded(c.head_dim, "head_dim");
+  bounded(c.num_kv_heads, "base_num_kv_heads");
   bounded(c.mlp_dim, "base_moe_mlp_dim");
   bounded(c.seq_len, "max_target_length");
   bounded(c.batch, "per_device_batch_size");
@@ -90,10 +93,23 @@ Status ValidateModelConfig(const ModelConfig& c) {
         "routed rows for one step (group sizes are int32); lower per_device_batch_size or "
         "max_target_length");
   }
+  if (c.num_kv_heads < 0) {
+    problems.push_back("base_num_kv_heads=" + std::to_string(c.num_kv_heads) +
+                       " is negative; set it to a divisor of base_num_query_heads, or 0 for "
+                       "base_num_query_heads (multi-head attention)");
+  }
+  if (problems.empty() && c.num_heads % KvHeads(c) != 0) {
+    problems.push_back("base_num_query_heads=" + std::to_string(c.num_heads) +
+                       " is not a multiple of base_num_kv_heads=" +
+                       std::to_string(c.num_kv_heads) +
+                       " (each kv head serves the same number of query heads); set "
+                       "base_num_kv_heads to a divisor of base_num_query_heads");
+  }
   if (problems.empty() &&
-      static_cast<__int128>(c.num_heads) * c.head_dim * 3 > kMaxDim) {
-    problems.push_back("3 x base_num_query_heads x head_dim exceeds " + std::to_string(kMaxDim) +
-                       " (the fused q|k|v width); lower base_num_query_heads or head_dim");
+      (static_cast<__int128>(c.num_heads) + 2 * KvHeads(c)) * c.head_dim > kMaxDim) {
+    problems.push_back("(base_num_query_heads + 2 x base_num_kv_heads) x head_dim exceeds " +
+                       std::to_string(kMaxDim) +
+                       " (the fused q|k|v width); lower the head counts or head_dim");
   }
   if (problems.empty() && 2 * c.mlp_dim > kMaxDim) {
     problems.push_back("2 x base_moe_mlp_dim exceeds " + std::to_string(kMaxDim) +
@@ -149,6 +165,10 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
     out.emplace_back(p + "attn_norm", &L.attn_norm);
     out.emplace_back(p + "wqkv", &L.wqkv);
     out.emplace_back(p + "wo_attn", &L.wo_attn);
+    if (has_qk_norm) {
+      out.emplace_back(p + "q_norm", &L.q_norm);
+      out.emplace_back(p + "k_norm", &L.k_norm);
+    }
     out.emplace_back(p + "mlp_norm", &L.mlp_norm);
     if (L.dense) {
       out.emplace_back(p + "mlp_wi", &L.mlp_wi);
@@ -164,7 +184,7 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
     }
   }
   out.emplace_back("final_norm", &final_norm);
-  out.emplace_back("lm_head", &lm_head);
+  if (has_lm_head) out.emplace_back("lm_head", &lm_head);
   return out;
 }
 
@@ -176,6 +196,8 @@ std::vector<std::pair<std::string, const Tensor*>> ModelParams::Named() const {
 
 ModelParams ModelParams::Layout(const ModelConfig& c) {
   ModelParams p;
+  p.has_lm_head = !c.logits_via_embedding;
+  p.has_qk_norm = c.use_qk_norm;
   p.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
   for (size_t l = 0; l < p.layers.size(); ++l) {
     p.layers[l].dense = IsDenseLayer(c, static_cast<int64_t>(l));
@@ -190,13 +212,16 @@ uint64_t ModelParamCount(const ModelConfig& c) {
   using U = unsigned __int128;
   auto size = [](int64_t v) { return static_cast<U>(std::clamp<int64_t>(v, 0, int64_t{1} << 31)); };
   const U D = size(c.emb_dim), HD = size(c.num_heads) * size(c.head_dim),
+          QKV = (size(c.num_heads) + 2 * size(KvHeads(c))) * size(c.head_dim),
           E = size(c.moe.num_experts), F = size(c.mlp_dim), V = size(c.vocab_size),
           L = size(c.num_layers), SF = size(c.shared_experts) * F,
           Ld = std::min(size(c.first_num_dense_layers), L), Fd = size(c.base_mlp_dim);
-  const U layer = 2 * D + D * 3 * HD + HD * D + D * E + E * D * 2 * F + E * F * D +
-                  D * 2 * SF + SF * D;
-  const U dense_layer = 2 * D + D * 3 * HD + HD * D + D * 2 * Fd + Fd * D;
-  const U total = 2 * V * D + D + (L - Ld) * layer + Ld * dense_layer;
+  const U qk_norm = c.use_qk_norm ? 2 * size(c.head_dim) : 0;
+  const U attention = 2 * D + D * QKV + HD * D + qk_norm;  // with the two norms' gains
+  const U layer = attention + D * E + E * D * 2 * F + E * F * D + D * 2 * SF + SF * D;
+  const U dense_layer = attention + D * 2 * Fd + Fd * D;
+  const U total =
+      (c.logits_via_embedding ? 1 : 2) * V * D + D + (L - Ld) * layer + Ld * dense_layer;
   return total > std::numeric_limits<uint64_t>::max() ? std::numeric_limits<uint64_t>::max()
                                                       : static_cast<uint64_t>(total);
 }
@@ -215,8 +240,9 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
     if (leaf == "embed") s = {V, D};
     if (leaf == "lm_head") s = {D, V};
     if (leaf == "attn_norm" || leaf == "mlp_norm" || leaf == "final_norm") s = {D};
-    if (leaf == "wqkv") s = {D, 3 * HD};
+    if (leaf == "wqkv") s = {D, (c.num_heads + 2 * KvHeads(c)) * c.head_dim};
     if (leaf == "wo_attn") s = {HD, D};
+    if (leaf == "q_norm" || leaf == "k_norm") s = {c.head_dim};
     if (leaf == "router") s = {D, E};
     if (leaf == "wi") s = {rows, D, 2 * F};
     if (leaf == "wo") s = {rows, F, D};
@@ -307,14 +333,16 @@ Status InitParams(const ModelConfig& c, uint64_t seed, ModelParams* params) {
 struct Model::Buffers {
   bool ready = false;
   Tensor group;     // I32 [1] = B*S: the dense matmuls' single group
-  Tensor cos, sin;  // [S, hd/2]
+  internal::AttentionShared attention;
   struct Layer {
-    Tensor x, n1, inv1, qkv, probs, attn, x1, n2, inv2;
+    Tensor x, x1, n2, inv2;
+    internal::AttentionActivations attention;
     MoeWorkspace moe;
   };
   std::vector<Layer> layers;
   Tensor xf, nf, invf, logits, dlogits;
-  Tensor dx, dtmp, dqkv, dattn, moe_y;
+  internal::LogitsBuffers tied;  // logits_via_embedding's
+  Tensor dx, dtmp, moe_y;
   std::vector<internal::DenseMlpState> ffn;  // per layer: the shared experts' activations
   internal::DenseMlpScratch ffn_scratch;
 };
@@ -330,22 +358,14 @@ Status Make(Tensor* t, Shape s, DType d = DType::kF32) {
 }
 
 Status Allocate(const ModelConfig& c, Model::Buffers* b) {
-  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, HD = c.num_heads * c.head_dim,
-                V = c.vocab_size, S = c.seq_len;
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, V = c.vocab_size;
   FP8MOE_RETURN_IF_ERROR(Make(&b->group, {1}, DType::kI32));
   b->group.data_as<int32_t>()[0] = static_cast<int32_t>(N);
-  FP8MOE_RETURN_IF_ERROR(Make(&b->cos, {S, c.head_dim / 2}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->sin, {S, c.head_dim / 2}));
-  internal::RopeTables(S, c.head_dim, c.rope_max_timescale, b->cos.data_as<float>(),
-                       b->sin.data_as<float>());
+  FP8MOE_RETURN_IF_ERROR(internal::AllocateAttention(c, &b->attention));
   b->layers.resize(static_cast<size_t>(c.num_layers));
   for (auto& L : b->layers) {
     FP8MOE_RETURN_IF_ERROR(Make(&L.x, {N, D}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.n1, {N, D}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.inv1, {N}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.qkv, {N, 3 * HD}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.probs, {c.batch, c.num_heads, S, S}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.attn, {N, HD}));
+    FP8MOE_RETURN_IF_ERROR(internal::AllocateAttention(c, &L.attention));
     FP8MOE_RETURN_IF_ERROR(Make(&L.x1, {N, D}));
     FP8MOE_RETURN_IF_ERROR(Make(&L.n2, {N, D}));
     FP8MOE_RETURN_IF_ERROR(Make(&L.inv2, {N}));
@@ -355,10 +375,9 @@ Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   FP8MOE_RETURN_IF_ERROR(Make(&b->invf, {N}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->logits, {N, V}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dlogits, {N, V}));
+  FP8MOE_RETURN_IF_ERROR(internal::AllocateLogits(c, &b->tied));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dx, {N, D}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->dtmp, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->dqkv, {N, 3 * HD}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->dattn, {N, HD}));
   FP8MOE_RETURN_IF_ERROR(Make(&b->moe_y, {N, D}));
   FP8MOE_RETURN_IF_ERROR(internal::AllocateFfn(c, &b->ffn, &b->ffn_scratch));
   b->ready = true;
@@ -436,8 +455,7 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   const ModelConfig& c = config_;
   if (!b_->ready) FP8MOE_RETURN_IF_ERROR(Allocate(c, b_.get()));
   Buffers& b = *b_;
-  const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
-                hd = c.head_dim, HD = H * hd, V = c.vocab_size, L = c.num_layers;
+  const int64_t N = c.batch * c.seq_len, D = c.emb_dim, V = c.vocab_size, L = c.num_layers;
   const int64_t ND = N * D;
   if (static_cast<int64_t>(params.layers.size()) != L ||
       static_cast<int64_t>(prepared.size()) != L ||
@@ -469,23 +487,8 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   for (int64_t l = 0; l < L; ++l) {
     const LayerParams& P = params.layers[static_cast<size_t>(l)];
     Buffers::Layer& A = b.layers[static_cast<size_t>(l)];
-    const float* x = A.x.data_as<float>();
-    FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, x, P.attn_norm.data_as<float>(), N, D,
-                                                    static_cast<float>(c.norm_eps),
-                                                    A.n1.data_as<float>(),
-                                                    A.inv1.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.n1.data_as<float>(), P.wqkv.data_as<float>(), N,
-                                  D, 3 * HD, A.qkv.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::RopeApply(ctx, A.qkv.data_as<float>(), B, S, H, hd,
-                                               b.cos.data_as<float>(), b.sin.data_as<float>(),
-                                               /*inverse=*/false));
-    FP8MOE_RETURN_IF_ERROR(internal::AttentionForward(ctx, A.qkv.data_as<float>(), B, S, H, hd,
-                                                      A.probs.data_as<float>(),
-                                                      A.attn.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, A.attn.data_as<float>(),
-                                  P.wo_attn.data_as<float>(), N, HD, D, A.x1.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::Add(ctx, A.x1.data_as<float>(), x, ND,
-                                         A.x1.data_as<float>()));
+    FP8MOE_RETURN_IF_ERROR(internal::AttentionSublayerForward(
+        ctx, c, group, &b.attention, P, A.x.data_as<float>(), &A.attention, A.x1.data_as<float>()));
     FP8MOE_RETURN_IF_ERROR(internal::RmsNormForward(ctx, A.x1.data_as<float>(),
                                                     P.mlp_norm.data_as<float>(), N, D,
                                                     static_cast<float>(c.norm_eps),
@@ -509,9 +512,8 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                                                   params.final_norm.data_as<float>(), N, D,
                                                   static_cast<float>(c.norm_eps),
                                                   b.nf.data_as<float>(), b.invf.data_as<float>()));
-  FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, b.nf.data_as<float>(),
-                                params.lm_head.data_as<float>(), N, D, V,
-                                b.logits.data_as<float>()));
+  FP8MOE_RETURN_IF_ERROR(internal::LogitsForward(ctx, c, group, params, b.nf.data_as<float>(),
+                                                 &b.tied, b.logits.data_as<float>()));
   FP8MOE_ASSIGN_OR_RETURN(info->loss,
                           internal::CrossEntropy(ctx, b.logits.data_as<float>(), targets, N, V,
                                                  grads ? b.dlogits.data_as<float>() : nullptr));
@@ -520,10 +522,9 @@ Status Model::Step(Context& ctx, const ModelParams& params,
   // ---- Backward ----
   float* dx = b.dx.data_as<float>();
   float* dtmp = b.dtmp.data_as<float>();
-  FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, b.dlogits.data_as<float>(),
-                                  params.lm_head.data_as<float>(), N, D, V, dtmp));
-  FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, b.nf.data_as<float>(), b.dlogits.data_as<float>(),
-                                  N, D, V, grads->lm_head.data_as<float>()));
+  FP8MOE_RETURN_IF_ERROR(internal::LogitsBackward(ctx, c, group, params, b.nf.data_as<float>(),
+                                                  b.dlogits.data_as<float>(), &b.tied, dtmp,
+                                                  grads));
   std::fill(dx, dx + ND, 0.0f);
   FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, b.xf.data_as<float>(),
                                                    params.final_norm.data_as<float>(),
@@ -546,27 +547,13 @@ Status Model::Step(Context& ctx, const ModelParams& params,
                                                      P.mlp_norm.data_as<float>(),
                                                      A.inv2.data_as<float>(), dtmp, N, D, dx,
                                                      G.mlp_norm.data_as<float>()));
-    // Attention output projection: dx is now the gradient of x1.
-    FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, dx, P.wo_attn.data_as<float>(), N, HD, D,
-                                    b.dattn.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.attn.data_as<float>(), dx, N, HD, D,
-                                    G.wo_attn.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::AttentionBackward(
-        ctx, A.qkv.data_as<float>(), A.probs.data_as<float>(), b.dattn.data_as<float>(), B, S, H,
-        hd, b.dqkv.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::RopeApply(ctx, b.dqkv.data_as<float>(), B, S, H, hd,
-                                               b.cos.data_as<float>(), b.sin.data_as<float>(),
-                                               /*inverse=*/true));
-    FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, b.dqkv.data_as<float>(), P.wqkv.data_as<float>(),
-                                    N, D, 3 * HD, dtmp));
-    FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, A.n1.data_as<float>(), b.dqkv.data_as<float>(),
-                                    N, D, 3 * HD, G.wqkv.data_as<float>()));
-    FP8MOE_RETURN_IF_ERROR(internal::RmsNormBackward(ctx, A.x.data_as<float>(),
-                                                     P.attn_norm.data_as<float>(),
-                                                     A.inv1.data_as<float>(), dtmp, N, D, dx,
-                                                     G.attn_norm.data_as<float>()));
+    // The attention sublayer: dx is now the gradient of x1.
+    FP8MOE_RETURN_IF_ERROR(internal::AttentionSublayerBackward(
+        ctx, c, group, &b.attention, P, A.x.data_as<float>(), A.attention, &G, dx, dtmp));
   }
-  return internal::EmbeddingScatterAdd(ctx, dx, inputs, N, V, D, grads->embed.data_as<float>());
+  FP8MOE_RETURN_IF_ERROR(
+      internal::EmbeddingScatterAdd(ctx, dx, inputs, N, V, D, grads->embed.data_as<float>()));
+  return internal::AddTiedEmbeddingGradient(ctx, c, b.tied, grads->embed.data_as<float>());
 }
 
 Status Model::ActivationHealth(Context& ctx, int64_t layer,

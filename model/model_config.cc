@@ -39,6 +39,20 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
     t->Int("base_mlp_dim", &M::base_mlp_dim,
            "Hidden width of the dense layers' MLP (first_num_dense_layers; MaxText's default "
            "7168, scaled down here like the other sizes). Range [1, 2^30).");
+    // Attention (docs/design.md 5.1)
+    t->Int("base_num_kv_heads", &M::num_kv_heads,
+           "Key/value heads Hkv (grouped-query attention; 1: multi-query; 0: "
+           "base_num_query_heads, multi-head). base_num_query_heads must be a multiple of it; "
+           "query head h reads kv head h / (base_num_query_heads / Hkv).");
+    t->Bool("logits_via_embedding", &M::logits_via_embedding,
+            "Tied embedding: the logits are the final norm's output times the embedding "
+            "table's transpose (no lm_head tensor; embed's gradient gets both uses).");
+    t->Bool("normalize_embedding_logits", &M::normalize_embedding_logits,
+            "With logits_via_embedding: divide the logits by sqrt(base_emb_dim), as MaxText "
+            "does; a Hugging Face tie_word_embeddings model needs false.");
+    t->Bool("use_qk_norm", &M::use_qk_norm,
+            "RMSNorm over head_dim of every query and key head before RoPE (Qwen3), with "
+            "gains q_norm and k_norm [head_dim] per layer and normalization_layer_epsilon.");
     return t;
   }();
   return *table;

@@ -17,6 +17,7 @@
 #include "base/test_seed.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/model.h"
+#include "moe/moe_test_util.h"
 
 namespace fp8moe {
 namespace {
@@ -311,9 +312,8 @@ TEST(Model, BitsDoNotDependOnTheThreadCount) {
   omp_set_num_threads(saved);
 }
 
-TEST(Model, SteadyStateStepAllocatesNothing) {
-  ModelConfig c = Tiny({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
-                        "fp8_moe_native_fwd=true", "fp8_moe_native_bwd_dlhs=true"});
+// Steps after the first (which allocates the buffers) allocate nothing.
+void ExpectSteadyStepsAllocateNothing(const ModelConfig& c) {
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);
   FP8MOE_RANDOM_SEED(seed);
@@ -332,6 +332,12 @@ TEST(Model, SteadyStateStepAllocatesNothing) {
       EXPECT_EQ(GetMemoryStats().allocations, before) << "step " << i;
     }
   }
+}
+
+TEST(Model, SteadyStateStepAllocatesNothing) {
+  ExpectSteadyStepsAllocateNothing(Tiny({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
+                                         "fp8_moe_native_fwd=true",
+                                         "fp8_moe_native_bwd_dlhs=true"}));
 }
 
 // The trainer draws the initial weights a tensor at a time (never the whole
@@ -450,6 +456,197 @@ TEST(Model, BadInputsAreClearErrors) {
   s = model.Step(ctx, none, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info);
   EXPECT_NE(s.message().find("in the parameters hold no experts"), std::string::npos)
       << s.message();
+}
+
+// ---- Attention architectures (issue 36): grouped-query and multi-query
+// attention, a head width independent of the model width ----
+
+// Tiny() with H query heads of width hd over Hkv kv heads (H * hd != D).
+ModelConfig TinyAttention(int64_t heads, int64_t kv_heads, int64_t hd,
+                          std::vector<std::string> moe_flags = {"dtype=float32"}) {
+  ModelConfig c = Tiny(std::move(moe_flags));
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = hd;
+  return c;
+}
+
+// CheckGradients on up to three models drawn from seed, until one has no
+// routing tie within a perturbation (Model.GradientsMatch... says why).
+void CheckGradientsOfADrawWithoutTies(const ModelConfig& c, uint64_t seed) {
+  bool near_tie = true;
+  for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
+    CheckGradients(c, seed + draw * 1000003, &near_tie);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+}
+
+// Every parameter's gradient, wqkv's q, k and v columns among them, against
+// finite differences of the float64 twin: grouped-query (4 query heads on 2
+// kv heads, hd 6: H hd = 24 over D = 8) and multi-query (3 on 1, hd 4).
+TEST(Model, GroupedQueryAttentionGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (const ModelConfig& c : {TinyAttention(4, 2, 6), TinyAttention(3, 1, 4)}) {
+    SCOPED_TRACE("H " + std::to_string(c.num_heads) + " Hkv " + std::to_string(c.num_kv_heads));
+    ASSERT_EQ(ParamShapes(c)[2].first, "layers.0.wqkv");
+    EXPECT_EQ(ParamShapes(c)[2].second,
+              (Shape{c.emb_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim}));
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// use_qk_norm (Qwen3): the q_norm and k_norm gains and every other
+// gradient through the per-head norms against finite differences of the
+// float64 twin, alone (multi-head) and with every attention knob at once
+// (grouped-query, hd 6 over D 8, tied normalized logits).
+TEST(Model, QkNormGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  ModelConfig alone = Tiny();
+  alone.use_qk_norm = true;
+  ModelConfig together = TinyAttention(4, 2, 6);
+  together.use_qk_norm = true;
+  together.logits_via_embedding = true;
+  for (const ModelConfig& c : {alone, together}) {
+    SCOPED_TRACE("Hkv " + std::to_string(KvHeads(c)) + " tied " +
+                 std::to_string(c.logits_via_embedding));
+    const auto shapes = ParamShapes(c);
+    ASSERT_EQ(shapes[4].first, "layers.0.q_norm");
+    EXPECT_EQ(shapes[4].second, (Shape{c.head_dim}));
+    EXPECT_EQ(shapes[5].first, "layers.0.k_norm");
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// base_num_kv_heads = 0 (the default) and = H are the same model: the same
+// shapes, the same initial weights and the same bits as before GQA.
+TEST(Model, KvHeadsEqualToTheQueryHeadsIsTheMultiHeadModel) {
+  FP8MOE_RANDOM_SEED(seed);
+  ModelConfig mha = Tiny();
+  ASSERT_EQ(mha.num_kv_heads, 0);
+  EXPECT_EQ(KvHeads(mha), mha.num_heads);
+  ModelConfig same = mha;
+  same.num_kv_heads = mha.num_heads;
+  EXPECT_EQ(ParamShapes(mha), ParamShapes(same));
+  EXPECT_EQ(ModelParamCount(mha), ModelParamCount(same));
+  EXPECT_TRUE(StepBits(mha, 1, seed) == StepBits(same, 1, seed));
+}
+
+// Tied embedding and LM head (logits_via_embedding), MaxText's normalized
+// logits and Hugging Face's unnormalized ones, alone and with multi-query
+// attention: embed's gradient (its gather and the logits' use) and every
+// other one against finite differences of the float64 twin.
+TEST(Model, TiedEmbeddingGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  std::vector<ModelConfig> configs;
+  for (bool normalize : {true, false}) {
+    ModelConfig c = Tiny();
+    c.logits_via_embedding = true;
+    c.normalize_embedding_logits = normalize;
+    configs.push_back(c);
+  }
+  ModelConfig together = TinyAttention(4, 1, 6);
+  together.logits_via_embedding = true;
+  configs.push_back(together);
+  for (const ModelConfig& c : configs) {
+    SCOPED_TRACE("normalize " + std::to_string(c.normalize_embedding_logits) + " Hkv " +
+                 std::to_string(KvHeads(c)));
+    const auto shapes = ParamShapes(c);
+    EXPECT_EQ(shapes.back().first, "final_norm");  // no lm_head
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Tied: no lm_head in the parameters, the count one V x D smaller, and the
+// other tensors' initial values unchanged (lm_head was drawn last).
+TEST(Model, TiedEmbeddingHasNoLmHead) {
+  ModelConfig untied = Tiny(), tied = Tiny();
+  tied.logits_via_embedding = true;
+  EXPECT_EQ(ModelParamCount(untied) - ModelParamCount(tied),
+            static_cast<uint64_t>(tied.vocab_size * tied.emb_dim));
+  auto a = AllocateParams(untied), b = AllocateParams(tied);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(b->has_lm_head);
+  ASSERT_EQ(a->Named().size(), b->Named().size() + 1);
+  ASSERT_TRUE(InitParams(untied, 7, &*a).ok());
+  ASSERT_TRUE(InitParams(tied, 7, &*b).ok());
+  const auto na = a->Named(), nb = b->Named();
+  for (size_t k = 0; k < nb.size(); ++k) {
+    EXPECT_EQ(na[k].first, nb[k].first);
+    EXPECT_EQ(std::memcmp(na[k].second->data(), nb[k].second->data(), nb[k].second->num_bytes()), 0)
+        << nb[k].first;
+  }
+  // Parameters of the other config: a clear error, not a read of no data.
+  const Tokens tok(tied, 3);
+  Context ctx;
+  Model model(tied);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *a, &prepared).ok());
+  ModelStepInfo info;
+  const Status s = model.Step(ctx, *a, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info);
+  EXPECT_NE(s.message().find("hold an lm_head but the config has logits_via_embedding=true"),
+            std::string::npos) << s.message();
+}
+
+// Every QAT mode of the routed experts runs with grouped-query and
+// multi-query attention and tied logits, with the same bits for 1 and 2
+// threads.
+TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCount) {
+  FP8MOE_RANDOM_SEED(seed);
+  const int saved = omp_get_max_threads();
+  for (const auto& flags : test::Modes()) {
+    for (auto [heads, kv] : {std::pair<int64_t, int64_t>{4, 2}, {4, 1}}) {
+      ModelConfig c = TinyAttention(heads, kv, 6, flags);
+      c.logits_via_embedding = kv == 1;  // MQA runs with tied logits, GQA with qk norms
+      c.use_qk_norm = kv == 2;
+      c.batch = 4;
+      c.seq_len = 24;
+      c.emb_dim = 32;
+      c.mlp_dim = 48;
+      const std::string what = (flags.empty() ? std::string("bf16") : flags.back()) + " H " +
+                               std::to_string(heads) + " Hkv " + std::to_string(kv) +
+                               (c.logits_via_embedding ? " tied" : " qk_norm");
+      const auto one = StepBits(c, 1, seed);
+      double loss = 0;
+      std::memcpy(&loss, one[0].data(), sizeof(loss));
+      EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
+      EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+// Every attention knob on: still no allocation in a steady-state step.
+TEST(Model, SteadyStateStepWithEveryAttentionKnobAllocatesNothing) {
+  ModelConfig c = TinyAttention(4, 2, 6, {"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
+                                          "fp8_moe_native_fwd=true",
+                                          "fp8_moe_native_bwd_dlhs=true"});
+  c.use_qk_norm = true;
+  c.logits_via_embedding = true;
+  ExpectSteadyStepsAllocateNothing(c);
+}
+
+// Head counts that do not group: exit 2 in the CLI (InvalidArgument here)
+// with a message naming both flags and the fix.
+TEST(Model, KvHeadsThatDoNotDivideTheQueryHeadsAreAClearError) {
+  ModelConfig c = TinyAttention(4, 3, 4);
+  Status s = ValidateModelConfig(c);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("base_num_query_heads=4 is not a multiple of base_num_kv_heads=3"),
+            std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("set base_num_kv_heads to a divisor of base_num_query_heads"),
+            std::string::npos) << s.message();
+  EXPECT_FALSE(AllocateParams(c).ok());
+  c = TinyAttention(2, 4, 4);  // more kv heads than query heads
+  EXPECT_NE(ValidateModelConfig(c).message().find("base_num_kv_heads=4"), std::string::npos);
+  c = TinyAttention(4, -1, 4);
+  s = ValidateModelConfig(c);
+  EXPECT_NE(s.message().find("base_num_kv_heads=-1 is negative"), std::string::npos)
+      << s.message();
+  for (int64_t kv : {1, 2, 4}) EXPECT_TRUE(ValidateModelConfig(TinyAttention(4, kv, 4)).ok()) << kv;
 }
 
 }  // namespace

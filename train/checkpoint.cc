@@ -221,11 +221,28 @@ std::vector<CheckpointTensor> CheckpointLayout(
   return out;
 }
 
+namespace {
+// The attention architecture flags that differ from multi-head attention
+// with an lm_head, by flag name (so that the resume's refusal names the
+// flag; the default model's signature is what it was before them).
+std::string AttentionSignature(const ModelConfig& m) {
+  std::string s;
+  if (KvHeads(m) != m.num_heads) s += " base_num_kv_heads=" + std::to_string(KvHeads(m));
+  if (m.use_qk_norm) s += " use_qk_norm=true";
+  if (m.logits_via_embedding) {
+    s += " logits_via_embedding=true";
+    if (!m.normalize_embedding_logits) s += " normalize_embedding_logits=false";
+  }
+  return s;
+}
+}  // namespace
+
 std::string ModelSignature(const ModelConfig& m) {
   return "V=" + std::to_string(m.vocab_size) + " D=" + std::to_string(m.emb_dim) +
          " L=" + std::to_string(m.num_layers) + " H=" + std::to_string(m.num_heads) +
          " hd=" + std::to_string(m.head_dim) + " F=" + std::to_string(m.mlp_dim) +
          " E=" + std::to_string(m.moe.num_experts) + " k=" + std::to_string(m.moe.num_experts_per_tok) +
+         AttentionSignature(m) +
          // The FFN variants, named only when set: the default model's
          // signature (and so its existing checkpoints) is unchanged.
          (m.shared_experts != 0 ? " shared_experts=" + std::to_string(m.shared_experts) : "") +

@@ -56,7 +56,9 @@ std::vector<ConfigChange> ConfigChangesOnResume(const std::string& saved_yaml,
                                                 int64_t saved_global, const TrainConfig& now,
                                                 int64_t now_global);
 
-// "V=256 D=64 L=2 H=4 hd=16 F=128 E=4 k=2": what the weights' shapes depend on.
+// "V=256 D=64 L=2 H=4 hd=16 F=128 E=4 k=2": what the weights' shapes depend on;
+// then the attention flags that differ from multi-head attention with an
+// lm_head, by name (" base_num_kv_heads=2 logits_via_embedding=true").
 std::string ModelSignature(const ModelConfig& model);
 
 // The checksum SaveCheckpoint records in the metadata ("checksum") and

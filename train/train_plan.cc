@@ -41,6 +41,7 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
                                  : std::numeric_limits<int64_t>::max()),
           S = Pos(m.seq_len), N = B * S, D = Pos(m.emb_dim),
           H = Pos(m.num_heads), HD = H * Pos(m.head_dim), V = Pos(m.vocab_size),
+          QKV = (H + 2 * Pos(KvHeads(m))) * Pos(m.head_dim),  // q | k | v heads
           F = Pos(m.mlp_dim), E = Pos(m.moe.num_experts), L = Pos(m.num_layers),
           k = Pos(m.moe.num_experts_per_tok);
   TrainMemoryPlan plan;
@@ -62,7 +63,7 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U local_experts = experts / Pe;
   const U SF = Pos(m.shared_experts) * F;  // the shared experts' fused width
   const U largest =
-      std::max({V * D, D * 3 * HD, E * D * 2 * F, D * E, D * 2 * SF, Ld > 0 ? D * 2 * Fd : 0});
+      std::max({V * D, D * QKV, E * D * 2 * F, D * E, D * 2 * SF, Ld > 0 ? D * 2 * Fd : 0});
   const U shards = 4 * (dense / ranks + experts / ranks + 2 * L + 1);
   const U f32_experts = MoeReadsF32Masters(m.moe) ? local_experts : 0;
   plan.weights_bytes =
@@ -73,7 +74,7 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   // an element, one layer).
   plan.expert_bytes = Saturate((4 * experts + 8 * expert_layer) / Pe);
   // Activations kept for the backward, per layer: x, n1, x1, n2 [N, D];
-  // inv1, inv2 [N]; qkv [N, 3HD]; attention probabilities [B, H, S, S];
+  // inv1, inv2 [N]; qkv [N, (H + 2 Hkv) hd]; attention probabilities [B, H, S, S];
   // attn [N, HD]; the MoE layer's router logits [N, E], routing tables (24
   // bytes a routed pair) and sorted buffers x_sorted, h, a, y_sorted, and
   // its backward's buffers, which every layer's workspace keeps from step
@@ -109,12 +110,27 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U C = std::max(D, F), G = std::max(2 * F, D);
   const U recipe = qp.mode == MoeQatMode::kRecipeFp8Full ? rows * (5 * G + 5 * C + 8) : 0;
   const U health = qp.fwd.lhs.has_value() ? rows * (5 * C + 4 * (C / 128 + 1)) : 0;
-  const U per_layer = 4 * (4 * Nl * D + 2 * Nl + 3 * Nl * HD + Bl * H * S * S + Nl * HD + Nl * E) +
+  // use_qk_norm keeps the q and k heads before their norm and their 1/rms
+  // per layer, and shares the projection, its head-major rows and two I64
+  // row maps (model/attention_block.h); tied logits keep the embedding's
+  // part of its gradient and, normalized, the raw logits and a row scale
+  // (model/logits_block.h).
+  const U heads_qk = H + Pos(KvHeads(m)), heads_all = heads_qk + Pos(KvHeads(m));
+  const U qk_norm_layer =
+      m.use_qk_norm ? 4 * (Nl * heads_qk * Pos(m.head_dim) + Nl * heads_qk) : 0;
+  const U qk_norm_global = m.use_qk_norm ? 4 * 2 * Nl * QKV + 16 * Nl * heads_all : 0;
+  const U tied_global =
+      !m.logits_via_embedding ? 0
+      : 4 * (V * D + (m.normalize_embedding_logits ? Nl * V + Nl : 0));
+  const U per_layer = qk_norm_layer +
+                      4 * (4 * Nl * D + 2 * Nl + Nl * QKV + Bl * H * S * S + Nl * HD + Nl * E) +
                       24 * pairs + act * rows * (D + 2 * F + F + D) + ring +
                       act * rows * (D + 2 * F) + 4 * rows * D + 4 * (Nl * E + pairs) + recipe +
                       health;
   // The token ids of the whole global batch (every rank reads it).
-  const U global = 4 * (5 * Nl * D + Nl + 2 * Nl * V + 4 * Nl * HD + S * Pos(m.head_dim)) + 8 * N;
+  const U global =
+      4 * (5 * Nl * D + Nl + 2 * Nl * V + Nl * QKV + Nl * HD + S * Pos(m.head_dim)) + 8 * N +
+      qk_norm_global + tied_global;
   // The dense MLPs (model/ffn_block.h: the shared experts, width SF, of an
   // MoE layer, a dense layer's, width Fd), per layer: h [N, 2W] and a [N, W]
   // in the activation dtype, and in bfloat16 the bf16 copies of the input

@@ -1,7 +1,8 @@
 // A tiny decoder-only MoE transformer (docs/design.md §1, §5): token embedding; L
-// layers of (RMSNorm, causal multi-head attention with RoPE, residual,
+// layers of (RMSNorm, causal grouped-query attention with RoPE, residual,
 // RMSNorm, MoE FFN with SwiGLU experts, residual); final RMSNorm; LM head;
-// mean cross-entropy plus the MoE load-balancing losses. Forward and full
+// mean cross-entropy plus the MoE load-balancing losses. The LM head may be
+// the embedding's transpose (logits_via_embedding). Forward and full
 // backward. Attention, norms and the dense matmuls run in f32 (the dense
 // matmuls on the library's f32 GMM with one group); the routed-expert GMMs
 // run in the MoE config's QAT mode. The FFN variants (docs/design.md §5.1:
@@ -36,6 +37,11 @@ struct ModelConfig {
   int64_t num_layers = 2;      // L (base_num_decoder_layers)
   int64_t num_heads = 4;       // H (base_num_query_heads)
   int64_t head_dim = 16;       // hd (even: RoPE rotates pairs)
+  // Attention (docs/design.md 5.1)
+  int64_t num_kv_heads = 0;    // Hkv (base_num_kv_heads); 0: H (KvHeads)
+  bool logits_via_embedding = false;       // tied: logits = nf @ embed^T, no lm_head
+  bool normalize_embedding_logits = true;  // tied logits / sqrt(D) (MaxText's)
+  bool use_qk_norm = false;    // RMSNorm over hd of each q and k head, before RoPE
   int64_t mlp_dim = 128;       // F (base_moe_mlp_dim)
   int64_t seq_len = 64;        // S (max_target_length)
   int64_t batch = 16;          // B: the sequences of one Step (per_device_batch_size)
@@ -51,6 +57,12 @@ struct ModelConfig {
 
 // Whether layer l has the dense MLP (first_num_dense_layers) instead of MoE.
 inline bool IsDenseLayer(const ModelConfig& c, int64_t l) { return l < c.first_num_dense_layers; }
+// The kv heads Hkv of grouped-query attention: num_kv_heads, or H where it is
+// 0 (the default: multi-head attention, so that setting base_num_query_heads
+// alone keeps meaning multi-head attention).
+inline int64_t KvHeads(const ModelConfig& c) {
+  return c.num_kv_heads > 0 ? c.num_kv_heads : c.num_heads;
+}
 
 // The shape flags (vocab_size, base_emb_dim, ..., max_target_length, the
 // RoPE and norm constants) bound to ModelConfig's fields; batch has its
@@ -64,8 +76,10 @@ Status ValidateModelConfig(const ModelConfig& config);
 // The f32 master weights of one decoder layer.
 struct LayerParams {
   Tensor attn_norm;  // [D]
-  Tensor wqkv;       // [D, 3*H*hd]: q | k | v columns
+  Tensor wqkv;       // [D, (H + 2*Hkv)*hd]: q | k | v heads' columns
   Tensor wo_attn;    // [H*hd, D]
+  Tensor q_norm;     // [hd] gain of every q head's RMSNorm (use_qk_norm only)
+  Tensor k_norm;     // [hd] gain of every k head's RMSNorm (use_qk_norm only)
   Tensor mlp_norm;   // [D]
   Tensor router;     // [D, E]
   Tensor wi;         // [E, D, 2F]
@@ -89,7 +103,9 @@ struct ModelParams {
   Tensor embed;  // [V, D]
   std::vector<LayerParams> layers;
   Tensor final_norm;  // [D]
-  Tensor lm_head;     // [D, V]
+  Tensor lm_head;     // [D, V]; none (not in Named()) with logits_via_embedding
+  bool has_lm_head = true;  // false: logits_via_embedding (AllocateParams sets it)
+  bool has_qk_norm = false;  // the layers' q_norm / k_norm exist (use_qk_norm)
 
   // Every tensor with its checkpoint name ("embed", "layers.0.wqkv", ...),
   // in a fixed order.

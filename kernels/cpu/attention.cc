@@ -5,9 +5,12 @@
 // this to the model's float64 twin (model/reference/layers_reference.h) on
 // every SIMD target and checks the backward by finite differences.
 //
-// qkv [B*S, 3*H*hd]: row s of batch b holds q | k | v; head h's columns start
-// at h*hd in each third. One (batch, head) runs on one thread, so the bits do
-// not depend on the thread count. They do not depend on the SIMD target
+// qkv [B*S, (H + 2 Hkv) hd]: row s of batch b holds the H query heads, then
+// the Hkv key heads and the Hkv value heads (grouped-query attention); query
+// head h reads kv head h / (H / Hkv). The forward runs one (batch, query
+// head) on one thread, the backward one (batch, kv head) with its query
+// heads in order (their dK and dV sum into the same columns), so the bits
+// do not depend on the thread count. They do not depend on the SIMD target
 // either, among the targets with FMA (AVX2 and wider): every sum runs in one
 // fixed order per output element, with FMA (vectors run over independent
 // outputs, never across a sum), the softmax denominator is a scalar sum in
@@ -77,15 +80,23 @@ void DotColumns(const float* x, const float* mt, int64_t hd, int64_t sp, int64_t
 // The sizes every (batch, head) of a call shares.
 struct Geometry {
   int64_t N;      // lanes
-  int64_t width;  // qkv row: 3 * heads * hd
-  int64_t hw;     // one third of it: heads * hd
+  int64_t width;  // qkv row: (heads + 2 * kv_heads) * hd
+  int64_t hw;     // the query heads' columns: heads * hd
+  int64_t kvw;    // the key (and the value) heads' columns: kv_heads * hd
+  int64_t group;  // query heads per kv head: heads / kv_heads
   int64_t sp;     // seq rounded up to whole vectors (the transposed rows)
   int64_t tv;     // columns t below tv run as whole vectors, the rest scalar
   float scale;    // 1 / sqrt(hd)
 };
-Geometry GeometryOf(int64_t seq, int64_t heads, int64_t hd) {
+Geometry GeometryOf(int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
-  return {N, 3 * heads * hd, heads * hd, (seq + N - 1) / N * N, hd / N * N,
+  return {N,
+          (heads + 2 * kv_heads) * hd,
+          heads * hd,
+          kv_heads * hd,
+          kv_heads > 0 ? heads / kv_heads : 0,
+          (seq + N - 1) / N * N,
+          hd / N * N,
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
 }
 
@@ -114,10 +125,10 @@ HWY_NOINLINE void HeadForward(const float* qkv, int64_t bh, int64_t seq, int64_t
                               float* out) {
   const hn::ScalableTag<float> d;
   const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
-  const int64_t b = bh / heads, h = bh % heads;
+  const int64_t b = bh / heads, h = bh % heads, kv = h / g.group;
   const float* base = qkv + b * seq * width;
-  const float* vbase = base + 2 * hw + h * hd;
-  Transpose(base + hw + h * hd, width, seq, hd, sp, kt);
+  const float* vbase = base + hw + g.kvw + kv * hd;
+  Transpose(base + hw + kv * hd, width, seq, hd, sp, kt);
   for (int64_t i = 0; i < seq; ++i) {
     const int64_t n = i + 1;  // keys 0..i
     DotColumns(base + i * width + h * hd, kt, hd, sp, n, row);
@@ -149,23 +160,23 @@ HWY_NOINLINE void HeadForward(const float* qkv, int64_t bh, int64_t seq, int64_t
   }
 }
 
-// One (batch, head) of the backward: its q, k and v columns of dqkv.
+// One (batch, query head) of the backward: writes its q columns of dqkv
+// and adds to the k and v columns of its kv head (zeroed by the caller).
 // (Outside the OpenMP region: see HeadForward.)
 HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float* dout,
                                int64_t bh, int64_t seq, int64_t heads, int64_t hd,
                                const Geometry& g, float* vt, float* ds, float* dqkv) {
   const hn::ScalableTag<float> d;
   const int64_t N = g.N, width = g.width, hw = g.hw, sp = g.sp, tv = g.tv;
-  const int64_t b = bh / heads, h = bh % heads;
+  const int64_t b = bh / heads, h = bh % heads, kv = h / g.group;
   const float* base = qkv + b * seq * width;
   float* dbase = dqkv + b * seq * width;
-  const float* kbase = base + hw + h * hd;
-  const float* vbase = base + 2 * hw + h * hd;
+  const int64_t kcol = hw + kv * hd, vcol = hw + g.kvw + kv * hd;
+  const float* kbase = base + kcol;
+  const float* vbase = base + vcol;
   for (int64_t j = 0; j < seq; ++j) {
-    for (int64_t part = 0; part < 3; ++part) {
-      float* r = dbase + j * width + part * hw + h * hd;
-      std::fill(r, r + hd, 0.0f);
-    }
+    float* r = dbase + j * width + h * hd;
+    std::fill(r, r + hd, 0.0f);
   }
   Transpose(vbase, width, seq, hd, sp, vt);
   for (int64_t i = 0; i < seq; ++i) {
@@ -184,8 +195,8 @@ HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float
       const auto gov = hn::LoadU(d, go + t0), qv = hn::LoadU(d, q + t0);
       auto dqv = hn::LoadU(d, dq + t0);
       for (int64_t j = 0; j < n; ++j) {
-        float* dv = dbase + j * width + 2 * hw + h * hd + t0;
-        float* dk = dbase + j * width + hw + h * hd + t0;
+        float* dv = dbase + j * width + vcol + t0;
+        float* dk = dbase + j * width + kcol + t0;
         hn::StoreU(hn::MulAdd(hn::Set(d, p[j]), gov, hn::LoadU(d, dv)), d, dv);
         const auto s = hn::Set(d, ds[j]);
         hn::StoreU(hn::MulAdd(s, qv, hn::LoadU(d, dk)), d, dk);
@@ -196,8 +207,8 @@ HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float
     for (int64_t t = tv; t < hd; ++t) {
       float dqt = dq[t];
       for (int64_t j = 0; j < n; ++j) {
-        float* dv = dbase + j * width + 2 * hw + h * hd;
-        float* dk = dbase + j * width + hw + h * hd;
+        float* dv = dbase + j * width + vcol;
+        float* dk = dbase + j * width + kcol;
         dv[t] = std::fma(p[j], go[t], dv[t]);
         dk[t] = std::fma(ds[j], q[t], dk[t]);
         dqt = std::fma(ds[j], kbase[j * width + t], dqt);
@@ -207,9 +218,9 @@ HWY_NOINLINE void HeadBackward(const float* qkv, const float* probs, const float
   }
 }
 
-void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
-                       int threads, float* probs, float* out) {
-  const Geometry g = GeometryOf(seq, heads, hd);
+void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t heads,
+                       int64_t kv_heads, int64_t hd, int threads, float* probs, float* out) {
+  const Geometry g = GeometryOf(seq, heads, kv_heads, hd);
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> kt_buf, row_buf;  // keys transposed, scores
@@ -222,15 +233,28 @@ void AttentionForwardT(const float* qkv, int64_t batch, int64_t seq, int64_t hea
 }
 
 void AttentionBackwardT(const float* qkv, const float* probs, const float* dout, int64_t batch,
-                        int64_t seq, int64_t heads, int64_t hd, int threads, float* dqkv) {
-  const Geometry g = GeometryOf(seq, heads, hd);
+                        int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd, int threads,
+                        float* dqkv) {
+  const Geometry g = GeometryOf(seq, heads, kv_heads, hd);
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> vt_buf, ds_buf;  // values transposed, a row of dS
     const ThreadRows bufs = ThreadRowsFor(vt_buf, ds_buf, hd, g.sp);
+    // One (batch, kv head) per iteration: its dK and dV start at zero and
+    // take its query heads' sums in head order.
 #pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      HeadBackward(qkv, probs, dout, bh, seq, heads, hd, g, bufs.transposed, bufs.row, dqkv);
+    for (int64_t bk = 0; bk < batch * kv_heads; ++bk) {
+      const int64_t b = bk / kv_heads, kv = bk % kv_heads;
+      float* dbase = dqkv + b * seq * g.width;
+      for (int64_t j = 0; j < seq; ++j) {
+        float* dk = dbase + j * g.width + g.hw + kv * hd;
+        std::fill(dk, dk + hd, 0.0f);
+        std::fill(dk + g.kvw, dk + g.kvw + hd, 0.0f);  // dv
+      }
+      for (int64_t h = kv * g.group; h < (kv + 1) * g.group; ++h) {
+        HeadBackward(qkv, probs, dout, b * heads + h, seq, heads, hd, g, bufs.transposed,
+                     bufs.row, dqkv);
+      }
     }
   }
 }
@@ -246,13 +270,13 @@ HWY_EXPORT(AttentionForwardT);
 HWY_EXPORT(AttentionBackwardT);
 
 void CpuOps::AttentionForward(Context& ctx, const AttentionForwardArgs& a) {
-  HWY_DYNAMIC_DISPATCH(AttentionForwardT)(a.qkv, a.batch, a.seq, a.heads, a.hd, ctx.threads(),
-                                          a.probs, a.out);
+  HWY_DYNAMIC_DISPATCH(AttentionForwardT)(a.qkv, a.batch, a.seq, a.heads, a.kv_heads, a.hd,
+                                          ctx.threads(), a.probs, a.out);
 }
 
 void CpuOps::AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) {
-  HWY_DYNAMIC_DISPATCH(AttentionBackwardT)(a.qkv, a.probs, a.dout, a.batch, a.seq, a.heads, a.hd,
-                                           ctx.threads(), a.dqkv);
+  HWY_DYNAMIC_DISPATCH(AttentionBackwardT)(a.qkv, a.probs, a.dout, a.batch, a.seq, a.heads,
+                                           a.kv_heads, a.hd, ctx.threads(), a.dqkv);
 }
 
 }  // namespace fp8moe::internal

@@ -87,22 +87,21 @@ void CpuOps::RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) {
 }
 
 void CpuOps::Rope(Context& ctx, const RopeArgs& a) {
-  const int64_t heads = a.heads, hd = a.hd, seq = a.seq;
-  const int64_t half = hd / 2, width = 3 * heads * hd;
+  // The q heads, then the k heads: the first heads + kv_heads of a row.
+  const int64_t rotated = a.heads + a.kv_heads, hd = a.hd, seq = a.seq;
+  const int64_t half = hd / 2, width = (a.heads + 2 * a.kv_heads) * hd;
   const float sign = a.inverse ? -1.0f : 1.0f;
 #pragma omp parallel for schedule(static) num_threads(ctx.threads())
   for (int64_t r = 0; r < a.batch * seq; ++r) {
     const int64_t p = r % seq;
     const float* c = a.cos + p * half;
     const float* s = a.sin + p * half;
-    for (int64_t part = 0; part < 2; ++part) {  // q, then k
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = a.qkv + r * width + part * heads * hd + h * hd;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x0 = v[i], x1 = v[i + half], si = sign * s[i];
-          v[i] = x0 * c[i] - x1 * si;
-          v[i + half] = x1 * c[i] + x0 * si;
-        }
+    for (int64_t h = 0; h < rotated; ++h) {
+      float* v = a.qkv + r * width + h * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = v[i], x1 = v[i + half], si = sign * s[i];
+        v[i] = x0 * c[i] - x1 * si;
+        v[i + half] = x1 * c[i] + x0 * si;
       }
     }
   }

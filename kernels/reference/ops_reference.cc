@@ -68,19 +68,19 @@ void ReferenceOps::RmsNormBackward(Context&, const RmsNormBackwardArgs& a) {
 }
 
 void ReferenceOps::Rope(Context&, const RopeArgs& a) {
-  const int64_t half = a.hd / 2, width = 3 * a.heads * a.hd;
+  // The q heads and then the k heads: the first heads + kv_heads heads of a
+  // row; v is not rotated.
+  const int64_t half = a.hd / 2, width = (a.heads + 2 * a.kv_heads) * a.hd;
   for (int64_t b = 0; b < a.batch; ++b) {
     for (int64_t p = 0; p < a.seq; ++p) {
-      for (int64_t part = 0; part < 2; ++part) {  // q and k; v is not rotated
-        for (int64_t h = 0; h < a.heads; ++h) {
-          float* v = a.qkv + (b * a.seq + p) * width + (part * a.heads + h) * a.hd;
-          for (int64_t i = 0; i < half; ++i) {
-            const float c = a.cos[p * half + i];
-            const float s = a.inverse ? -a.sin[p * half + i] : a.sin[p * half + i];
-            const float x0 = v[i], x1 = v[i + half];
-            v[i] = x0 * c - x1 * s;
-            v[i + half] = x1 * c + x0 * s;
-          }
+      for (int64_t h = 0; h < a.heads + a.kv_heads; ++h) {
+        float* v = a.qkv + (b * a.seq + p) * width + h * a.hd;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = a.cos[p * half + i];
+          const float s = a.inverse ? -a.sin[p * half + i] : a.sin[p * half + i];
+          const float x0 = v[i], x1 = v[i + half];
+          v[i] = x0 * c - x1 * s;
+          v[i + half] = x1 * c + x0 * s;
         }
       }
     }
@@ -89,16 +89,25 @@ void ReferenceOps::Rope(Context&, const RopeArgs& a) {
 
 namespace {
 
-// Element t of head h's q (part 0), k (1) or v (2) at row `row` of qkv.
-double Qkv(const float* qkv, int64_t heads, int64_t hd, int64_t row, int64_t part, int64_t h,
-           int64_t t) {
-  return qkv[row * 3 * heads * hd + (part * heads + h) * hd + t];
+// The heads of one attention call: query head h reads kv head h / group.
+struct Heads {
+  int64_t q, kv, hd;
+  int64_t width() const { return (q + 2 * kv) * hd; }
+  int64_t group() const { return q / kv; }
+};
+
+// Element t of query head h (part 0), or of the key (1) or value (2) head
+// that query head h reads, at row `row` of qkv.
+double Qkv(const float* qkv, const Heads& n, int64_t row, int64_t part, int64_t h, int64_t t) {
+  const int64_t col = part == 0 ? h * n.hd : (n.q + (part - 1) * n.kv + h / n.group()) * n.hd;
+  return qkv[row * n.width() + col + t];
 }
 
 }  // namespace
 
 void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
   const int64_t S = a.seq, H = a.heads, hd = a.hd;
+  const Heads n{H, a.kv_heads, hd};
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   std::vector<double> p(static_cast<size_t>(S));
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -109,7 +118,7 @@ void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
         for (int64_t j = 0; j <= i; ++j) {
           double s = 0;
           for (int64_t t = 0; t < hd; ++t) {
-            s += Qkv(a.qkv, H, hd, b * S + i, 0, h, t) * Qkv(a.qkv, H, hd, b * S + j, 1, h, t);
+            s += Qkv(a.qkv, n, b * S + i, 0, h, t) * Qkv(a.qkv, n, b * S + j, 1, h, t);
           }
           p[static_cast<size_t>(j)] = s * scale;
           mx = std::max(mx, s * scale);
@@ -126,7 +135,7 @@ void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
         for (int64_t t = 0; t < hd; ++t) {
           double o = 0;
           for (int64_t j = 0; j <= i; ++j) {
-            o += p[static_cast<size_t>(j)] / sum * Qkv(a.qkv, H, hd, b * S + j, 2, h, t);
+            o += p[static_cast<size_t>(j)] / sum * Qkv(a.qkv, n, b * S + j, 2, h, t);
           }
           a.out[(b * S + i) * H * hd + h * hd + t] = static_cast<float>(o);
         }
@@ -137,47 +146,60 @@ void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
 
 void ReferenceOps::AttentionBackward(Context&, const AttentionBackwardArgs& a) {
   // With P the forward's probabilities (an input) and dO the output's
-  // gradient: dV_j = sum_i P_ij dO_i; dP_ij = dO_i . V_j;
+  // gradient, per query head: dV_j = sum_i P_ij dO_i; dP_ij = dO_i . V_j;
   // dS_ij = P_ij (dP_ij - sum_j' P_ij' dP_ij') * scale; dQ_i = sum_j dS_ij K_j;
-  // dK_j = sum_i dS_ij Q_i. Each in double, rounded once.
-  const int64_t S = a.seq, H = a.heads, hd = a.hd, width = 3 * H * hd;
+  // dK_j = sum_i dS_ij Q_i. A kv head's dK and dV sum those of its query
+  // heads, in head order. Each in double, rounded once.
+  const int64_t S = a.seq, H = a.heads, hd = a.hd;
+  const Heads n{H, a.kv_heads, hd};
+  const int64_t width = n.width();
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-  std::vector<double> ds(static_cast<size_t>(S * S)), dq(static_cast<size_t>(S * hd)),
-      dk(static_cast<size_t>(S * hd)), dv(static_cast<size_t>(S * hd));
+  std::vector<double> ds(static_cast<size_t>(S * S)), dk(static_cast<size_t>(S * hd)),
+      dv(static_cast<size_t>(S * hd));
   for (int64_t b = 0; b < a.batch; ++b) {
-    for (int64_t h = 0; h < H; ++h) {
-      const float* P = a.probs + (b * H + h) * S * S;
-      auto dO = [&](int64_t i, int64_t t) {
-        return static_cast<double>(a.dout[(b * S + i) * H * hd + h * hd + t]);
-      };
-      std::fill(ds.begin(), ds.end(), 0.0);
-      for (int64_t i = 0; i < S; ++i) {
-        double pdp = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          double dp = 0;
-          for (int64_t t = 0; t < hd; ++t) dp += dO(i, t) * Qkv(a.qkv, H, hd, b * S + j, 2, h, t);
-          ds[static_cast<size_t>(i * S + j)] = dp;
-          pdp += P[i * S + j] * dp;
+    for (int64_t g = 0; g < n.kv; ++g) {
+      std::fill(dk.begin(), dk.end(), 0.0);
+      std::fill(dv.begin(), dv.end(), 0.0);
+      for (int64_t h = g * n.group(); h < (g + 1) * n.group(); ++h) {
+        const float* P = a.probs + (b * H + h) * S * S;
+        auto dO = [&](int64_t i, int64_t t) {
+          return static_cast<double>(a.dout[(b * S + i) * H * hd + h * hd + t]);
+        };
+        std::fill(ds.begin(), ds.end(), 0.0);
+        for (int64_t i = 0; i < S; ++i) {
+          double pdp = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            double dp = 0;
+            for (int64_t t = 0; t < hd; ++t) dp += dO(i, t) * Qkv(a.qkv, n, b * S + j, 2, h, t);
+            ds[static_cast<size_t>(i * S + j)] = dp;
+            pdp += P[i * S + j] * dp;
+          }
+          for (int64_t j = 0; j <= i; ++j) {
+            double& d = ds[static_cast<size_t>(i * S + j)];
+            d = P[i * S + j] * (d - pdp) * scale;
+          }
         }
-        for (int64_t j = 0; j <= i; ++j) {
-          double& d = ds[static_cast<size_t>(i * S + j)];
-          d = P[i * S + j] * (d - pdp) * scale;
+        for (int64_t r = 0; r < S; ++r) {
+          for (int64_t t = 0; t < hd; ++t) {
+            double q = 0, k = 0, v = 0;
+            for (int64_t j = 0; j <= r; ++j) {  // row r as a query
+              q += ds[static_cast<size_t>(r * S + j)] * Qkv(a.qkv, n, b * S + j, 1, h, t);
+            }
+            for (int64_t i = r; i < S; ++i) {  // row r as a key and a value
+              k += ds[static_cast<size_t>(i * S + r)] * Qkv(a.qkv, n, b * S + i, 0, h, t);
+              v += P[i * S + r] * dO(i, t);
+            }
+            a.dqkv[(b * S + r) * width + h * hd + t] = static_cast<float>(q);
+            dk[static_cast<size_t>(r * hd + t)] += k;
+            dv[static_cast<size_t>(r * hd + t)] += v;
+          }
         }
       }
-      for (int64_t n = 0; n < S; ++n) {
+      for (int64_t r = 0; r < S; ++r) {
+        float* row = a.dqkv + (b * S + r) * width;
         for (int64_t t = 0; t < hd; ++t) {
-          double q = 0, k = 0, v = 0;
-          for (int64_t j = 0; j <= n; ++j) {  // row n as a query
-            q += ds[static_cast<size_t>(n * S + j)] * Qkv(a.qkv, H, hd, b * S + j, 1, h, t);
-          }
-          for (int64_t i = n; i < S; ++i) {  // row n as a key and a value
-            k += ds[static_cast<size_t>(i * S + n)] * Qkv(a.qkv, H, hd, b * S + i, 0, h, t);
-            v += P[i * S + n] * dO(i, t);
-          }
-          float* row = a.dqkv + (b * S + n) * width;
-          row[h * hd + t] = static_cast<float>(q);
-          row[(H + h) * hd + t] = static_cast<float>(k);
-          row[(2 * H + h) * hd + t] = static_cast<float>(v);
+          row[(H + g) * hd + t] = static_cast<float>(dk[static_cast<size_t>(r * hd + t)]);
+          row[(H + n.kv + g) * hd + t] = static_cast<float>(dv[static_cast<size_t>(r * hd + t)]);
         }
       }
     }

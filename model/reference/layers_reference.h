@@ -12,14 +12,17 @@ namespace fp8moe::reference {
 // y [rows, d] = x / sqrt(mean(x^2) + eps) * g.
 void RmsNorm(const double* x, const double* g, int64_t rows, int64_t d, double eps, double* y);
 
-// Rotates the q and k columns of qkv [B*S, 3*H*hd] in place (RoPE, pairs
-// (i, i + hd/2), angle p / max_timescale^(2i/hd)).
-void Rope(double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+// qkv [B*S, (H + 2 Hkv) hd]: H query heads, then Hkv key heads and Hkv value
+// heads; query head h reads kv head h / (H / Hkv) (grouped-query attention).
+
+// Rotates the q and k heads of qkv in place (RoPE, pairs (i, i + hd/2),
+// angle p / max_timescale^(2i/hd)).
+void Rope(double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd,
           double max_timescale);
 
-// Causal softmax attention: out [B*S, H*hd] from qkv [B*S, 3*H*hd].
-void Attention(const double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
-               double* out);
+// Causal softmax attention, scale 1/sqrt(hd): out [B*S, H*hd] from qkv.
+void Attention(const double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+               int64_t hd, double* out);
 
 // Mean over rows of -log softmax(logits[r])[targets[r]].
 double CrossEntropy(const double* logits, const int32_t* targets, int64_t rows, int64_t v);

@@ -17,38 +17,37 @@ void RmsNorm(const double* x, const double* g, int64_t rows, int64_t d, double e
   }
 }
 
-void Rope(double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+void Rope(double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd,
           double max_timescale) {
-  const int64_t half = hd / 2, width = 3 * heads * hd;
+  const int64_t half = hd / 2, width = (heads + 2 * kv_heads) * hd;
   for (int64_t r = 0; r < batch * seq; ++r) {
     const double p = static_cast<double>(r % seq);
-    for (int64_t part = 0; part < 2; ++part) {
-      for (int64_t h = 0; h < heads; ++h) {
-        double* v = qkv + r * width + part * heads * hd + h * hd;
-        for (int64_t i = 0; i < half; ++i) {
-          const double angle =
-              p / std::pow(max_timescale, 2.0 * static_cast<double>(i) / static_cast<double>(hd));
-          const double a = v[i], b = v[i + half];
-          v[i] = a * std::cos(angle) - b * std::sin(angle);
-          v[i + half] = b * std::cos(angle) + a * std::sin(angle);
-        }
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {  // the q heads, then the k heads
+      double* v = qkv + r * width + h * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle =
+            p / std::pow(max_timescale, 2.0 * static_cast<double>(i) / static_cast<double>(hd));
+        const double a = v[i], b = v[i + half];
+        v[i] = a * std::cos(angle) - b * std::sin(angle);
+        v[i + half] = b * std::cos(angle) + a * std::sin(angle);
       }
     }
   }
 }
 
-void Attention(const double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
-               double* out) {
-  const int64_t width = 3 * heads * hd, hw = heads * hd;
+void Attention(const double* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+               int64_t hd, double* out) {
+  const int64_t width = (heads + 2 * kv_heads) * hd, hw = heads * hd, group = heads / kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   std::vector<double> s(static_cast<size_t>(seq));
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kcol = hw + (h / group) * hd, vcol = kcol + kv_heads * hd;
       for (int64_t i = 0; i < seq; ++i) {
         const double* q = qkv + (b * seq + i) * width + h * hd;
         double mx = -INFINITY;
         for (int64_t j = 0; j <= i; ++j) {
-          const double* k = qkv + (b * seq + j) * width + hw + h * hd;
+          const double* k = qkv + (b * seq + j) * width + kcol;
           double dot = 0;
           for (int64_t t = 0; t < hd; ++t) dot += q[t] * k[t];
           s[static_cast<size_t>(j)] = dot * scale;
@@ -60,7 +59,7 @@ void Attention(const double* qkv, int64_t batch, int64_t seq, int64_t heads, int
         for (int64_t t = 0; t < hd; ++t) o[t] = 0;
         for (int64_t j = 0; j <= i; ++j) {
           const double p = std::exp(s[static_cast<size_t>(j)] - mx) / sum;
-          const double* v = qkv + (b * seq + j) * width + 2 * hw + h * hd;
+          const double* v = qkv + (b * seq + j) * width + vcol;
           for (int64_t t = 0; t < hd; ++t) o[t] += p * v[t];
         }
       }
@@ -198,12 +197,13 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
                          const int32_t* targets, std::vector<int32_t>* routing) {
   FP8MOE_RETURN_IF_ERROR(ValidateModelConfig(c));
   const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
-                hd = c.head_dim, HD = H * hd, V = c.vocab_size, F = c.mlp_dim;
+                Hkv = KvHeads(c), hd = c.head_dim, HD = H * hd, QKV = (H + 2 * Hkv) * hd,
+                V = c.vocab_size, F = c.mlp_dim;
   std::vector<int32_t> local;
   std::vector<int32_t>* route = routing != nullptr ? routing : &local;
   route->clear();
   std::vector<double> x(static_cast<size_t>(N * D)), n(static_cast<size_t>(N * D)),
-      qkv(static_cast<size_t>(N * 3 * HD)), attn(static_cast<size_t>(N * HD)),
+      qkv(static_cast<size_t>(N * QKV)), attn(static_cast<size_t>(N * HD)),
       proj(static_cast<size_t>(N * D)), y(static_cast<size_t>(N * D));
   for (int64_t t = 0; t < N; ++t) {
     for (int64_t i = 0; i < D; ++i) x[static_cast<size_t>(t * D + i)] = params.embed.data_as<float>()[inputs[t] * D + i];
@@ -211,9 +211,18 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
   double aux = 0;
   for (const LayerParams& P : params.layers) {
     RmsNorm(x.data(), ToDouble(P.attn_norm).data(), N, D, c.norm_eps, n.data());
-    MatMul(n.data(), P.wqkv.data_as<float>(), N, D, 3 * HD, qkv.data());
-    Rope(qkv.data(), B, S, H, hd, c.rope_max_timescale);
-    Attention(qkv.data(), B, S, H, hd, attn.data());
+    MatMul(n.data(), P.wqkv.data_as<float>(), N, D, QKV, qkv.data());
+    if (c.use_qk_norm) {  // every q head with q_norm, every k head with k_norm, in place
+      const std::vector<double> gq = ToDouble(P.q_norm), gk = ToDouble(P.k_norm);
+      for (int64_t r = 0; r < N; ++r) {
+        for (int64_t h = 0; h < H + Hkv; ++h) {
+          double* head = qkv.data() + r * QKV + h * hd;
+          RmsNorm(head, h < H ? gq.data() : gk.data(), 1, hd, c.norm_eps, head);
+        }
+      }
+    }
+    Rope(qkv.data(), B, S, H, Hkv, hd, c.rope_max_timescale);
+    Attention(qkv.data(), B, S, H, Hkv, hd, attn.data());
     MatMul(attn.data(), P.wo_attn.data_as<float>(), N, HD, D, proj.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += proj[i];
     RmsNorm(x.data(), ToDouble(P.mlp_norm).data(), N, D, c.norm_eps, n.data());
@@ -235,7 +244,19 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
   }
   RmsNorm(x.data(), ToDouble(params.final_norm).data(), N, D, c.norm_eps, n.data());
   std::vector<double> logits(static_cast<size_t>(N * V));
-  MatMul(n.data(), params.lm_head.data_as<float>(), N, D, V, logits.data());
+  if (c.logits_via_embedding) {  // tied: n @ embed^T, / sqrt(D) where normalized
+    const double scale = c.normalize_embedding_logits ? std::sqrt(static_cast<double>(D)) : 1.0;
+    const float* e = params.embed.data_as<float>();
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t v = 0; v < V; ++v) {
+        double s = 0;
+        for (int64_t i = 0; i < D; ++i) s += n[static_cast<size_t>(r * D + i)] * e[v * D + i];
+        logits[static_cast<size_t>(r * V + v)] = s / scale;
+      }
+    }
+  } else {
+    MatMul(n.data(), params.lm_head.data_as<float>(), N, D, V, logits.data());
+  }
   return CrossEntropy(logits.data(), targets, N, V) + aux;
 }
 

@@ -241,6 +241,9 @@ def test_checkpoint_of_another_config_or_a_future_step_exits_2(fp8moe_bin, tmp_p
                           # the FFN variants: the signature names the flag
                           (["steps=8", "shared_experts=1"], "shared_experts=1"),
                           (["steps=8", "first_num_dense_layers=1"], "first_num_dense_layers=1"),
+                          (["steps=8", "base_num_kv_heads=1"], "base_num_kv_heads=1"),
+                          (["steps=8", "logits_via_embedding=true"], "logits_via_embedding=true"),
+                          (["steps=8", "use_qk_norm=true"], "use_qk_norm=true"),
                           (["steps=8", "fp8_moe_native_bwd_dlhs=false"], "QAT mode"),
                           (["steps=2"], "past this run's steps=2")):
         before = {c.name: c.read_bytes() for c in (tmp_path / "seed" / "checkpoints").iterdir()}
