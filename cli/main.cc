@@ -225,6 +225,10 @@ int main(int argc, char** argv) {
   auto* train = app.add_subcommand("train", "train a MoE transformer: fp8moe train [config.yml] [key=value ...]");
   train->add_option("args", train_args, "a config file first (optional), then key=value flags (configs/base.yml)");
   train->add_flag("--print-base-config", print_base_config, "print configs/base.yml as the flag schema makes it");
+  bool print_config = false;
+  train->add_flag("--print-config", print_config,
+                  "print the resolved flags (model_name's preset, the config file, the flags) as a "
+                  "config file, and exit");
   std::vector<std::string> report_dirs;
   std::string report_out;
   auto* report = app.add_subcommand("report", "plot runs into one PNG: fp8moe report RUN_DIR [RUN_DIR ...]");
@@ -259,7 +263,7 @@ int main(int argc, char** argv) {
   if (*info) return Info();
   if (*bench) return RunBench(bench_args);
   if (*op) return fp8moe::cli::RunOp(op_name, in_path, out_path, op_keys);
-  if (*train) return fp8moe::cli::RunTrain(train_args, print_base_config);
+  if (*train) return fp8moe::cli::RunTrain(train_args, {print_base_config, print_config});
   if (*report) return fp8moe::cli::RunReport(report_dirs, report_out);
   return 2;
 }

@@ -25,19 +25,48 @@ int ExitCode(const Status& s) { return s.code() == StatusCode::kInternal ? 1 : 2
 // even on a machine whose cores are all busy.
 constexpr double kEndWaitSeconds = 10;
 
+// The config file (a first argument without '='), then the key=value flags.
+void SplitTrainArgs(const std::vector<std::string>& args, std::string* yaml,
+                    std::vector<std::string>* overrides) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (i == 0 && args[i].find('=') == std::string::npos) {
+      *yaml = args[i];
+    } else {
+      overrides->push_back(args[i]);
+    }
+  }
+}
+
+// --print-config: the flags as LoadTrainConfig resolves and validates them,
+// as a config file that trains the same run.
+int PrintConfig(const std::vector<std::string>& args) {
+  std::string yaml;
+  std::vector<std::string> overrides;
+  SplitTrainArgs(args, &yaml, &overrides);
+  const Result<TrainConfig> cfg = LoadTrainConfig(yaml, overrides);
+  const Result<std::string> text = cfg.ok() ? TrainConfigYaml(*cfg) : cfg.status();
+  if (!text.ok()) {
+    std::fprintf(stderr, "error: %s\n", text.status().message().c_str());
+    return 2;
+  }
+  std::fputs(text->c_str(), stdout);
+  return 0;
+}
+
 }  // namespace
 
-int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
-  if (print_base_config) {
-    if (!args.empty()) {
+int RunTrain(const std::vector<std::string>& args, TrainPrintOptions print) {
+  if (print.base_config) {
+    if (!args.empty() || print.config) {
       std::fprintf(stderr, "error: --print-base-config prints the defaults and takes no config "
                    "file or flags (got '%s'); drop them, or drop --print-base-config to train\n",
-                   args[0].c_str());
+                   args.empty() ? "--print-config" : args[0].c_str());
       return 2;
     }
     std::fputs(BaseConfigYaml().c_str(), stdout);
     return 0;
   }
+  if (print.config) return PrintConfig(args);
   // A file-size limit (ulimit -f) must fail a write with EFBIG, which the
   // checkpoint writer reports, instead of killing the process mid-save.
   std::signal(SIGXFSZ, SIG_IGN);
@@ -54,13 +83,7 @@ int RunTrain(const std::vector<std::string>& args, bool print_base_config) {
   const bool threads_follow_load = std::getenv("OMP_DYNAMIC") == nullptr;
   std::string yaml;
   std::vector<std::string> overrides;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (i == 0 && args[i].find('=') == std::string::npos) {
-      yaml = args[i];
-    } else {
-      overrides.push_back(args[i]);
-    }
-  }
+  SplitTrainArgs(args, &yaml, &overrides);
   // The ranks: MPI under mpirun, else one.
   auto world = StartWorld();
   if (!world.ok()) {

@@ -479,25 +479,38 @@ std::string Config::ToYaml() const {
 Result<Config> LoadConfig(const ConfigSchema& schema,
                           const std::string& yaml_path,
                           const std::vector<std::string>& overrides) {
-  if (yaml_path.empty()) return LoadConfigText(schema, "", "", overrides);
-  FP8MOE_ASSIGN_OR_RETURN(const std::string text, ReadFile(yaml_path));
-  return LoadConfigText(schema, text, yaml_path, overrides);
+  Config config(schema);
+  FP8MOE_RETURN_IF_ERROR(ApplyConfigFile(schema, yaml_path, overrides, &config));
+  return config;
 }
 
 Result<Config> LoadConfigText(const ConfigSchema& schema, const std::string& yaml_text,
                               const std::string& source,
                               const std::vector<std::string>& overrides) {
   Config config(schema);
+  FP8MOE_RETURN_IF_ERROR(ApplyConfigText(schema, yaml_text, source, overrides, &config));
+  return config;
+}
+
+Status ApplyConfigFile(const ConfigSchema& schema, const std::string& yaml_path,
+                       const std::vector<std::string>& overrides, Config* config) {
+  if (yaml_path.empty()) return ApplyConfigText(schema, "", "", overrides, config);
+  FP8MOE_ASSIGN_OR_RETURN(const std::string text, ReadFile(yaml_path));
+  return ApplyConfigText(schema, text, yaml_path, overrides, config);
+}
+
+Status ApplyConfigText(const ConfigSchema& schema, const std::string& yaml_text,
+                       const std::string& source, const std::vector<std::string>& overrides,
+                       Config* config) {
   if (!yaml_text.empty()) {
-    FP8MOE_RETURN_IF_ERROR(ApplyYaml(schema, source, yaml_text, &config));
+    FP8MOE_RETURN_IF_ERROR(ApplyYaml(schema, source, yaml_text, config));
   }
   for (const std::string& arg : overrides) {
     std::string key, value;
     FP8MOE_RETURN_IF_ERROR(ParseKeyValue(arg, &key, &value));
-    FP8MOE_RETURN_IF_ERROR(
-        config.Set(key, value, "command-line override " + Quoted(arg)));
+    FP8MOE_RETURN_IF_ERROR(config->Set(key, value, "command-line override " + Quoted(arg)));
   }
-  return config;
+  return OkStatus();
 }
 
 Status ParseKeyValue(std::string_view arg, std::string* key,

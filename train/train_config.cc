@@ -8,6 +8,7 @@
 
 #include "base/number_text.h"
 #include "fp8moe/train.h"
+#include "train/model_presets.h"
 
 namespace fp8moe {
 namespace {
@@ -50,6 +51,14 @@ FlagTable<TrainConfig> MakeTrainFlags() {
         {.min = 1})
       .ResumeNeutral();
   t.Section("Model shape (a decoder-only MoE transformer; names follow MaxText)");
+  t.String("model_name", &T::model_name,
+           "A model preset: configs/models/<model_name>.yml sets the architecture's flags "
+           "(fp8moe train model_name=NAME --print-config shows them resolved). default: none.")
+      .ResumeNeutral();
+  t.Bool("override_model_config", &T::override_model_config,
+         "Allow the config file and the command line to change flags that the model_name "
+         "preset sets (otherwise an error).")
+      .ResumeNeutral();
   t.Nest(&T::model, ModelConfigFlags());
   t.Float("per_device_batch_size", &T::per_device_batch_size,
           "Sequences each rank trains on per step (MaxText's meaning: per device). The global "
@@ -218,9 +227,44 @@ Result<TrainConfig> TrainConfigFrom(const Config& c) {
   return t;
 }
 
+namespace {
+
+// An error for the first flag that both the preset and the user's settings
+// set, to different values.
+Status CheckPresetKept(const ConfigSchema& schema, const std::string& model,
+                       const Config& preset, const Config& user) {
+  for (const FlagSpec& f : schema.flags()) {
+    if (f.name == "model_name" || !preset.IsSet(f.name) || !user.IsSet(f.name)) continue;
+    const std::string mine = user.ValueYaml(f.name), theirs = preset.ValueYaml(f.name);
+    if (mine == theirs) continue;
+    return InvalidArgument("model_name=" + model + " sets " + f.name + " to " + theirs +
+                           " (configs/models/" + model + ".yml), and the config file or the "
+                           "command line sets it to " + mine +
+                           "; pass override_model_config=true to change a preset's flag, or "
+                           "drop " + f.name);
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
 Result<TrainConfig> LoadTrainConfig(const std::string& yaml_path,
                                     const std::vector<std::string>& overrides) {
-  FP8MOE_ASSIGN_OR_RETURN(const Config c, LoadConfig(TrainConfigSchema(), yaml_path, overrides));
+  const ConfigSchema schema = TrainConfigSchema();
+  FP8MOE_ASSIGN_OR_RETURN(const Config user, LoadConfig(schema, yaml_path, overrides));
+  const std::string& model = user.GetString("model_name");
+  if (model == internal::kDefaultModelName) return TrainConfigFrom(user);
+  FP8MOE_ASSIGN_OR_RETURN(const std::string_view preset_text, internal::ModelPresetYaml(model));
+  const std::string source = "configs/models/" + model + ".yml (model_name=" + model + ")";
+  FP8MOE_ASSIGN_OR_RETURN(Config c, LoadConfigText(schema, std::string(preset_text), source, {}));
+  if (c.IsSet("model_name") || c.IsSet("override_model_config")) {
+    return Internal(source + " sets model_name or override_model_config; a preset sets the "
+                    "architecture's flags only");
+  }
+  if (!user.GetBool("override_model_config")) {
+    FP8MOE_RETURN_IF_ERROR(CheckPresetKept(schema, model, c, user));
+  }
+  FP8MOE_RETURN_IF_ERROR(ApplyConfigFile(schema, yaml_path, overrides, &c));
   return TrainConfigFrom(c);
 }
 

@@ -121,6 +121,18 @@ Result<Config> LoadConfigText(const ConfigSchema& schema, const std::string& yam
                               const std::string& source,
                               const std::vector<std::string>& overrides);
 
+// What LoadConfigText does after making its Config, applied to *config: the
+// YAML text (skipped when empty) and then the overrides, so that a caller
+// can lay settings over values it set first (a model preset under the
+// user's file and flags). On error *config may hold some of the settings.
+Status ApplyConfigText(const ConfigSchema& schema, const std::string& yaml_text,
+                       const std::string& source, const std::vector<std::string>& overrides,
+                       Config* config);
+
+// ApplyConfigText with the YAML read from `yaml_path` (none when empty).
+Status ApplyConfigFile(const ConfigSchema& schema, const std::string& yaml_path,
+                       const std::vector<std::string>& overrides, Config* config);
+
 // Splits `arg` at its first '=' into *key and *value ("a=b=c" gives "a" and
 // "b=c"; "a=" gives an empty value). Fails if there is no '=' or the key is
 // empty.

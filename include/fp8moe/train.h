@@ -43,6 +43,11 @@ namespace fp8moe {
 // FP8 QAT (fp8_moe_native_fwd + fp8_moe_native_bwd_dlhs) with 4 experts, and
 // the synthetic corpus.
 struct TrainConfig {
+  // MaxText's model_name: a preset (configs/models/NAME.yml) that
+  // LoadTrainConfig lays under the user's settings; "default": none. A
+  // preset's flags cannot be changed without override_model_config.
+  std::string model_name = "default";
+  bool override_model_config = false;
   ModelConfig model{.moe = {.num_experts = 4,
                             .fp8_moe_fake_quant = true,
                             .fp8_fake_quant_hoist = Fp8FakeQuantHoist::kGather8,
@@ -93,7 +98,13 @@ std::string BaseConfigYaml();
 // one InvalidArgument, then the model's shape (ValidateModelConfig).
 Result<TrainConfig> TrainConfigFrom(const Config& config);
 
-// LoadConfig(TrainConfigSchema(), yaml_path, overrides), then TrainConfigFrom.
+// The flags' defaults, then the preset of model_name (given in the file or
+// the overrides; configs/models/NAME.yml), then the file at yaml_path (none
+// when empty), then the overrides in order, later settings winning; then
+// TrainConfigFrom. A flag the preset sets that the file or an override sets
+// to another value is an InvalidArgument naming both values, unless
+// override_model_config=true (MaxText's rule); an unknown model_name lists
+// the presets.
 Result<TrainConfig> LoadTrainConfig(const std::string& yaml_path,
                                     const std::vector<std::string>& overrides);
 

@@ -111,3 +111,64 @@ def test_yaml_outside_the_subset_is_refused_with_line_and_column(fp8moe_bin, tmp
     code, err = load(fp8moe_bin, tmp_path, text.encode())
     assert code == 2, err  # ... that config files do not take
     assert re.search(r"c\.yml line \d+, column \d+: ", err) and part in err, err
+
+
+MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models")
+PRESETS = sorted(f[:-4] for f in os.listdir(MODELS) if f.endswith(".yml"))
+
+
+def print_config(fp8moe_bin, *args):
+    return subprocess.run([fp8moe_bin, "train", *args, "--print-config"], capture_output=True,
+                          text=True, timeout=60, env=ENV)
+
+
+def test_there_are_presets():
+    assert {"mixtral-small", "mixtral-8x7b", "qwen3-moe-small", "qwen3-30b-a3b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_preset_resolves_to_its_file_and_prints_a_config_for_the_same_run(fp8moe_bin, tmp_path,
+                                                                             name):
+    """--print-config shows every key of configs/models/NAME.yml (read by PyYAML) at the
+    file's value; the printed config, given back as a file, prints itself again."""
+    p = print_config(fp8moe_bin, f"model_name={name}")
+    assert p.returncode == 0, p.stderr
+    resolved = yaml.safe_load(p.stdout)
+    with open(os.path.join(MODELS, name + ".yml")) as f:
+        preset = yaml.safe_load(f)
+    assert resolved["model_name"] == name
+    for key, value in preset.items():
+        # PyYAML (YAML 1.1) reads 1e-06, as we print it, as a string: compare numbers as numbers.
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        got = float(resolved[key]) if number else resolved[key]
+        assert got == value, (key, resolved[key], value)
+    path = tmp_path / "resolved.yml"
+    path.write_text(p.stdout)
+    again = print_config(fp8moe_bin, str(path))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == p.stdout
+
+
+def test_a_preset_flag_changes_only_with_override_model_config(fp8moe_bin):
+    p = print_config(fp8moe_bin, "model_name=mixtral-small", "base_num_kv_heads=4")
+    assert p.returncode == 2
+    assert ("model_name=mixtral-small sets base_num_kv_heads to 2 (configs/models/"
+            "mixtral-small.yml), and the config file or the command line sets it to 4; pass "
+            "override_model_config=true") in p.stderr, p.stderr
+    p = print_config(fp8moe_bin, "model_name=mixtral-small", "base_num_kv_heads=4",
+                     "override_model_config=true")
+    assert p.returncode == 0, p.stderr
+    assert yaml.safe_load(p.stdout)["base_num_kv_heads"] == 4
+    p = print_config(fp8moe_bin, "model_name=mixtral-smal")
+    assert p.returncode == 2
+    assert "did you mean model_name=mixtral-small?" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_a_full_size_preset_is_refused_by_the_memory_plan(fp8moe_bin, tmp_path, name):
+    p = subprocess.run([fp8moe_bin, "--memory-cap", "16G", "train", f"model_name={name}",
+                        f"base_output_directory={tmp_path}"], capture_output=True, text=True,
+                       timeout=60, env=ENV)
+    assert p.returncode == 2, p.stderr
+    assert "memory cap is 17179869184 bytes" in p.stderr, p.stderr
+    assert not any(tmp_path.iterdir())
