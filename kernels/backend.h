@@ -153,10 +153,10 @@ struct AdamWArgs : OpArgs {
 struct RouteArgs : OpArgs {
   const float* logits;     // [tokens, experts]
   int64_t tokens, experts, k;  // 1 <= k <= experts
-  bool norm_topk_prob;
-  int32_t* expert;         // [tokens, k] slot j: the j-th largest logit (ties: the lower index)
+  RouteScoring scoring;    // checked: bias [experts] or null, groups valid
+  int32_t* expert;         // [tokens, k] slot j: the j-th largest choice score (ties: the lower index)
   float* weight;           // [tokens, k] the routing weights
-  double* softmax;         // [tokens, k] the softmax over the k selected logits
+  double* softmax;         // [tokens, k] softmax over the k selected logits, or their sigmoid scores
   double* probs;           // [tokens, experts] the softmax over all logits
 };
 struct SortByExpertArgs : OpArgs {
@@ -209,7 +209,7 @@ struct RouterBackwardArgs : OpArgs {
   const float* dweight;    // [tokens, k] the loss's gradient of the routing weights
   const double* fraction;  // [experts] f_e of the load-balancing loss
   int64_t tokens, experts, k;
-  bool norm_topk_prob;
+  RouteScoring scoring;    // Route's (only sigmoid, norm_topk_prob and scaling are read)
   double lb_weight;        // the load-balancing loss weight
   float* dlogits;          // [tokens, experts] (overwritten)
 };

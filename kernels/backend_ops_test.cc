@@ -573,20 +573,57 @@ struct Routed {
   std::vector<double> softmax, probs;
 };
 Routed RouteOn(BackendKind kind, const std::vector<float>& l, int64_t t, int64_t e, int64_t k,
-               bool norm) {
+               const internal::RouteScoring& scoring) {
   Routed r{std::vector<int32_t>(static_cast<size_t>(t * k), -7), Poisoned(t * k),
            std::vector<double>(static_cast<size_t>(t * k), kNaN),
            std::vector<double>(static_cast<size_t>(t * e), kNaN)};
-  const Status s = internal::RouteTopK(Ctx(kind), l.data(), t, e, k, norm, r.expert.data(),
+  const Status s = internal::RouteTopK(Ctx(kind), l.data(), t, e, k, scoring, r.expert.data(),
                                        r.weight.data(), r.softmax.data(), r.probs.data());
   EXPECT_TRUE(s.ok()) << s.ToString();
   return r;
 }
 
+// Every scoring of the router the shape allows (kernels/ops.h
+// RouteScoring), named: softmax and sigmoid, each with and without
+// norm_topk_prob and with a scaling; sigmoid with a choice bias (random,
+// with the f32 edges if `edges`, or all 0: the ties of saturated scores)
+// and with routing groups when E splits into groups of 2 or more. The
+// biases live in *biases.
+std::vector<std::pair<std::string, internal::RouteScoring>> Scorings(
+    std::mt19937& rng, bool edges, int64_t e, int64_t k, std::vector<std::vector<float>>* biases) {
+  using internal::RouteScoring;
+  biases->clear();
+  biases->push_back(Values(rng, e, edges, 0.5f));
+  biases->push_back(std::vector<float>(static_cast<size_t>(e), 0.0f));
+  const float* random_bias = (*biases)[0].data();
+  const float* zero_bias = (*biases)[1].data();
+  std::vector<std::pair<std::string, RouteScoring>> out = {
+      {"", {}},
+      {" norm", {.norm_topk_prob = true}},
+      {" scaled", {.norm_topk_prob = true, .scaling = 2.5}},
+      {" sigmoid", {.sigmoid = true}},
+      {" sigmoid norm scaled", {.sigmoid = true, .norm_topk_prob = true, .scaling = 2.5}},
+      {" sigmoid bias", {.sigmoid = true, .norm_topk_prob = true, .bias = random_bias}},
+      {" sigmoid zero bias", {.sigmoid = true, .bias = zero_bias}}};
+  for (int64_t g = 2; g <= e / 2; ++g) {
+    if (e % g != 0) continue;
+    const int64_t keep = (k + e / g - 1) / (e / g);  // the fewest that hold k
+    out.push_back({" groups " + std::to_string(g) + " keep " + std::to_string(keep),
+                   {.sigmoid = true, .norm_topk_prob = true, .scaling = 2.5, .groups = g,
+                    .topk_groups = keep, .bias = random_bias}});
+    if (keep < g) {
+      out.push_back({" groups " + std::to_string(g) + " keep all but one",
+                     {.sigmoid = true, .groups = g, .topk_groups = g - 1, .bias = zero_bias}});
+    }
+    break;  // one group count per shape
+  }
+  return out;
+}
+
 // Route: top-k and softmaxes of k = 1, k = E, empty token sets and
-// saturating rows; the experts, the f32 weights and both double softmaxes
-// the same bits on both backends (NaN logits included: what Route did
-// before the seam, kernels/ops.h RouteTopK).
+// saturating rows, in every scoring; the experts, the f32 weights and both
+// double arrays the same bits on both backends (NaN logits included: what
+// Route did before the seam, kernels/ops.h RouteTopK).
 void CheckRoute(std::mt19937& rng, bool edges) {
   for (auto [t, e, k] : {std::tuple<int64_t, int64_t, int64_t>{13, 8, 2},
                          {0, 4, 2},
@@ -595,10 +632,11 @@ void CheckRoute(std::mt19937& rng, bool edges) {
                          {1, 1, 1},
                          {40, 64, 8}}) {
     const std::vector<float> l = RouterLogits(rng, t, e, edges);
-    for (bool norm : {false, true}) {
-      const std::string what = "route " + Dims({t, e, k}) + (norm ? " norm" : "");
-      const Routed want = RouteOn(BackendKind::kReference, l, t, e, k, norm);
-      const Routed got = RouteOn(BackendKind::kCpu, l, t, e, k, norm);
+    std::vector<std::vector<float>> biases;
+    for (const auto& [name, scoring] : Scorings(rng, edges, e, k, &biases)) {
+      const std::string what = "route " + Dims({t, e, k}) + name;
+      const Routed want = RouteOn(BackendKind::kReference, l, t, e, k, scoring);
+      const Routed got = RouteOn(BackendKind::kCpu, l, t, e, k, scoring);
       EXPECT_EQ(got.expert, want.expert) << what;
       ExpectSameBits(got.weight, want.weight, what + " weight");
       ExpectSameBits(got.softmax, want.softmax, what + " softmax");
@@ -773,14 +811,16 @@ void CheckRouterBackward(std::mt19937& rng, bool edges) {
     const std::vector<float> dweight = Values(rng, t * k, edges);
     std::vector<double> fraction(static_cast<size_t>(e));
     for (double& f : fraction) f = static_cast<double>(rng() % 1000) / 1000.0;
-    for (bool norm : {false, true}) {
-      const Routed r = RouteOn(BackendKind::kReference, l, t, e, k, norm);
+    std::vector<std::vector<float>> biases;
+    for (const auto& [name, scoring] : Scorings(rng, edges, e, k, &biases)) {
+      const Routed r = RouteOn(BackendKind::kReference, l, t, e, k, scoring);
       CompareBackends({Poisoned(t * e)}, false, 0, 0,
-                      "router_backward " + Dims({t, e, k}) + (norm ? " norm" : ""),
+                      "router_backward " + Dims({t, e, k}) + name,
                       [&](Context& ctx, Outputs& o) {
                         return internal::RouterBackward(
                             ctx, r.expert.data(), r.softmax.data(), r.probs.data(),
-                            dweight.data(), fraction.data(), t, e, k, norm, 0.01, o[0].data());
+                            dweight.data(), fraction.data(), t, e, k, scoring, 0.01,
+                            o[0].data());
                       });
     }
   }
@@ -805,7 +845,7 @@ void CheckRouteContract() {
   for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
     SCOPED_TRACE(BackendName(kind));
     for (int64_t k : {int64_t{1}, int64_t{2}, e}) {
-      const Routed r = RouteOn(kind, l, t, e, k, /*norm=*/false);
+      const Routed r = RouteOn(kind, l, t, e, k, {});
       for (int64_t i = 0; i < t; ++i) {
         for (int64_t j = 0; j < k; ++j) {
           EXPECT_EQ(r.expert[static_cast<size_t>(i * k + j)],
@@ -830,6 +870,94 @@ void CheckRouteContract() {
         EXPECT_TRUE(std::isnan(r.probs[static_cast<size_t>(5 * e + x)]));
         EXPECT_EQ(r.probs[static_cast<size_t>(2 * e + x)], x == 0 ? 1.0 : 0.0);
       }
+    }
+  }
+}
+
+// The sigmoid scoring's contract on known rows, both backends: the bias
+// and the groups choose, the weights are the unbiased scores (over their
+// sum + 1e-20 with norm_topk_prob) times the scaling, and ties go to the
+// lower expert and the lower group.
+void CheckSigmoidRouteContract() {
+  using internal::RouteScoring;
+  const int64_t e = 4, k = 2;
+  const std::vector<float> l = {0, 0, 1, -10,  // group 0 {0, 1} sums 1.0 > group 1's 0.73
+                                0, 0, 0, 0};   // all tied: the bias decides
+  const std::vector<float> bias = {0, 0, 0.1f, 0.2f}, zero(4, 0.0f);
+  const double s1 = 1 / (1 + std::exp(-1.0)), s10 = std::exp(-10.0) / (1 + std::exp(-10.0));
+  struct Case {
+    RouteScoring scoring;
+    std::vector<int32_t> expert;  // [2 tokens, k]
+    std::vector<double> weight;
+  };
+  const std::vector<Case> cases = {
+      {{.sigmoid = true, .bias = zero.data()}, {2, 0, 0, 1}, {s1, 0.5, 0.5, 0.5}},
+      {{.sigmoid = true, .norm_topk_prob = true, .scaling = 2.5, .bias = zero.data()},
+       {2, 0, 0, 1},
+       {s1 / (s1 + 0.5 + 1e-20) * 2.5, 0.5 / (s1 + 0.5 + 1e-20) * 2.5, 1.25, 1.25}},
+      // The bias moves expert 3 ahead of 0 and 1 only where it beats them.
+      {{.sigmoid = true, .norm_topk_prob = true, .bias = bias.data()},
+       {2, 0, 3, 2},
+       {s1 / (s1 + 0.5 + 1e-20), 0.5 / (s1 + 0.5 + 1e-20), 0.5, 0.5}},
+      // Token 0: group 0 {0, 1} wins on its sum 1.0 > 0.73 though expert 2
+      // has the top score; token 1: the groups tie, the lower one is kept.
+      {{.sigmoid = true, .groups = 2, .topk_groups = 1, .bias = zero.data()},
+       {0, 1, 0, 1},
+       {0.5, 0.5, 0.5, 0.5}},
+      // With the bias group 1's sums are 1.03 and 1.3: it wins both.
+      {{.sigmoid = true, .groups = 2, .topk_groups = 1, .bias = bias.data()},
+       {2, 3, 3, 2},
+       {s1, s10, 0.5, 0.5}}};
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    SCOPED_TRACE(BackendName(kind));
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Routed r = RouteOn(kind, l, 2, e, k, cases[c].scoring);
+      EXPECT_EQ(r.expert, cases[c].expert) << "case " << c;
+      for (size_t i = 0; i < 4; ++i) {
+        EXPECT_EQ(r.weight[i], static_cast<float>(cases[c].weight[i])) << "case " << c << " " << i;
+      }
+    }
+  }
+  // Saturated scores: +inf and 1e30 give 1, -inf and -1e30 give 0 (the
+  // small side exactly, as exp(l) / (1 + exp(l))), a NaN gives NaN.
+  const std::vector<float> edge = {kInf, -kInf, 1e30f, -1e30f, kNaN, -100.0f};
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    const Routed r = RouteOn(kind, edge, 1, 6, 6, {.sigmoid = true});
+    EXPECT_EQ(r.expert, (std::vector<int32_t>{0, 2, 5, 1, 3, 4})) << BackendName(kind);
+    EXPECT_EQ(r.softmax[0], 1.0);
+    EXPECT_EQ(r.softmax[1], 1.0);
+    EXPECT_EQ(r.softmax[2], std::exp(-100.0) / (1 + std::exp(-100.0)));
+    EXPECT_EQ(r.softmax[3], 0.0);
+    EXPECT_TRUE(std::isnan(r.softmax[5]));
+  }
+}
+
+// Scorings the route refuses before any work, the outputs untouched.
+void CheckRouteRefusesBadScorings() {
+  using internal::RouteScoring;
+  const std::vector<float> l(12, 0.5f), bias(6, 0.0f);
+  const std::vector<std::pair<RouteScoring, const char*>> bad = {
+      {{.bias = bias.data()}, "sigmoid"},
+      {{.groups = 3, .topk_groups = 1}, "sigmoid"},
+      {{.sigmoid = true, .groups = 4, .topk_groups = 1}, "groups"},   // 4 does not divide 6
+      {{.sigmoid = true, .groups = 6, .topk_groups = 3}, "groups"},   // groups of 1
+      {{.sigmoid = true, .groups = 3, .topk_groups = 0}, "groups"},
+      {{.sigmoid = true, .groups = 3, .topk_groups = 4}, "groups"},
+      {{.sigmoid = true, .groups = 3, .topk_groups = 1}, "groups"},   // 2 experts < k = 3
+      {{.scaling = std::numeric_limits<double>::infinity()}, "scaling"},
+      {{.scaling = std::nan("")}, "scaling"}};
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    for (const auto& [scoring, word] : bad) {
+      std::vector<int32_t> expert(6, -7);
+      std::vector<float> weight = Poisoned(6);
+      std::vector<double> softmax(6, 7.0), probs(12, 7.0);
+      const Status st = internal::RouteTopK(Ctx(kind), l.data(), 2, 6, 3, scoring, expert.data(),
+                                            weight.data(), softmax.data(), probs.data());
+      ASSERT_FALSE(st.ok()) << word;
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(st.message().find(word), std::string::npos) << st.message();
+      EXPECT_EQ(expert, std::vector<int32_t>(6, -7));
+      EXPECT_EQ(softmax, std::vector<double>(6, 7.0));
     }
   }
 }
@@ -1311,6 +1439,12 @@ TEST(BackendOps, AttentionRefusesKvHeadsThatDoNotDivideTheQueryHeads) {
   }
 }
 
+TEST(BackendOps, SigmoidRoutingChoosesByBiasAndGroupsAndWeighsTheUnbiasedScores) {
+  CheckSigmoidRouteContract();
+}
+
+TEST(BackendOps, RouteRefusesScoringsOutsideItsContract) { CheckRouteRefusesBadScorings(); }
+
 TEST(BackendOps, RouteBreaksTiesToTheLowerExpertAndSaturatesToZeroAndOne) {
   CheckRouteContract();
 }
@@ -1459,7 +1593,7 @@ TEST(BackendOps, AnOpTheBackendDoesNotRunIsRefusedByNameAndNothingIsWritten) {
   std::vector<int32_t> expert(rows * 2, -1);
   std::vector<double> softmax(rows * 2, 7.0), probs(rows * d, 7.0);
   y = Poisoned(rows * 2);
-  const Status route = internal::RouteTopK(ctx, x.data(), rows, d, 2, false, expert.data(),
+  const Status route = internal::RouteTopK(ctx, x.data(), rows, d, 2, {}, expert.data(),
                                            y.data(), softmax.data(), probs.data());
   ASSERT_FALSE(route.ok());
   EXPECT_EQ(route.code(), StatusCode::kFailedPrecondition) << route.message();

@@ -3,6 +3,7 @@
 #include "kernels/ops.h"
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <initializer_list>
@@ -274,8 +275,31 @@ Status PairRows(Op op, const void* buffer, DType dtype, int64_t rows, int64_t co
 
 }  // namespace
 
+// RouteScoring's contract (kernels/ops.h) for `experts` and top-k `k`.
+Status Scoring(Op op, const RouteScoring& s, int64_t experts, int64_t k) {
+  const std::string name(OpName(op));
+  if (!std::isfinite(s.scaling)) {
+    return InvalidArgument(name + ": scaling " + std::to_string(s.scaling) +
+                           " is not finite; the weights' scaling must be a finite number");
+  }
+  if (!s.sigmoid && (s.bias != nullptr || s.groups != 0)) {
+    return InvalidArgument(name + ": a choice bias or routing groups need sigmoid scoring");
+  }
+  if (s.groups == 0) return OkStatus();
+  const bool shape_ok = s.groups > 0 && experts % s.groups == 0 && experts / s.groups >= 2;
+  if (!shape_ok || s.topk_groups < 1 || s.topk_groups > s.groups ||
+      s.topk_groups * (experts / s.groups) < k) {
+    return InvalidArgument(name + ": " + std::to_string(s.groups) + " routing groups keeping " +
+                           std::to_string(s.topk_groups) + " of " + std::to_string(experts) +
+                           " experts for top-" + std::to_string(k) +
+                           "; groups must divide the experts into groups of at least 2 and "
+                           "the kept groups hold at least k experts");
+  }
+  return OkStatus();
+}
+
 Status RouteTopK(Context& ctx, const float* logits, int64_t tokens, int64_t experts, int64_t k,
-                 bool norm_topk_prob, int32_t* expert, float* weight, double* softmax,
+                 const RouteScoring& scoring, int32_t* expert, float* weight, double* softmax,
                  double* probs) {
   const Op op = Op::kRoute;
   if (k < 1 || k > experts || experts > std::numeric_limits<int32_t>::max()) {
@@ -287,9 +311,9 @@ Status RouteTopK(Context& ctx, const float* logits, int64_t tokens, int64_t expe
   FP8MOE_RETURN_IF_ERROR(Operand(op, "weight", weight, {tokens, k}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "softmax", softmax, {tokens, k}, 8));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {tokens, experts}, 8));
+  FP8MOE_RETURN_IF_ERROR(Scoring(op, scoring, experts, k));
   return Run(ctx,
-             RouteArgs{{op}, logits, tokens, experts, k, norm_topk_prob, expert, weight, softmax,
-                       probs},
+             RouteArgs{{op}, logits, tokens, experts, k, scoring, expert, weight, softmax, probs},
              &Backend::Route);
 }
 
@@ -380,10 +404,14 @@ Status ScatterAddRows(Context& ctx, const float* dbuffer, int64_t rows, int64_t 
 
 Status RouterBackward(Context& ctx, const int32_t* expert, const double* softmax,
                       const double* probs, const float* dweight, const double* fraction,
-                      int64_t tokens, int64_t experts, int64_t k, bool norm_topk_prob,
+                      int64_t tokens, int64_t experts, int64_t k, const RouteScoring& scoring,
                       double lb_weight, float* dlogits) {
   const Op op = Op::kRouterBackward;
   FP8MOE_RETURN_IF_ERROR(PerToken(op, k));
+  if (!std::isfinite(scoring.scaling)) {
+    return InvalidArgument("router_backward: scaling " + std::to_string(scoring.scaling) +
+                           " is not finite; the weights' scaling must be a finite number");
+  }
   FP8MOE_RETURN_IF_ERROR(Operand(op, "expert", expert, {tokens, k}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "softmax", softmax, {tokens, k}, 8));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {tokens, experts}, 8));
@@ -399,7 +427,7 @@ Status RouterBackward(Context& ctx, const int32_t* expert, const double* softmax
   }
   return Run(ctx,
              RouterBackwardArgs{{op}, expert, softmax, probs, dweight, fraction, tokens, experts,
-                                k, norm_topk_prob, lb_weight, dlogits},
+                                k, scoring, lb_weight, dlogits},
              &Backend::RouterBackward);
 }
 

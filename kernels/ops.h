@@ -80,16 +80,39 @@ Status AdamW(Context& ctx, const AdamWConstants& k, const float* g, float* p, fl
 // One rank's maps cover every pair; an expert ring's its local experts'.
 // The entry points check every map entry against its buffer.
 
+// How RouteTopK scores, chooses and weighs the experts: the MoE flags
+// routed_score_func, routed_bias, routed_scaling_factor, n_routing_groups,
+// topk_routing_group and norm_topk_prob (include/fp8moe/moe_config.h). The
+// default is the softmax routing every run had before these flags.
+struct RouteScoring {
+  bool sigmoid = false;         // score s_e = sigmoid(l_e); false: the logits
+  bool norm_topk_prob = false;
+  double scaling = 1.0;         // routed_scaling_factor: multiplies the weights
+  // Group-limited routing (sigmoid only): the experts in `groups` groups of
+  // E / groups (at least 2 each), the `topk_groups` groups of the largest
+  // sum of their two largest choice scores kept. groups 0: off.
+  int64_t groups = 0, topk_groups = 0;
+  const float* bias = nullptr;  // [E] (sigmoid only) added to s for the choice, never the weights
+};
+
 // Per token t of logits [T, E] (1 <= k <= E): expert [T, k], slot j the
-// expert of the j-th largest logit, found by a scan in index order that
-// moves only to a strictly larger logit (ties go to the lower index; a NaN
-// is chosen only as the first expert the scan sees); softmax [T, k] over the
-// selected logits and probs [T, E] over all of them, in double (exp(l -
-// max) / sum, max: the first selected, and for probs the scan's maximum);
-// weight [T, k] f32 = softmax rounded once (with norm_topk_prob divided
-// first by the softmax's sum, ~1).
+// expert of the j-th largest choice score, found by a scan in index order
+// that moves only to a strictly larger score (ties go to the lower index; a
+// NaN is chosen only as the first expert the scan sees). The choice score is
+// the logit (softmax scoring) or sigmoid(l) + bias (sigmoid scoring; the
+// sigmoid in double, exp(l)/(1+exp(l)) below 0 so small scores keep their
+// digits); with groups only the experts of the kept groups are scanned (the
+// groups chosen by the same scan over their scores, each the sum in double
+// of the group's two largest choice scores).
+// softmax [T, k]: softmax scoring, the softmax over the selected logits
+// (exp(l - l_first) / sum); sigmoid scoring, the selected sigmoid scores
+// (without the bias). probs [T, E]: the softmax over all logits (the
+// load-balancing loss's, either scoring), in double, max: the scan's maximum.
+// weight [T, k] f32, rounded once from double:
+//   softmax: scaling * softmax_j (/ sum of the softmax with norm_topk_prob)
+//   sigmoid: scaling * s_j (/ (sum of the k s + 1e-20) with norm_topk_prob)
 Status RouteTopK(Context& ctx, const float* logits, int64_t tokens, int64_t experts, int64_t k,
-                 bool norm_topk_prob, int32_t* expert, float* weight, double* softmax,
+                 const RouteScoring& scoring, int32_t* expert, float* weight, double* softmax,
                  double* probs);
 // The pairs [pairs] of the experts [first, first + count), sorted stably by
 // expert: group_sizes [count], row_of_pair [pairs] (-1 for another
@@ -122,15 +145,21 @@ Status ScatterAddRows(Context& ctx, const float* dbuffer, int64_t rows, int64_t 
                       const int64_t* row_of_pair, int64_t tokens, int64_t k, bool accumulate,
                       float* dx);
 // dlogits [tokens, experts] of the router, from RouteTopK's expert,
-// softmax [tokens, k] and probs [tokens, experts]: the load-balancing loss
-// lb_weight * E * sum_e fraction_e mean_t probs_te through probs, plus
-// dweight [tokens, k] through the softmax over the selected logits, written
-// s_j sum_i s_i (g_j - g_i) / S (S: the softmax's sum with norm_topk_prob,
-// else 1), which does not cancel where the softmax saturates. In double,
-// each row rounded to f32 once.
+// softmax [tokens, k] and probs [tokens, experts] (made with the same
+// scoring): the load-balancing loss lb_weight * E * sum_e fraction_e
+// mean_t probs_te through probs, plus dweight [tokens, k] through the
+// weights. With c = scoring.scaling and g = dweight:
+//   softmax: c s_j sum_i s_i (g_j - g_i) / S (S: the softmax's sum with
+//            norm_topk_prob, else 1), which does not cancel where the
+//            softmax saturates;
+//   sigmoid: s_j (1 - s_j) c (g_j 1e-20 / D + sum_i s_i (g_j - g_i) / D) / D
+//            with D = sum s + 1e-20 under norm_topk_prob, else
+//            s_j (1 - s_j) c g_j. The bias and the group choice have no
+//            gradient (they only choose).
+// In double, each row rounded to f32 once.
 Status RouterBackward(Context& ctx, const int32_t* expert, const double* softmax,
                       const double* probs, const float* dweight, const double* fraction,
-                      int64_t tokens, int64_t experts, int64_t k, bool norm_topk_prob,
+                      int64_t tokens, int64_t experts, int64_t k, const RouteScoring& scoring,
                       double lb_weight, float* dlogits);
 // ---- Quantization (quant/ is the cpu implementation's code) ----
 // The formulas, layouts and edge cases are fp8moe/quant.h's (scales from

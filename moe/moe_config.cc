@@ -224,6 +224,24 @@ FlagTable<MoeConfig> MakeMoeFlags() {
                   std::string(f.doc) + " -1 = chosen per shape.")
         .ResumeNeutral();
   }
+  t.Section("Routing functions (DeepSeek-V3, Qwen3-MoE)");
+  t.Enum("routed_score_func", &C::routed_score_func,
+         "Router score per expert: \"\" or softmax, the top-k logits then a softmax "
+         "over the k; sigmoid, sigmoid(logit) (DeepSeek-V3), the weights the "
+         "selected scores (norm_topk_prob: over their sum + 1e-20).",
+         {{"", RoutedScoreFunc::kSoftmax},
+          {"softmax", RoutedScoreFunc::kSoftmax},
+          {"sigmoid", RoutedScoreFunc::kSigmoid}});
+  t.Float("routed_scaling_factor", &C::routed_scaling_factor,
+          "Multiplies every routing weight (after norm_topk_prob); a finite "
+          "positive number, 1 leaves them as they are.");
+  t.Int("n_routing_groups", &C::n_routing_groups,
+        "Group-limited routing (sigmoid scores): the experts in this many equal "
+        "groups of at least 2; each token keeps the topk_routing_group groups of "
+        "the largest top-2 score sums and picks its experts there. -1: off.");
+  t.Int("topk_routing_group", &C::topk_routing_group,
+        "Groups each token keeps, 1 to n_routing_groups, holding at least "
+        "num_experts_per_tok experts; -1 with n_routing_groups=-1.");
   return t;
 }
 
@@ -295,6 +313,46 @@ void CheckShape(const MoeConfig& c, std::vector<std::string>* out) {
         "load_balance_loss_weight=" + Num(c.load_balance_loss_weight) +
         " is negative and would reward imbalanced routing; set "
         "load_balance_loss_weight=0 (off) or a positive weight");
+  }
+}
+
+void CheckRoutingFunctions(const MoeConfig& c, std::vector<std::string>* out) {
+  const bool sigmoid = c.routed_score_func == RoutedScoreFunc::kSigmoid;
+  if (!std::isfinite(c.routed_scaling_factor) || !(c.routed_scaling_factor > 0)) {
+    out->push_back("routed_scaling_factor=" + Num(c.routed_scaling_factor) +
+                   " must be a finite positive number; set routed_scaling_factor=1 (off) "
+                   "or e.g. 2.5 (DeepSeek-V3)");
+  }
+  if (c.n_routing_groups == -1) {
+    if (c.topk_routing_group != -1) {
+      out->push_back("topk_routing_group=" + Num(c.topk_routing_group) +
+                     " without n_routing_groups; set n_routing_groups to the number of "
+                     "groups or drop topk_routing_group");
+    }
+    return;
+  }
+  if (!sigmoid) {
+    out->push_back("n_routing_groups=" + Num(c.n_routing_groups) +
+                   " ranks groups by their sigmoid scores, but routed_score_func is "
+                   "softmax; set routed_score_func=sigmoid or n_routing_groups=-1");
+  }
+  const int64_t e = c.num_experts, g = c.n_routing_groups;
+  if (g < 1 || e % g != 0 || e / g < 2) {
+    out->push_back("n_routing_groups=" + Num(g) + " must divide num_experts=" + Num(e) +
+                   " into groups of at least 2 experts (a group's score is its top-2 "
+                   "sum); set n_routing_groups to such a divisor or -1 (off)");
+    return;
+  }
+  if (c.topk_routing_group < 1 || c.topk_routing_group > g) {
+    out->push_back("topk_routing_group=" + Num(c.topk_routing_group) + " is outside [1, " +
+                   Num(g) + "] (n_routing_groups=" + Num(g) +
+                   "); set topk_routing_group to the groups each token keeps");
+  } else if (c.topk_routing_group * (e / g) < c.num_experts_per_tok) {
+    out->push_back("topk_routing_group=" + Num(c.topk_routing_group) + " x " + Num(e / g) +
+                   " experts per group (num_experts=" + Num(e) + ", n_routing_groups=" +
+                   Num(g) + ") is less than num_experts_per_tok=" +
+                   Num(c.num_experts_per_tok) +
+                   "; raise topk_routing_group or lower num_experts_per_tok");
   }
 }
 
@@ -579,6 +637,7 @@ Result<MoeConfig> MoeConfigFrom(const Config& c) {
 Status ValidateMoeConfig(const MoeConfig& config) {
   std::vector<std::string> problems;
   CheckShape(config, &problems);
+  CheckRoutingFunctions(config, &problems);
   CheckDispatch(config, &problems);
   CheckQuantization(config, &problems);
   CheckQat(config, &problems);

@@ -119,6 +119,10 @@ TEST(MoeConfigSchemaTest, HasEveryFlagWithDocAndChoices) {
       "moe_lhs_quant_block_size",
       "moe_quantize_token_all_gather",
       "num_moe_token_chunks",
+      "routed_score_func",
+      "routed_scaling_factor",
+      "n_routing_groups",
+      "topk_routing_group",
   };
   expected.insert(expected.end(), kTileNames.begin(), kTileNames.end());
   EXPECT_EQ(schema.flags().size(), expected.size());
@@ -502,6 +506,46 @@ TEST(MoeConfigRulesTest, NegativeLoadBalanceWeight) {
   const std::string e = Problem({"load_balance_loss_weight=-0.5"});
   EXPECT_CONTAINS(e, "load_balance_loss_weight=-0.5 is negative");
   EXPECT_CONTAINS(e, "set load_balance_loss_weight=0");
+}
+
+TEST(MoeConfigRulesTest, RoutingFunctions) {
+  // The accepted ones first: MaxText's defaults, DeepSeek-V3's routing.
+  EXPECT_TRUE(Load({}).ok());
+  EXPECT_TRUE(Load({"routed_score_func=softmax", "routed_scaling_factor=2.5"}).ok());
+  EXPECT_TRUE(Load({"routed_score_func=sigmoid", "norm_topk_prob=true", "num_experts=8",
+                    "num_experts_per_tok=4", "n_routing_groups=4", "topk_routing_group=2"})
+                  .ok());
+  EXPECT_CONTAINS(Problem({"routed_score_func=tanh"}), "routed_score_func");
+  for (const char* bad : {"routed_scaling_factor=0", "routed_scaling_factor=-1"}) {
+    const std::string e = Problem({bad});
+    EXPECT_CONTAINS(e, "must be a finite positive number");
+    EXPECT_CONTAINS(e, "set routed_scaling_factor=1");
+  }
+  MoeConfig inf;
+  inf.routed_scaling_factor = std::numeric_limits<double>::infinity();
+  EXPECT_CONTAINS(ValidateMoeConfig(inf).message(), "routed_scaling_factor=inf");
+  const std::string softmax = Problem({"num_experts=8", "n_routing_groups=4",
+                                       "topk_routing_group=2"});
+  EXPECT_CONTAINS(softmax, "n_routing_groups=4 ranks groups by their sigmoid scores");
+  EXPECT_CONTAINS(softmax, "set routed_score_func=sigmoid");
+  const std::string divide = Problem({"routed_score_func=sigmoid", "num_experts=8",
+                                      "n_routing_groups=3", "topk_routing_group=1"});
+  EXPECT_CONTAINS(divide, "n_routing_groups=3 must divide num_experts=8");
+  EXPECT_CONTAINS(Problem({"routed_score_func=sigmoid", "num_experts=8", "n_routing_groups=8",
+                           "topk_routing_group=1"}),
+                  "groups of at least 2 experts");
+  const std::string few = Problem({"routed_score_func=sigmoid", "num_experts=8",
+                                   "num_experts_per_tok=5", "n_routing_groups=4",
+                                   "topk_routing_group=2"});
+  EXPECT_CONTAINS(few, "topk_routing_group=2 x 2 experts per group");
+  EXPECT_CONTAINS(few, "less than num_experts_per_tok=5");
+  EXPECT_CONTAINS(Problem({"routed_score_func=sigmoid", "num_experts=8", "n_routing_groups=4",
+                           "topk_routing_group=5"}),
+                  "topk_routing_group=5 is outside [1, 4]");
+  EXPECT_CONTAINS(Problem({"routed_score_func=sigmoid", "num_experts=8", "n_routing_groups=4"}),
+                  "topk_routing_group=-1 is outside [1, 4]");
+  EXPECT_CONTAINS(Problem({"topk_routing_group=2"}),
+                  "topk_routing_group=2 without n_routing_groups");
 }
 
 TEST(MoeConfigRulesTest, EveryProblemIsReportedAtOnce) {

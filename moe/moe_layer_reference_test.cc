@@ -119,6 +119,37 @@ TEST(MoeLayerReference, EveryQuantizedModeWithinItsBound) {
   for (const ModeCase& c : cases) CheckAgainstReference(c, 17, 150, 136, 72);
 }
 
+// The routing functions (sigmoid scores, routed_scaling_factor, routing
+// groups, norm_topk_prob) in f32 at 1e-5 and with every QAT mode of the
+// routed experts within that mode's bound.
+TEST(MoeLayerReference, RoutingFunctionsMatchInF32AndEveryQatMode) {
+  const std::vector<std::vector<std::string>> routings = {
+      {"routed_score_func=sigmoid"},
+      {"routed_score_func=sigmoid", "norm_topk_prob=true", "routed_scaling_factor=2.5"},
+      {"routed_score_func=sigmoid", "norm_topk_prob=true", "n_routing_groups=2",
+       "topk_routing_group=1"},
+      {"norm_topk_prob=true", "routed_scaling_factor=0.5"}};
+  // test::Modes() (f32, bf16, fake QAT, native fwd + dLHS, fp8_full, int8)
+  // and the modes it leaves out.
+  std::vector<std::vector<std::string>> modes = test::Modes();
+  modes.push_back({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
+                   "fp8_moe_native_fwd=true"});
+  modes.push_back({"quantization=fp8_full", "use_qwix_quantization=true",
+                   "bwd_quantization_dtype=e4m3", "moe_bwd_inkernel_quant=true"});
+  modes.push_back({"quantization=fp8"});
+  modes.push_back({"quantization=nanoo_fp8"});
+  for (const std::vector<std::string>& routing : routings) {
+    std::vector<std::string> f32 = routing;
+    f32.push_back("dtype=float32");
+    CheckAgainstReference({f32, 1e-5, 1e-5}, 5, 33, 24, 20);
+    for (const std::vector<std::string>& mode : modes) {
+      std::vector<std::string> flags = routing;
+      flags.insert(flags.end(), mode.begin(), mode.end());
+      CheckAgainstReference({flags, 1e-2, 2e-2}, 17, 60, 48, 40);
+    }
+  }
+}
+
 // Gradients of the fast layer (f32 mode) against central differences of the
 // reference's f64 loss, on a sample of entries of every input.
 TEST(MoeLayerReference, F32GradientsMatchFiniteDifferences) {

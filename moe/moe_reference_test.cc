@@ -78,10 +78,14 @@ MoeConfig Fp8Full(MoeConfig c) {
   return c;
 }
 
-// The smallest gap, over tokens, between the k-th and (k+1)-th largest
-// logit of x [T, D] @ router [D, E]: how far the routing is from a flip.
-double TopKMargin(const Inputs& in, int64_t k) {
+// The smallest gap over the tokens between a chosen and an unchosen choice
+// score (the k-th and (k+1)-th of the open experts) and, with routing
+// groups, between the last kept and the first dropped group's score: a
+// perturbation that moves the scores by less keeps every choice.
+double TopKMargin(const Inputs& in, const MoeConfig& c) {
   const int64_t t_n = in.x.dim(0), d_n = in.x.dim(1), e_n = in.router.dim(1);
+  const int64_t k = c.num_experts_per_tok;
+  const bool sigmoid = c.routed_score_func == RoutedScoreFunc::kSigmoid;
   double margin = INFINITY;
   for (int64_t t = 0; t < t_n; ++t) {
     std::vector<double> l(Idx(e_n), 0.0);
@@ -90,9 +94,30 @@ double TopKMargin(const Inputs& in, int64_t k) {
         l[Idx(e)] += static_cast<double>(in.x.data_as<float>()[t * d_n + d]) *
                      in.router.data_as<float>()[d * e_n + e];
       }
+      if (sigmoid) l[Idx(e)] = 1 / (1 + std::exp(-l[Idx(e)]));
     }
-    std::sort(l.begin(), l.end(), std::greater<>());
-    if (k < e_n) margin = std::min(margin, l[Idx(k - 1)] - l[Idx(k)]);
+    std::vector<double> open = l;
+    if (c.n_routing_groups != -1) {
+      const int64_t g_n = c.n_routing_groups, per = e_n / g_n;
+      std::vector<std::pair<double, int64_t>> groups;
+      for (int64_t g = 0; g < g_n; ++g) {
+        std::vector<double> v(l.begin() + g * per, l.begin() + (g + 1) * per);
+        std::sort(v.begin(), v.end(), std::greater<>());
+        groups.push_back({v[0] + v[1], g});
+      }
+      std::sort(groups.begin(), groups.end(), std::greater<>());
+      const int64_t keep = c.topk_routing_group;
+      if (keep < g_n) margin = std::min(margin, groups[Idx(keep - 1)].first - groups[Idx(keep)].first);
+      open.clear();
+      for (int64_t j = 0; j < keep; ++j) {
+        const int64_t g = groups[Idx(j)].second;
+        open.insert(open.end(), l.begin() + g * per, l.begin() + (g + 1) * per);
+      }
+    }
+    std::sort(open.begin(), open.end(), std::greater<>());
+    if (k < static_cast<int64_t>(open.size())) {
+      margin = std::min(margin, open[Idx(k - 1)] - open[Idx(k)]);
+    }
   }
   return margin;
 }
@@ -124,29 +149,30 @@ bool SameBits(const Tensor& a, const Tensor& b) {
 
 // ---- (1) Gradients against central finite differences ----
 
-class MoeReferenceGradTest : public ::testing::TestWithParam<bool> {};
-
-TEST_P(MoeReferenceGradTest, MatchesFiniteDifferences) {
-  const int64_t t_n = 7, d_n = 6, f_n = 5, e_n = 4, k = 2;
-  MoeConfig config = Config(e_n, k, DType::kF32);
-  config.norm_topk_prob = GetParam();
+// Every gradient of the reference (T = 7, D = 6, F = 5) against central
+// differences of its loss, for `config` (E and k are its).
+void ExpectFiniteDifferences(const MoeConfig& config, const std::string& what) {
+  const int64_t t_n = 7, d_n = 6, f_n = 5, e_n = config.num_experts;
   // A perturbation of h = 1e-4 moves a logit by at most h * D * max|x or Wr|
   // = 6e-4; a margin of 0.02 keeps every top-k set (and so group_sizes and
   // the aux loss's f_e) fixed under every perturbation.
   Inputs in;
+  const ConstTensorView* no_dy = nullptr;
   for (uint32_t seed = 1;; ++seed) {
-    ASSERT_LT(seed, 200u) << "no seed gives a routing margin of 0.02";
+    ASSERT_LT(seed, 2000u) << "no seed gives a routing margin of 0.02 and rows for every expert";
     in = RandomInputs(t_n, d_n, f_n, e_n, 0.7, seed);
-    if (TopKMargin(in, k) > 0.02) break;
+    if (TopKMargin(in, config) <= 0.02) continue;
+    // Every expert should see rows, or its weights' gradients are trivially 0.
+    Result<reference::MoeReferenceResult> r =
+        reference::MoeLayer(config, in.x.view(), in.weights(), no_dy);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    const int32_t* sizes = r->group_sizes.data_as<int32_t>();
+    if (std::all_of(sizes, sizes + e_n, [](int32_t n) { return n > 0; })) break;
   }
   const ConstTensorView dy = in.dy.view();
   Result<reference::MoeReferenceResult> base =
       reference::MoeLayer(config, in.x.view(), in.weights(), &dy);
   ASSERT_TRUE(base.ok()) << base.status().ToString();
-  // Every expert should see rows, or its weights' gradients are trivially 0.
-  for (int64_t e = 0; e < e_n; ++e) {
-    EXPECT_GT(base->group_sizes.data_as<int32_t>()[e], 0) << "expert " << e;
-  }
   const auto loss = [&]() {
     Result<reference::MoeReferenceResult> r =
         reference::MoeLayer(config, in.x.view(), in.weights(), &dy);
@@ -182,12 +208,48 @@ TEST_P(MoeReferenceGradTest, MatchesFiniteDifferences) {
       const double fd = (l_up - l_down) /
                         (static_cast<double>(up) - static_cast<double>(down));
       EXPECT_NEAR(p.grad->data_as<float>()[i], fd, tol)
-          << p.name << "[" << i << "], norm_topk_prob=" << GetParam();
+          << p.name << "[" << i << "], " << what;
     }
   }
 }
 
+class MoeReferenceGradTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MoeReferenceGradTest, MatchesFiniteDifferences) {
+  MoeConfig config = Config(4, 2, DType::kF32);
+  config.norm_topk_prob = GetParam();
+  ExpectFiniteDifferences(config, GetParam() ? "norm_topk_prob" : "plain");
+}
+
 INSTANTIATE_TEST_SUITE_P(NormTopkProb, MoeReferenceGradTest, ::testing::Bool());
+
+// The routing functions (routed_score_func, routed_scaling_factor,
+// n_routing_groups / topk_routing_group with norm_topk_prob): the same
+// check through the sigmoid's and the scaling's gradients. Routing groups
+// need E = 8 (4 groups of 2, 2 kept) so that a group choice matters.
+TEST(MoeReferenceGradTest, RoutingFunctionsMatchFiniteDifferences) {
+  struct Variant {
+    const char* name;
+    int64_t e, k;
+    RoutedScoreFunc func;
+    bool norm;
+    double scaling;
+    int64_t groups, keep;
+  };
+  for (const Variant& v : {Variant{"softmax scaled", 4, 2, RoutedScoreFunc::kSoftmax, true, 2.5, -1, -1},
+                           Variant{"sigmoid", 4, 2, RoutedScoreFunc::kSigmoid, false, 1.0, -1, -1},
+                           Variant{"sigmoid norm scaled", 4, 2, RoutedScoreFunc::kSigmoid, true, 2.5, -1, -1},
+                           Variant{"sigmoid groups", 8, 3, RoutedScoreFunc::kSigmoid, true, 2.5, 4, 2}}) {
+    SCOPED_TRACE(v.name);
+    MoeConfig config = Config(v.e, v.k, DType::kF32);
+    config.routed_score_func = v.func;
+    config.norm_topk_prob = v.norm;
+    config.routed_scaling_factor = v.scaling;
+    config.n_routing_groups = v.groups;
+    config.topk_routing_group = v.keep;
+    ExpectFiniteDifferences(config, v.name);
+  }
+}
 
 // ---- (2) Routing and group sizes on a hand-made example ----
 

@@ -60,12 +60,15 @@ void ExpectClose(const Out& ring, const Out& whole, int k, const std::string& wh
   EXPECT_NEAR(ring.aux, whole.aux, 1e-6 * std::fabs(whole.aux)) << what;
 }
 
-TEST(MoeRing, RanksMatchTheSingleRankLayerInEveryMode) {
+// A ring of P = 2, 4 ranks against one rank, k = 2, 3, in every mode, with
+// `routing` added to every config.
+void ExpectRingsMatchTheSingleRank(const std::vector<std::string>& routing) {
   for (int P : {2, 4}) {
     for (int k : {2, 3}) {
       LayerInputs in(71 + P + k, 24 * P, 32, 16, 8);
       for (const std::vector<std::string>& mode : Modes()) {
         std::vector<std::string> flags = mode;
+        flags.insert(flags.end(), routing.begin(), routing.end());
         flags.push_back("num_experts=8");
         flags.push_back("num_experts_per_tok=" + std::to_string(k));
         const MoeConfig cfg = MakeConfig(flags);
@@ -82,6 +85,16 @@ TEST(MoeRing, RanksMatchTheSingleRankLayerInEveryMode) {
       }
     }
   }
+}
+
+TEST(MoeRing, RanksMatchTheSingleRankLayerInEveryMode) { ExpectRingsMatchTheSingleRank({}); }
+
+// DeepSeek-V3's routing on the ring: sigmoid scores, 4 groups of 2 experts
+// with 2 kept, renormalised and scaled weights.
+TEST(MoeRing, RoutingFunctionsMatchTheSingleRankLayerInEveryMode) {
+  ExpectRingsMatchTheSingleRank({"routed_score_func=sigmoid", "norm_topk_prob=true",
+                                 "routed_scaling_factor=2.5", "n_routing_groups=4",
+                                 "topk_routing_group=2"});
 }
 
 // The static buffer is ragged_buffer_factor x T*k rows on every rank. When

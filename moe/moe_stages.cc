@@ -261,7 +261,7 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x
     FP8MOE_RETURN_IF_ERROR(CtxGmm(ctx, o, x, r3, nullptr, one, logits));
   }
   FP8MOE_RETURN_IF_ERROR(
-      Route(ctx, logits.as<float>(), s.T, s.E, s.k, cfg.norm_topk_prob, &s.routing));
+      Route(ctx, logits.as<float>(), s.T, s.E, s.k, ScoringOf(cfg), &s.routing));
   // The load-balancing fractions: of this batch, or of the whole batch it
   // is a part of (FSDP and expert-ring ranks).
   Communicator* batch = options.ranks.batch;
@@ -373,7 +373,7 @@ Status RouteBackwardStage(Context& ctx, const MoeConfig& cfg, const ConstTensorV
   const Routing& r = s.routing;
   FP8MOE_RETURN_IF_ERROR(RouterBackward(ctx, r.expert.data(), r.softmax.data(), r.probs.data(),
                                         s.dwv.as<float>(), s.lb_fraction.data(), s.T, s.E, s.k,
-                                        cfg.norm_topk_prob, cfg.load_balance_loss_weight,
+                                        ScoringOf(cfg), cfg.load_balance_loss_weight,
                                         dlogits.as<float>()));
   FP8MOE_ASSIGN_OR_RETURN(TensorView one, OneGroup(s));
   GmmOptions o32;

@@ -6,8 +6,20 @@
 
 namespace fp8moe::internal {
 
+RouteScoring ScoringOf(const MoeConfig& cfg) {
+  RouteScoring s;
+  s.sigmoid = cfg.routed_score_func == RoutedScoreFunc::kSigmoid;
+  s.norm_topk_prob = cfg.norm_topk_prob;
+  s.scaling = cfg.routed_scaling_factor;
+  if (cfg.n_routing_groups != -1) {
+    s.groups = cfg.n_routing_groups;
+    s.topk_groups = cfg.topk_routing_group;
+  }
+  return s;
+}
+
 Status Route(Context& ctx, const float* logits, int64_t tokens, int64_t experts, int64_t k,
-             bool norm_topk_prob, Routing* out) {
+             const RouteScoring& scoring, Routing* out) {
   Routing& r = *out;
   r.tokens = tokens;
   r.experts = experts;
@@ -17,7 +29,7 @@ Status Route(Context& ctx, const float* logits, int64_t tokens, int64_t experts,
   r.weight.resize(pairs);
   r.softmax.resize(pairs);
   r.probs.resize(static_cast<size_t>(tokens * experts));
-  FP8MOE_RETURN_IF_ERROR(RouteTopK(ctx, logits, tokens, experts, k, norm_topk_prob,
+  FP8MOE_RETURN_IF_ERROR(RouteTopK(ctx, logits, tokens, experts, k, scoring,
                                    r.expert.data(), r.weight.data(), r.softmax.data(),
                                    r.probs.data()));
   r.group_sizes.resize(static_cast<size_t>(experts));

@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "fp8moe/context.h"
+#include "fp8moe/moe_config.h"
 #include "fp8moe/status.h"
+#include "kernels/ops.h"
 
 namespace fp8moe::internal {
 
@@ -21,7 +23,7 @@ struct Routing {
   std::vector<float> weight;         // [T, k] routing weights (norm_topk_prob applied)
   // In double, for the backward: where a softmax saturates its small values
   // keep their digits, and 1 - p is not lost to f32 rounding (issue 35).
-  std::vector<double> softmax;       // [T, k] softmax over the k selected logits
+  std::vector<double> softmax;       // [T, k] softmax over the k selected logits (sigmoid: their scores)
   std::vector<double> probs;         // [T, E] softmax over all logits (aux loss)
   std::vector<int32_t> group_sizes;  // [E]
   std::vector<int64_t> row_of_pair;  // [T*k] buffer row of pair p = t*k + j
@@ -34,7 +36,12 @@ struct Routing {
 // vectors keep their capacity, so a routing reused step to step does not
 // allocate.
 Status Route(Context& ctx, const float* logits, int64_t tokens, int64_t experts, int64_t k,
-             bool norm_topk_prob, Routing* out);
+             const RouteScoring& scoring, Routing* out);
+
+// The route op's scoring of the layer's flags (routed_score_func,
+// norm_topk_prob, routed_scaling_factor, n_routing_groups,
+// topk_routing_group); the config has passed ValidateMoeConfig.
+RouteScoring ScoringOf(const MoeConfig& cfg);
 
 // f_e [E] of the load-balancing loss: routed pairs of expert e over all
 // pairs. Of this batch when `batch` is null; else of the larger batch this

@@ -38,7 +38,7 @@ constexpr BackendKind kBackends[] = {BackendKind::kCpu, BackendKind::kReference}
 // The routing of logits [t, e] on the backend.
 Routing Routed(BackendKind kind, const float* l, int64_t t, int64_t e, int64_t k, bool norm) {
   Routing r;
-  const Status s = Route(Ctx(kind), l, t, e, k, norm, &r);
+  const Status s = Route(Ctx(kind), l, t, e, k, RouteScoring{.norm_topk_prob = norm}, &r);
   EXPECT_TRUE(s.ok()) << s.ToString();
   return r;
 }
@@ -450,7 +450,8 @@ TEST(Route, LoadBalanceLossAndBackwardMatchPlainLoops) {
     EXPECT_NEAR(LoadBalanceLoss(r, frac, 0.01), 0.01 * e * loss, 1e-9);
     std::vector<float> dl(static_cast<size_t>(t * e));
     ASSERT_TRUE(RouterBackward(Ctx(kind), r.expert.data(), r.softmax.data(), r.probs.data(),
-                               dw.data(), frac.data(), t, e, k, norm, 0.01, dl.data())
+                               dw.data(), frac.data(), t, e, k,
+                               RouteScoring{.norm_topk_prob = norm}, 0.01, dl.data())
                     .ok());
     for (int64_t i = 0; i < t; ++i) {
       const double* p = r.probs.data() + i * e;

@@ -179,8 +179,10 @@ TEST(TrainConfigTable, EveryFlagRoundTripsThroughTheConfigsYaml) {
 }
 
 // The flags a resumed run may change without a warning: the bookkeeping ones
-// (names, periods, the rank layout, tiles, token chunks, remat), and
-// per_device_batch_size, whose global batch the resume compares instead.
+// (names, periods, the rank layout, tiles, token chunks, remat), the preset
+// choice (model_name, override_model_config: the flags they set are compared
+// themselves), and per_device_batch_size, whose global batch the resume
+// compares instead.
 TEST(TrainConfigTable, BookkeepingFlagsAreTheResumeNeutralRows) {
   std::vector<std::string> neutral;
   for (const auto& row : TrainConfigFlags().rows()) {
@@ -193,7 +195,8 @@ TEST(TrainConfigTable, BookkeepingFlagsAreTheResumeNeutralRows) {
   }
   EXPECT_EQ(neutral, (std::vector<std::string>{
                          "run_name", "base_output_directory", "enable_checkpointing",
-                         "checkpoint_period", "log_period", "per_device_batch_size",
+                         "checkpoint_period", "log_period", "model_name",
+                         "override_model_config", "per_device_batch_size",
                          "eval_interval", "eval_steps",
                          "ici_fsdp_parallelism", "ici_expert_parallelism",
                          "ici_tensor_parallelism", "remat_policy", "num_moe_token_chunks"}));

@@ -9,6 +9,11 @@
 //  2. top-k per token: the k largest logits (ties: the lower expert index),
 //     slot j = j-th largest; weights w[t, j] = softmax over the k selected
 //     logits (f32); norm_topk_prob divides them by their sum once more.
+//     routed_score_func=sigmoid chooses by s = sigmoid(logit) instead (within
+//     the topk_routing_group groups of the largest top-2 sums when
+//     n_routing_groups is set) and weighs by the selected s (norm_topk_prob:
+//     over their sum + 1e-20); routed_scaling_factor multiplies every weight
+//     (kernels/ops.h RouteScoring, docs/moe.md "Routing functions").
 //  3. The T*k (token, slot) pairs sorted stably by expert (pair p = t*k + j
 //     keeps its order within an expert); group_sizes[e] = pairs of e.
 //  4. The ragged buffer has B rows: T*k when ragged_buffer_factor <= 0

@@ -66,6 +66,12 @@ enum class MoeRematPolicy : uint8_t {
   kMoeXSorted,  // "moe_x_sorted": x_sorted is saved by the forward
 };
 
+// The `routed_score_func` flag: the router's score of each expert.
+enum class RoutedScoreFunc : uint8_t {
+  kSoftmax,  // "" or "softmax": top-k of the logits, softmax over the k
+  kSigmoid,  // "sigmoid": sigmoid(logit), DeepSeek-V3's
+};
+
 // The `fp8_fake_quant_hoist` flag: where fake QAT's weight quantization runs.
 enum class Fp8FakeQuantHoist : uint8_t {
   kNone,     // "": no hoisting
@@ -136,6 +142,14 @@ struct MoeConfig {
 
   MoeGmmTiles wi_tiles = {};  // wi_tile_{fwd,dlhs,drhs}_*
   MoeGmmTiles wo_tiles = {};  // wo_tile_{fwd,dlhs,drhs}_*
+
+  // The routing functions of DeepSeek-V3 and Qwen3-MoE (MaxText's names and
+  // defaults; kernels/ops.h RouteScoring has the arithmetic). Group-limited
+  // routing is of sigmoid scores; -1 turns it off.
+  RoutedScoreFunc routed_score_func = RoutedScoreFunc::kSoftmax;
+  double routed_scaling_factor = 1.0;
+  int64_t n_routing_groups = -1;
+  int64_t topk_routing_group = -1;
 };
 
 // Converts `c` (which must hold every flag of MoeConfigSchema(), e.g. from

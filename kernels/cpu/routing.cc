@@ -44,36 +44,92 @@ void StoreRow(const float* v, int64_t cols, void* buffer, DType dtype, int64_t r
   }
 }
 
-// Token t of Route: its top-k, the softmax over the selected logits and the
-// softmax over all of them.
-void RouteToken(const RouteArgs& a, int64_t t) {
-  const int64_t experts = a.experts, k = a.k;
-  const float* l = a.logits + t * experts;
-  // Top-k by repeated selection: k is small; ties go to the lower expert.
-  float* w = a.weight + t * k;
-  int32_t* e = a.expert + t * k;
+// sigmoid(l) in double; below 0 as exp(l) / (1 + exp(l)), so a small score
+// keeps its digits (1 - 1/(1 + e^-l) would not).
+double Sigmoid(double l) { return l >= 0 ? 1.0 / (1.0 + std::exp(-l)) : std::exp(l) / (1.0 + std::exp(l)); }
+
+// The index in [0, n) of the largest v(i) that keep(i) allows, by a scan in
+// index order that moves only to a strictly larger value: ties go to the
+// lower index, a NaN is chosen only where the scan starts on it. -1: none.
+template <class Value, class Keep>
+int64_t Largest(int64_t n, const Value& v, const Keep& keep) {
+  int64_t best = -1;
+  for (int64_t x = 0; x < n; ++x) {
+    if (keep(x) && (best < 0 || v(x) > v(best))) best = x;
+  }
+  return best;
+}
+
+// Token t's top-k by its choice scores c [E]: e[0..k) in slot order.
+// group [2 * groups] is scratch: the group scores, then the kept marks.
+void ChooseExperts(const RouteArgs& a, const double* c, double* group, int32_t* e) {
+  const int64_t E = a.experts, k = a.k, G = a.scoring.groups;
+  const int64_t per = G > 0 ? E / G : E;
+  // Group g's score: the sum of its two largest choice scores.
+  for (int64_t g = 0; g < G; ++g) {
+    const double* cg = c + g * per;
+    const int64_t i0 = Largest(per, [&](int64_t x) { return cg[x]; }, [](int64_t) { return true; });
+    const int64_t i1 = Largest(per, [&](int64_t x) { return cg[x]; },
+                               [&](int64_t x) { return x != i0; });
+    group[g] = cg[i0] + cg[i1];
+  }
+  // Keep the topk_groups best groups: group[G + g] marks group g kept (1)
+  // or not (0).
+  for (int64_t g = 0; g < G; ++g) group[G + g] = 0.0;
+  for (int64_t j = 0; j < a.scoring.topk_groups; ++j) {
+    const int64_t b = Largest(G, [&](int64_t g) { return group[g]; },
+                              [&](int64_t g) { return group[G + g] == 0.0; });
+    group[G + b] = 1.0;
+  }
+  auto open = [&](int64_t x) { return G == 0 || group[G + x / per] != 0.0; };
   for (int64_t j = 0; j < k; ++j) {
-    int64_t best = -1;
-    for (int64_t x = 0; x < experts; ++x) {
-      bool taken = false;
-      for (int64_t i = 0; i < j; ++i) taken |= e[i] == x;
-      if (taken) continue;
-      if (best < 0 || l[x] > l[best]) best = x;
-    }
+    const int64_t best = Largest(E, [&](int64_t x) { return c[x]; }, [&](int64_t x) {
+      if (!open(x)) return false;
+      for (int64_t i = 0; i < j; ++i) {
+        if (e[i] == x) return false;
+      }
+      return true;
+    });
     e[j] = static_cast<int32_t>(best);
   }
-  // Softmax over the k selected logits (e[0] holds the largest), in double;
-  // the weights are it rounded once to f32 (after norm_topk_prob's division
-  // by the sum, ~1).
+}
+
+// Token t of Route: its top-k, the softmax over the selected logits (or
+// their sigmoid scores) and the softmax over all of them. scratch: [E + 2G].
+void RouteToken(const RouteArgs& a, int64_t t, double* scratch) {
+  const int64_t experts = a.experts, k = a.k;
+  const RouteScoring& sc = a.scoring;
+  const float* l = a.logits + t * experts;
+  float* w = a.weight + t * k;
+  int32_t* e = a.expert + t * k;
   double* s = a.softmax + t * k;
-  double sum = 0.0;
-  for (int64_t j = 0; j < k; ++j) {
-    s[j] = std::exp(static_cast<double>(l[e[j]]) - static_cast<double>(l[e[0]]));
-    sum += s[j];
+  double* c = scratch;
+  for (int64_t x = 0; x < experts; ++x) {
+    c[x] = sc.sigmoid ? Sigmoid(l[x]) + (sc.bias != nullptr ? sc.bias[x] : 0.0f) : l[x];
   }
-  double norm = 0.0;
-  for (int64_t j = 0; j < k; ++j) norm += (s[j] /= sum);
-  for (int64_t j = 0; j < k; ++j) w[j] = static_cast<float>(a.norm_topk_prob ? s[j] / norm : s[j]);
+  ChooseExperts(a, c, scratch + experts, e);
+  if (sc.sigmoid) {
+    // The selected unbiased scores; norm_topk_prob divides by their sum
+    // + 1e-20 (DeepSeek-V3's guard against a zero sum).
+    double sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) sum += (s[j] = Sigmoid(l[e[j]]));
+    const double d = sc.norm_topk_prob ? sum + 1e-20 : 1.0;
+    for (int64_t j = 0; j < k; ++j) w[j] = static_cast<float>(s[j] / d * sc.scaling);
+  } else {
+    // Softmax over the k selected logits (e[0] holds the largest), in
+    // double; the weights are it rounded once to f32 (after norm_topk_prob's
+    // division by the sum, ~1, and the scaling, 1 unless set).
+    double sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      s[j] = std::exp(static_cast<double>(l[e[j]]) - static_cast<double>(l[e[0]]));
+      sum += s[j];
+    }
+    double norm = 0.0;
+    for (int64_t j = 0; j < k; ++j) norm += (s[j] /= sum);
+    for (int64_t j = 0; j < k; ++j) {
+      w[j] = static_cast<float>((sc.norm_topk_prob ? s[j] / norm : s[j]) * sc.scaling);
+    }
+  }
   // Softmax over all experts, for the load-balancing loss, in double.
   double mx = l[0];
   for (int64_t x = 1; x < experts; ++x) mx = std::max(mx, static_cast<double>(l[x]));
@@ -103,21 +159,47 @@ void RouterBackwardToken(const RouterBackwardArgs& a, double lb, int64_t t, doub
   // weights (s_0 rounded to 1, or within 3e-8 of 1 - s_1) that was all
   // rounding (issue 35). The second has no such difference.
   // norm_topk_prob, w = s / S with S = sum s, only shifts g by a constant,
-  // which the differences drop, and divides it by S.
+  // which the differences drop, and divides it by S. The scaling c
+  // multiplies it all.
+  // Sigmoid scores: w_j = c s_j / D (D = sum s + 1e-20, or 1), so dw/ds
+  // gives c (g_j - sum_i s_i g_i / D) / D, written as
+  // c (g_j 1e-20 / D + sum_i s_i (g_j - g_i) / D) / D for the same reason,
+  // times ds/dl = s (1 - s).
   const double* s = a.softmax + t * k;
   const float* g = a.dweight + t * k;
-  double S = 1.0;
-  if (a.norm_topk_prob) {
-    S = 0.0;
-    for (int64_t j = 0; j < k; ++j) S += s[j];
-  }
+  const double c = a.scoring.scaling;
+  const bool norm = a.scoring.norm_topk_prob;
   const int32_t* ex = a.expert + t * k;
-  for (int64_t j = 0; j < k; ++j) {
-    double d = 0.0;
-    for (int64_t i = 0; i < k; ++i) {
-      d += s[i] * (static_cast<double>(g[j]) - static_cast<double>(g[i]));
+  if (a.scoring.sigmoid) {
+    double D = 1.0;
+    if (norm) {
+      D = 1e-20;
+      for (int64_t j = 0; j < k; ++j) D += s[j];
     }
-    row[ex[j]] += s[j] * d / S;
+    for (int64_t j = 0; j < k; ++j) {
+      double ds = static_cast<double>(g[j]);
+      if (norm) {
+        double d = 0.0;
+        for (int64_t i = 0; i < k; ++i) {
+          d += s[i] * (static_cast<double>(g[j]) - static_cast<double>(g[i]));
+        }
+        ds = (static_cast<double>(g[j]) * 1e-20 / D + d / D) / D;
+      }
+      row[ex[j]] += s[j] * (1.0 - s[j]) * c * ds;
+    }
+  } else {
+    double S = 1.0;
+    if (norm) {
+      S = 0.0;
+      for (int64_t j = 0; j < k; ++j) S += s[j];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      double d = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        d += s[i] * (static_cast<double>(g[j]) - static_cast<double>(g[i]));
+      }
+      row[ex[j]] += s[j] * d / S * c;
+    }
   }
   float* dl = a.dlogits + t * E;
   for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<float>(row[e]);
@@ -126,8 +208,12 @@ void RouterBackwardToken(const RouterBackwardArgs& a, double lb, int64_t t, doub
 }  // namespace
 
 void CpuOps::Route(Context& ctx, const RouteArgs& a) {
-#pragma omp parallel for schedule(static) num_threads(ctx.threads())
-  for (int64_t t = 0; t < a.tokens; ++t) RouteToken(a, t);
+#pragma omp parallel num_threads(ctx.threads())
+  {
+    std::vector<double> scratch(static_cast<size_t>(a.experts + 2 * a.scoring.groups));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < a.tokens; ++t) RouteToken(a, t, scratch.data());
+  }
 }
 
 void CpuOps::SortByExpert(Context& ctx, const SortByExpertArgs& a) {

@@ -42,28 +42,77 @@ void Softmax(int64_t n, double top, const Value& value, double* out) {
 }  // namespace
 
 void ReferenceOps::Route(Context&, const RouteArgs& a) {
-  const int64_t E = a.experts, k = a.k;
-  std::vector<bool> taken(static_cast<size_t>(E));
+  const int64_t E = a.experts, k = a.k, G = a.scoring.groups;
+  const RouteScoring& sc = a.scoring;
+  std::vector<bool> taken(static_cast<size_t>(E)), kept(static_cast<size_t>(G));
+  std::vector<double> c(static_cast<size_t>(E)), group(static_cast<size_t>(G));
+  // The sigmoid in double, exp(l) / (1 + exp(l)) below 0.
+  auto sigmoid = [](double l) {
+    return l >= 0 ? 1.0 / (1.0 + std::exp(-l)) : std::exp(l) / (1.0 + std::exp(l));
+  };
   for (int64_t t = 0; t < a.tokens; ++t) {
     const float* l = a.logits + t * E;
     int32_t* ex = a.expert + t * k;
-    // Slot j: the scan over the experts not taken yet, in index order,
-    // that moves on only to a strictly larger logit.
+    for (int64_t x = 0; x < E; ++x) {
+      const double bias = sc.bias != nullptr ? sc.bias[x] : 0.0;
+      c[static_cast<size_t>(x)] = sc.sigmoid ? sigmoid(l[x]) + bias : l[x];
+    }
+    // Each scan below runs in index order and moves on only to a strictly
+    // larger value among those still open.
+    const int64_t per = G > 0 ? E / G : E;
+    for (int64_t g = 0; g < G; ++g) {
+      int64_t i0 = -1, i1 = -1;
+      for (int64_t x = g * per; x < (g + 1) * per; ++x) {
+        if (i0 == -1 || c[static_cast<size_t>(x)] > c[static_cast<size_t>(i0)]) i0 = x;
+      }
+      for (int64_t x = g * per; x < (g + 1) * per; ++x) {
+        if (x != i0 && (i1 == -1 || c[static_cast<size_t>(x)] > c[static_cast<size_t>(i1)])) i1 = x;
+      }
+      group[static_cast<size_t>(g)] = c[static_cast<size_t>(i0)] + c[static_cast<size_t>(i1)];
+    }
+    kept.assign(static_cast<size_t>(G), false);
+    for (int64_t j = 0; j < sc.topk_groups; ++j) {
+      int64_t best = -1;
+      for (int64_t g = 0; g < G; ++g) {
+        if (!kept[static_cast<size_t>(g)] &&
+            (best == -1 || group[static_cast<size_t>(g)] > group[static_cast<size_t>(best)])) {
+          best = g;
+        }
+      }
+      kept[static_cast<size_t>(best)] = true;
+    }
+    // Slot j: the scan over the open experts not taken yet.
     taken.assign(static_cast<size_t>(E), false);
     for (int64_t j = 0; j < k; ++j) {
       int64_t best = -1;
       for (int64_t x = 0; x < E; ++x) {
-        if (!taken[static_cast<size_t>(x)] && (best == -1 || l[x] > l[best])) best = x;
+        const bool open = G == 0 || kept[static_cast<size_t>(x / per)];
+        if (open && !taken[static_cast<size_t>(x)] &&
+            (best == -1 || c[static_cast<size_t>(x)] > c[static_cast<size_t>(best)])) {
+          best = x;
+        }
       }
       taken[static_cast<size_t>(best)] = true;
       ex[j] = static_cast<int32_t>(best);
     }
     double* s = a.softmax + t * k;
-    Softmax(k, l[ex[0]], [&](int64_t j) { return static_cast<double>(l[ex[j]]); }, s);
     double sum = 0;
-    for (int64_t j = 0; j < k; ++j) sum += s[j];
-    for (int64_t j = 0; j < k; ++j) {
-      a.weight[t * k + j] = static_cast<float>(a.norm_topk_prob ? s[j] / sum : s[j]);
+    if (sc.sigmoid) {
+      for (int64_t j = 0; j < k; ++j) {
+        s[j] = sigmoid(l[ex[j]]);
+        sum += s[j];
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        const double w = sc.norm_topk_prob ? s[j] / (sum + 1e-20) : s[j];
+        a.weight[t * k + j] = static_cast<float>(w * sc.scaling);
+      }
+    } else {
+      Softmax(k, l[ex[0]], [&](int64_t j) { return static_cast<double>(l[ex[j]]); }, s);
+      for (int64_t j = 0; j < k; ++j) sum += s[j];
+      for (int64_t j = 0; j < k; ++j) {
+        const double w = (sc.norm_topk_prob ? s[j] / sum : s[j]);
+        a.weight[t * k + j] = static_cast<float>(w * sc.scaling);
+      }
     }
     double top = l[0];
     for (int64_t x = 1; x < E; ++x) {
@@ -147,7 +196,7 @@ void ReferenceOps::ScatterAddRows(Context&, const ScatterAddRowsArgs& a) {
 void ReferenceOps::RouterBackward(Context&, const RouterBackwardArgs& a) {
   // dl_e = lb p_e (f_e - sum_x p_x f_x) (the load-balancing loss, lb =
   // weight E / T) + sum over the slots j with expert e of
-  // s_j sum_i s_i (g_j - g_i) / S.
+  // s_j sum_i s_i (g_j - g_i) / S c (softmax scoring; sigmoid: kernels/ops.h).
   const int64_t E = a.experts, k = a.k;
   const double lb =
       a.tokens > 0 ? a.lb_weight * static_cast<double>(E) / static_cast<double>(a.tokens) : 0.0;
@@ -159,15 +208,35 @@ void ReferenceOps::RouterBackward(Context&, const RouterBackwardArgs& a) {
     double pf = 0;
     for (int64_t x = 0; x < E; ++x) pf += p[x] * a.fraction[x];
     for (int64_t x = 0; x < E; ++x) dl[static_cast<size_t>(x)] = lb * p[x] * (a.fraction[x] - pf);
-    double S = 1;
-    if (a.norm_topk_prob) {
-      S = 0;
-      for (int64_t j = 0; j < k; ++j) S += s[j];
-    }
-    for (int64_t j = 0; j < k; ++j) {
-      double d = 0;
-      for (int64_t i = 0; i < k; ++i) d += s[i] * (static_cast<double>(g[j]) - g[i]);
-      dl[static_cast<size_t>(a.expert[t * k + j])] += s[j] * d / S;
+    const double c = a.scoring.scaling;
+    if (a.scoring.sigmoid) {
+      // w_j = c s_j / D (D = sum s + 1e-20 with norm_topk_prob, else 1);
+      // dl_j = s_j (1 - s_j) dL/ds_j.
+      double D = 1;
+      if (a.scoring.norm_topk_prob) {
+        D = 1e-20;
+        for (int64_t j = 0; j < k; ++j) D += s[j];
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        double ds = g[j];
+        if (a.scoring.norm_topk_prob) {
+          double d = 0;
+          for (int64_t i = 0; i < k; ++i) d += s[i] * (static_cast<double>(g[j]) - g[i]);
+          ds = (static_cast<double>(g[j]) * 1e-20 / D + d / D) / D;
+        }
+        dl[static_cast<size_t>(a.expert[t * k + j])] += s[j] * (1.0 - s[j]) * c * ds;
+      }
+    } else {
+      double S = 1;
+      if (a.scoring.norm_topk_prob) {
+        S = 0;
+        for (int64_t j = 0; j < k; ++j) S += s[j];
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        double d = 0;
+        for (int64_t i = 0; i < k; ++i) d += s[i] * (static_cast<double>(g[j]) - g[i]);
+        dl[static_cast<size_t>(a.expert[t * k + j])] += s[j] * d / S * c;
+      }
     }
     for (int64_t x = 0; x < E; ++x) {
       a.dlogits[t * E + x] = static_cast<float>(dl[static_cast<size_t>(x)]);

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "fp8moe/moe_config.h"
+
 namespace fp8moe::reference {
 
 // y [rows, d] = x / sqrt(mean(x^2) + eps) * g.
@@ -30,7 +32,7 @@ double CrossEntropy(const double* logits, const int32_t* targets, int64_t rows, 
 // The MoE FFN of dtype=float32 in double: y [T, D]; returns the aux loss and
 // appends the chosen experts of every token to *routing.
 double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, const float* wi,
-              const float* wo, int64_t experts, int64_t k, int64_t f, bool norm_topk_prob,
+              const float* wo, int64_t experts, int64_t k, int64_t f, const MoeConfig& moe,
               double lb_weight, double* y, std::vector<int32_t>* routing);
 
 // A dense SwiGLU MLP in double, added to y: y [rows, d] += (silu(gate) * up)

@@ -5,6 +5,7 @@
 
 #include "fp8moe/model.h"
 #include "model/reference/layers_reference.h"
+#include "moe/reference/routing_reference.h"
 
 namespace fp8moe::reference {
 
@@ -81,7 +82,7 @@ double CrossEntropy(const double* logits, const int32_t* targets, int64_t rows, 
 }
 
 double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, const float* wi,
-              const float* wo, int64_t experts, int64_t k, int64_t f, bool norm_topk_prob,
+              const float* wo, int64_t experts, int64_t k, int64_t f, const MoeConfig& moe,
               double lb_weight, double* y, std::vector<int32_t>* routing) {
   std::vector<double> logits(static_cast<size_t>(experts)), h(static_cast<size_t>(2 * f)),
       a(static_cast<size_t>(f)), p_mean(static_cast<size_t>(experts), 0.0);
@@ -100,30 +101,13 @@ double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, c
     for (int64_t e = 0; e < experts; ++e) {
       p_mean[static_cast<size_t>(e)] += std::exp(logits[static_cast<size_t>(e)] - mx) / all;
     }
-    // Top-k, ties to the lower index.
-    std::vector<int64_t> chosen;
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < experts; ++e) {
-        if (std::find(chosen.begin(), chosen.end(), e) != chosen.end()) continue;
-        if (best < 0 || logits[static_cast<size_t>(e)] > logits[static_cast<size_t>(best)]) best = e;
-      }
-      chosen.push_back(best);
-      routing->push_back(static_cast<int32_t>(best));
-      ++count[static_cast<size_t>(best)];
-    }
-    std::vector<double> w(static_cast<size_t>(k));
-    double sum = 0;
-    for (int64_t j = 0; j < k; ++j) {
-      w[static_cast<size_t>(j)] = std::exp(logits[static_cast<size_t>(chosen[static_cast<size_t>(j)])] -
-                                           logits[static_cast<size_t>(chosen[0])]);
-      sum += w[static_cast<size_t>(j)];
-    }
-    for (double& v : w) v /= sum;
-    if (norm_topk_prob) {
-      double s2 = 0;
-      for (double v : w) s2 += v;
-      for (double& v : w) v /= s2;
+    // Top-k and weights: the MoE reference's routing (routing_reference.h).
+    const TokenRoute route = RouteToken(moe, logits.data(), nullptr, experts);
+    const std::vector<int64_t>& chosen = route.expert;
+    const std::vector<double>& w = route.weight;
+    for (int64_t e : chosen) {
+      routing->push_back(static_cast<int32_t>(e));
+      ++count[static_cast<size_t>(e)];
     }
     double* yt = y + t * d;
     for (int64_t i = 0; i < d; ++i) yt[i] = 0;
@@ -235,7 +219,7 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
     }
     aux += MoeFfn(n.data(), N, D, P.router.data_as<float>(), P.wi.data_as<float>(),
                   P.wo.data_as<float>(), c.moe.num_experts, c.moe.num_experts_per_tok, F,
-                  c.moe.norm_topk_prob, c.moe.load_balance_loss_weight, y.data(), route);
+                  c.moe, c.moe.load_balance_loss_weight, y.data(), route);
     if (P.shared) {
       AddSwiGluMlp(n.data(), N, D, P.shared_wi.data_as<float>(), P.shared_wo.data_as<float>(),
                    c.shared_experts * F, y.data());

@@ -11,6 +11,7 @@
 // comparison tolerance), so the returned `loss` is a smooth function of the
 // inputs and finite differences can check the gradients. Router logits and
 // routing weights are double in both.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -19,6 +20,7 @@
 #include "fp8moe/moe.h"
 #include "kernels/gmm_problem.h"
 #include "moe/reference/moe_reference_quant.h"
+#include "moe/reference/routing_reference.h"
 
 namespace fp8moe::reference {
 namespace {
@@ -84,7 +86,8 @@ Result<Dims> CheckShapes(const MoeConfig& config, const ConstTensorView& x, cons
 struct Routing {
   std::vector<double> probs;     // [T, E] softmax over all E logits (aux)
   std::vector<int64_t> expert;   // [T*k] expert of pair p = t*k + j
-  std::vector<double> softmax;   // [T*k] softmax over the k selected
+  std::vector<double> logits;    // [T, E]
+  std::vector<double> softmax;   // [T*k] softmax over the k selected (sigmoid: their scores)
   std::vector<double> weight;    // [T*k] w[t, j] (norm_topk_prob applied)
   std::vector<int64_t> pair_of;  // [T*k] sorted row i -> its pair
   SortedRows rows;               // expert of each sorted row, group sizes
@@ -96,6 +99,7 @@ Routing Route(const MoeConfig& config, const Dims& dims, const float* x,
   const int64_t t_n = dims.t, e_n = dims.e, k = dims.k;
   Routing r;
   r.probs.resize(Idx(t_n * e_n));
+  r.logits.resize(Idx(t_n * e_n));
   r.expert.resize(Idx(t_n * k));
   r.softmax.resize(Idx(t_n * k));
   r.weight.resize(Idx(t_n * k));
@@ -116,37 +120,14 @@ Routing Route(const MoeConfig& config, const Dims& dims, const float* x,
       sum += r.probs[Idx(t * e_n + e)];
     }
     for (int64_t e = 0; e < e_n; ++e) r.probs[Idx(t * e_n + e)] /= sum;
-    // Slot j takes the j-th largest logit; the strict > keeps the lower
-    // expert index on a tie.
-    std::vector<bool> taken(Idx(e_n), false);
+    // The choice and the weights: routing_reference.h.
+    const TokenRoute route = RouteToken(config, logits.data(), nullptr, e_n);
     for (int64_t j = 0; j < k; ++j) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < e_n; ++e) {
-        if (taken[Idx(e)]) continue;
-        if (best < 0 || logits[Idx(e)] > logits[Idx(best)]) best = e;
-      }
-      taken[Idx(best)] = true;
-      r.expert[Idx(t * k + j)] = best;
+      r.expert[Idx(t * k + j)] = route.expert[Idx(j)];
+      r.softmax[Idx(t * k + j)] = route.score[Idx(j)];
+      r.weight[Idx(t * k + j)] = route.weight[Idx(j)];
     }
-    // Softmax over the k selected (slot 0 holds their max), then
-    // norm_topk_prob's division by their sum.
-    const double top = logits[Idx(r.expert[Idx(t * k)])];
-    double ssum = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t p = t * k + j;
-      r.softmax[Idx(p)] = std::exp(logits[Idx(r.expert[Idx(p)])] - top);
-      ssum += r.softmax[Idx(p)];
-    }
-    double wsum = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-      r.softmax[Idx(t * k + j)] /= ssum;
-      wsum += r.softmax[Idx(t * k + j)];
-    }
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t p = t * k + j;
-      r.weight[Idx(p)] =
-          config.norm_topk_prob ? r.softmax[Idx(p)] / wsum : r.softmax[Idx(p)];
-    }
+    std::copy(logits.begin(), logits.end(), r.logits.begin() + t * e_n);
   }
   // Pairs sorted stably by expert: expert by expert, pairs in index order.
   r.rows.m = t_n * k;
@@ -189,26 +170,15 @@ std::vector<double> LogitGradients(const MoeConfig& config, const Dims& dims,
   const int64_t e_n = dims.e, k = dims.k;
   std::vector<double> dlogits(Idx(dims.t * e_n), 0.0);
   const std::vector<double> frac = RoutedFractions(dims, r);
-  std::vector<double> ds(Idx(k));
   for (int64_t t = 0; t < dims.t; ++t) {
-    const double* s = &r.softmax[Idx(t * k)];
-    const double* g = &dw[Idx(t * k)];
-    // Through norm_topk_prob: u = s / S with S = sum s, so
-    // ds_j = (g_j - sum_i g_i u_i) / S.
-    for (int64_t j = 0; j < k; ++j) ds[Idx(j)] = g[j];
-    if (config.norm_topk_prob) {
-      double sum = 0.0, gu = 0.0;
-      for (int64_t j = 0; j < k; ++j) sum += s[j];
-      for (int64_t j = 0; j < k; ++j) gu += g[j] * s[j] / sum;
-      for (int64_t j = 0; j < k; ++j) ds[Idx(j)] = (g[j] - gu) / sum;
-    }
-    // Softmax over the selected: dl_j = s_j (ds_j - sum_i s_i ds_i).
-    double sds = 0.0;
-    for (int64_t j = 0; j < k; ++j) sds += s[j] * ds[Idx(j)];
+    TokenRoute route;
     for (int64_t j = 0; j < k; ++j) {
-      dlogits[Idx(t * e_n + r.expert[Idx(t * k + j)])] +=
-          s[j] * (ds[Idx(j)] - sds);
+      route.expert.push_back(r.expert[Idx(t * k + j)]);
+      route.score.push_back(r.softmax[Idx(t * k + j)]);
+      route.weight.push_back(r.weight[Idx(t * k + j)]);
     }
+    RouteTokenBackward(config, &r.logits[Idx(t * e_n)], route, &dw[Idx(t * k)],
+                       &dlogits[Idx(t * e_n)]);
     // aux = lbw * E * sum_e f_e * mean_t P[t, e] with f constant:
     // daux/dlogits[t, e] = lbw * E / T * P[t, e] (f_e - sum_e' f_e' P[t, e']).
     const double* p = &r.probs[Idx(t * e_n)];
