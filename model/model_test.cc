@@ -15,13 +15,16 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "fp8moe/flag_table.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/model.h"
+#include "model/architecture_test_util.h"
 #include "moe/moe_test_util.h"
 
 namespace fp8moe {
 namespace {
 
+// E = 4 unless moe_flags sets num_experts.
 ModelConfig Tiny(std::vector<std::string> moe_flags = {"dtype=float32"}) {
   ModelConfig c;
   c.vocab_size = 13;
@@ -32,7 +35,7 @@ ModelConfig Tiny(std::vector<std::string> moe_flags = {"dtype=float32"}) {
   c.mlp_dim = 6;
   c.seq_len = 5;
   c.batch = 2;
-  moe_flags.push_back("num_experts=4");
+  moe_flags.insert(moe_flags.begin(), "num_experts=4");
   moe_flags.push_back("load_balance_loss_weight=0.1");
   auto cfg = LoadConfig(MoeConfigSchema(), "", moe_flags);
   EXPECT_TRUE(cfg.ok());
@@ -224,6 +227,34 @@ TEST(Model, DenseLayerGradientsMatchFiniteDifferences) {
   }
 }
 
+// One step of c from InitParams(seed) into NaN-poisoned gradients: a finite
+// loss and finite, non-zero gradients of every tensor (a gradient the
+// backward does not write stays NaN).
+void ExpectAFiniteStepWritingEveryGradient(const ModelConfig& c, uint64_t seed) {
+  auto params = AllocateParams(c);
+  auto grads = AllocateParams(c);
+  ASSERT_TRUE(params.ok() && grads.ok());
+  ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+  const Tokens tok(c, seed + 1);
+  Context ctx;
+  Model model(c);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+  // NaN-poisoned: a gradient the backward does not write stays NaN.
+  for (auto& [name, t] : grads->Named()) {
+    std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), NAN);
+  }
+  ModelStepInfo info;
+  Status s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(std::isfinite(info.loss));
+  for (const auto& [name, t] : grads->Named()) {
+    double sum = 0;
+    for (size_t i = 0; i < t->num_elements(); ++i) sum += std::fabs(t->data_as<float>()[i]);
+    EXPECT_TRUE(std::isfinite(sum) && sum > 0) << name << " " << sum;
+  }
+}
+
 // Every QAT mode of the routed experts runs with a dense first layer and
 // shared experts (which stay in dtype): a finite loss and finite, non-zero
 // gradients of the dense MLPs' tensors.
@@ -248,28 +279,7 @@ TEST(Model, EveryRoutedQatModeRunsWithTheFfnVariants) {
     c.first_num_dense_layers = 1;
     c.base_mlp_dim = 12;
     c.shared_experts = 1;
-    auto params = AllocateParams(c);
-    auto grads = AllocateParams(c);
-    ASSERT_TRUE(params.ok() && grads.ok());
-    ASSERT_TRUE(InitParams(c, seed, &*params).ok());
-    const Tokens tok(c, seed + 1);
-    Context ctx;
-    Model model(c);
-    std::vector<PreparedMoeWeights> prepared;
-    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
-    // NaN-poisoned: a gradient the backward does not write stays NaN.
-    for (auto& [name, t] : grads->Named()) {
-      std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), NAN);
-    }
-    ModelStepInfo info;
-    Status s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
-    ASSERT_TRUE(s.ok()) << s.ToString();
-    EXPECT_TRUE(std::isfinite(info.loss));
-    for (const auto& [name, t] : grads->Named()) {
-      double sum = 0;
-      for (size_t i = 0; i < t->num_elements(); ++i) sum += std::fabs(t->data_as<float>()[i]);
-      EXPECT_TRUE(std::isfinite(sum) && sum > 0) << name << " " << sum;
-    }
+    ExpectAFiniteStepWritingEveryGradient(c, seed);
   }
 }
 
@@ -660,6 +670,65 @@ TEST(Model, KvHeadsThatDoNotDivideTheQueryHeadsAreAClearError) {
   EXPECT_NE(s.message().find("base_num_kv_heads=-1 is negative"), std::string::npos)
       << s.message();
   for (int64_t kv : {1, 2, 4}) EXPECT_TRUE(ValidateModelConfig(TinyAttention(4, kv, 4)).ok()) << kv;
+}
+
+// ---- Issue 36's architectures, every knob of each at once ----
+
+// Tiny() with architecture a (model/architecture_test_util.h): its MoE
+// flags after `mode`'s, its model flags over Tiny()'s shape.
+ModelConfig TinyArchitecture(const test::Architecture& a, std::vector<std::string> mode) {
+  mode.insert(mode.end(), a.moe_flags.begin(), a.moe_flags.end());
+  ModelConfig c = Tiny(std::move(mode));
+  auto flags = LoadConfig(ModelConfigFlags().Schema(c), "", a.model_flags);
+  EXPECT_TRUE(flags.ok()) << flags.status().ToString();
+  if (flags.ok()) {
+    const std::vector<std::string> problems = ModelConfigFlags().Read(*flags, &c);
+    EXPECT_TRUE(problems.empty()) << problems[0];
+  }
+  const Status valid = ValidateModelConfig(c);
+  EXPECT_TRUE(valid.ok()) << a.name << ": " << valid.ToString();
+  return c;
+}
+
+// Every parameter of each whole architecture (f32) against central finite
+// differences of the float64 twin, perturbations that flip a top-k or group
+// choice skipped (CheckGradients).
+TEST(Model, EveryArchitectureGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (const test::Architecture& a : test::Architectures()) {
+    SCOPED_TRACE(a.name);
+    const ModelConfig c = TinyArchitecture(a, {"dtype=float32"});
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Every architecture in every QAT mode of the routed experts (test::Modes(),
+// f32 first): a step at the tiny shape writes a finite loss and finite,
+// non-zero gradients of every tensor, and a step at a wider shape has the
+// same loss and gradient bits for 1 and 2 threads.
+TEST(Model, EveryArchitectureRunsEveryQatModeWithTheSameBitsForAnyThreadCount) {
+  FP8MOE_RANDOM_SEED(seed);
+  const int saved = omp_get_max_threads();
+  for (const test::Architecture& a : test::Architectures()) {
+    for (const auto& mode : test::Modes()) {
+      const std::string what = a.name + " " + (mode.empty() ? std::string("bf16") : mode.back());
+      SCOPED_TRACE(what);
+      ModelConfig c = TinyArchitecture(a, mode);
+      ExpectAFiniteStepWritingEveryGradient(c, seed);
+      c.batch = 4;
+      c.seq_len = 24;
+      c.emb_dim = 32;
+      c.mlp_dim = 48;
+      c.base_mlp_dim = 40;
+      const auto one = StepBits(c, 1, seed);
+      double loss = 0;
+      std::memcpy(&loss, one[0].data(), sizeof(loss));
+      EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
+      EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 }  // namespace
