@@ -307,6 +307,21 @@ std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads, ui
   return out;
 }
 
+// c at the wider shape of the thread-count checks (B 4, S 24, D 32, F 48): a
+// finite, positive loss, and the same loss and gradient bits for 1 and 2
+// threads. The caller restores OpenMP's thread count.
+void ExpectTheSameBitsForOneAndTwoThreads(ModelConfig c, uint64_t seed, const std::string& what) {
+  c.batch = 4;
+  c.seq_len = 24;
+  c.emb_dim = 32;
+  c.mlp_dim = 48;
+  const auto one = StepBits(c, 1, seed);
+  double loss = 0;
+  std::memcpy(&loss, one[0].data(), sizeof(loss));
+  EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
+  EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
+}
+
 TEST(Model, BitsDoNotDependOnTheThreadCount) {
   FP8MOE_RANDOM_SEED(seed);
   const int saved = omp_get_max_threads();
@@ -625,18 +640,10 @@ TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCo
       ModelConfig c = TinyAttention(heads, kv, 6, flags);
       c.logits_via_embedding = kv == 1;  // MQA runs with tied logits, GQA with qk norms
       c.use_qk_norm = kv == 2;
-      c.batch = 4;
-      c.seq_len = 24;
-      c.emb_dim = 32;
-      c.mlp_dim = 48;
       const std::string what = (flags.empty() ? std::string("bf16") : flags.back()) + " H " +
                                std::to_string(heads) + " Hkv " + std::to_string(kv) +
                                (c.logits_via_embedding ? " tied" : " qk_norm");
-      const auto one = StepBits(c, 1, seed);
-      double loss = 0;
-      std::memcpy(&loss, one[0].data(), sizeof(loss));
-      EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
-      EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
+      ExpectTheSameBitsForOneAndTwoThreads(c, seed, what);
     }
   }
   omp_set_num_threads(saved);
@@ -714,18 +721,9 @@ TEST(Model, EveryArchitectureRunsEveryQatModeWithTheSameBitsForAnyThreadCount) {
     for (const auto& mode : test::Modes()) {
       const std::string what = a.name + " " + (mode.empty() ? std::string("bf16") : mode.back());
       SCOPED_TRACE(what);
-      ModelConfig c = TinyArchitecture(a, mode);
+      const ModelConfig c = TinyArchitecture(a, mode);
       ExpectAFiniteStepWritingEveryGradient(c, seed);
-      c.batch = 4;
-      c.seq_len = 24;
-      c.emb_dim = 32;
-      c.mlp_dim = 48;
-      c.base_mlp_dim = 40;
-      const auto one = StepBits(c, 1, seed);
-      double loss = 0;
-      std::memcpy(&loss, one[0].data(), sizeof(loss));
-      EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
-      EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
+      ExpectTheSameBitsForOneAndTwoThreads(c, seed, what);
     }
   }
   omp_set_num_threads(saved);
