@@ -135,6 +135,17 @@ void CheckGradients(const ModelConfig& c, uint64_t seed, bool* near_tie) {
   }
 }
 
+// CheckGradients on up to three models drawn from seed, until one has no
+// routing tie within a perturbation (Model.GradientsMatch... says why).
+void CheckGradientsOfADrawWithoutTies(const ModelConfig& c, uint64_t seed) {
+  bool near_tie = true;
+  for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
+    CheckGradients(c, seed + draw * 1000003, &near_tie);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+}
+
 TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
   FP8MOE_RANDOM_SEED(seed);
   // Softmax routing, and DeepSeek-V3's: sigmoid scores, scaled and
@@ -146,35 +157,21 @@ TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
                                  "norm_topk_prob=true", "routed_scaling_factor=2.5",
                                  "n_routing_groups=2", "topk_routing_group=1"}}) {
     SCOPED_TRACE(flags.back());
-    const ModelConfig c = Tiny(flags);
     // About one seed in 5000 puts a routing tie within 1e-5 (measured).
-    bool near_tie = true;
-    for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
-      CheckGradients(c, seed + draw * 1000003, &near_tie);
-      if (HasFatalFailure()) return;
-    }
-    if (near_tie) ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
+    CheckGradientsOfADrawWithoutTies(Tiny(flags), seed);
+    if (HasFatalFailure()) return;
   }
 }
 
 // The FFN variants (shared experts, dense first layers): the same check of
 // every parameter, shared_wi / shared_wo and mlp_wi / mlp_wo included.
-void CheckGradientsOfSomeDraw(const ModelConfig& c, uint64_t seed) {
-  for (uint64_t draw = 0; draw < 3; ++draw) {
-    bool near_tie = false;
-    CheckGradients(c, seed + draw * 1000003, &near_tie);
-    if (::testing::Test::HasFatalFailure() || !near_tie) return;
-  }
-  ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
-}
-
 TEST(Model, SharedExpertGradientsMatchFiniteDifferences) {
   FP8MOE_RANDOM_SEED(seed);
   for (int64_t shared : {1, 2}) {
     ModelConfig c = Tiny();
     c.shared_experts = shared;
     SCOPED_TRACE("shared_experts=" + std::to_string(shared));
-    CheckGradientsOfSomeDraw(c, seed);
+    CheckGradientsOfADrawWithoutTies(c, seed);
     auto params = AllocateParams(c);
     ASSERT_TRUE(params.ok());
     int shared_tensors = 0;
@@ -196,7 +193,7 @@ TEST(Model, DenseLayerGradientsMatchFiniteDifferences) {
     c.base_mlp_dim = 10;
     c.shared_experts = shared;
     SCOPED_TRACE("first_num_dense_layers=1 shared_experts=" + std::to_string(shared));
-    CheckGradientsOfSomeDraw(c, seed);
+    CheckGradientsOfADrawWithoutTies(c, seed);
     auto params = AllocateParams(c);
     ASSERT_TRUE(params.ok());
     std::vector<std::string> layer0;
@@ -507,17 +504,6 @@ ModelConfig TinyAttention(int64_t heads, int64_t kv_heads, int64_t hd,
   c.num_kv_heads = kv_heads;
   c.head_dim = hd;
   return c;
-}
-
-// CheckGradients on up to three models drawn from seed, until one has no
-// routing tie within a perturbation (Model.GradientsMatch... says why).
-void CheckGradientsOfADrawWithoutTies(const ModelConfig& c, uint64_t seed) {
-  bool near_tie = true;
-  for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
-    CheckGradients(c, seed + draw * 1000003, &near_tie);
-    if (::testing::Test::HasFatalFailure()) return;
-  }
-  EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
 }
 
 // Every parameter's gradient, wqkv's q, k and v columns among them, against
