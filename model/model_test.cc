@@ -15,13 +15,16 @@
 #include <gtest/gtest.h>
 
 #include "base/test_seed.h"
+#include "fp8moe/flag_table.h"
 #include "fp8moe/memory.h"
 #include "fp8moe/model.h"
+#include "model/architecture_test_util.h"
 #include "moe/moe_test_util.h"
 
 namespace fp8moe {
 namespace {
 
+// E = 4 unless moe_flags sets num_experts.
 ModelConfig Tiny(std::vector<std::string> moe_flags = {"dtype=float32"}) {
   ModelConfig c;
   c.vocab_size = 13;
@@ -32,7 +35,7 @@ ModelConfig Tiny(std::vector<std::string> moe_flags = {"dtype=float32"}) {
   c.mlp_dim = 6;
   c.seq_len = 5;
   c.batch = 2;
-  moe_flags.push_back("num_experts=4");
+  moe_flags.insert(moe_flags.begin(), "num_experts=4");
   moe_flags.push_back("load_balance_loss_weight=0.1");
   auto cfg = LoadConfig(MoeConfigSchema(), "", moe_flags);
   EXPECT_TRUE(cfg.ok());
@@ -132,6 +135,17 @@ void CheckGradients(const ModelConfig& c, uint64_t seed, bool* near_tie) {
   }
 }
 
+// CheckGradients on up to three models drawn from seed, until one has no
+// routing tie within a perturbation (Model.GradientsMatch... says why).
+void CheckGradientsOfADrawWithoutTies(const ModelConfig& c, uint64_t seed) {
+  bool near_tie = true;
+  for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
+    CheckGradients(c, seed + draw * 1000003, &near_tie);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
+}
+
 TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
   FP8MOE_RANDOM_SEED(seed);
   // Softmax routing, and DeepSeek-V3's: sigmoid scores, scaled and
@@ -143,35 +157,21 @@ TEST(Model, GradientsMatchFiniteDifferencesOfTheFloat64Reference) {
                                  "norm_topk_prob=true", "routed_scaling_factor=2.5",
                                  "n_routing_groups=2", "topk_routing_group=1"}}) {
     SCOPED_TRACE(flags.back());
-    const ModelConfig c = Tiny(flags);
     // About one seed in 5000 puts a routing tie within 1e-5 (measured).
-    bool near_tie = true;
-    for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
-      CheckGradients(c, seed + draw * 1000003, &near_tie);
-      if (HasFatalFailure()) return;
-    }
-    if (near_tie) ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
+    CheckGradientsOfADrawWithoutTies(Tiny(flags), seed);
+    if (HasFatalFailure()) return;
   }
 }
 
 // The FFN variants (shared experts, dense first layers): the same check of
 // every parameter, shared_wi / shared_wo and mlp_wi / mlp_wo included.
-void CheckGradientsOfSomeDraw(const ModelConfig& c, uint64_t seed) {
-  for (uint64_t draw = 0; draw < 3; ++draw) {
-    bool near_tie = false;
-    CheckGradients(c, seed + draw * 1000003, &near_tie);
-    if (::testing::Test::HasFatalFailure() || !near_tie) return;
-  }
-  ADD_FAILURE() << "three models in a row had a routing tie within 1e-5";
-}
-
 TEST(Model, SharedExpertGradientsMatchFiniteDifferences) {
   FP8MOE_RANDOM_SEED(seed);
   for (int64_t shared : {1, 2}) {
     ModelConfig c = Tiny();
     c.shared_experts = shared;
     SCOPED_TRACE("shared_experts=" + std::to_string(shared));
-    CheckGradientsOfSomeDraw(c, seed);
+    CheckGradientsOfADrawWithoutTies(c, seed);
     auto params = AllocateParams(c);
     ASSERT_TRUE(params.ok());
     int shared_tensors = 0;
@@ -193,7 +193,7 @@ TEST(Model, DenseLayerGradientsMatchFiniteDifferences) {
     c.base_mlp_dim = 10;
     c.shared_experts = shared;
     SCOPED_TRACE("first_num_dense_layers=1 shared_experts=" + std::to_string(shared));
-    CheckGradientsOfSomeDraw(c, seed);
+    CheckGradientsOfADrawWithoutTies(c, seed);
     auto params = AllocateParams(c);
     ASSERT_TRUE(params.ok());
     std::vector<std::string> layer0;
@@ -224,6 +224,34 @@ TEST(Model, DenseLayerGradientsMatchFiniteDifferences) {
   }
 }
 
+// One step of c from InitParams(seed) into NaN-poisoned gradients: a finite
+// loss and finite, non-zero gradients of every tensor (a gradient the
+// backward does not write stays NaN).
+void ExpectAFiniteStepWritingEveryGradient(const ModelConfig& c, uint64_t seed) {
+  auto params = AllocateParams(c);
+  auto grads = AllocateParams(c);
+  ASSERT_TRUE(params.ok() && grads.ok());
+  ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+  const Tokens tok(c, seed + 1);
+  Context ctx;
+  Model model(c);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+  // NaN-poisoned: a gradient the backward does not write stays NaN.
+  for (auto& [name, t] : grads->Named()) {
+    std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), NAN);
+  }
+  ModelStepInfo info;
+  Status s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(std::isfinite(info.loss));
+  for (const auto& [name, t] : grads->Named()) {
+    double sum = 0;
+    for (size_t i = 0; i < t->num_elements(); ++i) sum += std::fabs(t->data_as<float>()[i]);
+    EXPECT_TRUE(std::isfinite(sum) && sum > 0) << name << " " << sum;
+  }
+}
+
 // Every QAT mode of the routed experts runs with a dense first layer and
 // shared experts (which stay in dtype): a finite loss and finite, non-zero
 // gradients of the dense MLPs' tensors.
@@ -248,28 +276,7 @@ TEST(Model, EveryRoutedQatModeRunsWithTheFfnVariants) {
     c.first_num_dense_layers = 1;
     c.base_mlp_dim = 12;
     c.shared_experts = 1;
-    auto params = AllocateParams(c);
-    auto grads = AllocateParams(c);
-    ASSERT_TRUE(params.ok() && grads.ok());
-    ASSERT_TRUE(InitParams(c, seed, &*params).ok());
-    const Tokens tok(c, seed + 1);
-    Context ctx;
-    Model model(c);
-    std::vector<PreparedMoeWeights> prepared;
-    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
-    // NaN-poisoned: a gradient the backward does not write stays NaN.
-    for (auto& [name, t] : grads->Named()) {
-      std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), NAN);
-    }
-    ModelStepInfo info;
-    Status s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
-    ASSERT_TRUE(s.ok()) << s.ToString();
-    EXPECT_TRUE(std::isfinite(info.loss));
-    for (const auto& [name, t] : grads->Named()) {
-      double sum = 0;
-      for (size_t i = 0; i < t->num_elements(); ++i) sum += std::fabs(t->data_as<float>()[i]);
-      EXPECT_TRUE(std::isfinite(sum) && sum > 0) << name << " " << sum;
-    }
+    ExpectAFiniteStepWritingEveryGradient(c, seed);
   }
 }
 
@@ -295,6 +302,21 @@ std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads, ui
     out.emplace_back(b, b + t->num_bytes());
   }
   return out;
+}
+
+// c at the wider shape of the thread-count checks (B 4, S 24, D 32, F 48): a
+// finite, positive loss, and the same loss and gradient bits for 1 and 2
+// threads. The caller restores OpenMP's thread count.
+void ExpectTheSameBitsForOneAndTwoThreads(ModelConfig c, uint64_t seed, const std::string& what) {
+  c.batch = 4;
+  c.seq_len = 24;
+  c.emb_dim = 32;
+  c.mlp_dim = 48;
+  const auto one = StepBits(c, 1, seed);
+  double loss = 0;
+  std::memcpy(&loss, one[0].data(), sizeof(loss));
+  EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
+  EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
 }
 
 TEST(Model, BitsDoNotDependOnTheThreadCount) {
@@ -484,17 +506,6 @@ ModelConfig TinyAttention(int64_t heads, int64_t kv_heads, int64_t hd,
   return c;
 }
 
-// CheckGradients on up to three models drawn from seed, until one has no
-// routing tie within a perturbation (Model.GradientsMatch... says why).
-void CheckGradientsOfADrawWithoutTies(const ModelConfig& c, uint64_t seed) {
-  bool near_tie = true;
-  for (uint64_t draw = 0; draw < 3 && near_tie; ++draw) {
-    CheckGradients(c, seed + draw * 1000003, &near_tie);
-    if (::testing::Test::HasFatalFailure()) return;
-  }
-  EXPECT_FALSE(near_tie) << "three models in a row had a routing tie within 1e-5";
-}
-
 // Every parameter's gradient, wqkv's q, k and v columns among them, against
 // finite differences of the float64 twin: grouped-query (4 query heads on 2
 // kv heads, hd 6: H hd = 24 over D = 8) and multi-query (3 on 1, hd 4).
@@ -615,18 +626,10 @@ TEST(Model, GroupedQueryAttentionRunsInEveryQatModeWithTheSameBitsForAnyThreadCo
       ModelConfig c = TinyAttention(heads, kv, 6, flags);
       c.logits_via_embedding = kv == 1;  // MQA runs with tied logits, GQA with qk norms
       c.use_qk_norm = kv == 2;
-      c.batch = 4;
-      c.seq_len = 24;
-      c.emb_dim = 32;
-      c.mlp_dim = 48;
       const std::string what = (flags.empty() ? std::string("bf16") : flags.back()) + " H " +
                                std::to_string(heads) + " Hkv " + std::to_string(kv) +
                                (c.logits_via_embedding ? " tied" : " qk_norm");
-      const auto one = StepBits(c, 1, seed);
-      double loss = 0;
-      std::memcpy(&loss, one[0].data(), sizeof(loss));
-      EXPECT_TRUE(std::isfinite(loss) && loss > 0) << what << ": loss " << loss;
-      EXPECT_TRUE(one == StepBits(c, 2, seed)) << what;
+      ExpectTheSameBitsForOneAndTwoThreads(c, seed, what);
     }
   }
   omp_set_num_threads(saved);
@@ -660,6 +663,56 @@ TEST(Model, KvHeadsThatDoNotDivideTheQueryHeadsAreAClearError) {
   EXPECT_NE(s.message().find("base_num_kv_heads=-1 is negative"), std::string::npos)
       << s.message();
   for (int64_t kv : {1, 2, 4}) EXPECT_TRUE(ValidateModelConfig(TinyAttention(4, kv, 4)).ok()) << kv;
+}
+
+// ---- Issue 36's architectures, every knob of each at once ----
+
+// Tiny() with architecture a (model/architecture_test_util.h): its MoE
+// flags after `mode`'s, its model flags over Tiny()'s shape.
+ModelConfig TinyArchitecture(const test::Architecture& a, std::vector<std::string> mode) {
+  mode.insert(mode.end(), a.moe_flags.begin(), a.moe_flags.end());
+  ModelConfig c = Tiny(std::move(mode));
+  auto flags = LoadConfig(ModelConfigFlags().Schema(c), "", a.model_flags);
+  EXPECT_TRUE(flags.ok()) << flags.status().ToString();
+  if (flags.ok()) {
+    const std::vector<std::string> problems = ModelConfigFlags().Read(*flags, &c);
+    EXPECT_TRUE(problems.empty()) << problems[0];
+  }
+  const Status valid = ValidateModelConfig(c);
+  EXPECT_TRUE(valid.ok()) << a.name << ": " << valid.ToString();
+  return c;
+}
+
+// Every parameter of each whole architecture (f32) against central finite
+// differences of the float64 twin, perturbations that flip a top-k or group
+// choice skipped (CheckGradients).
+TEST(Model, EveryArchitectureGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (const test::Architecture& a : test::Architectures()) {
+    SCOPED_TRACE(a.name);
+    const ModelConfig c = TinyArchitecture(a, {"dtype=float32"});
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Every architecture in every QAT mode of the routed experts
+// (test::EveryQatMode(), f32 first): a step at the tiny shape writes a finite
+// loss and finite, non-zero gradients of every tensor, and a step at a wider
+// shape has the same loss and gradient bits for 1 and 2 threads.
+TEST(Model, EveryArchitectureRunsEveryQatModeWithTheSameBitsForAnyThreadCount) {
+  FP8MOE_RANDOM_SEED(seed);
+  const int saved = omp_get_max_threads();
+  for (const test::Architecture& a : test::Architectures()) {
+    for (const auto& mode : test::EveryQatMode()) {
+      const std::string what = a.name + " " + (mode.empty() ? std::string("bf16") : mode.back());
+      SCOPED_TRACE(what);
+      const ModelConfig c = TinyArchitecture(a, mode);
+      ExpectAFiniteStepWritingEveryGradient(c, seed);
+      ExpectTheSameBitsForOneAndTwoThreads(c, seed, what);
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 }  // namespace

@@ -129,15 +129,7 @@ TEST(MoeLayerReference, RoutingFunctionsMatchInF32AndEveryQatMode) {
       {"routed_score_func=sigmoid", "norm_topk_prob=true", "n_routing_groups=2",
        "topk_routing_group=1"},
       {"norm_topk_prob=true", "routed_scaling_factor=0.5"}};
-  // test::Modes() (f32, bf16, fake QAT, native fwd + dLHS, fp8_full, int8)
-  // and the modes it leaves out.
-  std::vector<std::vector<std::string>> modes = test::Modes();
-  modes.push_back({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
-                   "fp8_moe_native_fwd=true"});
-  modes.push_back({"quantization=fp8_full", "use_qwix_quantization=true",
-                   "bwd_quantization_dtype=e4m3", "moe_bwd_inkernel_quant=true"});
-  modes.push_back({"quantization=fp8"});
-  modes.push_back({"quantization=nanoo_fp8"});
+  const std::vector<std::vector<std::string>> modes = test::EveryQatMode();
   for (const std::vector<std::string>& routing : routings) {
     std::vector<std::string> f32 = routing;
     f32.push_back("dtype=float32");

@@ -64,6 +64,19 @@ inline const std::vector<std::vector<std::string>>& Modes() {
   return modes;
 }
 
+// Modes() and the modes it leaves out (native fwd alone, fp8_full with e4m3
+// gradients quantized in the kernel, fp8, nanoo_fp8): every routed QAT mode.
+inline std::vector<std::vector<std::string>> EveryQatMode() {
+  std::vector<std::vector<std::string>> modes = Modes();
+  modes.push_back({"fp8_moe_fake_quant=true", "fp8_fake_quant_hoist=gather8",
+                   "fp8_moe_native_fwd=true"});
+  modes.push_back({"quantization=fp8_full", "use_qwix_quantization=true",
+                   "bwd_quantization_dtype=e4m3", "moe_bwd_inkernel_quant=true"});
+  modes.push_back({"quantization=fp8"});
+  modes.push_back({"quantization=nanoo_fp8"});
+  return modes;
+}
+
 }  // namespace fp8moe::test
 
 #endif  // FP8MOE_MOE_MOE_TEST_UTIL_H_

@@ -25,6 +25,7 @@
 #include "fp8moe/dist.h"
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
+#include "model/architecture_test_util.h"
 #include "train/checkpoint.h"
 
 namespace fp8moe {
@@ -315,30 +316,43 @@ TEST(TrainDist, ExpertParallelLossesMatchOneRank) {
   }
 }
 
-// The FFN variants (a dense first layer, shared experts on the MoE layer):
-// their tensors are dense parameters under FSDP and outside the expert ring,
-// so f32 runs on FSDP ranks and on an expert ring match one rank within 1e-5.
-TEST(TrainDist, FfnVariantsMatchOneRank) {
-  const auto flags = With(With(Tiny("ffn", 20), kF32),
-                          {"base_num_decoder_layers=3", "first_num_dense_layers=1",
-                           "base_mlp_dim=24", "shared_experts=1"});
+// f32 `flags` against one rank: on 2 ranks under FSDP, on a ring of 2
+// expert ranks, and on 4 (F = 2 x P = 2; P = 4), 20 steps within 1e-5
+// relative of one rank's losses (step 1 within 1e-6: the same weights), the
+// gradient norms within 1e-4; and one rank's loss fell. `what` names the run.
+void ExpectF32RanksMatchOneRank(const std::string& what, const std::vector<std::string>& flags) {
   RunResult one = RunRanks(1, flags, true);
   ASSERT_TRUE(one.status.ok()) << one.status.ToString();
   ASSERT_EQ(one.losses.size(), 20u);
-  for (const std::vector<std::string>& layout :
-       {std::vector<std::string>{"ici_fsdp_parallelism=2", "ici_expert_parallelism=1"},
-        std::vector<std::string>{"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}}) {
+  EXPECT_LT(one.losses.back(), one.losses.front());
+  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
+      {2, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=1"}},
+      {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
+      {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}},
+      {4, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=4"}}};
+  for (const auto& [ranks, layout] : layouts) {
     SCOPED_TRACE(layout[0] + " " + layout[1]);
-    RunResult n = RunRanks(2, With(flags, layout), true);
+    RunResult n = RunRanks(ranks, With(flags, layout), true);
     ASSERT_TRUE(n.status.ok()) << n.status.ToString();
     ASSERT_EQ(n.losses.size(), 20u);
     const double rel = MaxRelative(n.losses, one.losses);
-    std::printf("ffn variants %s %s: max relative loss difference over 20 steps %.3g\n",
-                layout[0].c_str(), layout[1].c_str(), rel);
+    std::printf("%s f32 %s %s: %d ranks vs 1, max relative loss difference over 20 steps %.3g\n",
+                what.c_str(), layout[0].c_str(), layout[1].c_str(), ranks, rel);
     EXPECT_LT(rel, 1e-5);
+    EXPECT_NEAR(n.losses[0], one.losses[0], 1e-6 * one.losses[0]);
     EXPECT_LT(MaxRelative(n.grad_norms, one.grad_norms), 1e-4);
   }
-  EXPECT_LT(one.losses.back(), one.losses.front());
+}
+
+// The FFN variants (a dense first layer, shared experts on the MoE layer):
+// their tensors are dense parameters under FSDP and outside the expert ring,
+// so f32 runs on FSDP ranks, on expert rings and on both match one rank
+// within 1e-5.
+TEST(TrainDist, FfnVariantsMatchOneRank) {
+  ExpectF32RanksMatchOneRank("ffn variants",
+                             With(With(Tiny("ffn", 20), kF32),
+                                  {"base_num_decoder_layers=3", "first_num_dense_layers=1",
+                                   "base_mlp_dim=24", "shared_experts=1"}));
 }
 
 // num_moe_token_chunks: the layer's tokens in chunks, on one rank and on
@@ -742,26 +756,23 @@ TEST(TrainDist, ResumingWithAnotherGlobalBatchSaysSo) {
 // and tied logits): wqkv [D, (H + 2 Hkv) hd], q_norm, k_norm and the tied
 // embedding are dense
 // parameters under FSDP, sharded and gathered like the others; on 2 ranks
-// (FSDP, and an expert ring) f32 stays within 1e-5 of one rank over 20 steps.
+// (FSDP, an expert ring) and 4 (both; a ring of 4) f32 stays within 1e-5 of
+// one rank over 20 steps.
 TEST(TrainDist, GroupedQueryAttentionWithTiedLogitsMatchesOneRank) {
-  const auto flags = With(With(Tiny("gqa", 20), kF32),
-                          {"base_num_query_heads=4", "base_num_kv_heads=1", "head_dim=6",
-                           "logits_via_embedding=true", "use_qk_norm=true"});
-  RunResult one = RunRanks(1, flags, true);
-  ASSERT_TRUE(one.status.ok()) << one.status.ToString();
-  ASSERT_EQ(one.losses.size(), 20u);
-  for (const std::vector<std::string>& layout :
-       {std::vector<std::string>{}, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}}) {
-    SCOPED_TRACE(layout.empty() ? "fsdp" : "expert ring");
-    RunResult two = RunRanks(2, With(flags, layout), true);
-    ASSERT_TRUE(two.status.ok()) << two.status.ToString();
-    ASSERT_EQ(two.losses.size(), 20u);
-    const double rel = MaxRelative(two.losses, one.losses);
-    std::printf("GQA tied f32 %s: 2 ranks vs 1, max relative loss difference %.3g\n",
-                layout.empty() ? "fsdp" : "expert ring", rel);
-    EXPECT_LT(rel, 1e-5);
-    EXPECT_NEAR(two.losses[0], one.losses[0], 1e-6 * one.losses[0]);
-    EXPECT_LT(one.losses.back(), one.losses.front());
+  ExpectF32RanksMatchOneRank("GQA tied",
+                             With(With(Tiny("gqa", 20), kF32),
+                                  {"base_num_query_heads=4", "base_num_kv_heads=1", "head_dim=6",
+                                   "logits_via_embedding=true", "use_qk_norm=true"}));
+}
+
+// Issue 36's three architectures (model/architecture_test_util.h), every
+// knob of each at once, f32: FSDP, the expert ring and both against one rank
+// (ExpectF32RanksMatchOneRank).
+TEST(TrainDist, EveryArchitectureMatchesOneRank) {
+  for (const test::Architecture& a : test::Architectures()) {
+    SCOPED_TRACE(a.name);
+    ExpectF32RanksMatchOneRank(a.name,
+                               With(With(With(Tiny("arch", 20), kF32), a.model_flags), a.moe_flags));
   }
 }
 
