@@ -144,12 +144,9 @@ int BenchTrain(const BenchOptions& opt, const std::vector<std::string>& keys,
     std::vector<std::string> flags = base;
     flags.insert(flags.begin(), m.flags.begin(), m.flags.end());
     flags.insert(flags.begin(), "run_name=" + Slug(m.name));
-    auto raw = LoadConfig(TrainConfigSchema(), "", flags);
-    if (!raw.ok()) {
-      std::fprintf(stderr, "error: %s\n", raw.status().message().c_str());
-      return 2;
-    }
-    auto cfg = TrainConfigFrom(*raw);
+    // LoadTrainConfig, as `fp8moe train` reads its flags: model_name's
+    // preset under the keys (reading the keys alone ignored it).
+    auto cfg = LoadTrainConfig("", flags);
     if (!cfg.ok()) {
       std::fprintf(stderr, "error: %s: %s\n", m.name, cfg.status().message().c_str());
       return 2;

@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 
 import pytest
+import yaml  # tests/python/requirements.txt pins it
 
 DECODE = dict(e=8, m=64, k=2048, n=4096)  # the `decode` shape of bench/bench_gmm.cc
 PEAK_NAMES = {"f32_fma", "bf16_dot", "int16_pairs", "int16_vnni", "int8_vnni"}
@@ -409,6 +410,22 @@ def test_shape_that_matches_nothing_is_an_error(fp8moe_bin):
 TINY_BENCH_TRAIN = ["steps=2", "base_emb_dim=16", "base_num_decoder_layers=1",
                     "base_moe_mlp_dim=16", "max_target_length=16", "per_device_batch_size=4",
                     "eval_steps=1", "eval_interval=1"]
+
+
+def test_bench_train_runs_the_model_name_preset(fp8moe_bin, tmp_path):
+    """bench train model_name=NAME trains the preset in every mode (it used to read
+    the keys without the preset, so every model_name trained the default model)."""
+    p = subprocess.run([fp8moe_bin, "bench", "train", "model_name=mixtral-small", "steps=2",
+                        "eval_steps=1", "eval_interval=1", "per_device_batch_size=2",
+                        f"base_output_directory={tmp_path}"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    runs = sorted(d for d in tmp_path.iterdir() if d.is_dir())
+    assert len(runs) == 6, runs
+    for run in runs:
+        config = yaml.safe_load(json.loads((run / "summary.json").read_text())["config"])
+        assert config["model_name"] == "mixtral-small"
+        assert config["base_num_kv_heads"] == 2 and config["num_experts"] == 8, run
 
 
 def test_bench_train_never_deletes_a_directory_it_did_not_make(fp8moe_bin, tmp_path):
