@@ -282,7 +282,9 @@ std::string ValueToYaml(const FlagValue& value) {
   return YamlString(std::get<std::string>(value));
 }
 
-Result<std::string> ReadFile(const std::string& path) {
+}  // namespace
+
+Result<std::string> ReadConfigFile(const std::string& path) {
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
   if (!std::filesystem::exists(status)) {
@@ -301,6 +303,8 @@ Result<std::string> ReadFile(const std::string& path) {
   if (in.bad()) return IoError("cannot read config file '" + path + "'");
   return text.str();
 }
+
+namespace {
 
 // Reads the flat key: value file `text` (named `path` in messages) into
 // config: every key must be in the schema, given once, with a flat value.
@@ -479,9 +483,9 @@ std::string Config::ToYaml() const {
 Result<Config> LoadConfig(const ConfigSchema& schema,
                           const std::string& yaml_path,
                           const std::vector<std::string>& overrides) {
-  Config config(schema);
-  FP8MOE_RETURN_IF_ERROR(ApplyConfigFile(schema, yaml_path, overrides, &config));
-  return config;
+  if (yaml_path.empty()) return LoadConfigText(schema, "", "", overrides);
+  FP8MOE_ASSIGN_OR_RETURN(const std::string text, ReadConfigFile(yaml_path));
+  return LoadConfigText(schema, text, yaml_path, overrides);
 }
 
 Result<Config> LoadConfigText(const ConfigSchema& schema, const std::string& yaml_text,
@@ -490,13 +494,6 @@ Result<Config> LoadConfigText(const ConfigSchema& schema, const std::string& yam
   Config config(schema);
   FP8MOE_RETURN_IF_ERROR(ApplyConfigText(schema, yaml_text, source, overrides, &config));
   return config;
-}
-
-Status ApplyConfigFile(const ConfigSchema& schema, const std::string& yaml_path,
-                       const std::vector<std::string>& overrides, Config* config) {
-  if (yaml_path.empty()) return ApplyConfigText(schema, "", "", overrides, config);
-  FP8MOE_ASSIGN_OR_RETURN(const std::string text, ReadFile(yaml_path));
-  return ApplyConfigText(schema, text, yaml_path, overrides, config);
 }
 
 Status ApplyConfigText(const ConfigSchema& schema, const std::string& yaml_text,

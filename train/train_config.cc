@@ -234,7 +234,7 @@ namespace {
 Status CheckPresetKept(const ConfigSchema& schema, const std::string& model,
                        const Config& preset, const Config& user) {
   for (const FlagSpec& f : schema.flags()) {
-    if (f.name == "model_name" || !preset.IsSet(f.name) || !user.IsSet(f.name)) continue;
+    if (!preset.IsSet(f.name) || !user.IsSet(f.name)) continue;
     const std::string mine = user.ValueYaml(f.name), theirs = preset.ValueYaml(f.name);
     if (mine == theirs) continue;
     return InvalidArgument("model_name=" + model + " sets " + f.name + " to " + theirs +
@@ -251,7 +251,12 @@ Status CheckPresetKept(const ConfigSchema& schema, const std::string& model,
 Result<TrainConfig> LoadTrainConfig(const std::string& yaml_path,
                                     const std::vector<std::string>& overrides) {
   const ConfigSchema schema = TrainConfigSchema();
-  FP8MOE_ASSIGN_OR_RETURN(const Config user, LoadConfig(schema, yaml_path, overrides));
+  std::string user_text;  // the config file, read once: model_name may be in it
+  if (!yaml_path.empty()) {
+    FP8MOE_ASSIGN_OR_RETURN(user_text, ReadConfigFile(yaml_path));
+  }
+  FP8MOE_ASSIGN_OR_RETURN(const Config user,
+                          LoadConfigText(schema, user_text, yaml_path, overrides));
   const std::string& model = user.GetString("model_name");
   if (model == internal::kDefaultModelName) return TrainConfigFrom(user);
   FP8MOE_ASSIGN_OR_RETURN(const std::string_view preset_text, internal::ModelPresetYaml(model));
@@ -264,7 +269,7 @@ Result<TrainConfig> LoadTrainConfig(const std::string& yaml_path,
   if (!user.GetBool("override_model_config")) {
     FP8MOE_RETURN_IF_ERROR(CheckPresetKept(schema, model, c, user));
   }
-  FP8MOE_RETURN_IF_ERROR(ApplyConfigFile(schema, yaml_path, overrides, &c));
+  FP8MOE_RETURN_IF_ERROR(ApplyConfigText(schema, user_text, yaml_path, overrides, &c));
   return TrainConfigFrom(c);
 }
 

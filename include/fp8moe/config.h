@@ -129,9 +129,9 @@ Status ApplyConfigText(const ConfigSchema& schema, const std::string& yaml_text,
                        const std::string& source, const std::vector<std::string>& overrides,
                        Config* config);
 
-// ApplyConfigText with the YAML read from `yaml_path` (none when empty).
-Status ApplyConfigFile(const ConfigSchema& schema, const std::string& yaml_path,
-                       const std::vector<std::string>& overrides, Config* config);
+// The text of the config file at `path` (what LoadConfig reads), or an error
+// naming the path: missing, a directory, unreadable.
+Result<std::string> ReadConfigFile(const std::string& path);
 
 // Splits `arg` at its first '=' into *key and *value ("a=b=c" gives "a" and
 // "b=c"; "a=" gives an empty value). Fails if there is no '=' or the key is
