@@ -74,8 +74,6 @@ TEST(ModelPresets, APresetFlagChangesOnlyWithOverrideModelConfig) {
     const std::string key = PresetKeys(name).front();
     auto preset = LoadTrainConfig("", {"model_name=" + name});
     ASSERT_TRUE(preset.ok()) << preset.status().ToString();
-    auto base = LoadConfig(TrainConfigSchema(), "", {"model_name=" + name});
-    ASSERT_TRUE(base.ok());
     // Every preset's first key is a positive integer flag of the model's shape.
     auto yaml = TrainConfigYaml(*preset);
     ASSERT_TRUE(yaml.ok());
