@@ -72,6 +72,32 @@ std::string Quote(const std::string& s) {
 
 }  // namespace
 
+// routed_bias: each expert's router_bias over the steps (the log steps'
+// "router_bias" lines) of the first MoE layer of `run`, as the load panel
+// shows the first MoE layer; the data file goes to `tmp`. Returns gnuplot's
+// plot list, a curve per expert, or "" for a run without the bias.
+std::string RouterBiasPlot(const Run& run, const fs::path& tmp) {
+  std::ofstream bias(tmp / "bias");
+  size_t experts = 0;
+  for (const json& j : run.steps) {
+    if (!j.contains("router_bias")) continue;
+    for (const json& layer : j["router_bias"]) {
+      if (layer.empty()) continue;  // a dense layer has none
+      experts = layer.size();
+      bias << j["step"].get<int64_t>();
+      for (const json& v : layer) bias << " " << v.get<double>();
+      bias << "\n";
+      break;
+    }
+  }
+  std::string plot;
+  for (size_t e = 0; e < experts; ++e) {
+    plot += std::string(plot.empty() ? "" : ", ") + Quote((tmp / "bias").string()) + " using 1:" +
+            std::to_string(e + 2) + " with lines title 'expert " + std::to_string(e) + "'";
+  }
+  return plot;
+}
+
 int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) {
   std::vector<Run> runs(dirs.size());
   for (size_t i = 0; i < dirs.size(); ++i) {
@@ -185,10 +211,12 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
       }
     }
   }
+  const std::string bias_plot = RouterBiasPlot(runs[0], tmp);  // routed_bias runs: a 5th panel
   std::ostringstream gp;
   // pngcairo: the libgd png terminal draws every dash type solid.
-  gp << "set terminal pngcairo size 1600,1100 noenhanced\nset output " << Quote(out) << "\n"
-     << "set multiplot layout 2,2 title " << Quote("fp8moe report: " + runs[0].name +
+  gp << "set terminal pngcairo size 1600," << (bias_plot.empty() ? "1100" : "1650")
+     << " noenhanced\nset output " << Quote(out) << "\n"
+     << "set multiplot layout " << (bias_plot.empty() ? "2" : "3") << ",2 title " << Quote("fp8moe report: " + runs[0].name +
                                                     (runs.size() > 1 ? " and " + std::to_string(runs.size() - 1) + " more" : ""))
      << "\nset grid\nset key top right font ',9'\nset xlabel 'step'\n"
      // A log axis spanning less than a decade gets one labelled tick by
@@ -204,7 +232,12 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
      << "set title " << Quote("FP8 health of " + runs[health_run].name + " (solid: saturated, dashed: flushed to zero)")
      << "\n" << (health_plot.empty() ? "set label 1 'no quantized tensors' at graph 0.4,0.5\nplot 0 notitle"
                                      : "plot " + health_plot)
-     << "\nunset multiplot\n";
+     << "\n";
+  if (!bias_plot.empty()) {
+    gp << "unset label 1\nset title " << Quote("router bias (routed_bias), first MoE layer of " + runs[0].name)
+       << "\nplot " << bias_plot << "\n";
+  }
+  gp << "unset multiplot\n";
   const fs::path script = tmp / "report.gp";
   std::ofstream(script) << gp.str();
   const std::string cmd = "gnuplot " + Quote(script.string()) + " 2>" + Quote((tmp / "gnuplot.err").string());

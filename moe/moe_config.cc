@@ -245,8 +245,8 @@ FlagTable<MoeConfig> MakeMoeFlags() {
   t.Section("Auxiliary-loss-free balancing (DeepSeek-V3)");
   t.Bool("routed_bias", &C::routed_bias,
          "Auxiliary-loss-free balancing (DeepSeek-V3; needs routed_score_func=sigmoid): a "
-         "per-expert bias added to the scores for the top-k and group choice only. Not "
-         "implemented yet: true is refused.");
+         "per-expert bias [E] per MoE layer (state, starting at 0) added to the scores for "
+         "the top-k and group choice only, never to the weights.");
   t.Float("routed_bias_update_rate", &C::routed_bias_update_rate,
           "With routed_bias: after each step every bias moves by this rate x sign(mean load - "
           "its expert's load) over the global batch; 0 (the default) keeps it fixed.");
@@ -377,17 +377,10 @@ void CheckRoutedBias(const MoeConfig& c, std::vector<std::string>* out) {
                    " is set but routed_bias=false, so there is no bias to update; set "
                    "routed_bias=true or drop routed_bias_update_rate");
   }
-  if (!c.routed_bias) return;
-  if (c.routed_score_func != RoutedScoreFunc::kSigmoid) {
+  if (c.routed_bias && c.routed_score_func != RoutedScoreFunc::kSigmoid) {
     out->push_back("routed_bias=true biases the sigmoid scores, but routed_score_func is "
                    "softmax; set routed_score_func=sigmoid or routed_bias=false");
   }
-  // Refused rather than ignored: without the per-layer bias tensor, its
-  // update after each step and its checkpointing, the flag would change
-  // nothing (issue 36).
-  out->push_back("routed_bias=true is not implemented yet (the per-layer bias state, its "
-                 "update after each step and its checkpointing are missing); set "
-                 "routed_bias=false");
 }
 
 void CheckDispatch(const MoeConfig& c, std::vector<std::string>* out) {

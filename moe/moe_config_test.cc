@@ -572,12 +572,10 @@ TEST(MoeConfigRulesTest, RoutedBias) {
   const std::string softmax = Problem({"routed_bias=true"});
   EXPECT_CONTAINS(softmax, "routed_bias=true biases the sigmoid scores");
   EXPECT_CONTAINS(softmax, "set routed_score_func=sigmoid or routed_bias=false");
-  // Until its state lands the flag is refused, never silently ignored.
-  const std::string sigmoid = Problem({"routed_score_func=sigmoid", "routed_bias=true",
-                                       "routed_bias_update_rate=0.001"});
-  EXPECT_CONTAINS(sigmoid, "routed_bias=true is not implemented yet");
-  EXPECT_EQ(sigmoid.find("softmax"), std::string::npos) << sigmoid;
-  EXPECT_EQ(sigmoid.find("is set but routed_bias=false"), std::string::npos) << sigmoid;
+  // With sigmoid scores the pair is accepted, with or without a rate.
+  EXPECT_TRUE(Load({"routed_score_func=sigmoid", "routed_bias=true",
+                    "routed_bias_update_rate=0.001"}).ok());
+  EXPECT_TRUE(Load({"routed_score_func=sigmoid", "routed_bias=true"}).ok());
 }
 
 TEST(MoeConfigRulesTest, EveryProblemIsReportedAtOnce) {

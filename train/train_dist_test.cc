@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "fp8moe/communicator.h"
 #include "fp8moe/dist.h"
@@ -773,6 +774,49 @@ TEST(TrainDist, EveryArchitectureMatchesOneRank) {
     SCOPED_TRACE(a.name);
     ExpectF32RanksMatchOneRank(a.name,
                                With(With(With(Tiny("arch", 20), kF32), a.model_flags), a.moe_flags));
+  }
+}
+
+// The "router_bias" [L][E] of every metrics.jsonl line of a run (log_period=1:
+// every step), as the bits of the floats written.
+std::vector<std::vector<std::vector<float>>> RouterBiasPerStep(const std::string& run_dir) {
+  std::ifstream m(run_dir + "/metrics.jsonl");
+  std::vector<std::vector<std::vector<float>>> out;
+  std::string line;
+  while (std::getline(m, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("router_bias")) return {};
+    out.push_back(j["router_bias"].get<std::vector<std::vector<float>>>());
+  }
+  return out;
+}
+
+// routed_bias: the bias is replicated state that every rank moves by the
+// global batch's loads (summed over the ranks), so after every step of 6 it
+// has the bits of one rank's, under FSDP, on a ring of 2 expert ranks and on
+// both (f32; the loads are integers, the same on any layout while the
+// choices are).
+TEST(TrainDist, RoutedBiasHasTheBitsOfOneRank) {
+  const auto flags = With(With(Tiny("bias", 6), kF32),
+                          {"routed_score_func=sigmoid", "routed_bias=true",
+                           "routed_bias_update_rate=0.01", "log_period=1",
+                           "load_balance_loss_weight=0"});
+  RunResult one = RunRanks(1, flags, true);
+  ASSERT_TRUE(one.status.ok()) << one.status.ToString();
+  const auto want = RouterBiasPerStep(one.summary.run_dir);
+  ASSERT_EQ(want.size(), 6u);
+  double moved = 0;
+  for (float b : want.back()[1]) moved += std::fabs(b);
+  EXPECT_GT(moved, 0);
+  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
+      {2, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=1"}},
+      {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
+      {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}}};
+  for (const auto& [ranks, layout] : layouts) {
+    SCOPED_TRACE(layout[0] + " " + layout[1]);
+    RunResult n = RunRanks(ranks, With(flags, layout), true);
+    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
+    EXPECT_EQ(RouterBiasPerStep(n.summary.run_dir), want);
   }
 }
 

@@ -152,9 +152,8 @@ struct MoeConfig {
   int64_t topk_routing_group = -1;
   // DeepSeek-V3's auxiliary-loss-free balancing (MaxText's names and
   // defaults): a per-expert bias on the sigmoid scores for the choice only,
-  // moved after each step by routed_bias_update_rate x sign(mean load - load).
-  // The flags are read and checked; the bias's state is not implemented yet,
-  // so routed_bias=true is refused (ValidateMoeConfig) rather than ignored.
+  // moved after each optimizer step by routed_bias_update_rate x
+  // sign(mean load - load) (ModelParams' router_bias, UpdateRoutedBias).
   bool routed_bias = false;
   double routed_bias_update_rate = 0.0;
 };
