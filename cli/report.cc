@@ -72,27 +72,28 @@ std::string Quote(const std::string& s) {
 
 }  // namespace
 
-// routed_bias: each expert's router_bias over the steps (the log steps'
-// "router_bias" lines) of the first MoE layer of `run`, as the load panel
-// shows the first MoE layer; the data file goes to `tmp`. Returns gnuplot's
-// plot list, a curve per expert, or "" for a run without the bias.
-std::string RouterBiasPlot(const Run& run, const fs::path& tmp) {
-  std::ofstream bias(tmp / "bias");
+// A curve per expert of `key` ("expert_load", or routed_bias's
+// "router_bias") of the first MoE layer of `run` over its steps (a dense
+// layer, first_num_dense_layers, logs an empty list; a step without `key` is
+// left out), its data written to `file`. Returns gnuplot's plot list, or ""
+// when no step has it.
+std::string FirstMoeLayerPlot(const Run& run, const char* key, const fs::path& file) {
+  std::ofstream data(file);
   size_t experts = 0;
   for (const json& j : run.steps) {
-    if (!j.contains("router_bias")) continue;
-    for (const json& layer : j["router_bias"]) {
-      if (layer.empty()) continue;  // a dense layer has none
+    if (!j.contains(key)) continue;
+    for (const json& layer : j[key]) {
+      if (layer.empty()) continue;
       experts = layer.size();
-      bias << j["step"].get<int64_t>();
-      for (const json& v : layer) bias << " " << v.get<double>();
-      bias << "\n";
+      data << j["step"].get<int64_t>();
+      for (const json& v : layer) data << " " << v.get<double>();
+      data << "\n";
       break;
     }
   }
   std::string plot;
   for (size_t e = 0; e < experts; ++e) {
-    plot += std::string(plot.empty() ? "" : ", ") + Quote((tmp / "bias").string()) + " using 1:" +
+    plot += std::string(plot.empty() ? "" : ", ") + Quote(file.string()) + " using 1:" +
             std::to_string(e + 2) + " with lines title 'expert " + std::to_string(e) + "'";
   }
   return plot;
@@ -152,33 +153,8 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
   if (runs[0].floor) {
     loss_plot += ", " + std::to_string(*runs[0].floor) + " with lines dt 2 lc rgb 'black' title 'entropy floor'";
   }
-  // Router load of the first MoE layer of the first run (a dense layer,
-  // first_num_dense_layers, logs an empty load).
-  std::string load_plot;
-  {
-    std::ofstream load(tmp / "load");
-    size_t experts = 0;
-    for (const json& j : runs[0].steps) {
-      if (!j.contains("expert_load")) continue;
-      const json* first = nullptr;
-      for (const json& layer : j["expert_load"]) {
-        if (!layer.empty()) {
-          first = &layer;
-          break;
-        }
-      }
-      if (first == nullptr) continue;
-      const json& l0 = *first;
-      experts = l0.size();
-      load << j["step"].get<int64_t>();
-      for (const json& v : l0) load << " " << v.get<double>();
-      load << "\n";
-    }
-    for (size_t e = 0; e < experts; ++e) {
-      load_plot += std::string(load_plot.empty() ? "" : ", ") + Quote((tmp / "load").string()) +
-                   " using 1:" + std::to_string(e + 2) + " with lines title 'expert " + std::to_string(e) + "'";
-    }
-  }
+  // Router load of the first MoE layer of the first run.
+  const std::string load_plot = FirstMoeLayerPlot(runs[0], "expert_load", tmp / "load");
   // FP8 health of the first run that quantizes something: one series per
   // (tensor, saturated|flushed).
   std::string health_plot;
@@ -211,7 +187,8 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
       }
     }
   }
-  const std::string bias_plot = RouterBiasPlot(runs[0], tmp);  // routed_bias runs: a 5th panel
+  // routed_bias runs: a fifth panel, each expert's bias of that layer.
+  const std::string bias_plot = FirstMoeLayerPlot(runs[0], "router_bias", tmp / "bias");
   std::ostringstream gp;
   // pngcairo: the libgd png terminal draws every dash type solid.
   gp << "set terminal pngcairo size 1600," << (bias_plot.empty() ? "1100" : "1650")

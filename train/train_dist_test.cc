@@ -402,6 +402,20 @@ TEST(TrainDist, TokenChunksTrainLikeOneChunk) {
   }
 }
 
+// `flags` on each (ranks, layout): `of` (what a run directory says) equal to
+// `want`, one rank's.
+template <class Of, class Want>
+void ExpectEveryLayoutGives(const std::vector<std::string>& flags,
+                            const std::vector<std::pair<int, std::vector<std::string>>>& layouts,
+                            Of of, const Want& want) {
+  for (const auto& [ranks, layout] : layouts) {
+    SCOPED_TRACE(layout[0] + " " + layout[1]);
+    RunResult n = RunRanks(ranks, With(flags, layout), true);
+    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
+    EXPECT_EQ(of(n.summary.run_dir), want);
+  }
+}
+
 // The "layers.L.wi" / "layers.L.wo" entries of the fp8_health object of the
 // first metrics.jsonl line of a run, as written.
 std::vector<std::string> WeightHealth(const std::string& run_dir) {
@@ -428,16 +442,11 @@ TEST(TrainDist, WeightHealthCoversEveryRingRanksExperts) {
   const std::vector<std::string> want = WeightHealth(one.summary.run_dir);
   ASSERT_EQ(want.size(), 4u);  // 2 layers x wi, wo
   EXPECT_NE(want[0].find("\"values\":"), std::string::npos) << want[0];
-  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
-      {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
-      {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}},
-      {4, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=4"}}};
-  for (const auto& [ranks, layout] : layouts) {
-    SCOPED_TRACE(layout[0] + " " + layout[1]);
-    RunResult n = RunRanks(ranks, With(flags, layout), true);
-    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
-    EXPECT_EQ(WeightHealth(n.summary.run_dir), want);
-  }
+  ExpectEveryLayoutGives(flags,
+                         {{2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
+                          {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}},
+                          {4, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=4"}}},
+                         WeightHealth, want);
 }
 
 // A checkpoint of an expert-parallel run holds whole tensors (every ring
@@ -808,16 +817,11 @@ TEST(TrainDist, RoutedBiasHasTheBitsOfOneRank) {
   double moved = 0;
   for (float b : want.back()[1]) moved += std::fabs(b);
   EXPECT_GT(moved, 0);
-  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
-      {2, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=1"}},
-      {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
-      {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}}};
-  for (const auto& [ranks, layout] : layouts) {
-    SCOPED_TRACE(layout[0] + " " + layout[1]);
-    RunResult n = RunRanks(ranks, With(flags, layout), true);
-    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
-    EXPECT_EQ(RouterBiasPerStep(n.summary.run_dir), want);
-  }
+  ExpectEveryLayoutGives(flags,
+                         {{2, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=1"}},
+                          {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
+                          {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}}},
+                         RouterBiasPerStep, want);
 }
 
 }  // namespace
