@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -822,6 +823,52 @@ TEST(TrainDist, RoutedBiasHasTheBitsOfOneRank) {
                           {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
                           {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}}},
                          RouterBiasPerStep, want);
+}
+
+// routed_bias's checkpointed state resumes on another layout: 4 steps on 2
+// FSDP ranks, then the rest on 3 (resharding leaves the replicated bias
+// whole) and on a ring of 2, each ending with one rank's bias bits in the
+// step-8 checkpoint.
+TEST(TrainDist, ARoutedBiasCheckpointResumesOnOtherLayoutsWithOneRanksBits) {
+  auto flags = With(With(Tiny("bias_whole", 8), kF32),
+                    {"routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.01",
+                     "load_balance_loss_weight=0"});
+  Checkpointed(&flags);
+  RunResult whole = RunRanks(1, flags, true);
+  ASSERT_TRUE(whole.status.ok()) << whole.status.ToString();
+  auto fa = ReadSafetensors(whole.summary.run_dir + "/checkpoints/step_00000008.safetensors");
+  ASSERT_TRUE(fa.ok());
+  for (const std::vector<std::string>& then :
+       {std::vector<std::string>{"ici_fsdp_parallelism=3", "ici_expert_parallelism=1"},
+        std::vector<std::string>{"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}}) {
+    SCOPED_TRACE(then[0] + " " + then[1]);
+    auto pieces = flags;
+    std::replace(pieces.begin(), pieces.end(), std::string("run_name=bias_whole"),
+                 std::string("run_name=bias_pieces"));
+    RunResult first = RunRanks(2, With(pieces, {"ici_fsdp_parallelism=2"}), true,
+                               /*stop_after=*/5);
+    ASSERT_TRUE(first.status.ok()) << first.status.ToString();
+    const int ranks = then[0] == "ici_fsdp_parallelism=3" ? 3 : 2;
+    RunResult rest = RunRanks(ranks, With(pieces, then), false);
+    ASSERT_TRUE(rest.status.ok()) << rest.status.ToString();
+    EXPECT_EQ(rest.summary.resumed_from, 4);
+    auto fb = ReadSafetensors(rest.summary.run_dir + "/checkpoints/step_00000008.safetensors");
+    ASSERT_TRUE(fb.ok());
+    int biases = 0;
+    for (const auto& [name, t] : fa->tensors) {
+      if (!name.ends_with(".router_bias")) continue;
+      ++biases;
+      bool found = false;
+      for (const auto& [other, u] : fb->tensors) {
+        if (other != name) continue;
+        found = true;
+        ASSERT_EQ(t.num_bytes(), u.num_bytes());
+        EXPECT_EQ(0, std::memcmp(t.data(), u.data(), t.num_bytes())) << name;
+      }
+      EXPECT_TRUE(found) << name;
+    }
+    EXPECT_EQ(biases, 2);
+  }
 }
 
 }  // namespace
