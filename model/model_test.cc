@@ -789,6 +789,17 @@ TEST(Model, RoutedBiasIsStateStartingAtZeroLeavingTheOtherInitialWeights) {
     if (IsModelState(names[k + 1].first)) EXPECT_TRUE(names[k].first.ends_with(".router"));
   }
   EXPECT_EQ(ModelParamCount(on), ModelParamCount(off) + 2 * static_cast<uint64_t>(on.moe.num_experts));
+  // A routed_bias model refuses parameters without the bias (it would route
+  // without it, silently).
+  Context ctx;
+  Model model(on);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *a, &prepared).ok());
+  const Tokens tok(on, seed);
+  ModelStepInfo info;
+  const Status s = model.Step(ctx, *a, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info);
+  EXPECT_NE(s.message().find("layer 1 of the parameters has no router_bias"), std::string::npos)
+      << s.ToString();
 }
 
 // The bias moves the choice and never the weights: a bias that is the same
