@@ -72,6 +72,33 @@ std::string Quote(const std::string& s) {
 
 }  // namespace
 
+// A curve per expert of `key` ("expert_load", or routed_bias's
+// "router_bias") of the first MoE layer of `run` over its steps (a dense
+// layer, first_num_dense_layers, logs an empty list; a step without `key` is
+// left out), its data written to `file`. Returns gnuplot's plot list, or ""
+// when no step has it.
+std::string FirstMoeLayerPlot(const Run& run, const char* key, const fs::path& file) {
+  std::ofstream data(file);
+  size_t experts = 0;
+  for (const json& j : run.steps) {
+    if (!j.contains(key)) continue;
+    for (const json& layer : j[key]) {
+      if (layer.empty()) continue;
+      experts = layer.size();
+      data << j["step"].get<int64_t>();
+      for (const json& v : layer) data << " " << v.get<double>();
+      data << "\n";
+      break;
+    }
+  }
+  std::string plot;
+  for (size_t e = 0; e < experts; ++e) {
+    plot += std::string(plot.empty() ? "" : ", ") + Quote(file.string()) + " using 1:" +
+            std::to_string(e + 2) + " with lines title 'expert " + std::to_string(e) + "'";
+  }
+  return plot;
+}
+
 int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) {
   std::vector<Run> runs(dirs.size());
   for (size_t i = 0; i < dirs.size(); ++i) {
@@ -126,33 +153,8 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
   if (runs[0].floor) {
     loss_plot += ", " + std::to_string(*runs[0].floor) + " with lines dt 2 lc rgb 'black' title 'entropy floor'";
   }
-  // Router load of the first MoE layer of the first run (a dense layer,
-  // first_num_dense_layers, logs an empty load).
-  std::string load_plot;
-  {
-    std::ofstream load(tmp / "load");
-    size_t experts = 0;
-    for (const json& j : runs[0].steps) {
-      if (!j.contains("expert_load")) continue;
-      const json* first = nullptr;
-      for (const json& layer : j["expert_load"]) {
-        if (!layer.empty()) {
-          first = &layer;
-          break;
-        }
-      }
-      if (first == nullptr) continue;
-      const json& l0 = *first;
-      experts = l0.size();
-      load << j["step"].get<int64_t>();
-      for (const json& v : l0) load << " " << v.get<double>();
-      load << "\n";
-    }
-    for (size_t e = 0; e < experts; ++e) {
-      load_plot += std::string(load_plot.empty() ? "" : ", ") + Quote((tmp / "load").string()) +
-                   " using 1:" + std::to_string(e + 2) + " with lines title 'expert " + std::to_string(e) + "'";
-    }
-  }
+  // Router load of the first MoE layer of the first run.
+  const std::string load_plot = FirstMoeLayerPlot(runs[0], "expert_load", tmp / "load");
   // FP8 health of the first run that quantizes something: one series per
   // (tensor, saturated|flushed).
   std::string health_plot;
@@ -185,10 +187,13 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
       }
     }
   }
+  // routed_bias runs: a fifth panel, each expert's bias of that layer.
+  const std::string bias_plot = FirstMoeLayerPlot(runs[0], "router_bias", tmp / "bias");
   std::ostringstream gp;
   // pngcairo: the libgd png terminal draws every dash type solid.
-  gp << "set terminal pngcairo size 1600,1100 noenhanced\nset output " << Quote(out) << "\n"
-     << "set multiplot layout 2,2 title " << Quote("fp8moe report: " + runs[0].name +
+  gp << "set terminal pngcairo size 1600," << (bias_plot.empty() ? "1100" : "1650")
+     << " noenhanced\nset output " << Quote(out) << "\n"
+     << "set multiplot layout " << (bias_plot.empty() ? "2" : "3") << ",2 title " << Quote("fp8moe report: " + runs[0].name +
                                                     (runs.size() > 1 ? " and " + std::to_string(runs.size() - 1) + " more" : ""))
      << "\nset grid\nset key top right font ',9'\nset xlabel 'step'\n"
      // A log axis spanning less than a decade gets one labelled tick by
@@ -204,7 +209,12 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
      << "set title " << Quote("FP8 health of " + runs[health_run].name + " (solid: saturated, dashed: flushed to zero)")
      << "\n" << (health_plot.empty() ? "set label 1 'no quantized tensors' at graph 0.4,0.5\nplot 0 notitle"
                                      : "plot " + health_plot)
-     << "\nunset multiplot\n";
+     << "\n";
+  if (!bias_plot.empty()) {
+    gp << "unset label 1\nset title " << Quote("router bias (routed_bias), first MoE layer of " + runs[0].name)
+       << "\nplot " << bias_plot << "\n";
+  }
+  gp << "unset multiplot\n";
   const fs::path script = tmp / "report.gp";
   std::ofstream(script) << gp.str();
   const std::string cmd = "gnuplot " + Quote(script.string()) + " 2>" + Quote((tmp / "gnuplot.err").string());

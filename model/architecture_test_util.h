@@ -26,8 +26,9 @@ struct Architecture {
 // independent of D, softmax top-3 of 8 experts renormalised over the 3.
 // DeepSeek-V3 without MLA: sigmoid scores, 4 groups of 2 experts with 2 kept
 // (a group flip changes the experts), top-3 renormalised and scaled by 2.5,
-// one shared expert, a dense first layer, and tied logits (the row that
-// covers logits_via_embedding).
+// one shared expert, a dense first layer, tied logits (the row that
+// covers logits_via_embedding), and routed_bias's choice bias moved by
+// 0.01 a step (a trainer's update; the model reads the bias alone).
 inline const std::vector<Architecture>& Architectures() {
   static const std::vector<Architecture> rows = {
       {"mixtral",
@@ -42,7 +43,7 @@ inline const std::vector<Architecture>& Architectures() {
         "logits_via_embedding=true"},
        {"num_experts=8", "num_experts_per_tok=3", "routed_score_func=sigmoid",
         "n_routing_groups=4", "topk_routing_group=2", "routed_scaling_factor=2.5",
-        "norm_topk_prob=true"}},
+        "norm_topk_prob=true", "routed_bias=true", "routed_bias_update_rate=0.01"}},
   };
   return rows;
 }

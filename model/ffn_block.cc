@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -106,6 +107,15 @@ Status CheckLayer(const ModelConfig& c, int64_t l, const LayerParams& L, const c
         " and shared_experts=" + std::to_string(c.shared_experts) +
         " (mlp_wi [D, 2 base_mlp_dim] and mlp_wo on a dense layer, shared_wi [D, 2 S F] and "
         "shared_wo on an MoE layer, f32); allocate them with AllocateParams of this config");
+  }
+  // routed_bias: the MoE layer reads its router_bias (a missing one would
+  // route without it, silently). The gradients' is never written.
+  if (std::string_view(what) == "parameters" && !dense && c.moe.routed_bias &&
+      (L.router_bias.rank() != 1 || L.router_bias.dim(0) != c.moe.num_experts ||
+       L.router_bias.dtype() != DType::kF32)) {
+    return InvalidArgument("layer " + std::to_string(l) + " of the parameters has no router_bias "
+                           "f32 [num_experts] but routed_bias=true; allocate them with "
+                           "AllocateParams of this config");
   }
   return OkStatus();
 }

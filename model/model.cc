@@ -136,6 +136,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
   if (c.first_num_dense_layers >= c.num_layers) {
     std::string moe_only;
     if (c.shared_experts > 0) moe_only += " shared_experts=" + std::to_string(c.shared_experts);
+    if (c.moe.routed_bias) moe_only += " routed_bias=true";
     const MoeQatMode qat = PlanMoeQuantization(c.moe).mode;
     if (qat != MoeQatMode::kNone) {
       moe_only += std::string(" a QAT mode of the routed experts (") +
@@ -149,7 +150,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
           std::to_string(c.first_num_dense_layers) + " makes every one of the " +
           std::to_string(c.num_layers) + " layers dense, but MoE-only flags are set:" + moe_only +
           "; lower first_num_dense_layers below base_num_decoder_layers, or unset them "
-          "(shared_experts=0, fp8_moe_fake_quant=false fp8_fake_quant_hoist= "
+          "(shared_experts=0, routed_bias=false, fp8_moe_fake_quant=false fp8_fake_quant_hoist= "
           "fp8_moe_native_fwd=false fp8_moe_native_bwd_dlhs=false quantization=)");
     }
   }
@@ -176,6 +177,7 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
       continue;
     }
     out.emplace_back(p + "router", &L.router);
+    if (has_router_bias) out.emplace_back(p + "router_bias", &L.router_bias);
     out.emplace_back(p + "wi", &L.wi);
     out.emplace_back(p + "wo", &L.wo);
     if (L.shared) {
@@ -198,12 +200,27 @@ ModelParams ModelParams::Layout(const ModelConfig& c) {
   ModelParams p;
   p.has_lm_head = !c.logits_via_embedding;
   p.has_qk_norm = c.use_qk_norm;
+  p.has_router_bias = c.moe.routed_bias;
   p.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
   for (size_t l = 0; l < p.layers.size(); ++l) {
     p.layers[l].dense = IsDenseLayer(c, static_cast<int64_t>(l));
     p.layers[l].shared = !p.layers[l].dense && c.shared_experts > 0;
   }
   return p;
+}
+
+bool IsModelState(const std::string& name) { return name.ends_with(".router_bias"); }
+
+void UpdateRoutedBias(const int32_t* load, int64_t experts, double rate, float* bias) {
+  int64_t total = 0;
+  for (int64_t e = 0; e < experts; ++e) total += load[e];
+  const float step = static_cast<float>(rate);
+  for (int64_t e = 0; e < experts; ++e) {
+    // sign(total / E - load_e) = sign(total - E load_e), exact in integers.
+    const int64_t above = total - experts * static_cast<int64_t>(load[e]);
+    const float sign = above > 0 ? 1.0f : (above < 0 ? -1.0f : 0.0f);
+    bias[e] += step * sign;
+  }
 }
 
 uint64_t ModelParamCount(const ModelConfig& c) {
@@ -218,7 +235,9 @@ uint64_t ModelParamCount(const ModelConfig& c) {
           Ld = std::min(size(c.first_num_dense_layers), L), Fd = size(c.base_mlp_dim);
   const U qk_norm = c.use_qk_norm ? 2 * size(c.head_dim) : 0;
   const U attention = 2 * D + D * QKV + HD * D + qk_norm;  // with the two norms' gains
-  const U layer = attention + D * E + E * D * 2 * F + E * F * D + D * 2 * SF + SF * D;
+  const U router_bias = c.moe.routed_bias ? E : 0;
+  const U layer =
+      attention + D * E + router_bias + E * D * 2 * F + E * F * D + D * 2 * SF + SF * D;
   const U dense_layer = attention + D * 2 * Fd + Fd * D;
   const U total =
       (c.logits_via_embedding ? 1 : 2) * V * D + D + (L - Ld) * layer + Ld * dense_layer;
@@ -244,6 +263,7 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
     if (leaf == "wo_attn") s = {HD, D};
     if (leaf == "q_norm" || leaf == "k_norm") s = {c.head_dim};
     if (leaf == "router") s = {D, E};
+    if (leaf == "router_bias") s = {E};
     if (leaf == "wi") s = {rows, D, 2 * F};
     if (leaf == "wo") s = {rows, F, D};
     if (leaf == "shared_wi") s = {D, 2 * SF};
@@ -296,7 +316,9 @@ Status InitParams(const ModelConfig& c, uint64_t seed,
   for (size_t k = 0; k < shapes.size(); ++k) {
     const auto& [name, shape] = shapes[k];
     const size_t n = NumElements(shape);
-    if (shape.size() == 1) {  // norm gains
+    if (IsModelState(name)) {  // router_bias starts at 0 and draws nothing
+      std::fill(d, d + n, 0.0f);
+    } else if (shape.size() == 1) {  // norm gains
       std::fill(d, d + n, 1.0f);
     } else {
       // fan_in: the contraction dim (rows of [K, N]; K of [E, K, N]).
@@ -423,7 +445,9 @@ Status NeedExperts(const ModelParams& p, const std::string& what, const std::str
 }
 
 MoeWeights MasterOf(const ModelConfig& c, const LayerParams& L, const Communicator* ring) {
-  return {L.router.view(), ExpertRows(c, L.wi, false, ring), ExpertRows(c, L.wo, true, ring)};
+  MoeWeights w{L.router.view(), ExpertRows(c, L.wi, false, ring), ExpertRows(c, L.wo, true, ring)};
+  if (c.moe.routed_bias) w.route_bias = L.router_bias.view();
+  return w;
 }
 
 }  // namespace

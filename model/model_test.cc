@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -56,6 +57,19 @@ struct Tokens {
   }
 };
 
+// routed_bias: every layer's router_bias away from its initial 0 (uniform
+// in [-0.1, 0.1], sigmoid scores being in (0, 1)), so the bias moves some
+// choices; nothing without the flag.
+void SetRouterBias(uint64_t seed, ModelParams* params) {
+  std::mt19937 rng(seed + 17);
+  for (auto& [name, t] : params->Named()) {
+    if (!IsModelState(name)) continue;
+    for (size_t i = 0; i < t->num_elements(); ++i) {
+      t->data_as<float>()[i] = static_cast<float>(rng() % 2001) * 1e-4f - 0.1f;
+    }
+  }
+}
+
 // Checks 8 elements of every parameter tensor's gradient of one step against
 // central finite differences; *near_tie is set when a tensor had fewer than 4
 // elements whose perturbation kept the routing (two router logits of some
@@ -69,11 +83,12 @@ void CheckGradients(const ModelConfig& c, uint64_t seed, bool* near_tie) {
   // Norm gains away from 1, so their gradients are not a special case.
   std::mt19937 rng(seed);
   for (auto& [name, t] : params->Named()) {
-    if (t->rank() != 1) continue;
+    if (t->rank() != 1 || IsModelState(name)) continue;
     for (size_t i = 0; i < t->num_elements(); ++i) {
       t->data_as<float>()[i] = 0.5f + static_cast<float>(rng() % 1000) / 1000.0f;
     }
   }
+  SetRouterBias(seed, &*params);
   auto grads = AllocateParams(c);
   ASSERT_TRUE(grads.ok());
   const Tokens tok(c, seed + 1);
@@ -96,6 +111,7 @@ void CheckGradients(const ModelConfig& c, uint64_t seed, bool* near_tie) {
   // router logits within 1e-4 of a tie.
   int checked = 0, skipped = 0;
   for (size_t p = 0; p < named.size(); ++p) {
+    if (IsModelState(named[p].first)) continue;  // router_bias: state, no gradient
     Tensor* t = named[p].second;
     const Tensor* g = named_grads[p].second;
     double scale = 0;
@@ -232,6 +248,7 @@ void ExpectAFiniteStepWritingEveryGradient(const ModelConfig& c, uint64_t seed) 
   auto grads = AllocateParams(c);
   ASSERT_TRUE(params.ok() && grads.ok());
   ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+  SetRouterBias(seed, &*params);
   const Tokens tok(c, seed + 1);
   Context ctx;
   Model model(c);
@@ -246,6 +263,7 @@ void ExpectAFiniteStepWritingEveryGradient(const ModelConfig& c, uint64_t seed) 
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_TRUE(std::isfinite(info.loss));
   for (const auto& [name, t] : grads->Named()) {
+    if (IsModelState(name)) continue;  // router_bias: never written
     double sum = 0;
     for (size_t i = 0; i < t->num_elements(); ++i) sum += std::fabs(t->data_as<float>()[i]);
     EXPECT_TRUE(std::isfinite(sum) && sum > 0) << name << " " << sum;
@@ -285,6 +303,7 @@ std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads, ui
   auto params = AllocateParams(c);
   auto grads = AllocateParams(c);
   EXPECT_TRUE(InitParams(c, seed, &*params).ok());
+  SetRouterBias(seed, &*params);
   const Tokens tok(c, seed + 1);
   ContextOptions o;
   o.threads = threads;
@@ -298,6 +317,7 @@ std::vector<std::vector<uint8_t>> StepBits(const ModelConfig& c, int threads, ui
   std::vector<std::vector<uint8_t>> out;
   out.emplace_back(reinterpret_cast<uint8_t*>(&info.loss), reinterpret_cast<uint8_t*>(&info.loss) + 8);
   for (auto& [name, t] : grads->Named()) {
+    if (IsModelState(name)) continue;  // router_bias: never written
     const auto* b = static_cast<const uint8_t*>(t->data());
     out.emplace_back(b, b + t->num_bytes());
   }
@@ -420,6 +440,10 @@ TEST(Model, InitParamsStreamsTheSameBitsTensorByTensor) {
   CheckInitStreams(c);
   c.first_num_dense_layers = 1;
   c.base_mlp_dim = 5;
+  CheckInitStreams(c);
+  c.num_layers = 3;
+  c.moe.routed_score_func = RoutedScoreFunc::kSigmoid;
+  c.moe.routed_bias = true;
   CheckInitStreams(c);
 }
 
@@ -713,6 +737,156 @@ TEST(Model, EveryArchitectureRunsEveryQatModeWithTheSameBitsForAnyThreadCount) {
     }
   }
   omp_set_num_threads(saved);
+}
+
+// ---- routed_bias (DeepSeek-V3's auxiliary-loss-free balancing) ----
+
+// A tiny sigmoid-scored model of 3 layers, the first dense; with `bias` the
+// routed_bias state.
+ModelConfig TinyWithRouterBias(bool bias) {
+  ModelConfig c = Tiny({"dtype=float32", "routed_score_func=sigmoid"});
+  c.num_layers = 3;
+  c.first_num_dense_layers = 1;
+  c.base_mlp_dim = 6;
+  c.moe.routed_bias = bias;
+  EXPECT_TRUE(ValidateModelConfig(c).ok());
+  return c;
+}
+
+// The bias exists only with the flag and only on the MoE layers, right after
+// their router, shaped [E] and counted; it starts at 0 and draws nothing,
+// so every other tensor starts with the bits of the model without it.
+TEST(Model, RoutedBiasIsStateStartingAtZeroLeavingTheOtherInitialWeights) {
+  FP8MOE_RANDOM_SEED(seed);
+  const ModelConfig off = TinyWithRouterBias(false), on = TinyWithRouterBias(true);
+  auto a = AllocateParams(off);
+  auto b = AllocateParams(on);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(InitParams(off, seed, &*a).ok());
+  ASSERT_TRUE(InitParams(on, seed, &*b).ok());
+  const auto na = a->Named();
+  std::vector<std::string> added;
+  size_t i = 0;
+  for (const auto& [name, t] : b->Named()) {
+    if (IsModelState(name)) {
+      added.push_back(name);
+      EXPECT_EQ(t->shape(), Shape{off.moe.num_experts}) << name;
+      for (size_t e = 0; e < t->num_elements(); ++e) {
+        EXPECT_EQ(t->data_as<float>()[e], 0.0f) << name;
+      }
+      continue;
+    }
+    ASSERT_LT(i, na.size());
+    const auto& [name0, t0] = na[i++];
+    EXPECT_EQ(name0, name);
+    ASSERT_EQ(t0->num_bytes(), t->num_bytes()) << name;
+    EXPECT_EQ(std::memcmp(t0->data(), t->data(), t->num_bytes()), 0) << name;
+  }
+  EXPECT_EQ(i, na.size());
+  EXPECT_EQ(added, (std::vector<std::string>{"layers.1.router_bias", "layers.2.router_bias"}));
+  const auto names = ParamShapes(on);
+  for (size_t k = 0; k + 1 < names.size(); ++k) {
+    if (IsModelState(names[k + 1].first)) EXPECT_TRUE(names[k].first.ends_with(".router"));
+  }
+  EXPECT_EQ(ModelParamCount(on), ModelParamCount(off) + 2 * static_cast<uint64_t>(on.moe.num_experts));
+  // A routed_bias model refuses parameters without the bias (it would route
+  // without it, silently).
+  Context ctx;
+  Model model(on);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *a, &prepared).ok());
+  const Tokens tok(on, seed);
+  ModelStepInfo info;
+  const Status s = model.Step(ctx, *a, prepared, tok.in.data(), tok.tgt.data(), nullptr, &info);
+  EXPECT_NE(s.message().find("layer 1 of the parameters has no router_bias"), std::string::npos)
+      << s.ToString();
+}
+
+// The bias moves the choice and never the weights: a bias that is the same
+// for every expert changes no bit of the loss; one that lifts expert 0 above
+// every score routes every token of every MoE layer to it (the sigmoid
+// scores are in (0, 1)); and with a random bias the model matches its float64
+// twin.
+TEST(Model, RoutedBiasMovesTheChoiceNotTheWeightsAndMatchesTheTwin) {
+  FP8MOE_RANDOM_SEED(seed);
+  const ModelConfig c = TinyWithRouterBias(true);
+  const int64_t E = c.moe.num_experts, T = c.batch * c.seq_len;
+  auto params = AllocateParams(c);
+  ASSERT_TRUE(params.ok());
+  ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+  const Tokens tok(c, seed + 1);
+  auto step = [&](ModelStepInfo* info) {
+    Context ctx;
+    Model model(c);
+    std::vector<PreparedMoeWeights> prepared;
+    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+    Status s = model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), nullptr, info);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  };
+  auto set_bias = [&](const std::function<float(int64_t)>& value) {
+    for (auto& [name, t] : params->Named()) {
+      if (!IsModelState(name)) continue;
+      for (int64_t e = 0; e < E; ++e) t->data_as<float>()[e] = value(e);
+    }
+  };
+  ModelStepInfo zero, flat, lifted, drawn;
+  step(&zero);
+  set_bias([](int64_t) { return 0.25f; });
+  step(&flat);
+  EXPECT_EQ(zero.loss, flat.loss);
+  EXPECT_EQ(zero.expert_load, flat.expert_load);
+  set_bias([](int64_t e) { return e == 0 ? 1.0f : 0.0f; });
+  step(&lifted);
+  for (int64_t l = 1; l < c.num_layers; ++l) {
+    EXPECT_EQ(lifted.expert_load[static_cast<size_t>(l)][0], T) << "layer " << l;
+  }
+  EXPECT_NE(lifted.loss, zero.loss);
+  SetRouterBias(seed, &*params);
+  step(&drawn);
+  auto ref = reference::ModelLoss(c, *params, tok.in.data(), tok.tgt.data());
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_NEAR(drawn.loss + drawn.aux_loss, *ref, 1e-5 * std::fabs(*ref));
+  // The twin reads the bias too: with it lifted the twin's loss is the
+  // lifted model's.
+  set_bias([](int64_t e) { return e == 0 ? 1.0f : 0.0f; });
+  auto lifted_ref = reference::ModelLoss(c, *params, tok.in.data(), tok.tgt.data());
+  ASSERT_TRUE(lifted_ref.ok());
+  EXPECT_NEAR(lifted.loss + lifted.aux_loss, *lifted_ref, 1e-5 * std::fabs(*lifted_ref));
+}
+
+// Every other parameter's gradient against finite differences of the twin
+// with a nonzero bias (it has no gradient: it is state).
+TEST(Model, RoutedBiasGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  CheckGradientsOfADrawWithoutTies(TinyWithRouterBias(true), seed);
+}
+
+// MaxText's rule (layers/moe.py calculate_load_balance_updates):
+// bias += rate x sign(sum / E - load), the sign of 0 being 0.
+TEST(Model, UpdateRoutedBiasFollowsMaxTextsRule) {
+  std::vector<float> bias = {0.5f, -0.25f, 0.0f, 1.0f};
+  const std::vector<int32_t> load = {3, 5, 4, 4};  // mean 4: two experts at it
+  UpdateRoutedBias(load.data(), 4, 0.125, bias.data());
+  EXPECT_EQ(bias, (std::vector<float>{0.625f, -0.375f, 0.0f, 1.0f}));
+  // A mean between integers: nobody sits on it.
+  std::vector<float> two = {0.0f, 0.0f, 0.0f};
+  const std::vector<int32_t> odd = {1, 2, 0};  // mean 1
+  UpdateRoutedBias(odd.data(), 3, 0.5, two.data());
+  EXPECT_EQ(two, (std::vector<float>{0.0f, -0.5f, 0.5f}));
+  const std::vector<int32_t> halves = {1, 2};  // mean 1.5
+  std::vector<float> h = {0.0f, 0.0f};
+  UpdateRoutedBias(halves.data(), 2, 1e-3, h.data());
+  EXPECT_EQ(h, (std::vector<float>{1e-3f, -1e-3f}));
+  // No tokens (every load 0 = the mean), or a rate of 0: nothing moves.
+  const std::vector<int32_t> none = {0, 0};
+  UpdateRoutedBias(none.data(), 2, 1.0, h.data());
+  UpdateRoutedBias(halves.data(), 2, 0.0, h.data());
+  EXPECT_EQ(h, (std::vector<float>{1e-3f, -1e-3f}));
+  // Loads whose E x load_e passes 2^31 are compared exactly.
+  const std::vector<int32_t> big = {2147483647, 2147483646, 2147483647, 2147483646};
+  std::vector<float> b4(4, 0.0f);
+  UpdateRoutedBias(big.data(), 4, 1.0, b4.data());
+  EXPECT_EQ(b4, (std::vector<float>{-1.0f, 1.0f, -1.0f, 1.0f}));
 }
 
 }  // namespace

@@ -63,7 +63,7 @@ Status PrepareChunk(Context& ctx, const MoeConfig& cfg, const State& s, int64_t 
   cs.P = s.P;
   cs.ring_index = s.ring_index;
   return Route(ctx, s.logits.data_as<float>() + r.begin * s.E, cs.T, s.E, s.k,
-               ScoringOf(cfg), &cs.routing);
+               ScoringOf(cfg, s.route_bias), &cs.routing);
 }
 
 }  // namespace

@@ -242,6 +242,14 @@ FlagTable<MoeConfig> MakeMoeFlags() {
   t.Int("topk_routing_group", &C::topk_routing_group,
         "Groups each token keeps, 1 to n_routing_groups, holding at least "
         "num_experts_per_tok experts; -1 with n_routing_groups=-1.");
+  t.Section("Auxiliary-loss-free balancing (DeepSeek-V3)");
+  t.Bool("routed_bias", &C::routed_bias,
+         "Auxiliary-loss-free balancing (DeepSeek-V3; needs routed_score_func=sigmoid): a "
+         "per-expert bias [E] per MoE layer (state, starting at 0) added to the scores for "
+         "the top-k and group choice only, never to the weights.");
+  t.Float("routed_bias_update_rate", &C::routed_bias_update_rate,
+          "With routed_bias: after each step every bias moves by this rate x sign(mean load - "
+          "its expert's load) over the global batch; 0 (the default) keeps it fixed.");
   return t;
 }
 
@@ -353,6 +361,25 @@ void CheckRoutingFunctions(const MoeConfig& c, std::vector<std::string>* out) {
                    Num(g) + ") is less than num_experts_per_tok=" +
                    Num(c.num_experts_per_tok) +
                    "; raise topk_routing_group or lower num_experts_per_tok");
+  }
+}
+
+// routed_bias and its update rate (MaxText: both off by default, enabled as
+// a pair).
+void CheckRoutedBias(const MoeConfig& c, std::vector<std::string>* out) {
+  const double rate = c.routed_bias_update_rate;
+  if (!std::isfinite(rate) || rate < 0) {
+    out->push_back("routed_bias_update_rate=" + Num(rate) +
+                   " must be a finite number >= 0; set routed_bias_update_rate=0.001 "
+                   "(DeepSeek-V3) or 0 (the bias stays fixed)");
+  } else if (rate != 0 && !c.routed_bias) {
+    out->push_back("routed_bias_update_rate=" + Num(rate) +
+                   " is set but routed_bias=false, so there is no bias to update; set "
+                   "routed_bias=true or drop routed_bias_update_rate");
+  }
+  if (c.routed_bias && c.routed_score_func != RoutedScoreFunc::kSigmoid) {
+    out->push_back("routed_bias=true biases the sigmoid scores, but routed_score_func is "
+                   "softmax; set routed_score_func=sigmoid or routed_bias=false");
   }
 }
 
@@ -638,6 +665,7 @@ Status ValidateMoeConfig(const MoeConfig& config) {
   std::vector<std::string> problems;
   CheckShape(config, &problems);
   CheckRoutingFunctions(config, &problems);
+  CheckRoutedBias(config, &problems);
   CheckDispatch(config, &problems);
   CheckQuantization(config, &problems);
   CheckQat(config, &problems);

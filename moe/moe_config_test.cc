@@ -123,6 +123,8 @@ TEST(MoeConfigSchemaTest, HasEveryFlagWithDocAndChoices) {
       "routed_scaling_factor",
       "n_routing_groups",
       "topk_routing_group",
+      "routed_bias",
+      "routed_bias_update_rate",
   };
   expected.insert(expected.end(), kTileNames.begin(), kTileNames.end());
   EXPECT_EQ(schema.flags().size(), expected.size());
@@ -546,6 +548,34 @@ TEST(MoeConfigRulesTest, RoutingFunctions) {
                   "topk_routing_group=-1 is outside [1, 4]");
   EXPECT_CONTAINS(Problem({"topk_routing_group=2"}),
                   "topk_routing_group=2 without n_routing_groups");
+}
+
+TEST(MoeConfigRulesTest, RoutedBias) {
+  // MaxText's defaults: both off.
+  const MoeConfig defaults;
+  EXPECT_FALSE(defaults.routed_bias);
+  EXPECT_EQ(defaults.routed_bias_update_rate, 0.0);
+  EXPECT_TRUE(Load({"routed_bias=false", "routed_bias_update_rate=0"}).ok());
+  // A rate without the bias names both flags and the fix.
+  const std::string rate = Problem({"routed_bias_update_rate=0.001"});
+  EXPECT_CONTAINS(rate, "routed_bias_update_rate=0.001 is set but routed_bias=false");
+  EXPECT_CONTAINS(rate, "set routed_bias=true or drop routed_bias_update_rate");
+  EXPECT_CONTAINS(Problem({"routed_bias_update_rate=-0.001"}),
+                  "routed_bias_update_rate=-0.001 must be a finite number >= 0");
+  for (const double bad : {std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN()}) {
+    MoeConfig c;
+    c.routed_bias_update_rate = bad;
+    EXPECT_CONTAINS(ValidateMoeConfig(c).message(), "must be a finite number >= 0") << bad;
+  }
+  // The bias is of sigmoid scores (the route op refuses it with softmax).
+  const std::string softmax = Problem({"routed_bias=true"});
+  EXPECT_CONTAINS(softmax, "routed_bias=true biases the sigmoid scores");
+  EXPECT_CONTAINS(softmax, "set routed_score_func=sigmoid or routed_bias=false");
+  // With sigmoid scores the pair is accepted, with or without a rate.
+  EXPECT_TRUE(Load({"routed_score_func=sigmoid", "routed_bias=true",
+                    "routed_bias_update_rate=0.001"}).ok());
+  EXPECT_TRUE(Load({"routed_score_func=sigmoid", "routed_bias=true"}).ok());
 }
 
 TEST(MoeConfigRulesTest, EveryProblemIsReportedAtOnce) {

@@ -68,6 +68,15 @@ Status CheckShapes(const MoeConfig& cfg, const ConstTensorView& x, const MoeWeig
                               "wi must be F32 [E, D, 2F] = [" + std::to_string(El) + ", " +
                                   std::to_string(D) + ", 2F] (the experts this rank holds); got " +
                                   ShapeToString(w.wi.shape)));
+  if (w.route_bias.data != nullptr || !w.route_bias.shape.empty()) {
+    FP8MOE_RETURN_IF_ERROR(Need(
+        w.route_bias.data != nullptr && f32(w.route_bias) && w.route_bias.shape == Shape{E},
+        "route_bias must be F32 [E] = [" + std::to_string(E) + "]; got " +
+            ShapeToString(w.route_bias.shape)));
+    FP8MOE_RETURN_IF_ERROR(Need(cfg.routed_score_func == RoutedScoreFunc::kSigmoid,
+                                "a route_bias (routed_bias) biases the sigmoid scores; set "
+                                "routed_score_func=sigmoid"));
+  }
   const int64_t F = w.wi.shape[2] / 2;
   FP8MOE_RETURN_IF_ERROR(Need(w.wo.rank() == 3 && f32(w.wo) && w.wo.shape == Shape{El, F, D},
                               "wo must be F32 [E, F, D] = " + ShapeToString({El, F, D}) +
@@ -172,6 +181,7 @@ Status MoeForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x, 
   s.ring = options.ranks.expert_ring;
   s.P = s.ring != nullptr ? s.ring->size() : 1;
   s.ring_index = s.ring != nullptr ? s.ring->rank() : 0;
+  s.route_bias = w.route_bias.data != nullptr ? w.route_bias.as<float>() : nullptr;
   MoeStepInfo out;
   if (cfg.num_moe_token_chunks > 1) {
     FP8MOE_RETURN_IF_ERROR(

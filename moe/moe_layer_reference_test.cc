@@ -60,6 +60,7 @@ void CheckAgainstReference(const ModeCase& c, unsigned seed, int64_t t, int64_t 
   SCOPED_TRACE(name.empty() ? "bf16" : name);
   const MoeConfig cfg = MakeConfig(flags);
   LayerInputs in(seed, t, d, f, 4);
+  if (cfg.routed_bias) in.SetBias(seed);
   auto fwd = MoeForward(cfg, in.x.view(), in.weights());
   ASSERT_TRUE(fwd.ok()) << fwd.status().ToString();
   auto grads = MoeBackward(cfg, in.x.view(), in.weights(), *fwd, in.dy.view());
@@ -128,7 +129,10 @@ TEST(MoeLayerReference, RoutingFunctionsMatchInF32AndEveryQatMode) {
       {"routed_score_func=sigmoid", "norm_topk_prob=true", "routed_scaling_factor=2.5"},
       {"routed_score_func=sigmoid", "norm_topk_prob=true", "n_routing_groups=2",
        "topk_routing_group=1"},
-      {"norm_topk_prob=true", "routed_scaling_factor=0.5"}};
+      {"norm_topk_prob=true", "routed_scaling_factor=0.5"},
+      // routed_bias: a random choice bias (with groups).
+      {"routed_score_func=sigmoid", "routed_bias=true", "n_routing_groups=2",
+       "topk_routing_group=1"}};
   const std::vector<std::vector<std::string>> modes = test::EveryQatMode();
   for (const std::vector<std::string>& routing : routings) {
     std::vector<std::string> f32 = routing;
@@ -140,6 +144,35 @@ TEST(MoeLayerReference, RoutingFunctionsMatchInF32AndEveryQatMode) {
       CheckAgainstReference({flags, 1e-2, 2e-2}, 17, 60, 48, 40);
     }
   }
+  // The token chunks route each chunk's rows with the same bias (f32: the
+  // reference has no chunks, and a QAT mode's chunks change its scaling
+  // groups).
+  CheckAgainstReference({{"routed_score_func=sigmoid", "routed_bias=true", "norm_topk_prob=true",
+                          "num_moe_token_chunks=3", "dtype=float32"},
+                         1e-5, 1e-5},
+                        5, 33, 24, 20);
+}
+
+// MoeWeights::route_bias must be F32 [E] and needs sigmoid scores: a clear
+// error naming it before any work, from the layer and from the reference.
+TEST(MoeLayerReference, ARouteBiasOfTheWrongShapeOrWithSoftmaxIsAClearError) {
+  LayerInputs in(3, 9, 8, 6, 4);
+  std::mt19937 rng(1);
+  in.bias = LayerInputs::Random(rng, {3}, 0.1f);
+  const MoeConfig sigmoid = MakeConfig({"dtype=float32", "num_experts=4",
+                                        "routed_score_func=sigmoid", "routed_bias=true"});
+  auto fwd = MoeForward(sigmoid, in.x.view(), in.weights());
+  ASSERT_FALSE(fwd.ok());
+  EXPECT_NE(fwd.status().message().find("route_bias must be F32 [E] = [4]; got [3]"),
+            std::string::npos)
+      << fwd.status().message();
+  EXPECT_FALSE(reference::MoeLayer(sigmoid, in.x.view(), in.weights(), nullptr).ok());
+  in.SetBias(3);
+  EXPECT_TRUE(MoeForward(sigmoid, in.x.view(), in.weights()).ok());
+  fwd = MoeForward(MakeConfig({"dtype=float32", "num_experts=4"}), in.x.view(), in.weights());
+  ASSERT_FALSE(fwd.ok());
+  EXPECT_NE(fwd.status().message().find("set routed_score_func=sigmoid"), std::string::npos)
+      << fwd.status().message();
 }
 
 // Gradients of the fast layer (f32 mode) against central differences of the

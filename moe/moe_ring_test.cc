@@ -4,6 +4,7 @@
 // the single-rank layer gives it, and their weight gradients must be the
 // single-rank ones' slices. Also the collective overflow decision of the
 // ragged buffer and the errors.
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -66,6 +67,9 @@ void ExpectRingsMatchTheSingleRank(const std::vector<std::string>& routing) {
   for (int P : {2, 4}) {
     for (int k : {2, 3}) {
       LayerInputs in(71 + P + k, 24 * P, 32, 16, 8);
+      if (std::find(routing.begin(), routing.end(), "routed_bias=true") != routing.end()) {
+        in.SetBias(71 + P + k);
+      }
       for (const std::vector<std::string>& mode : Modes()) {
         std::vector<std::string> flags = mode;
         flags.insert(flags.end(), routing.begin(), routing.end());
@@ -95,6 +99,14 @@ TEST(MoeRing, RoutingFunctionsMatchTheSingleRankLayerInEveryMode) {
   ExpectRingsMatchTheSingleRank({"routed_score_func=sigmoid", "norm_topk_prob=true",
                                  "routed_scaling_factor=2.5", "n_routing_groups=4",
                                  "topk_routing_group=2"});
+}
+
+// routed_bias on the ring: every rank routes its tokens with the same choice
+// bias [E] (MoeWeights::route_bias), so the ring matches the single-rank layer
+// as for the other routing functions.
+TEST(MoeRing, RoutedBiasMatchesTheSingleRankLayerInEveryMode) {
+  ExpectRingsMatchTheSingleRank({"routed_score_func=sigmoid", "routed_bias=true",
+                                 "n_routing_groups=4", "topk_routing_group=2"});
 }
 
 // The static buffer is ragged_buffer_factor x T*k rows on every rank. When

@@ -77,7 +77,9 @@ inline Status RunRing(int P, const MoeConfig& cfg, const LayerInputs& in, Out* o
     o.ranks.batch = &comm;
     const int64_t e_first = El <= 0 ? 0 : r * El;
     const ConstTensorView wi = Rows(in.wi, e_first, El), wo = Rows(in.wo, e_first, El);
-    const MoeWeights w{in.router.view(), wi, wo};
+    MoeWeights w = in.weights();
+    w.wi = wi;
+    w.wo = wo;
     PreparedMoeWeights p;
     MoeWorkspace ws;
     MoeStepInfo info;

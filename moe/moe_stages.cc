@@ -261,7 +261,7 @@ Status RouteForward(Context& ctx, const MoeConfig& cfg, const ConstTensorView& x
     FP8MOE_RETURN_IF_ERROR(CtxGmm(ctx, o, x, r3, nullptr, one, logits));
   }
   FP8MOE_RETURN_IF_ERROR(
-      Route(ctx, logits.as<float>(), s.T, s.E, s.k, ScoringOf(cfg), &s.routing));
+      Route(ctx, logits.as<float>(), s.T, s.E, s.k, ScoringOf(cfg, s.route_bias), &s.routing));
   // The load-balancing fractions: of this batch, or of the whole batch it
   // is a part of (FSDP and expert-ring ranks).
   Communicator* batch = options.ranks.batch;

@@ -16,6 +16,7 @@ namespace fp8moe::test {
 // normal with scales that keep the layer's values O(1).
 struct LayerInputs {
   Tensor x, dy, router, wi, wo;
+  Tensor bias;  // routed_bias's choice bias [E]; none unless a test sets it
   LayerInputs(unsigned seed, int64_t t, int64_t d, int64_t f, int64_t e) {
     std::mt19937 rng(seed);
     x = Random(rng, {t, d}, 1.0f);
@@ -24,7 +25,17 @@ struct LayerInputs {
     wi = Random(rng, {e, d, 2 * f}, 1.0f / std::sqrt(static_cast<float>(d)));
     wo = Random(rng, {e, f, d}, 1.0f / std::sqrt(static_cast<float>(f)));
   }
-  MoeWeights weights() const { return {router.view(), wi.view(), wo.view()}; }
+  // A choice bias of sd 0.1 (sigmoid scores are in (0, 1): it moves some
+  // choices), drawn after the other inputs so they keep their values.
+  void SetBias(unsigned seed) {
+    std::mt19937 rng(seed + 7919);
+    bias = Random(rng, {router.shape()[1]}, 0.1f);
+  }
+  MoeWeights weights() const {
+    MoeWeights w{router.view(), wi.view(), wo.view()};
+    if (bias.num_elements() > 0) w.route_bias = bias.view();
+    return w;
+  }
 
   static Tensor Random(std::mt19937& rng, Shape s, float sd) {
     Tensor t = std::move(Tensor::Create(DType::kF32, std::move(s))).value();

@@ -24,6 +24,7 @@ struct MoeWorkspace::State {
   internal::Routing routing;
   std::vector<int64_t> lb_counts;    // [E + 1] the batch's pairs per expert, tokens
   std::vector<double> lb_fraction;   // [E] f_e of the load-balancing loss
+  const float* route_bias = nullptr; // [E] this step's choice bias (MoeWeights), or null
   MoeQuantPlan plan;
   DType act = DType::kBF16;
   int64_t T = 0, D = 0, F = 0, E = 0, k = 0, rows = 0;

@@ -6,8 +6,9 @@
 
 namespace fp8moe::internal {
 
-RouteScoring ScoringOf(const MoeConfig& cfg) {
+RouteScoring ScoringOf(const MoeConfig& cfg, const float* bias) {
   RouteScoring s;
+  s.bias = bias;
   s.sigmoid = cfg.routed_score_func == RoutedScoreFunc::kSigmoid;
   s.norm_topk_prob = cfg.norm_topk_prob;
   s.scaling = cfg.routed_scaling_factor;

@@ -41,7 +41,8 @@ Status Route(Context& ctx, const float* logits, int64_t tokens, int64_t experts,
 // The route op's scoring of the layer's flags (routed_score_func,
 // norm_topk_prob, routed_scaling_factor, n_routing_groups,
 // topk_routing_group); the config has passed ValidateMoeConfig.
-RouteScoring ScoringOf(const MoeConfig& cfg);
+// bias [E] (MoeWeights::route_bias) or null: the choice bias.
+RouteScoring ScoringOf(const MoeConfig& cfg, const float* bias = nullptr);
 
 // f_e [E] of the load-balancing loss: routed pairs of expert e over all
 // pairs. Of this batch when `batch` is null; else of the larger batch this

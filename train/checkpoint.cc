@@ -214,6 +214,8 @@ std::vector<CheckpointTensor> CheckpointLayout(
                                     {CheckpointSet::kAdamM, "adam_m/"},
                                     {CheckpointSet::kAdamV, "adam_v/"}}) {
     for (size_t k = 0; k < shapes.size(); ++k) {
+      // State (router_bias) has no AdamW moments: its weights alone.
+      if (set != CheckpointSet::kParams && IsModelState(shapes[k].first)) continue;
       out.push_back({set, k, prefix + shapes[k].first, shapes[k].second});
     }
   }
@@ -249,7 +251,10 @@ std::string ModelSignature(const ModelConfig& m) {
          (m.first_num_dense_layers != 0
               ? " first_num_dense_layers=" + std::to_string(m.first_num_dense_layers) +
                     " base_mlp_dim=" + std::to_string(m.base_mlp_dim)
-              : "");
+              : "") +
+         // routed_bias adds the router_bias state (a resume across it is
+         // refused naming the flag).
+         (m.moe.routed_bias ? " routed_bias=true" : "");
 }
 
 std::string CheckpointPath(const std::string& dir, int64_t step) {

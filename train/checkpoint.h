@@ -89,7 +89,8 @@ struct CheckpointTensor {
 };
 
 // Every tensor of a checkpoint of the parameters `shapes` (ParamShapes:
-// names and whole shapes in Named() order), in the file's order: sorted by
+// names and whole shapes in Named() order; state (IsModelState) without AdamW
+// moments), in the file's order: sorted by
 // name, the checksum's order, so a save hashes the data as it writes it.
 std::vector<CheckpointTensor> CheckpointLayout(
     const std::vector<std::pair<std::string, Shape>>& shapes);

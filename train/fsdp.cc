@@ -46,6 +46,7 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
   std::unique_ptr<FsdpState> s(new FsdpState(comm, *expert_group, ring));
   s->units_.emplace_back();  // unit 0: the dense tensors
   s->parts_.resize(shapes.size());
+  size_t state_unit = 0;  // 0: none yet
   for (size_t k = 0; k < shapes.size(); ++k) {
     const auto& [name, shape] = shapes[k];
     const auto elements = static_cast<int64_t>(NumElements(shape));
@@ -53,12 +54,18 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
     s->decay_.push_back(shape.size() >= 2);
     const bool expert =
         name.starts_with("layers.") && (name.ends_with(".wi") || name.ends_with(".wo"));
-    if (expert) s->units_.emplace_back();
-    Unit& u = expert ? s->units_.back() : s->units_[0];
+    const bool state = IsModelState(name);
+    if (expert || (state && state_unit == 0)) s->units_.emplace_back();
+    if (state && state_unit == 0) state_unit = s->units_.size() - 1;
+    const size_t unit = expert ? s->units_.size() - 1 : (state ? state_unit : 0);
+    Unit& u = s->units_[unit];
     u.expert = expert;
+    u.state = state;
     u.members.push_back(k);
     u.offsets.push_back(u.total);
-    s->parts_[k].unit = expert ? s->units_.size() - 1 : 0;
+    s->parts_[k].unit = unit;
+    // "layers.<l>.router_bias": the layer whose loads move it.
+    if (state) s->parts_[k].layer = std::stoll(name.substr(7, name.find('.', 7) - 7));
     if (expert && P > 1) {
       if (shape[0] % P != 0) {
         return InvalidArgument(name + " has " + std::to_string(shape[0]) +
@@ -73,7 +80,7 @@ Result<std::unique_ptr<FsdpState>> FsdpState::Create(Communicator& comm,
   }
   for (Unit& u : s->units_) {
     Communicator& g = s->Group(u);
-    u.range = GetShardRange(u.total, g.size(), g.rank());
+    u.range = u.state ? ShardRange{0, u.total} : GetShardRange(u.total, g.size(), g.rank());
     for (Tensor* t : {&u.master, &u.m, &u.v, &u.g}) {
       FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(DType::kF32, {u.range.size()}));
       std::memset(t->data(), 0, t->num_bytes());
@@ -115,6 +122,13 @@ const float* FsdpState::Whole(
 
 Status FsdpState::GatherUnit(Unit& u, const Tensor& shard,
                              const std::vector<std::pair<std::string, Tensor*>>& tensors) {
+  if (u.state) {  // replicated: every rank holds it whole
+    for (size_t i = 0; i < u.members.size(); ++i) {
+      Tensor& t = *tensors[u.members[i]].second;
+      std::memcpy(t.data(), shard.data_as<float>() + u.offsets[i], t.num_bytes());
+    }
+    return OkStatus();
+  }
   if (u.members.size() == 1) {
     Tensor& t = *tensors[u.members[0]].second;
     return Group(u).AllGatherShards(shard.data(), t.data_as<float>() + UnitOffset(u, t), u.total,
@@ -163,6 +177,10 @@ Status FsdpState::GatherParams(ModelParams* params, bool skip_experts) {
 Status FsdpState::GatherTensor(const CheckpointTensor& t, float* out) {
   Unit& u = units_[parts_[t.index].unit];
   const Tensor& shard = ShardOf(u, t.set);
+  if (u.state) {  // replicated: this rank's copy is the whole
+    std::memcpy(out, shard.data_as<float>() + parts_[t.index].at, t.num_elements() * sizeof(float));
+    return OkStatus();
+  }
   if (u.members.size() == 1) {
     // An expert tensor: this ring rank's rows over the expert group, then
     // the other ring ranks' rows around the ring (in place).
@@ -188,6 +206,7 @@ Status FsdpState::ReduceGradients(const ModelParams& grads) {
   const auto g = grads.Named();
   const float inv = 1.0f / static_cast<float>(comm_.size());
   for (Unit& u : units_) {
+    if (u.state) continue;  // no gradient: the model never writes one
     FP8MOE_RETURN_IF_ERROR(Group(u).ReduceScatterShards(Whole(u, g), u.g.data(), u.total,
                                                         DType::kF32, ReduceOp::kSum));
     if (comm_.size() > 1) {
@@ -206,6 +225,7 @@ Result<FsdpState::NonFiniteScan> FsdpState::ScanOverRanks(Tensor Unit::*field,
   double first = none, sum = 0;
   for (size_t k = 0; k < names_.size() && (sum_squares || first == none); ++k) {
     const Part& p = parts_[k];
+    if (field == &Unit::g && units_[p.unit].state) continue;  // state has no gradient
     const float* d = (units_[p.unit].*field).data_as<float>() + p.at;
     for (int64_t i = 0; i < p.size; ++i) {
       if (!std::isfinite(d[i]) && first == none) {
@@ -250,6 +270,7 @@ Status FsdpState::AdamW(Context& ctx, const TrainConfig& config, int64_t t, doub
   for (size_t k = 0; k < names_.size(); ++k) {
     const Part& p = parts_[k];
     Unit& u = units_[p.unit];
+    if (u.state) continue;  // moved by UpdateRoutedBias alone
     FP8MOE_RETURN_IF_ERROR(AdamWSpan(ctx, config, t, lr, grad_scale, decay_[k],
                                      u.g.data_as<float>() + p.at,
                                      u.master.data_as<float>() + p.at,
@@ -257,6 +278,31 @@ Status FsdpState::AdamW(Context& ctx, const TrainConfig& config, int64_t t, doub
                                      p.size));
   }
   return OkStatus();
+}
+
+Status FsdpState::UpdateRoutedBias(const std::vector<std::vector<int32_t>>& load, double rate) {
+  for (size_t k = 0; k < names_.size(); ++k) {
+    const Part& p = parts_[k];
+    Unit& u = units_[p.unit];
+    if (!u.state) continue;
+    const auto l = static_cast<size_t>(p.layer);
+    if (l >= load.size() || static_cast<int64_t>(load[l].size()) != p.size) {
+      return Internal("UpdateRoutedBias: no load of " + std::to_string(p.size) +
+                      " experts for " + names_[k]);
+    }
+    fp8moe::UpdateRoutedBias(load[l].data(), p.size, rate, u.master.data_as<float>() + p.at);
+  }
+  return OkStatus();
+}
+
+std::vector<std::vector<float>> FsdpState::RouterBias(int64_t layers) const {
+  std::vector<std::vector<float>> out(static_cast<size_t>(std::max<int64_t>(layers, 0)));
+  for (const Part& p : parts_) {
+    if (!units_[p.unit].state || p.layer < 0 || p.layer >= layers) continue;
+    const float* d = units_[p.unit].master.data_as<float>() + p.at;
+    out[static_cast<size_t>(p.layer)].assign(d, d + p.size);
+  }
+  return out;
 }
 
 size_t FsdpState::ExpertUnit(int64_t layer, bool wo, const Shape& shape, Status* error) const {

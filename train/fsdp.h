@@ -82,6 +82,14 @@ class FsdpState : public ExpertWeightSource {
   // Collective (one all-gather).
   Result<GradientCheck> CheckGradients();
   Status AdamW(Context& ctx, const TrainConfig& config, int64_t t, double lr, double grad_scale);
+  // routed_bias: moves every layer's router_bias (UpdateRoutedBias) by the
+  // global batch's loads [L][E]. The state is replicated whole on every rank
+  // and the loads are the same bits everywhere, so every rank moves it
+  // identically. Local.
+  Status UpdateRoutedBias(const std::vector<std::vector<int32_t>>& load, double rate);
+  // Every layer's router_bias [E] ([L]; empty for a layer without one: a
+  // dense layer, or a model without routed_bias). Local: it is replicated.
+  std::vector<std::vector<float>> RouterBias(int64_t layers) const;
   // The first tensor (Named() order) whose master weights hold a NaN or an
   // infinity on any rank, or "". Collective (one all-gather).
   Result<std::string> FirstNonFiniteMaster();
@@ -101,7 +109,9 @@ class FsdpState : public ExpertWeightSource {
   int64_t expert_gather_bytes() const { return expert_gather_bytes_; }
 
  private:
-  // A sharded unit: one expert tensor, or every dense tensor back to back.
+  // A sharded unit: one expert tensor, or every dense tensor back to back;
+  // or the state (IsModelState: every router_bias back to back), replicated
+  // whole on every rank, never reduced, normed or updated by AdamW.
   struct Unit {
     std::vector<size_t> members;   // tensor indices (Named() order)
     std::vector<int64_t> offsets;  // each member's place in the unit
@@ -109,6 +119,7 @@ class FsdpState : public ExpertWeightSource {
     int64_t first = 0;  // the unit's first element in its tensor (expert rows)
     ShardRange range;
     bool expert = false;
+    bool state = false;
     Tensor master, m, v, g;  // F32 [range.size()]
     Tensor staging;          // F32 [total] (units of several tensors)
   };
@@ -117,6 +128,7 @@ class FsdpState : public ExpertWeightSource {
   struct Part {
     size_t unit = 0;
     int64_t begin = 0, size = 0, at = 0;
+    int64_t layer = -1;  // state: the layer of "layers.<l>.router_bias"
   };
 
   explicit FsdpState(Communicator& comm, Communicator& expert_group, Communicator* ring)

@@ -183,6 +183,7 @@ Status MetricsWriter::Append(const StepReport& rep, const StepMetrics& m, bool m
   }
   j["expert_load"] = load;
   if (m.fp8_health) j["fp8_health"] = Fp8HealthJson(*m.fp8_health);
+  if (m.router_bias) j["router_bias"] = *m.router_bias;
   if (rep.eval_loss) j["eval_loss"] = *rep.eval_loss;
   const std::string line = j.dump() + "\n";
   if (std::fputs(line.c_str(), metrics_) < 0 || std::fflush(metrics_) != 0) {

@@ -40,6 +40,9 @@ struct StepMetrics {
   std::string nonfinite;
   // [L] on log steps of rank 0 (logged even where no part counted values).
   std::optional<std::vector<LayerFp8Health>> fp8_health;
+  // routed_bias: [L][E] every layer's router_bias after this step's update
+  // (empty for a dense layer), on log steps of rank 0.
+  std::optional<std::vector<std::vector<float>>> router_bias;
 };
 
 class MetricsWriter {

@@ -9,6 +9,7 @@ namespace fp8moe::internal {
 double GlobalNorm(const ModelParams& grads) {
   double s = 0;
   for (const auto& [name, t] : grads.Named()) {
+    if (IsModelState(name)) continue;  // state (router_bias): no gradient
     const float* g = t->data_as<float>();
     const size_t n = t->num_elements();
     for (size_t i = 0; i < n; ++i) s += static_cast<double>(g[i]) * g[i];
@@ -18,6 +19,7 @@ double GlobalNorm(const ModelParams& grads) {
 
 std::string FirstNonFinite(const ModelParams& grads) {
   for (const auto& [name, t] : grads.Named()) {
+    if (IsModelState(name)) continue;  // state (router_bias): no gradient
     const float* g = t->data_as<float>();
     const size_t n = t->num_elements();
     for (size_t i = 0; i < n; ++i) {
@@ -49,6 +51,7 @@ Status AdamWUpdate(Context& ctx, const TrainConfig& c, int64_t t, double lr, dou
   const auto ms = m->Named();
   const auto vs = v->Named();
   for (size_t k = 0; k < g.size(); ++k) {
+    if (IsModelState(g[k].first)) continue;  // moved by UpdateRoutedBias alone
     FP8MOE_RETURN_IF_ERROR(AdamWSpan(ctx, c, t, lr, grad_scale, p[k].second->rank() >= 2,
                                      g[k].second->data_as<float>(),
                                      p[k].second->data_as<float>(),

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "fp8moe/communicator.h"
 #include "fp8moe/dist.h"
@@ -401,6 +403,20 @@ TEST(TrainDist, TokenChunksTrainLikeOneChunk) {
   }
 }
 
+// `flags` on each (ranks, layout): `of` (what a run directory says) equal to
+// `want`, one rank's.
+template <class Of, class Want>
+void ExpectEveryLayoutGives(const std::vector<std::string>& flags,
+                            const std::vector<std::pair<int, std::vector<std::string>>>& layouts,
+                            Of of, const Want& want) {
+  for (const auto& [ranks, layout] : layouts) {
+    SCOPED_TRACE(layout[0] + " " + layout[1]);
+    RunResult n = RunRanks(ranks, With(flags, layout), true);
+    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
+    EXPECT_EQ(of(n.summary.run_dir), want);
+  }
+}
+
 // The "layers.L.wi" / "layers.L.wo" entries of the fp8_health object of the
 // first metrics.jsonl line of a run, as written.
 std::vector<std::string> WeightHealth(const std::string& run_dir) {
@@ -427,16 +443,11 @@ TEST(TrainDist, WeightHealthCoversEveryRingRanksExperts) {
   const std::vector<std::string> want = WeightHealth(one.summary.run_dir);
   ASSERT_EQ(want.size(), 4u);  // 2 layers x wi, wo
   EXPECT_NE(want[0].find("\"values\":"), std::string::npos) << want[0];
-  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
-      {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
-      {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}},
-      {4, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=4"}}};
-  for (const auto& [ranks, layout] : layouts) {
-    SCOPED_TRACE(layout[0] + " " + layout[1]);
-    RunResult n = RunRanks(ranks, With(flags, layout), true);
-    ASSERT_TRUE(n.status.ok()) << n.status.ToString();
-    EXPECT_EQ(WeightHealth(n.summary.run_dir), want);
-  }
+  ExpectEveryLayoutGives(flags,
+                         {{2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
+                          {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}},
+                          {4, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=4"}}},
+                         WeightHealth, want);
 }
 
 // A checkpoint of an expert-parallel run holds whole tensors (every ring
@@ -773,6 +784,90 @@ TEST(TrainDist, EveryArchitectureMatchesOneRank) {
     SCOPED_TRACE(a.name);
     ExpectF32RanksMatchOneRank(a.name,
                                With(With(With(Tiny("arch", 20), kF32), a.model_flags), a.moe_flags));
+  }
+}
+
+// The "router_bias" [L][E] of every metrics.jsonl line of a run (log_period=1:
+// every step), as the bits of the floats written.
+std::vector<std::vector<std::vector<float>>> RouterBiasPerStep(const std::string& run_dir) {
+  std::ifstream m(run_dir + "/metrics.jsonl");
+  std::vector<std::vector<std::vector<float>>> out;
+  std::string line;
+  while (std::getline(m, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("router_bias")) return {};
+    out.push_back(j["router_bias"].get<std::vector<std::vector<float>>>());
+  }
+  return out;
+}
+
+// routed_bias: the bias is replicated state that every rank moves by the
+// global batch's loads (summed over the ranks), so after every step of 6 it
+// has the bits of one rank's, under FSDP, on a ring of 2 expert ranks and on
+// both (f32; the loads are integers, the same on any layout while the
+// choices are).
+TEST(TrainDist, RoutedBiasHasTheBitsOfOneRank) {
+  const auto flags = With(With(Tiny("bias", 6), kF32),
+                          {"routed_score_func=sigmoid", "routed_bias=true",
+                           "routed_bias_update_rate=0.01", "log_period=1",
+                           "load_balance_loss_weight=0"});
+  RunResult one = RunRanks(1, flags, true);
+  ASSERT_TRUE(one.status.ok()) << one.status.ToString();
+  const auto want = RouterBiasPerStep(one.summary.run_dir);
+  ASSERT_EQ(want.size(), 6u);
+  double moved = 0;
+  for (float b : want.back()[1]) moved += std::fabs(b);
+  EXPECT_GT(moved, 0);
+  ExpectEveryLayoutGives(flags,
+                         {{2, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=1"}},
+                          {2, {"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}},
+                          {4, {"ici_fsdp_parallelism=2", "ici_expert_parallelism=2"}}},
+                         RouterBiasPerStep, want);
+}
+
+// routed_bias's checkpointed state resumes on another layout: 4 steps on 2
+// FSDP ranks, then the rest on 3 (resharding leaves the replicated bias
+// whole) and on a ring of 2, each ending with one rank's bias bits in the
+// step-8 checkpoint.
+TEST(TrainDist, ARoutedBiasCheckpointResumesOnOtherLayoutsWithOneRanksBits) {
+  auto flags = With(With(Tiny("bias_whole", 8), kF32),
+                    {"routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.01",
+                     "load_balance_loss_weight=0"});
+  Checkpointed(&flags);
+  RunResult whole = RunRanks(1, flags, true);
+  ASSERT_TRUE(whole.status.ok()) << whole.status.ToString();
+  auto fa = ReadSafetensors(whole.summary.run_dir + "/checkpoints/step_00000008.safetensors");
+  ASSERT_TRUE(fa.ok());
+  for (const std::vector<std::string>& then :
+       {std::vector<std::string>{"ici_fsdp_parallelism=3", "ici_expert_parallelism=1"},
+        std::vector<std::string>{"ici_fsdp_parallelism=1", "ici_expert_parallelism=2"}}) {
+    SCOPED_TRACE(then[0] + " " + then[1]);
+    auto pieces = flags;
+    std::replace(pieces.begin(), pieces.end(), std::string("run_name=bias_whole"),
+                 std::string("run_name=bias_pieces"));
+    RunResult first = RunRanks(2, With(pieces, {"ici_fsdp_parallelism=2"}), true,
+                               /*stop_after=*/5);
+    ASSERT_TRUE(first.status.ok()) << first.status.ToString();
+    const int ranks = then[0] == "ici_fsdp_parallelism=3" ? 3 : 2;
+    RunResult rest = RunRanks(ranks, With(pieces, then), false);
+    ASSERT_TRUE(rest.status.ok()) << rest.status.ToString();
+    EXPECT_EQ(rest.summary.resumed_from, 4);
+    auto fb = ReadSafetensors(rest.summary.run_dir + "/checkpoints/step_00000008.safetensors");
+    ASSERT_TRUE(fb.ok());
+    int biases = 0;
+    for (const auto& [name, t] : fa->tensors) {
+      if (!name.ends_with(".router_bias")) continue;
+      ++biases;
+      bool found = false;
+      for (const auto& [other, u] : fb->tensors) {
+        if (other != name) continue;
+        found = true;
+        ASSERT_EQ(t.num_bytes(), u.num_bytes());
+        EXPECT_EQ(0, std::memcmp(t.data(), u.data(), t.num_bytes())) << name;
+      }
+      EXPECT_TRUE(found) << name;
+    }
+    EXPECT_EQ(biases, 2);
   }
 }
 

@@ -64,7 +64,11 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U SF = Pos(m.shared_experts) * F;  // the shared experts' fused width
   const U largest =
       std::max({V * D, D * QKV, E * D * 2 * F, D * E, D * 2 * SF, Ld > 0 ? D * 2 * Fd : 0});
-  const U shards = 4 * (dense / ranks + experts / ranks + 2 * L + 1);
+  // routed_bias's router_bias [E] per MoE layer: in `dense` (params and
+  // gradient), and its FSDP unit replicated whole on every rank, not 1/ranks.
+  const U bias_state = m.moe.routed_bias ? (L - Ld) * E : 0;
+  const U shards = 4 * (dense / ranks + experts / ranks + 2 * L + 1 +
+                       (bias_state > 0 ? bias_state + 1 : 0));
   const U f32_experts = MoeReadsF32Masters(m.moe) ? local_experts : 0;
   plan.weights_bytes =
       Saturate(4 * ((dense + f32_experts) + (dense + local_experts) + shards + dense + largest));

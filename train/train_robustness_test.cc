@@ -84,7 +84,8 @@ TEST(TrainRobustness, ThePlanCoversWhatARunAllocates) {
                                         "fp8_moe_native_bwd_dlhs=false"};
   std::vector<std::vector<std::string>> variants = {
       {}, {"fp8_moe_native_bwd_dlhs=false"}, off, off, off, off,
-      {"base_emb_dim=32", "base_moe_mlp_dim=64", "num_experts=8", "per_device_batch_size=8"}};
+      {"base_emb_dim=32", "base_moe_mlp_dim=64", "num_experts=8", "per_device_batch_size=8"},
+      {"routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.001"}};
   variants[3].push_back("dtype=float32");
   variants[4].insert(variants[4].end(), {"quantization=fp8_full", "use_qwix_quantization=true",
                                          "moe_bwd_inkernel_quant=true"});

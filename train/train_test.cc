@@ -14,12 +14,14 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "base/number_text.h"
 #include "fp8moe/flag_table.h"
 #include "fp8moe/safetensors.h"
 #include "fp8moe/train.h"
 #include "train/checkpoint.h"
+#include "train/fsdp.h"
 #include "train/optimizer.h"
 #include "train/train_test_util.h"
 
@@ -272,13 +274,20 @@ TEST(Train, LossFallsAndTheRunDirectoryIsComplete) {
 
 TEST(Train, ResumingGivesTheBitsOfAnUninterruptedRun) {
   for (const char* mode :
-       {"fp8_moe_native_bwd_dlhs=true", "fp8_moe_fake_quant=false", "shared_experts=1"}) {
+       {"fp8_moe_native_bwd_dlhs=true", "fp8_moe_fake_quant=false", "shared_experts=1",
+        "routed_bias=true"}) {
     SCOPED_TRACE(mode);
     std::vector<std::string> a = Tiny("whole");
     std::vector<std::string> b = Tiny("pieces");
     if (std::string(mode) == "shared_experts=1") {  // the FFN variants' tensors resume too
       for (auto* f : {&a, &b}) {
         f->insert(f->end(), {"shared_experts=1", "first_num_dense_layers=1", "base_mlp_dim=24"});
+      }
+    }
+    if (std::string(mode) == "routed_bias=true") {  // the bias state resumes too
+      for (auto* f : {&a, &b}) {
+        f->insert(f->end(), {"routed_score_func=sigmoid", "routed_bias=true",
+                             "routed_bias_update_rate=0.01"});
       }
     }
     if (std::string(mode) == "fp8_moe_fake_quant=false") {
@@ -309,6 +318,20 @@ TEST(Train, ResumingGivesTheBitsOfAnUninterruptedRun) {
       EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.num_bytes())) << fa->tensors[i].first;
     }
     EXPECT_EQ(*whole->final_eval_loss, *rest->final_eval_loss);
+    if (std::string(mode) == "routed_bias=true") {
+      // The bias is in the file (without AdamW moments) and has moved.
+      bool found = false;
+      for (const auto& [name, t] : fa->tensors) {
+        EXPECT_EQ(name.find("adam_m/layers.0.router_bias"), std::string::npos);
+        EXPECT_EQ(name.find("adam_v/layers.0.router_bias"), std::string::npos);
+        if (name != "params/layers.0.router_bias") continue;
+        found = true;
+        double moved = 0;
+        for (size_t i = 0; i < t.num_elements(); ++i) moved += std::fabs(t.data_as<float>()[i]);
+        EXPECT_GT(moved, 0);
+      }
+      EXPECT_TRUE(found);
+    }
   }
 }
 
@@ -325,6 +348,25 @@ TEST(Train, RefusesACheckpointOfAnotherModelOrMode) {
   s = RunTiny(f);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.status().message().find("QAT mode native_fwd_dlhs"), std::string::npos)
+      << s.status().message();
+  // routed_bias adds state: a checkpoint without it is refused with it, and
+  // one with it without it, the flag named either way.
+  const std::vector<std::string> bias = {"routed_score_func=sigmoid", "routed_bias=true"};
+  f = Tiny("other");
+  f.insert(f.end(), bias.begin(), bias.end());
+  s = RunTiny(f);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("routed_bias=true"), std::string::npos)
+      << s.status().message();
+  f = Tiny("other_bias");
+  f.insert(f.end(), bias.begin(), bias.end());
+  ASSERT_TRUE(RunTiny(f, {}, true).ok());
+  f.pop_back();  // routed_bias=false
+  s = RunTiny(f);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("routed_bias=true"), std::string::npos)
       << s.status().message();
 }
 
@@ -367,6 +409,133 @@ TEST(Train, StopsAfterMaxNonfiniteSteps) {
   EXPECT_NE(s.status().message().find("max_nonfinite_steps=3"), std::string::npos)
       << s.status().message();
   EXPECT_EQ(skipped, 3);
+}
+
+// routed_bias's state in the FSDP state of one rank: replicated, never
+// reduced, normed, checked for non-finite gradients, clipped or moved by
+// AdamW (a gradient fed into its tensor changes nothing), moved only by
+// UpdateRoutedBias, and checkpointed without moments.
+TEST(Train, RoutedBiasIsStateThatOnlyTheLoadsMove) {
+  std::vector<std::string> f = Tiny("bias_state");
+  f.insert(f.end(), {"routed_score_func=sigmoid", "routed_bias=true",
+                     "routed_bias_update_rate=0.25", "adam_weight_decay=0.1"});
+  auto cfg = LoadTrainConfig("", f);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  const ModelConfig& mc = cfg->model;
+  const int64_t E = mc.moe.num_experts;
+  const auto shapes = ParamShapes(mc);
+  auto comm = MakeSingleRankCommunicator();
+  auto fsdp = internal::FsdpState::Create(*comm, shapes);
+  ASSERT_TRUE(fsdp.ok()) << fsdp.status().ToString();
+  ASSERT_TRUE(InitParams(mc, 5, [&](size_t k, const float* whole) {
+                (*fsdp)->LoadTensor({internal::CheckpointSet::kParams, k, shapes[k].first,
+                                     shapes[k].second}, whole);
+              }).ok());
+  // Gradients of 1 everywhere but the bias's, which gets a NaN and 1e6s: a
+  // step that read them would be skipped, clipped or moved.
+  auto grads = AllocateParams(mc);
+  ASSERT_TRUE(grads.ok());
+  double elements = 0;
+  for (auto& [name, t] : grads->Named()) {
+    const bool state = IsModelState(name);
+    std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), state ? 1e6f : 1.0f);
+    if (state) t->data_as<float>()[1] = NAN;
+    if (!state) elements += static_cast<double>(t->num_elements());
+  }
+  ASSERT_TRUE((*fsdp)->ReduceGradients(*grads).ok());
+  auto check = (*fsdp)->CheckGradients();
+  ASSERT_TRUE(check.ok());
+  EXPECT_EQ(check->first_nonfinite, "");
+  EXPECT_DOUBLE_EQ(check->norm, std::sqrt(elements));
+  Context ctx;
+  ASSERT_TRUE((*fsdp)->AdamW(ctx, *cfg, 1, 0.5, 1.0).ok());
+  auto params = AllocateParams(mc);
+  ASSERT_TRUE(params.ok());
+  ASSERT_TRUE((*fsdp)->GatherParams(&*params, /*skip_experts=*/false).ok());
+  int biases = 0;
+  for (auto& [name, t] : params->Named()) {
+    if (!IsModelState(name)) continue;
+    ++biases;
+    for (int64_t e = 0; e < E; ++e) EXPECT_EQ(t->data_as<float>()[e], 0.0f) << name;
+  }
+  EXPECT_EQ(biases, mc.num_layers);
+  // The loads move it: rate x sign(mean - load), per layer.
+  std::vector<std::vector<int32_t>> load(static_cast<size_t>(mc.num_layers));
+  for (auto& l : load) l.assign(static_cast<size_t>(E), 8);
+  load[0][0] = 10;
+  load[0][1] = 6;  // layer 0: mean 8, expert 0 over, 1 under, the rest on it
+  load[1][3] = 0;
+  load[1][2] = 16;  // layer 1: mean 8
+  ASSERT_TRUE((*fsdp)->UpdateRoutedBias(load, 0.25).ok());
+  const auto bias = (*fsdp)->RouterBias(mc.num_layers);
+  ASSERT_EQ(bias.size(), 2u);
+  std::vector<float> want0(static_cast<size_t>(E), 0.0f), want1(static_cast<size_t>(E), 0.0f);
+  want0[0] = -0.25f;
+  want0[1] = 0.25f;
+  want1[3] = 0.25f;
+  want1[2] = -0.25f;
+  EXPECT_EQ(bias[0], want0);
+  EXPECT_EQ(bias[1], want1);
+  // The checkpoint holds the bias's weights alone, and GatherTensor gives them.
+  const auto layout = internal::CheckpointLayout(shapes);
+  int in_file = 0;
+  for (const auto& t : layout) {
+    if (!IsModelState(t.name.substr(t.name.find('/') + 1))) continue;
+    ++in_file;
+    EXPECT_EQ(t.set, internal::CheckpointSet::kParams) << t.name;
+    std::vector<float> out(t.num_elements());
+    ASSERT_TRUE((*fsdp)->GatherTensor(t, out.data()).ok());
+    EXPECT_EQ(out, t.name == "params/layers.0.router_bias" ? want0 : want1);
+  }
+  EXPECT_EQ(in_file, 2);
+}
+
+// The update runs once per optimizer step after AdamW, from the step's
+// global loads, and never on a skipped step: with log_period=1 every
+// metrics.jsonl line has the bias after that step, and each line's bias is
+// the one before it moved by the line's own expert_load (logged as fractions
+// of the pairs, so the sign compares with 1 / E).
+TEST(Train, RoutedBiasMovesAfterEachStepByItsLoadsAndNotOnASkippedStep) {
+  for (const bool skip : {false, true}) {
+    SCOPED_TRACE(skip ? "skipped steps" : "finite steps");
+    std::vector<std::string> f = Tiny(skip ? "bias_skip" : "bias_steps");
+    f.insert(f.end(), {"routed_score_func=sigmoid", "routed_bias=true",
+                       "routed_bias_update_rate=0.125", "log_period=1", "steps=6",
+                       "load_balance_loss_weight=0"});
+    if (skip) {  // as StopsAfterMaxNonfiniteSteps: step 1 finite, then skipped
+      f.insert(f.end(), {"learning_rate=1e30", "warmup_steps_fraction=0",
+                         "max_nonfinite_steps=4", "gradient_clipping_threshold=0"});
+    }
+    auto s = RunTiny(f, {}, true);
+    ASSERT_EQ(s.ok(), !skip) << s.status().ToString();
+    if (!skip) EXPECT_EQ(s->allocations_per_step, 0.0);  // the update allocates nothing
+    std::ifstream in(TestDir() + "/" + (skip ? "bias_skip" : "bias_steps") + "/metrics.jsonl");
+    std::string line;
+    std::vector<std::vector<float>> before(2, std::vector<float>(4, 0.0f));  // E = 4
+    int lines = 0, skipped = 0;
+    while (std::getline(in, line)) {
+      ++lines;
+      const nlohmann::json j = nlohmann::json::parse(line);
+      ASSERT_TRUE(j.contains("router_bias")) << line;
+      const auto bias = j["router_bias"].get<std::vector<std::vector<float>>>();
+      const auto load = j["expert_load"].get<std::vector<std::vector<double>>>();
+      ASSERT_EQ(bias.size(), 2u);
+      const bool was_skipped = j["loss"].is_null();
+      skipped += was_skipped;
+      for (size_t l = 0; l < 2; ++l) {
+        ASSERT_EQ(bias[l].size(), 4u);
+        for (size_t e = 0; e < 4; ++e) {
+          const double d = 0.25 - load[l][e];  // mean fraction 1/E - this one's
+          const float sign = was_skipped ? 0.0f : (d > 0 ? 1.0f : (d < 0 ? -1.0f : 0.0f));
+          EXPECT_EQ(bias[l][e], before[l][e] + 0.125f * sign)
+              << "step " << j["step"] << " layer " << l << " expert " << e;
+        }
+      }
+      before = bias;
+    }
+    EXPECT_EQ(lines, skip ? 5 : 6);
+    EXPECT_EQ(skipped, skip ? 4 : 0);
+  }
 }
 
 TEST(Train, BadFlagsAreClearErrors) {

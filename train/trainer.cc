@@ -78,6 +78,7 @@ Status AgreeOnCheckpoint(Communicator& comm, const std::string& path, const Stat
 // Multiplies every gradient of `grads` by `factor`.
 void ScaleGradients(ModelParams* grads, float factor) {
   for (auto& [name, t] : grads->Named()) {
+    if (IsModelState(name)) continue;  // no gradient (router_bias)
     float* d = t->data_as<float>();
     for (size_t i = 0; i < t->num_elements(); ++i) d[i] *= factor;
   }
@@ -476,8 +477,10 @@ Result<TrainSummary> Trainer::Run() {
     FP8MOE_ASSIGN_OR_RETURN(StepReport rep, Step(s, threads, &m));
     Tally(rep);
     m.fp8_health.reset();
+    m.router_bias.reset();
     if (lead_ && IsLogStep(s)) {
       FP8MOE_ASSIGN_OR_RETURN(m.fp8_health, Fp8HealthOfLayers());
+      if (mc_.moe.routed_bias) m.router_bias = fsdp_->RouterBias(mc_.num_layers);
     }
     if (IsEvalStep(s)) {
       FP8MOE_ASSIGN_OR_RETURN(rep.eval_loss, Evaluate());
@@ -595,7 +598,7 @@ Result<StepReport> Trainer::Step(int64_t s, int threads, StepMetrics* m) {
                  static_cast<long long>(c_.max_nonfinite_steps));
   } else {
     rep.grad_norm = check.norm;
-    FP8MOE_RETURN_IF_ERROR(Update(s, rep.lr, rep.grad_norm));
+    FP8MOE_RETURN_IF_ERROR(Update(s, rep.lr, rep.grad_norm, info.expert_load));
   }
   rep.step_time_s = Now() - t0;
   rep.comm_bytes = BytesSent() - sent0;
@@ -625,11 +628,18 @@ Status Trainer::SumStepInfoOverRanks(ModelStepInfo* info) {
   return OkStatus();
 }
 
-Status Trainer::Update(int64_t s, double lr, double norm) {
+Status Trainer::Update(int64_t s, double lr, double norm,
+                       const std::vector<std::vector<int32_t>>& load) {
   const double clip = c_.gradient_clipping_threshold > 0 && norm > c_.gradient_clipping_threshold
                           ? c_.gradient_clipping_threshold / norm
                           : 1.0;
   FP8MOE_RETURN_IF_ERROR(fsdp_->AdamW(*ctx_, c_, s + 1, lr, clip));
+  // routed_bias: after AdamW, once per optimizer step, by the global batch's
+  // loads (SumStepInfoOverRanks); a skipped step never gets here.
+  if (mc_.moe.routed_bias && mc_.moe.routed_bias_update_rate > 0) {
+    FP8MOE_RETURN_IF_ERROR(
+        fsdp_->UpdateRoutedBias(load, mc_.moe.routed_bias_update_rate));
+  }
   // Finite gradients can still give non-finite weights (a learning rate or
   // weight decay past float range, an epsilon that rounds to 0): stop
   // before such weights reach a checkpoint or the next step. Collective:

@@ -88,7 +88,9 @@ class Trainer {
   Status SumStepInfoOverRanks(ModelStepInfo* info);
   // Clip and AdamW of step `s` with the gradient norm `norm`; an error when
   // the update made a weight non-finite.
-  Status Update(int64_t s, double lr, double norm);
+  // load [L][E]: the global batch's expert loads (routed_bias's update).
+  Status Update(int64_t s, double lr, double norm,
+                const std::vector<std::vector<int32_t>>& load);
   // The FP8 health of every MoE layer after a step (rank 0, log steps).
   Result<std::vector<LayerFp8Health>> Fp8HealthOfLayers();
   Result<double> Evaluate();

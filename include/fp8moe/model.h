@@ -82,6 +82,14 @@ struct LayerParams {
   Tensor k_norm;     // [hd] gain of every k head's RMSNorm (use_qk_norm only)
   Tensor mlp_norm;   // [D]
   Tensor router;     // [D, E]
+  // routed_bias (DeepSeek-V3's auxiliary-loss-free balancing): the choice
+  // bias [E] of the sigmoid scores (Hugging Face mlp.gate.e_score_correction_bias).
+  // State, not a trained weight (IsModelState): it starts at 0, moves only by
+  // the trainer's UpdateRoutedBias after each step and is never touched by
+  // AdamW, weight decay, clipping or the gradient norm; its gradient tensor
+  // exists with its shape but is never written or read. In Named() only on the
+  // MoE layers of a routed_bias model (ModelParams::has_router_bias).
+  Tensor router_bias;  // [E]
   Tensor wi;         // [E, D, 2F]
   Tensor wo;         // [E, F, D]
   // The shared experts, fused into one SwiGLU MLP of width S*F in wi's
@@ -106,6 +114,7 @@ struct ModelParams {
   Tensor lm_head;     // [D, V]; none (not in Named()) with logits_via_embedding
   bool has_lm_head = true;  // false: logits_via_embedding (AllocateParams sets it)
   bool has_qk_norm = false;  // the layers' q_norm / k_norm exist (use_qk_norm)
+  bool has_router_bias = false;  // the MoE layers' router_bias exists (routed_bias)
 
   // Every tensor with its checkpoint name ("embed", "layers.0.wqkv", ...),
   // in a fixed order.
@@ -116,6 +125,21 @@ struct ModelParams {
   // (none allocated): what Named() lists. AllocateParams starts from it.
   static ModelParams Layout(const ModelConfig& config);
 };
+
+// Whether the tensor of Named() called `name` is state rather than a trained
+// weight (a layer's router_bias): AdamW, weight decay, gradient clipping, the
+// gradient norm and the non-finite gradient check skip it, it is replicated
+// on every rank (not FSDP-sharded) and checkpointed without AdamW moments.
+bool IsModelState(const std::string& name);
+
+// Moves one MoE layer's router_bias [E] after an optimizer step by
+// rate x sign(mean load - load_e) (MaxText layers/moe.py
+// calculate_load_balance_updates; the sign of 0 is 0), in f32:
+// bias_e += float(rate) x sign. load [E]: the pairs routed to each expert over
+// the global batch (ModelStepInfo::expert_load summed over the ranks); the
+// mean is compared exactly (E x load_e against the sum, in integers), so an
+// expert at the mean stays where it is.
+void UpdateRoutedBias(const int32_t* load, int64_t experts, double rate, float* bias);
 
 // Parameters of the model (every tensor of ModelParams), saturating at
 // UINT64_MAX for configs that fail ValidateModelConfig.

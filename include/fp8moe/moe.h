@@ -78,6 +78,11 @@ struct MoeWeights {
   ConstTensorView router;  // [D, E]
   ConstTensorView wi;      // [E, D, 2F]
   ConstTensorView wo;      // [E, F, D]
+  // Optional (routed_bias): the choice bias [E] F32 added to the sigmoid
+  // scores for the top-k and group choice only, never to the weights
+  // (RouteScoring::bias); empty (the default): none. Needs
+  // routed_score_func=sigmoid. No gradient: it is state the trainer moves.
+  ConstTensorView route_bias = {};
 };
 
 // What one GMM of the layer was handed (for tests and logging).

@@ -150,6 +150,12 @@ struct MoeConfig {
   double routed_scaling_factor = 1.0;
   int64_t n_routing_groups = -1;
   int64_t topk_routing_group = -1;
+  // DeepSeek-V3's auxiliary-loss-free balancing (MaxText's names and
+  // defaults): a per-expert bias on the sigmoid scores for the choice only,
+  // moved after each optimizer step by routed_bias_update_rate x
+  // sign(mean load - load) (ModelParams' router_bias, UpdateRoutedBias).
+  bool routed_bias = false;
+  double routed_bias_update_rate = 0.0;
 };
 
 // Converts `c` (which must hold every flag of MoeConfigSchema(), e.g. from

@@ -81,9 +81,11 @@ double CrossEntropy(const double* logits, const int32_t* targets, int64_t rows, 
   return total / static_cast<double>(rows);
 }
 
-double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, const float* wi,
-              const float* wo, int64_t experts, int64_t k, int64_t f, const MoeConfig& moe,
-              double lb_weight, double* y, std::vector<int32_t>* routing) {
+// bias [E] (routed_bias's router_bias) or null: the choice bias.
+double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router,
+              const float* bias, const float* wi, const float* wo, int64_t experts, int64_t k,
+              int64_t f, const MoeConfig& moe, double lb_weight, double* y,
+              std::vector<int32_t>* routing) {
   std::vector<double> logits(static_cast<size_t>(experts)), h(static_cast<size_t>(2 * f)),
       a(static_cast<size_t>(f)), p_mean(static_cast<size_t>(experts), 0.0);
   std::vector<int64_t> count(static_cast<size_t>(experts), 0);
@@ -102,7 +104,7 @@ double MoeFfn(const double* x, int64_t tokens, int64_t d, const float* router, c
       p_mean[static_cast<size_t>(e)] += std::exp(logits[static_cast<size_t>(e)] - mx) / all;
     }
     // Top-k and weights: the MoE reference's routing (routing_reference.h).
-    const TokenRoute route = RouteToken(moe, logits.data(), nullptr, experts);
+    const TokenRoute route = RouteToken(moe, logits.data(), bias, experts);
     const std::vector<int64_t>& chosen = route.expert;
     const std::vector<double>& w = route.weight;
     for (int64_t e : chosen) {
@@ -217,7 +219,8 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
       for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
       continue;
     }
-    aux += MoeFfn(n.data(), N, D, P.router.data_as<float>(), P.wi.data_as<float>(),
+    const float* bias = params.has_router_bias ? P.router_bias.data_as<float>() : nullptr;
+    aux += MoeFfn(n.data(), N, D, P.router.data_as<float>(), bias, P.wi.data_as<float>(),
                   P.wo.data_as<float>(), c.moe.num_experts, c.moe.num_experts_per_tok, F,
                   c.moe, c.moe.load_balance_loss_weight, y.data(), route);
     if (P.shared) {

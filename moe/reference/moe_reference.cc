@@ -76,6 +76,9 @@ Result<Dims> CheckShapes(const MoeConfig& config, const ConstTensorView& x, cons
                {dims.d, dims.e}));
   FP8MOE_RETURN_IF_ERROR(CheckF32("wi", w.wi, {dims.e, dims.d, 2 * dims.f}));
   FP8MOE_RETURN_IF_ERROR(CheckF32("wo", w.wo, {dims.e, dims.f, dims.d}));
+  if (w.route_bias.data != nullptr) {
+    FP8MOE_RETURN_IF_ERROR(CheckF32("route_bias", w.route_bias, {dims.e}));
+  }
   if (dy != nullptr) {
     FP8MOE_RETURN_IF_ERROR(CheckF32("dy", *dy, {dims.t, dims.d}));
   }
@@ -94,8 +97,9 @@ struct Routing {
 };
 
 // x [T, D], router [D, E] -> the routing of every token.
+// bias [E] (MoeWeights::route_bias) or null.
 Routing Route(const MoeConfig& config, const Dims& dims, const float* x,
-              const float* router) {
+              const float* router, const float* bias) {
   const int64_t t_n = dims.t, e_n = dims.e, k = dims.k;
   Routing r;
   r.probs.resize(Idx(t_n * e_n));
@@ -121,7 +125,7 @@ Routing Route(const MoeConfig& config, const Dims& dims, const float* x,
     }
     for (int64_t e = 0; e < e_n; ++e) r.probs[Idx(t * e_n + e)] /= sum;
     // The choice and the weights: routing_reference.h.
-    const TokenRoute route = RouteToken(config, logits.data(), nullptr, e_n);
+    const TokenRoute route = RouteToken(config, logits.data(), bias, e_n);
     for (int64_t j = 0; j < k; ++j) {
       r.expert[Idx(t * k + j)] = route.expert[Idx(j)];
       r.softmax[Idx(t * k + j)] = route.score[Idx(j)];
@@ -207,7 +211,8 @@ Result<MoeReferenceResult> MoeLayer(const MoeConfig& config, const ConstTensorVi
   const float* router = w.router.as<float>();
 
   // ---- Forward ----
-  const Routing r = Route(config, dims, xv, router);
+  const Routing r = Route(config, dims, xv, router,
+                          w.route_bias.data != nullptr ? w.route_bias.as<float>() : nullptr);
   const SortedRows& rows = r.rows;
   const int64_t m = rows.m;
   FP8MOE_ASSIGN_OR_RETURN(

@@ -181,6 +181,29 @@ def test_text_data_trains_and_report_draws_a_png(fp8moe_bin, tmp_path):
     assert r.returncode == 2 and "metrics.jsonl" in r.stderr
 
 
+def test_report_draws_the_router_bias_of_a_routed_bias_run(fp8moe_bin, tmp_path):
+    """routed_bias: metrics.jsonl has every MoE layer's bias at the log steps, and the
+    report adds a fifth panel (a curve per expert of the first MoE layer)."""
+    p = train(fp8moe_bin, tmp_path, "bias", "steps=10", "log_period=2",
+              "routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.01",
+              "first_num_dense_layers=1", "base_num_decoder_layers=3", "base_mlp_dim=16")
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(l) for l in (tmp_path / "bias" / "metrics.jsonl").read_text().splitlines()]
+    logged = [l for l in lines if "router_bias" in l]
+    assert [l["step"] for l in logged] == [2, 4, 6, 8, 10]
+    for l in logged:
+        assert l["router_bias"][0] == []  # the dense layer has none
+        assert [len(b) for b in l["router_bias"][1:]] == [4, 4]
+    assert any(b != 0 for b in logged[-1]["router_bias"][1])
+    out = tmp_path / "report.png"
+    r = subprocess.run([fp8moe_bin, "report", str(tmp_path / "bias"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", data[16:24]) == (1600, 1650)
+
+
 def test_threads_follow_the_other_processes_load(fp8moe_bin, tmp_path):
     """On two CPUs, one of them kept busy by another process, the trainer drops to one
     thread once it has measured that (metrics.jsonl `threads`, summary.json

@@ -85,6 +85,14 @@ BAD_FLAGS = [
     (["first_num_dense_layers=2", "shared_experts=1"], "MoE-only flags are set: shared_experts=1"),
     # The trainer's default QAT mode is native FP8: an all-dense model must unset it.
     (["first_num_dense_layers=2"], "a QAT mode of the routed experts"),
+    # Auxiliary-loss-free balancing (issue 36): the rate needs the bias, the bias sigmoid
+    # scores, and an all-dense model has no router to bias.
+    (["routed_bias_update_rate=0.001"],
+     "routed_bias_update_rate=0.001 is set but routed_bias=false"),
+    (["routed_bias_update_rate=-1"], "routed_bias_update_rate=-1 must be a finite number"),
+    (["routed_bias=true"], "routed_bias=true biases the sigmoid scores"),
+    (["first_num_dense_layers=2", "routed_score_func=sigmoid", "routed_bias=true"],
+     "MoE-only flags are set: routed_bias=true"),
 ]
 
 
