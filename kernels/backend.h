@@ -38,6 +38,7 @@ enum class Op : uint8_t {
   kRope,                 // rotation of q and k (inverse: its backward)
   kAttentionForward,     // causal softmax attention
   kAttentionBackward,
+  kCopyColumns,          // blocks of columns between row buffers (MLA's splits, its shared rope key)
   kCrossEntropy,         // mean loss and its gradient
   kAdamW,                // the optimizer update
   // The MoE layer: routing and row permutation
@@ -112,9 +113,11 @@ struct RmsNormBackwardArgs : OpArgs {
 struct RopeArgs : OpArgs {
   float* qkv;              // [batch*seq, (heads + 2*kv_heads)*hd], q and k rotated in place
   int64_t batch, seq, heads, kv_heads, hd;
-  const float* cos;        // [seq, hd/2]
-  const float* sin;        // [seq, hd/2]
+  const float* cos;        // [seq, rope_dim/2]
+  const float* sin;        // [seq, rope_dim/2]
   bool inverse;
+  int64_t rope_dim;        // the last rope_dim columns of each q and k head rotate (even, <= hd)
+  bool interleaved;        // pairs (2i, 2i+1) of them; false: (i, i + rope_dim/2)
 };
 struct AttentionForwardArgs : OpArgs {
   const float* qkv;        // [batch*seq, (heads + 2*kv_heads)*hd]
@@ -128,6 +131,14 @@ struct AttentionBackwardArgs : OpArgs {
   const float* dout;       // [batch*seq, heads*hd]
   int64_t batch, seq, heads, kv_heads, hd;  // kv_heads >= 1 divides heads
   float* dqkv;             // like qkv (overwritten); dk, dv summed over a kv head's query heads
+};
+struct CopyColumnsArgs : OpArgs {
+  const float* src;        // [rows, src_cols]
+  int64_t rows, src_cols, src_offset, src_step;  // block b: columns src_offset + b src_step + [0, width)
+  int64_t blocks, width;
+  float* dst;              // [rows, dst_cols]; overlaps no part of src
+  int64_t dst_cols, dst_offset, dst_step;  // block b: columns dst_offset + b dst_step + [0, width)
+  bool accumulate;         // dst += the blocks, in block order; false: dst = them
 };
 struct CrossEntropyArgs : OpArgs {
   const float* logits;     // [rows, v]
@@ -295,6 +306,7 @@ class Backend {
   virtual Status Rope(Context& ctx, const RopeArgs& a) = 0;
   virtual Status AttentionForward(Context& ctx, const AttentionForwardArgs& a) = 0;
   virtual Status AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) = 0;
+  virtual Status CopyColumns(Context& ctx, const CopyColumnsArgs& a) = 0;
   virtual Status CrossEntropy(Context& ctx, const CrossEntropyArgs& a) = 0;
   virtual Status AdamW(Context& ctx, const AdamWArgs& a) = 0;
   // The MoE layer: routing and row permutation
@@ -351,6 +363,10 @@ class OpsBackend : public Backend {
   }
   Status AttentionBackward(Context& ctx, const AttentionBackwardArgs& a) final {
     Ops::AttentionBackward(ctx, a);
+    return OkStatus();
+  }
+  Status CopyColumns(Context& ctx, const CopyColumnsArgs& a) final {
+    Ops::CopyColumns(ctx, a);
     return OkStatus();
   }
   Status CrossEntropy(Context& ctx, const CrossEntropyArgs& a) final {

@@ -219,26 +219,83 @@ void CheckRmsNorm(std::mt19937& rng, bool edges) {
 
 // RoPE: per element the same two f32 products and a sum: the same bits,
 // forward and inverse; grouped-query (kv heads 2 of 4) and multi-query
-// (1 of 3) rows, whose v heads stay as they are.
+// (1 of 3) rows, whose v heads stay as they are; and MLA's partial rotation
+// (only the last rope_dim columns of each head, halves or interleaved pairs).
 void CheckRope(std::mt19937& rng, bool edges) {
-  for (auto [batch, seq, heads, kv, hd] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4},
-        {1, 19, 2, 2, 10},
-        {0, 3, 1, 1, 2},
-        {1, 1, 1, 1, 2},
-        {2, 3, 1, 1, 0},
-        {2, 5, 4, 2, 6},
-        {1, 7, 3, 1, 10}}) {
-    const std::string what = "rope " + Dims({batch, seq, heads, kv, hd});
+  for (auto [batch, seq, heads, kv, hd, rope_dim] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4, 4},
+        {1, 19, 2, 2, 10, 10},
+        {0, 3, 1, 1, 2, 2},
+        {1, 1, 1, 1, 2, 2},
+        {2, 3, 1, 1, 0, 0},
+        {2, 5, 4, 2, 6, 6},
+        {1, 7, 3, 1, 10, 10},
+        {2, 5, 3, 3, 10, 4},
+        {1, 9, 2, 2, 8, 2},
+        {1, 4, 2, 1, 6, 0}}) {
+    const std::string what = "rope " + Dims({batch, seq, heads, kv, hd, rope_dim});
     const std::vector<float> qkv = Values(rng, batch * seq * (heads + 2 * kv) * hd, edges);
-    const std::vector<float> cos = Values(rng, seq * hd / 2, false),
-                             sin = Values(rng, seq * hd / 2, false);
-    for (bool inverse : {false, true}) {
-      CompareBackends({qkv}, false, 0, 0, what + (inverse ? " inverse" : ""),
-                      [&](Context& ctx, Outputs& o) {
-                        return internal::RopeApply(ctx, o[0].data(), batch, seq, heads, kv, hd,
-                                                   cos.data(), sin.data(), inverse);
-                      });
+    const std::vector<float> cos = Values(rng, seq * rope_dim / 2, false),
+                             sin = Values(rng, seq * rope_dim / 2, false);
+    for (bool interleaved : {false, true}) {
+      for (bool inverse : {false, true}) {
+        CompareBackends({qkv}, false, 0, 0,
+                        what + (inverse ? " inverse" : "") + (interleaved ? " interleaved" : ""),
+                        [&](Context& ctx, Outputs& o) {
+                          return internal::RopeApply(ctx, o[0].data(), batch, seq, heads, kv, hd,
+                                                     cos.data(), sin.data(), inverse, rope_dim,
+                                                     interleaved);
+                        });
+      }
+    }
+  }
+}
+
+// CopyColumns: copies and f32 sums in block order on both backends: the
+// same bits. MLA's uses: a contiguous split, blocks per head with gaps, a
+// broadcast (src step 0), a sum over blocks (dst step 0), empty sizes.
+void CheckCopyColumns(std::mt19937& rng, bool edges) {
+  struct Case {
+    int64_t rows, src_cols, src_offset, src_step, blocks, width, dst_cols, dst_offset, dst_step;
+    bool accumulate;
+  };
+  for (const Case& k : {Case{5, 9, 0, 0, 1, 6, 6, 0, 0, false},
+                        Case{7, 9, 6, 0, 4, 3, 20, 2, 5, false},
+                        Case{3, 20, 1, 5, 4, 3, 3, 0, 0, true},
+                        Case{4, 13, 2, 5, 2, 3, 11, 1, 4, true},
+                        Case{0, 4, 0, 1, 2, 1, 4, 0, 2, false},
+                        Case{3, 4, 0, 1, 0, 1, 4, 0, 2, false},
+                        Case{3, 4, 0, 1, 2, 0, 4, 0, 0, false}}) {
+    const std::string what = "copy_columns " + Dims({k.rows, k.src_cols, k.src_offset, k.src_step,
+                                                     k.blocks, k.width, k.dst_cols, k.dst_offset,
+                                                     k.dst_step}) +
+                             (k.accumulate ? " accumulate" : "");
+    const std::vector<float> src = Values(rng, k.rows * k.src_cols, edges);
+    // The dst columns no block names stay as they were: start NaN-poisoned
+    // only where a copy writes every column; an accumulate adds to values.
+    const std::vector<float> dst =
+        k.accumulate ? Values(rng, k.rows * k.dst_cols, edges) : Poisoned(k.rows * k.dst_cols);
+    CompareBackends({dst}, false, 0, 0, what, [&](Context& ctx, Outputs& o) {
+      return internal::CopyColumns(ctx, src.data(), k.rows, k.src_cols, k.src_offset, k.src_step,
+                                   k.blocks, k.width, o[0].data(), k.dst_cols, k.dst_offset,
+                                   k.dst_step, k.accumulate);
+    });
+    // A written element is a source element (or the sum of the ones the
+    // blocks name), checked here without either backend.
+    if (k.accumulate || k.rows == 0) continue;
+    std::vector<float> out = dst;
+    ASSERT_TRUE(internal::CopyColumns(Ctx(BackendKind::kCpu), src.data(), k.rows, k.src_cols,
+                                      k.src_offset, k.src_step, k.blocks, k.width, out.data(),
+                                      k.dst_cols, k.dst_offset, k.dst_step, false)
+                    .ok());
+    for (int64_t r = 0; r < k.rows; ++r) {
+      for (int64_t b = 0; b < k.blocks; ++b) {
+        for (int64_t j = 0; j < k.width; ++j) {
+          const float want = src[r * k.src_cols + k.src_offset + b * k.src_step + j];
+          const float got = out[r * k.dst_cols + k.dst_offset + b * k.dst_step + j];
+          EXPECT_TRUE(got == want || (std::isnan(got) && std::isnan(want))) << what;
+        }
+      }
     }
   }
 }
@@ -1351,6 +1408,7 @@ const std::vector<OpCheck>& Checks() {
       {Op::kRope, CheckRope},
       {Op::kAttentionForward, CheckAttention},
       {Op::kAttentionBackward, CheckAttention},
+      {Op::kCopyColumns, CheckCopyColumns},
       {Op::kCrossEntropy, CheckCrossEntropy},
       {Op::kAdamW, CheckAdamW},
       // The MoE layer: routing and row permutation
@@ -1405,6 +1463,43 @@ TEST(BackendOps, CpuMatchesTheReferenceAtTheEdgesOfTheF32Range) {
 }
 
 TEST(BackendOps, SaturatedAttentionSoftmaxGivesZeroAndOne) { CheckAttentionSaturates(); }
+
+// Blocks past a row's end, overlapping dst blocks, blocks that would
+// overwrite each other, overlapping buffers, an odd or too wide rope_dim:
+// refused by name before anything is written.
+TEST(BackendOps, CopyColumnsAndPartialRopeRefuseBadLayouts) {
+  std::vector<float> src(24, 1.0f), dst = Poisoned(24);
+  struct Bad {
+    int64_t src_cols, src_offset, src_step, blocks, width, dst_cols, dst_offset, dst_step;
+    bool accumulate;
+    const char* why;
+  };
+  for (const Bad& k : {Bad{6, 4, 0, 1, 3, 6, 0, 0, false, "src block ends past its row"},
+                       Bad{6, 0, 1, 3, 2, 6, 1, 2, false, "dst block ends past its row"},
+                       Bad{6, 0, 1, 2, 3, 6, 0, 2, false, "dst blocks overlap"},
+                       Bad{6, 0, 1, 2, 2, 6, 0, 0, false, "accumulate them"},
+                       Bad{6, -1, 1, 1, 2, 6, 0, 0, false, "negative"}}) {
+    for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+      const Status s = internal::CopyColumns(Ctx(kind), src.data(), 4, k.src_cols, k.src_offset,
+                                             k.src_step, k.blocks, k.width, dst.data(),
+                                             k.dst_cols, k.dst_offset, k.dst_step, k.accumulate);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << k.why;
+      EXPECT_NE(s.message().find(k.why), std::string::npos) << s.message();
+    }
+  }
+  for (float v : dst) EXPECT_TRUE(std::isnan(v));
+  const Status overlap = internal::CopyColumns(Ctx(BackendKind::kCpu), src.data(), 2, 6, 0, 0, 1,
+                                               3, src.data() + 6, 6, 0, 0, false);
+  EXPECT_NE(overlap.message().find("dst overlaps src"), std::string::npos) << overlap.message();
+  std::vector<float> qkv(3 * 8, 1.0f), cos(8, 1.0f), sin(8, 0.0f);
+  for (int64_t rope_dim : {int64_t{3}, int64_t{10}}) {
+    const Status s = internal::RopeApply(Ctx(BackendKind::kCpu), qkv.data(), 1, 1, 1, 1, 8,
+                                         cos.data(), sin.data(), false, rope_dim, true);
+    EXPECT_NE(s.message().find("rope_dim " + std::to_string(rope_dim) + " must be even"),
+              std::string::npos)
+        << s.message();
+  }
+}
 
 // kv heads that do not split the query heads into equal groups (or none):
 // each attention op refuses them by name before writing anything.
@@ -1498,6 +1593,9 @@ class PartialBackend final : public internal::Backend {
   }
   Status AttentionBackward(Context&, const internal::AttentionBackwardArgs&) override {
     return Called("attention_backward");
+  }
+  Status CopyColumns(Context&, const internal::CopyColumnsArgs&) override {
+    return Called("copy_columns");
   }
   Status CrossEntropy(Context&, const internal::CrossEntropyArgs&) override {
     return Called("cross_entropy");

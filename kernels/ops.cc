@@ -19,7 +19,7 @@ std::string_view OpName(Op op) {
   static constexpr std::string_view kNames[] = {
       "gmm",          "gmm_dlhs",          "tgmm",       "embedding_gather",
       "embedding_scatter_add", "add",      "rms_norm_forward", "rms_norm_backward",
-      "rope",         "attention_forward", "attention_backward", "cross_entropy",
+      "rope",         "attention_forward", "attention_backward", "copy_columns", "cross_entropy",
       "adamw",
       // The MoE layer: routing and row permutation
       "route", "sort_by_expert", "permute_rows", "combine_rows", "combine_rows_backward",
@@ -160,17 +160,24 @@ Status KvHeads(Op op, int64_t heads, int64_t kv_heads) {
 
 Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
                  int64_t kv_heads, int64_t hd, const float* cos, const float* sin,
-                 bool inverse) {
+                 bool inverse, int64_t rope_dim, bool interleaved) {
   const Op op = Op::kRope;
   if (hd % 2 != 0) {
     return InvalidArgument("rope: head dimension " + std::to_string(hd) +
                            " is odd; RoPE rotates pairs of dimensions");
   }
+  if (rope_dim < 0) rope_dim = hd;
+  if (rope_dim % 2 != 0 || rope_dim > hd) {
+    return InvalidArgument("rope: rope_dim " + std::to_string(rope_dim) +
+                           " must be even and at most the head dimension " + std::to_string(hd));
+  }
   FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, heads + 2 * kv_heads, hd}));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "cos", cos, {seq, hd / 2}));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "sin", sin, {seq, hd / 2}));
-  return Run(ctx, RopeArgs{{op}, qkv, batch, seq, heads, kv_heads, hd, cos, sin, inverse},
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "cos", cos, {seq, rope_dim / 2}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "sin", sin, {seq, rope_dim / 2}));
+  return Run(ctx,
+             RopeArgs{{op}, qkv, batch, seq, heads, kv_heads, hd, cos, sin, inverse, rope_dim,
+                      interleaved},
              &Backend::Rope);
 }
 
@@ -197,6 +204,48 @@ Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, con
   return Run(ctx,
              AttentionBackwardArgs{{op}, qkv, probs, dout, batch, seq, heads, kv_heads, hd, dqkv},
              &Backend::AttentionBackward);
+}
+
+Status CopyColumns(Context& ctx, const float* src, int64_t rows, int64_t src_cols,
+                   int64_t src_offset, int64_t src_step, int64_t blocks, int64_t width,
+                   float* dst, int64_t dst_cols, int64_t dst_offset, int64_t dst_step,
+                   bool accumulate) {
+  const Op op = Op::kCopyColumns;
+  auto bad = [&](const std::string& why) {
+    return InvalidArgument("copy_columns: " + why + " (rows " + std::to_string(rows) +
+                           ", blocks " + std::to_string(blocks) + " of width " +
+                           std::to_string(width) + ", src [" + std::to_string(src_cols) +
+                           "] offset " + std::to_string(src_offset) + " step " +
+                           std::to_string(src_step) + ", dst [" + std::to_string(dst_cols) +
+                           "] offset " + std::to_string(dst_offset) + " step " +
+                           std::to_string(dst_step) + ")");
+  };
+  for (int64_t v : {rows, src_cols, src_offset, src_step, blocks, width, dst_cols, dst_offset,
+                    dst_step}) {
+    if (v < 0) return bad("a negative size, offset or step");
+  }
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "src", src, {rows, src_cols}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dst", dst, {rows, dst_cols}));
+  if (blocks > 0 && width > 0) {
+    // The last block's end, in 128 bits: offsets and steps may be anything.
+    auto end = [&](int64_t offset, int64_t step) {
+      return static_cast<__int128>(offset) + static_cast<__int128>(blocks - 1) * step + width;
+    };
+    if (end(src_offset, src_step) > src_cols) return bad("a src block ends past its row");
+    if (end(dst_offset, dst_step) > dst_cols) return bad("a dst block ends past its row");
+    if (blocks > 1 && dst_step == 0 && !accumulate) {
+      return bad("dst step 0 overwrites one block with the next; accumulate them");
+    }
+    if (blocks > 1 && dst_step > 0 && dst_step < width) return bad("dst blocks overlap");
+    const auto* s0 = reinterpret_cast<const char*>(src);
+    const auto* d0 = reinterpret_cast<const char*>(dst);
+    const size_t sn = static_cast<size_t>(rows * src_cols) * 4, dn = static_cast<size_t>(rows * dst_cols) * 4;
+    if (rows > 0 && s0 < d0 + dn && d0 < s0 + sn) return bad("dst overlaps src");
+  }
+  return Run(ctx,
+             CopyColumnsArgs{{op}, src, rows, src_cols, src_offset, src_step, blocks, width, dst,
+                             dst_cols, dst_offset, dst_step, accumulate},
+             &Backend::CopyColumns);
 }
 
 Result<double> CrossEntropy(Context& ctx, const float* logits, const int32_t* targets,

@@ -42,9 +42,13 @@ Status RmsNormBackward(Context& ctx, const float* x, const float* g, const float
 // Rotates the q and k heads of qkv in place: pairs (i, i + hd/2) of each
 // head at position s by angle(s, i) of the tables cos, sin [S, hd/2];
 // inverse rotates back (the backward of the rotation). hd even; v is not
-// rotated.
+// rotated. With rope_dim (-1: hd) only the last rope_dim columns of each q
+// and k head rotate (MLA's rope part; rope_dim even, <= hd), pairs (i, i +
+// rope_dim/2) of them, or with `interleaved` pairs (2i, 2i + 1) (DeepSeek's
+// layout), by angle(s, i) of tables [S, rope_dim/2].
 Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
-                 int64_t kv_heads, int64_t hd, const float* cos, const float* sin, bool inverse);
+                 int64_t kv_heads, int64_t hd, const float* cos, const float* sin, bool inverse,
+                 int64_t rope_dim = -1, bool interleaved = false);
 
 // Causal softmax attention per (batch, query head) on qkv (q and k already
 // rotated), scale 1/sqrt(hd): probs [B, H, S, S] (zero above the diagonal),
@@ -56,6 +60,20 @@ Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t s
 Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
                          int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd,
                          float* dqkv);
+
+// Copies `blocks` blocks of `width` columns per row between row buffers
+// src [rows, src_cols] and dst [rows, dst_cols]: block b is src columns
+// src_offset + b src_step + [0, width) and dst columns dst_offset + b
+// dst_step + [0, width); accumulate: dst += the blocks in block order (a
+// sum over blocks when dst_step is 0), else dst = them (dst_step 0 then
+// needs blocks <= 1). src_step 0 reads one block into every dst block (a
+// broadcast). Blocks lie inside their rows, dst blocks do not overlap one
+// another (dst_step 0 or >= width), dst and src do not overlap. Exact: a
+// copy, or sums in f32 in block order.
+Status CopyColumns(Context& ctx, const float* src, int64_t rows, int64_t src_cols,
+                   int64_t src_offset, int64_t src_step, int64_t blocks, int64_t width,
+                   float* dst, int64_t dst_cols, int64_t dst_offset, int64_t dst_step,
+                   bool accumulate);
 
 // Mean over rows of -log softmax(logits[r])[target[r]]; logits [rows, v].
 // With dlogits non-null: its gradient (softmax - onehot) / rows. A target

@@ -18,6 +18,7 @@ struct CpuOps {
   static void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a);
   static void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
   static void Rope(Context& ctx, const RopeArgs& a);
+  static void CopyColumns(Context& ctx, const CopyColumnsArgs& a);
   static void AdamW(Context& ctx, const AdamWArgs& a);
   // The MoE layer: routing and row permutation (cpu/routing.cc)
   static void Route(Context& ctx, const RouteArgs& a);

@@ -87,9 +87,13 @@ void CpuOps::RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a) {
 }
 
 void CpuOps::Rope(Context& ctx, const RopeArgs& a) {
-  // The q heads, then the k heads: the first heads + kv_heads of a row.
+  // The q heads, then the k heads: the first heads + kv_heads of a row; of
+  // each, the last rope_dim columns (pairs (i, i + half), or (2i, 2i + 1)
+  // interleaved).
   const int64_t rotated = a.heads + a.kv_heads, hd = a.hd, seq = a.seq;
-  const int64_t half = hd / 2, width = (a.heads + 2 * a.kv_heads) * hd;
+  const int64_t half = a.rope_dim / 2, width = (a.heads + 2 * a.kv_heads) * hd;
+  const int64_t first = hd - a.rope_dim;
+  const int64_t step = a.interleaved ? 2 : 1, other = a.interleaved ? 1 : half;
   const float sign = a.inverse ? -1.0f : 1.0f;
 #pragma omp parallel for schedule(static) num_threads(ctx.threads())
   for (int64_t r = 0; r < a.batch * seq; ++r) {
@@ -97,11 +101,31 @@ void CpuOps::Rope(Context& ctx, const RopeArgs& a) {
     const float* c = a.cos + p * half;
     const float* s = a.sin + p * half;
     for (int64_t h = 0; h < rotated; ++h) {
-      float* v = a.qkv + r * width + h * hd;
+      float* v = a.qkv + r * width + h * hd + first;
       for (int64_t i = 0; i < half; ++i) {
-        const float x0 = v[i], x1 = v[i + half], si = sign * s[i];
-        v[i] = x0 * c[i] - x1 * si;
-        v[i + half] = x1 * c[i] + x0 * si;
+        const int64_t i0 = i * step, i1 = i0 + other;
+        const float x0 = v[i0], x1 = v[i1], si = sign * s[i];
+        v[i0] = x0 * c[i] - x1 * si;
+        v[i1] = x1 * c[i] + x0 * si;
+      }
+    }
+  }
+}
+
+void CpuOps::CopyColumns(Context& ctx, const CopyColumnsArgs& a) {
+  // Rows in parallel; within a row the blocks in order, so a sum over
+  // blocks (dst_step 0) has one order for any thread count.
+#pragma omp parallel for schedule(static) num_threads(ctx.threads())
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* src = a.src + r * a.src_cols + a.src_offset;
+    float* dst = a.dst + r * a.dst_cols + a.dst_offset;
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const float* sb = src + b * a.src_step;
+      float* db = dst + b * a.dst_step;
+      if (a.accumulate) {
+        for (int64_t j = 0; j < a.width; ++j) db[j] += sb[j];
+      } else {
+        std::copy(sb, sb + a.width, db);
       }
     }
   }

@@ -69,19 +69,33 @@ void ReferenceOps::RmsNormBackward(Context&, const RmsNormBackwardArgs& a) {
 
 void ReferenceOps::Rope(Context&, const RopeArgs& a) {
   // The q heads and then the k heads: the first heads + kv_heads heads of a
-  // row; v is not rotated.
-  const int64_t half = a.hd / 2, width = (a.heads + 2 * a.kv_heads) * a.hd;
+  // row; v is not rotated. Of each head the last rope_dim columns rotate.
+  const int64_t half = a.rope_dim / 2, width = (a.heads + 2 * a.kv_heads) * a.hd;
   for (int64_t b = 0; b < a.batch; ++b) {
     for (int64_t p = 0; p < a.seq; ++p) {
       for (int64_t h = 0; h < a.heads + a.kv_heads; ++h) {
-        float* v = a.qkv + (b * a.seq + p) * width + h * a.hd;
+        float* v = a.qkv + (b * a.seq + p) * width + h * a.hd + (a.hd - a.rope_dim);
         for (int64_t i = 0; i < half; ++i) {
           const float c = a.cos[p * half + i];
           const float s = a.inverse ? -a.sin[p * half + i] : a.sin[p * half + i];
-          const float x0 = v[i], x1 = v[i + half];
-          v[i] = x0 * c - x1 * s;
-          v[i + half] = x1 * c + x0 * s;
+          float& x0 = v[a.interleaved ? 2 * i : i];
+          float& x1 = v[a.interleaved ? 2 * i + 1 : i + half];
+          const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+          x0 = y0;
+          x1 = y1;
         }
+      }
+    }
+  }
+}
+
+void ReferenceOps::CopyColumns(Context&, const CopyColumnsArgs& a) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      for (int64_t j = 0; j < a.width; ++j) {
+        const float v = a.src[r * a.src_cols + a.src_offset + b * a.src_step + j];
+        float& d = a.dst[r * a.dst_cols + a.dst_offset + b * a.dst_step + j];
+        d = a.accumulate ? d + v : v;
       }
     }
   }

@@ -20,6 +20,7 @@ struct ReferenceOps {
   static void RmsNormForward(Context& ctx, const RmsNormForwardArgs& a);
   static void RmsNormBackward(Context& ctx, const RmsNormBackwardArgs& a);
   static void Rope(Context& ctx, const RopeArgs& a);
+  static void CopyColumns(Context& ctx, const CopyColumnsArgs& a);
   static void AttentionForward(Context& ctx, const AttentionForwardArgs& a);
   static void AttentionBackward(Context& ctx, const AttentionBackwardArgs& a);
   static void CrossEntropy(Context& ctx, const CrossEntropyArgs& a);
