@@ -94,6 +94,7 @@ Status QkNormBackward(Context& ctx, const ModelConfig& c, AttentionShared* s,
 }  // namespace
 
 Status AllocateAttention(const ModelConfig& c, AttentionShared* shared) {
+  if (IsMla(c)) return AllocateMla(c, &shared->mla);
   const int64_t N = c.batch * c.seq_len, S = c.seq_len;
   FP8MOE_RETURN_IF_ERROR(Create(&shared->cos, {S, c.head_dim / 2}));
   FP8MOE_RETURN_IF_ERROR(Create(&shared->sin, {S, c.head_dim / 2}));
@@ -105,6 +106,7 @@ Status AllocateAttention(const ModelConfig& c, AttentionShared* shared) {
 }
 
 Status AllocateAttention(const ModelConfig& c, AttentionActivations* a) {
+  if (IsMla(c)) return AllocateMla(c, &a->mla);
   const int64_t N = c.batch * c.seq_len, S = c.seq_len;
   FP8MOE_RETURN_IF_ERROR(Create(&a->n1, {N, c.emb_dim}));
   FP8MOE_RETURN_IF_ERROR(Create(&a->inv1, {N}));
@@ -120,6 +122,7 @@ Status AllocateAttention(const ModelConfig& c, AttentionActivations* a) {
 Status AttentionSublayerForward(Context& ctx, const ModelConfig& c, const ConstTensorView& group,
                                 AttentionShared* shared, const LayerParams& p, const float* x,
                                 AttentionActivations* a, float* x1) {
+  if (IsMla(c)) return MlaSublayerForward(ctx, c, group, &shared->mla, p, x, &a->mla, x1);
   const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
                 Hkv = KvHeads(c), hd = c.head_dim;
   float* qkv = a->qkv.data_as<float>();
@@ -143,6 +146,9 @@ Status AttentionSublayerBackward(Context& ctx, const ModelConfig& c, const Const
                                  AttentionShared* shared, const LayerParams& p, const float* x,
                                  const AttentionActivations& a, LayerParams* g, float* dx,
                                  float* dtmp) {
+  if (IsMla(c)) {
+    return MlaSublayerBackward(ctx, c, group, &shared->mla, p, x, a.mla, g, dx, dtmp);
+  }
   const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
                 Hkv = KvHeads(c), hd = c.head_dim, HD = H * hd;
   float* dqkv = shared->dqkv.data_as<float>();

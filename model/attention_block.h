@@ -15,6 +15,7 @@
 #include "fp8moe/model.h"
 #include "fp8moe/status.h"
 #include "fp8moe/tensor.h"
+#include "model/mla_block.h"
 
 namespace fp8moe::internal {
 
@@ -32,6 +33,7 @@ struct AttentionShared {
   Tensor head_rows;  // [N (H + 2 Hkv), hd] head-major rows (normed q | normed k | v, or gradients)
   Tensor to_head_major;  // I64 [N (H + 2 Hkv)]: head-major row i is token-major head row [i]
   Tensor to_token_major;  // I64 [N (H + 2 Hkv)]: the inverse
+  MlaShared mla;  // attention_type=mla: the MLA sublayer's (the tensors above stay empty)
 };
 
 // One layer's activations, kept from the forward for the backward.
@@ -43,6 +45,7 @@ struct AttentionActivations {
   Tensor attn;   // [N, H hd]
   Tensor qk_in;  // [N (H + Hkv), hd] the q and k heads before their norm, head-major (use_qk_norm)
   Tensor qk_inv;  // [N (H + Hkv)] their 1 / rms (use_qk_norm)
+  MlaActivations mla;  // attention_type=mla: the MLA sublayer's (the tensors above stay empty)
 };
 
 // The buffers of a config (validated), allocated once.
@@ -50,7 +53,9 @@ Status AllocateAttention(const ModelConfig& c, AttentionShared* shared);
 Status AllocateAttention(const ModelConfig& c, AttentionActivations* a);
 
 // x1 [N, D] = x [N, D] + the sublayer of x; group: I32 [1] holding N (the
-// dense matmuls' single group).
+// dense matmuls' single group). attention_type=mla runs MlaSublayerForward
+// (model/mla_block.h) on the buffers' mla members, and the backward its
+// backward: the one place the attention type is chosen.
 Status AttentionSublayerForward(Context& ctx, const ModelConfig& c, const ConstTensorView& group,
                                 AttentionShared* shared, const LayerParams& p, const float* x,
                                 AttentionActivations* a, float* x1);

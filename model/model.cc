@@ -21,6 +21,77 @@ using internal::Linear;
 using internal::LinearDw;
 using internal::LinearDx;
 
+namespace {
+
+// The attention_type, rope_type and MLA flags (attention_type=mla), appended
+// to problems.
+void ValidateMla(const ModelConfig& c, std::vector<std::string>* problems) {
+  if (c.rope_type == "yarn") {
+    problems->push_back("rope_type=yarn: YaRN RoPE scaling is not implemented yet; set "
+                        "rope_type=default (MaxText's deepseek3 configs set yarn for long "
+                        "contexts; at the short max_target_length here default RoPE applies)");
+  } else if (c.rope_type != "default") {
+    problems->push_back("rope_type=" + c.rope_type +
+                        " is not implemented; set rope_type=default");
+  }
+  if (c.attention_type != "global" && c.attention_type != "mla") {
+    problems->push_back("attention_type=" + c.attention_type +
+                        " is not implemented; set attention_type=global or attention_type=mla");
+  }
+  if (!IsMla(c)) return;  // the MLA sizes are unread otherwise, as in MaxText
+  auto positive = [&](int64_t v, const char* flag) {
+    if (v < 1 || v > std::numeric_limits<int32_t>::max()) {
+      problems->push_back(std::string(flag) + "=" + std::to_string(v) +
+                          " must be in [1, 2^31) with attention_type=mla; set " + flag +
+                          " to a positive size");
+    }
+  };
+  positive(c.kv_lora_rank, "kv_lora_rank");
+  positive(c.qk_nope_head_dim, "qk_nope_head_dim");
+  positive(c.qk_rope_head_dim, "qk_rope_head_dim");
+  positive(c.v_head_dim, "v_head_dim");
+  if (c.q_lora_rank < 0 || c.q_lora_rank > std::numeric_limits<int32_t>::max()) {
+    problems->push_back("q_lora_rank=" + std::to_string(c.q_lora_rank) +
+                        " must be in [0, 2^31); set q_lora_rank=0 (a plain q projection) or "
+                        "a positive rank");
+  }
+  if (c.qk_rope_head_dim >= 1 && c.qk_rope_head_dim % 2 != 0) {
+    problems->push_back("qk_rope_head_dim=" + std::to_string(c.qk_rope_head_dim) +
+                        " is odd, but RoPE rotates pairs; set qk_rope_head_dim=" +
+                        std::to_string(c.qk_rope_head_dim + 1));
+  }
+  if (c.num_kv_heads != 0 && c.num_kv_heads != c.num_heads) {
+    problems->push_back("base_num_kv_heads=" + std::to_string(c.num_kv_heads) +
+                        " with attention_type=mla, whose up-projection gives every query head "
+                        "its own key and value; set base_num_kv_heads=" +
+                        std::to_string(c.num_heads) + " (base_num_query_heads) or 0");
+  }
+  if (c.use_qk_norm) {
+    problems->push_back("use_qk_norm=true with attention_type=mla (MLA normalizes the "
+                        "compressed q and kv instead); set use_qk_norm=false");
+  }
+  if (problems->empty() && c.v_head_dim > c.qk_nope_head_dim + c.qk_rope_head_dim) {
+    problems->push_back("v_head_dim=" + std::to_string(c.v_head_dim) +
+                        " exceeds qk_nope_head_dim + qk_rope_head_dim = " +
+                        std::to_string(c.qk_nope_head_dim + c.qk_rope_head_dim) +
+                        " (the attention op runs v padded to the query/key width); lower "
+                        "v_head_dim");
+  }
+  const __int128 qk = static_cast<__int128>(c.qk_nope_head_dim) + c.qk_rope_head_dim;
+  if (problems->empty() &&
+      (3 * c.num_heads * qk > std::numeric_limits<int32_t>::max() ||
+       c.num_heads * (static_cast<__int128>(c.qk_nope_head_dim) + c.v_head_dim) >
+           std::numeric_limits<int32_t>::max() ||
+       static_cast<__int128>(c.kv_lora_rank) + c.qk_rope_head_dim >
+           std::numeric_limits<int32_t>::max())) {
+    problems->push_back("the MLA widths (3 x base_num_query_heads x (qk_nope_head_dim + "
+                        "qk_rope_head_dim), kv_lora_rank + qk_rope_head_dim) exceed 2^31 - 1; "
+                        "lower the head count or the head dims");
+  }
+}
+
+}  // namespace
+
 Status ValidateModelConfig(const ModelConfig& c) {
   std::vector<std::string> problems;
   auto positive = [&](int64_t v, const char* flag) {
@@ -125,6 +196,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
     problems.push_back("2 x base_mlp_dim exceeds " + std::to_string(kMaxDim) +
                        " (mlp_wi's fused gate|up width); lower base_mlp_dim");
   }
+  ValidateMla(c, &problems);
   if (!problems.empty()) {
     std::string m = "invalid model configuration: " + problems[0];
     for (size_t i = 1; i < problems.size(); ++i) m += "; " + problems[i];
@@ -164,7 +236,20 @@ std::vector<std::pair<std::string, Tensor*>> ModelParams::Named() {
     const std::string p = "layers." + std::to_string(l) + ".";
     LayerParams& L = layers[l];
     out.emplace_back(p + "attn_norm", &L.attn_norm);
-    out.emplace_back(p + "wqkv", &L.wqkv);
+    if (has_mla) {  // attention_type=mla: the MLA projections instead of wqkv
+      if (has_q_lora) {
+        out.emplace_back(p + "wq_a", &L.wq_a);
+        out.emplace_back(p + "q_a_norm", &L.q_a_norm);
+        out.emplace_back(p + "wq_b", &L.wq_b);
+      } else {
+        out.emplace_back(p + "wq", &L.wq);
+      }
+      out.emplace_back(p + "wkv_a", &L.wkv_a);
+      out.emplace_back(p + "kv_a_norm", &L.kv_a_norm);
+      out.emplace_back(p + "wkv_b", &L.wkv_b);
+    } else {
+      out.emplace_back(p + "wqkv", &L.wqkv);
+    }
     out.emplace_back(p + "wo_attn", &L.wo_attn);
     if (has_qk_norm) {
       out.emplace_back(p + "q_norm", &L.q_norm);
@@ -201,6 +286,8 @@ ModelParams ModelParams::Layout(const ModelConfig& c) {
   p.has_lm_head = !c.logits_via_embedding;
   p.has_qk_norm = c.use_qk_norm;
   p.has_router_bias = c.moe.routed_bias;
+  p.has_mla = IsMla(c);
+  p.has_q_lora = IsMla(c) && c.q_lora_rank > 0;
   p.layers.resize(static_cast<size_t>(std::max<int64_t>(c.num_layers, 0)));
   for (size_t l = 0; l < p.layers.size(); ++l) {
     p.layers[l].dense = IsDenseLayer(c, static_cast<int64_t>(l));
@@ -234,7 +321,14 @@ uint64_t ModelParamCount(const ModelConfig& c) {
           L = size(c.num_layers), SF = size(c.shared_experts) * F,
           Ld = std::min(size(c.first_num_dense_layers), L), Fd = size(c.base_mlp_dim);
   const U qk_norm = c.use_qk_norm ? 2 * size(c.head_dim) : 0;
-  const U attention = 2 * D + D * QKV + HD * D + qk_norm;  // with the two norms' gains
+  U attention = 2 * D + D * QKV + HD * D + qk_norm;  // with the two norms' gains
+  if (IsMla(c)) {  // the MLA projections and norms instead of wqkv; wo_attn [H vd, D]
+    const U H = size(c.num_heads), ql = size(c.q_lora_rank), kvl = size(c.kv_lora_rank),
+            nope = size(c.qk_nope_head_dim), r = size(c.qk_rope_head_dim),
+            vd = size(c.v_head_dim), q = ql > 0 ? D * ql + ql + ql * H * (nope + r)
+                                                : D * H * (nope + r);
+    attention = 2 * D + q + D * (kvl + r) + kvl + kvl * H * (nope + vd) + H * vd * D;
+  }
   const U router_bias = c.moe.routed_bias ? E : 0;
   const U layer =
       attention + D * E + router_bias + E * D * 2 * F + E * F * D + D * 2 * SF + SF * D;
@@ -260,7 +354,18 @@ std::vector<std::pair<std::string, Shape>> ParamShapes(const ModelConfig& c,
     if (leaf == "lm_head") s = {D, V};
     if (leaf == "attn_norm" || leaf == "mlp_norm" || leaf == "final_norm") s = {D};
     if (leaf == "wqkv") s = {D, (c.num_heads + 2 * KvHeads(c)) * c.head_dim};
-    if (leaf == "wo_attn") s = {HD, D};
+    if (leaf == "wo_attn") s = {IsMla(c) ? c.num_heads * c.v_head_dim : HD, D};
+    if (IsMla(c)) {  // attention_type=mla (LayerParams: each a Hugging Face tensor transposed)
+      const int64_t H = c.num_heads, ql = c.q_lora_rank, kvl = c.kv_lora_rank,
+                    qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+      if (leaf == "wq") s = {D, H * qk};
+      if (leaf == "wq_a") s = {D, ql};
+      if (leaf == "q_a_norm") s = {ql};
+      if (leaf == "wq_b") s = {ql, H * qk};
+      if (leaf == "wkv_a") s = {D, kvl + c.qk_rope_head_dim};
+      if (leaf == "kv_a_norm") s = {kvl};
+      if (leaf == "wkv_b") s = {kvl, H * (c.qk_nope_head_dim + c.v_head_dim)};
+    }
     if (leaf == "q_norm" || leaf == "k_norm") s = {c.head_dim};
     if (leaf == "router") s = {D, E};
     if (leaf == "router_bias") s = {E};

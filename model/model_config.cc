@@ -53,6 +53,32 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
     t->Bool("use_qk_norm", &M::use_qk_norm,
             "RMSNorm over head_dim of every query and key head before RoPE (Qwen3), with "
             "gains q_norm and k_norm [head_dim] per layer and normalization_layer_epsilon.");
+    // Multi-head latent attention (docs/design.md "Multi-head latent attention").
+    t->String("attention_type", &M::attention_type,
+              "global: the attention of head_dim and base_num_kv_heads above; mla: DeepSeek's "
+              "multi-head latent attention (the q_lora_rank, kv_lora_rank, qk_*_head_dim, "
+              "v_head_dim flags; head_dim unused). MaxText's other types are refused.");
+    t->Int("q_lora_rank", &M::q_lora_rank,
+           "mla: rank of the compressed query (wq_a [D, q_lora_rank], q_a_norm, wq_b); 0: a "
+           "plain projection wq [D, H (qk_nope_head_dim + qk_rope_head_dim)]. Range [0, 2^31).");
+    t->Int("kv_lora_rank", &M::kv_lora_rank,
+           "mla: rank of the compressed key/value latent (wkv_a [D, kv_lora_rank + "
+           "qk_rope_head_dim], kv_a_norm, wkv_b). Range [1, 2^31).");
+    t->Int("qk_nope_head_dim", &M::qk_nope_head_dim,
+           "mla: query/key columns of a head without RoPE. Range [1, 2^31).");
+    t->Int("qk_rope_head_dim", &M::qk_rope_head_dim,
+           "mla: rotated query columns of a head, and the width of the one rotated key all "
+           "heads share. Even, range [2, 2^31).");
+    t->Int("v_head_dim", &M::v_head_dim,
+           "mla: value columns of a head (wo_attn [H v_head_dim, D]); at most "
+           "qk_nope_head_dim + qk_rope_head_dim here. Range [1, 2^31).");
+    t->Bool("rope_interleave", &M::rope_interleave,
+            "mla: RoPE rotates pairs (2i, 2i+1) of the rope columns (DeepSeek's layout, Hugging "
+            "Face's rope_interleave); false: pairs (i, i + qk_rope_head_dim/2). Unread by "
+            "attention_type=global (halves), as in MaxText's default RoPE.");
+    t->String("rope_type", &M::rope_type,
+              "RoPE frequencies: default (rope_max_timescale). MaxText's yarn and llama3.1 are "
+              "not implemented yet and refused.");
     return t;
   }();
   return *table;

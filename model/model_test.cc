@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -887,6 +888,141 @@ TEST(Model, UpdateRoutedBiasFollowsMaxTextsRule) {
   std::vector<float> b4(4, 0.0f);
   UpdateRoutedBias(big.data(), 4, 1.0, b4.data());
   EXPECT_EQ(b4, (std::vector<float>{-1.0f, 1.0f, -1.0f, 1.0f}));
+}
+
+// ---- Multi-head latent attention (attention_type=mla) ----
+
+// Tiny() with MLA: H 2, nope 4, r 4 (qk 8), vd 3, kvl 5, q_lora_rank ql.
+ModelConfig TinyMla(int64_t ql, bool interleave) {
+  ModelConfig c = Tiny();
+  c.attention_type = "mla";
+  c.q_lora_rank = ql;
+  c.kv_lora_rank = 5;
+  c.qk_nope_head_dim = 4;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 3;
+  c.rope_interleave = interleave;
+  EXPECT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c).ToString();
+  return c;
+}
+
+// Every MLA tensor (and every other) against finite differences of the
+// float64 twin, whose loss the f32 step matches within 1e-5 (CheckGradients):
+// a plain and a compressed q projection, interleaved and half RoPE pairs.
+TEST(Model, MlaGradientsMatchFiniteDifferences) {
+  FP8MOE_RANDOM_SEED(seed);
+  for (int64_t ql : {0, 6}) {
+    for (bool interleave : {true, false}) {
+      SCOPED_TRACE("q_lora_rank " + std::to_string(ql) + " rope_interleave " +
+                   std::to_string(interleave));
+      const ModelConfig c = TinyMla(ql, interleave);
+      std::vector<std::string> names;
+      for (const auto& [name, shape] : ParamShapes(c)) {
+        if (name.rfind("layers.0.", 0) == 0) names.push_back(name.substr(9));
+      }
+      const std::vector<std::string> want =
+          ql == 0 ? std::vector<std::string>{"attn_norm", "wq", "wkv_a", "kv_a_norm", "wkv_b",
+                                             "wo_attn", "mlp_norm", "router", "wi", "wo"}
+                  : std::vector<std::string>{"attn_norm", "wq_a", "q_a_norm", "wq_b", "wkv_a",
+                                             "kv_a_norm", "wkv_b", "wo_attn", "mlp_norm",
+                                             "router", "wi", "wo"};
+      EXPECT_EQ(names, want);
+      CheckGradientsOfADrawWithoutTies(c, seed);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// The Hugging Face layouts (transposed): wq_b [ql, H qk], wkv_a [D, kvl + r],
+// wkv_b [kvl, H (nope + vd)], wo_attn [H vd, D]; the count matches the shapes.
+TEST(Model, MlaShapesAreTheHuggingFaceTensorsTransposed) {
+  const ModelConfig c = TinyMla(6, true);
+  std::map<std::string, Shape> shapes;
+  uint64_t total = 0;
+  for (const auto& [name, shape] : ParamShapes(c)) {
+    shapes[name] = shape;
+    total += NumElements(shape);
+  }
+  EXPECT_EQ(shapes["layers.1.wq_a"], (Shape{8, 6}));
+  EXPECT_EQ(shapes["layers.1.q_a_norm"], (Shape{6}));
+  EXPECT_EQ(shapes["layers.1.wq_b"], (Shape{6, 2 * 8}));
+  EXPECT_EQ(shapes["layers.1.wkv_a"], (Shape{8, 5 + 4}));
+  EXPECT_EQ(shapes["layers.1.kv_a_norm"], (Shape{5}));
+  EXPECT_EQ(shapes["layers.1.wkv_b"], (Shape{5, 2 * (4 + 3)}));
+  EXPECT_EQ(shapes["layers.1.wo_attn"], (Shape{2 * 3, 8}));
+  EXPECT_EQ(shapes.count("layers.0.wqkv"), 0u);
+  EXPECT_EQ(ModelParamCount(c), total);
+  EXPECT_EQ(ModelParamCount(TinyMla(0, true)),
+            [] {
+              uint64_t n = 0;
+              for (const auto& [name, shape] : ParamShapes(TinyMla(0, true))) n += NumElements(shape);
+              return n;
+            }());
+}
+
+// rope_interleave changes the model (the pairs differ), and a step in every
+// routed QAT mode is finite with the same bits for 1 and 2 threads under mla
+// with a plain q projection (the architectures' row covers the compressed one).
+TEST(Model, MlaRopeInterleaveMattersAndRunsEveryQatMode) {
+  FP8MOE_RANDOM_SEED(seed);
+  EXPECT_FALSE(StepBits(TinyMla(0, true), 1, seed) == StepBits(TinyMla(0, false), 1, seed));
+  const int saved = omp_get_max_threads();
+  for (const auto& mode : test::EveryQatMode()) {
+    const std::string what = "mla " + (mode.empty() ? std::string("bf16") : mode.back());
+    SCOPED_TRACE(what);
+    ModelConfig c = Tiny(mode);
+    const ModelConfig m = TinyMla(0, false);
+    c.attention_type = m.attention_type;
+    c.q_lora_rank = 0;
+    c.kv_lora_rank = m.kv_lora_rank;
+    c.qk_nope_head_dim = m.qk_nope_head_dim;
+    c.qk_rope_head_dim = m.qk_rope_head_dim;
+    c.v_head_dim = m.v_head_dim;
+    c.rope_interleave = false;
+    ExpectAFiniteStepWritingEveryGradient(c, seed);
+    ExpectTheSameBitsForOneAndTwoThreads(c, seed, what);
+  }
+  omp_set_num_threads(saved);
+}
+
+// A steady-state MLA step (compressed q) allocates nothing.
+TEST(Model, SteadyStateMlaStepAllocatesNothing) { ExpectSteadyStepsAllocateNothing(TinyMla(6, true)); }
+
+// The MLA flags that make no sense are refused, each naming its flags and
+// the fix.
+TEST(Model, MlaBadFlagsAreClearErrors) {
+  struct Bad {
+    std::function<void(ModelConfig&)> set;
+    const char* says;
+  };
+  const std::vector<Bad> bad = {
+      {[](ModelConfig& c) { c.kv_lora_rank = 0; }, "kv_lora_rank=0 must be in [1, 2^31)"},
+      {[](ModelConfig& c) { c.qk_nope_head_dim = 0; }, "qk_nope_head_dim=0 must be"},
+      {[](ModelConfig& c) { c.qk_rope_head_dim = -2; }, "qk_rope_head_dim=-2 must be"},
+      {[](ModelConfig& c) { c.v_head_dim = 0; }, "v_head_dim=0 must be"},
+      {[](ModelConfig& c) { c.qk_rope_head_dim = 3; }, "qk_rope_head_dim=3 is odd"},
+      {[](ModelConfig& c) { c.q_lora_rank = -1; }, "q_lora_rank=-1 must be in [0, 2^31)"},
+      {[](ModelConfig& c) { c.num_kv_heads = 1; }, "base_num_kv_heads=1 with attention_type=mla"},
+      {[](ModelConfig& c) { c.use_qk_norm = true; }, "use_qk_norm=true with attention_type=mla"},
+      {[](ModelConfig& c) { c.v_head_dim = 9; }, "v_head_dim=9 exceeds qk_nope_head_dim"},
+      {[](ModelConfig& c) { c.rope_type = "yarn"; }, "YaRN RoPE scaling is not implemented yet"},
+      {[](ModelConfig& c) { c.rope_type = "llama3.1"; }, "rope_type=llama3.1 is not implemented"},
+      {[](ModelConfig& c) { c.attention_type = "local_sliding"; },
+       "attention_type=local_sliding is not implemented; set attention_type=global or "
+       "attention_type=mla"},
+  };
+  for (const Bad& b : bad) {
+    ModelConfig c = TinyMla(0, true);
+    b.set(c);
+    const Status s = ValidateModelConfig(c);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << b.says;
+    EXPECT_NE(s.message().find(b.says), std::string::npos) << s.message();
+  }
+  // Without mla the MLA sizes are unread (as in MaxText): no error.
+  ModelConfig global = Tiny();
+  global.kv_lora_rank = 0;
+  global.qk_rope_head_dim = 3;
+  EXPECT_TRUE(ValidateModelConfig(global).ok());
 }
 
 }  // namespace

@@ -231,6 +231,14 @@ std::string AttentionSignature(const ModelConfig& m) {
   std::string s;
   if (KvHeads(m) != m.num_heads) s += " base_num_kv_heads=" + std::to_string(KvHeads(m));
   if (m.use_qk_norm) s += " use_qk_norm=true";
+  if (IsMla(m)) {  // every MLA flag by name: each changes the tensors or the scores
+    s += " attention_type=mla q_lora_rank=" + std::to_string(m.q_lora_rank) +
+         " kv_lora_rank=" + std::to_string(m.kv_lora_rank) +
+         " qk_nope_head_dim=" + std::to_string(m.qk_nope_head_dim) +
+         " qk_rope_head_dim=" + std::to_string(m.qk_rope_head_dim) +
+         " v_head_dim=" + std::to_string(m.v_head_dim) +
+         " rope_interleave=" + (m.rope_interleave ? "true" : "false");
+  }
   if (m.logits_via_embedding) {
     s += " logits_via_embedding=true";
     if (!m.normalize_embedding_logits) s += " normalize_embedding_logits=false";

@@ -62,8 +62,20 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U dense = params - std::min(params, experts);
   const U local_experts = experts / Pe;
   const U SF = Pos(m.shared_experts) * F;  // the shared experts' fused width
-  const U largest =
-      std::max({V * D, D * QKV, E * D * 2 * F, D * E, D * 2 * SF, Ld > 0 ? D * 2 * Fd : 0});
+  // attention_type=mla (model/mla_block.h): its projections instead of wqkv;
+  // per layer and token it keeps qkv [3 H qk], q_a and q_a_n [ql], latent
+  // and latent_n [kvl], two 1/rms, attn [H vd]; the layers share per token
+  // q and attn_pad [H qk], kv_a [kvl + r], kv_b [H (nope + vd)], dqkv
+  // [3 H qk], dattn [H vd], two [kvl], two [ql], dn1 [D], and the RoPE
+  // tables [S, r/2] twice.
+  const bool mla = IsMla(m);
+  const U ql = Pos(m.q_lora_rank), kvl = Pos(m.kv_lora_rank), nope = Pos(m.qk_nope_head_dim),
+          rope = Pos(m.qk_rope_head_dim), vd = Pos(m.v_head_dim), qk = nope + rope;
+  const U mla_largest =
+      !mla ? 0 : std::max({D * H * qk, ql * H * qk, D * (kvl + rope), kvl * H * (nope + vd),
+                           H * vd * D});
+  const U largest = std::max({V * D, mla ? mla_largest : D * QKV, E * D * 2 * F, D * E,
+                              D * 2 * SF, Ld > 0 ? D * 2 * Fd : 0});
   // routed_bias's router_bias [E] per MoE layer: in `dense` (params and
   // gradient), and its FSDP unit replicated whole on every rank, not 1/ranks.
   const U bias_state = m.moe.routed_bias ? (L - Ld) * E : 0;
@@ -126,14 +138,21 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U tied_global =
       !m.logits_via_embedding ? 0
       : 4 * (V * D + (m.normalize_embedding_logits ? Nl * V + Nl : 0));
+  const U kept_qkv = mla ? 3 * H * qk + 2 * ql + 2 * kvl + 2 : QKV;  // per token
+  const U kept_attn = mla ? H * vd : HD;
+  const U attention_global =
+      mla ? Nl * (2 * H * qk + kvl + rope + H * (nope + vd) + 3 * H * qk + H * vd + 2 * kvl +
+                  2 * ql + D) + S * rope
+          : Nl * QKV + Nl * HD + S * Pos(m.head_dim);
   const U per_layer = qk_norm_layer +
-                      4 * (4 * Nl * D + 2 * Nl + Nl * QKV + Bl * H * S * S + Nl * HD + Nl * E) +
+                      4 * (4 * Nl * D + 2 * Nl + Nl * kept_qkv + Bl * H * S * S +
+                           Nl * kept_attn + Nl * E) +
                       24 * pairs + act * rows * (D + 2 * F + F + D) + ring +
                       act * rows * (D + 2 * F) + 4 * rows * D + 4 * (Nl * E + pairs) + recipe +
                       health;
   // The token ids of the whole global batch (every rank reads it).
   const U global =
-      4 * (5 * Nl * D + Nl + 2 * Nl * V + Nl * QKV + Nl * HD + S * Pos(m.head_dim)) + 8 * N +
+      4 * (5 * Nl * D + Nl + 2 * Nl * V + attention_global) + 8 * N +
       qk_norm_global + tied_global;
   // The dense MLPs (model/ffn_block.h: the shared experts, width SF, of an
   // MoE layer, a dense layer's, width Fd), per layer: h [N, 2W] and a [N, W]

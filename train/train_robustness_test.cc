@@ -90,6 +90,8 @@ TEST(TrainRobustness, ThePlanCoversWhatARunAllocates) {
   variants[4].insert(variants[4].end(), {"quantization=fp8_full", "use_qwix_quantization=true",
                                          "moe_bwd_inkernel_quant=true"});
   variants[5].push_back("ragged_buffer_factor=2");
+  variants.push_back({"attention_type=mla", "q_lora_rank=12", "kv_lora_rank=10",
+                      "qk_nope_head_dim=8", "qk_rope_head_dim=6", "v_head_dim=5"});
   // Activation-heavy shapes (512 tokens a step, 1024 routed rows), where
   // what every layer's MoE workspace keeps between steps
   // dominates: the backward's buffers, fp8_full's recipe operands, the FP8

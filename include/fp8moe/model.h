@@ -53,7 +53,21 @@ struct ModelConfig {
   int64_t shared_experts = 0;          // S: shared SwiGLU experts of width F per MoE layer
   int64_t first_num_dense_layers = 0;  // layers [0, this) have a dense MLP instead of MoE
   int64_t base_mlp_dim = 128;          // Fd: the dense MLP's hidden width
+  // Multi-head latent attention (attention_type=mla, DeepSeek-V2/V3;
+  // docs/design.md "Multi-head latent attention"). The sizes are read only
+  // under mla (as in MaxText), head_dim and base_num_kv_heads not then.
+  std::string attention_type = "global";  // global (the attention above) or mla
+  int64_t q_lora_rank = 0;        // ql: 0, a plain q projection wq
+  int64_t kv_lora_rank = 512;     // kvl: the compressed kv latent
+  int64_t qk_nope_head_dim = 128;  // nope: q and k columns without RoPE per head
+  int64_t qk_rope_head_dim = 64;   // r: rotated columns per q head and the shared k_rope
+  int64_t v_head_dim = 128;        // vd: value columns per head
+  bool rope_interleave = true;     // mla: RoPE pairs (2i, 2i+1) (DeepSeek); false: halves
+  std::string rope_type = "default";  // default only (yarn, llama3.1 refused)
 };
+
+// Whether the attention sublayer is multi-head latent attention.
+inline bool IsMla(const ModelConfig& c) { return c.attention_type == "mla"; }
 
 // Whether layer l has the dense MLP (first_num_dense_layers) instead of MoE.
 inline bool IsDenseLayer(const ModelConfig& c, int64_t l) { return l < c.first_num_dense_layers; }
@@ -80,6 +94,16 @@ struct LayerParams {
   Tensor wo_attn;    // [H*hd, D]
   Tensor q_norm;     // [hd] gain of every q head's RMSNorm (use_qk_norm only)
   Tensor k_norm;     // [hd] gain of every k head's RMSNorm (use_qk_norm only)
+  // Multi-head latent attention (attention_type=mla; ModelParams::has_mla):
+  // these in Named() instead of wqkv, and wo_attn is [H vd, D]. qk = nope +
+  // r; each is a Hugging Face DeepSeek-V3 tensor transposed.
+  Tensor wq;         // [D, H qk] q_proj (q_lora_rank 0): per head nope | rope
+  Tensor wq_a;       // [D, ql] q_a_proj (q_lora_rank > 0)
+  Tensor q_a_norm;   // [ql] q_a_layernorm
+  Tensor wq_b;       // [ql, H qk] q_b_proj: per head nope | rope
+  Tensor wkv_a;      // [D, kvl + r] kv_a_proj_with_mqa: latent | the shared k_rope
+  Tensor kv_a_norm;  // [kvl] kv_a_layernorm
+  Tensor wkv_b;      // [kvl, H (nope + vd)] kv_b_proj: per head k_nope | v
   Tensor mlp_norm;   // [D]
   Tensor router;     // [D, E]
   // routed_bias (DeepSeek-V3's auxiliary-loss-free balancing): the choice
@@ -115,6 +139,8 @@ struct ModelParams {
   bool has_lm_head = true;  // false: logits_via_embedding (AllocateParams sets it)
   bool has_qk_norm = false;  // the layers' q_norm / k_norm exist (use_qk_norm)
   bool has_router_bias = false;  // the MoE layers' router_bias exists (routed_bias)
+  bool has_mla = false;      // attention_type=mla: the MLA tensors instead of wqkv
+  bool has_q_lora = false;   // mla with q_lora_rank > 0: wq_a, q_a_norm, wq_b instead of wq
 
   // Every tensor with its checkpoint name ("embed", "layers.0.wqkv", ...),
   // in a fixed order.

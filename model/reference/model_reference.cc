@@ -177,6 +177,99 @@ void MatMul(const double* x, const float* w, int64_t m, int64_t k, int64_t n, do
     }
   }
 }
+// The global attention sublayer (model/attention_block.h) in double: proj
+// [N, D] from n [N, D]; qkv [N, (H + 2 Hkv) hd] and attn [N, H hd] scratch.
+void GlobalAttention(const ModelConfig& c, const LayerParams& P, const double* n, double* qkv,
+                     double* attn, double* proj) {
+  const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
+                Hkv = KvHeads(c), hd = c.head_dim, HD = H * hd, QKV = (H + 2 * Hkv) * hd;
+  MatMul(n, P.wqkv.data_as<float>(), N, D, QKV, qkv);
+  if (c.use_qk_norm) {  // every q head with q_norm, every k head with k_norm, in place
+    const std::vector<double> gq = ToDouble(P.q_norm), gk = ToDouble(P.k_norm);
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        double* head = qkv + r * QKV + h * hd;
+        RmsNorm(head, h < H ? gq.data() : gk.data(), 1, hd, c.norm_eps, head);
+      }
+    }
+  }
+  Rope(qkv, B, S, H, Hkv, hd, c.rope_max_timescale);
+  Attention(qkv, B, S, H, Hkv, hd, attn);
+  MatMul(attn, P.wo_attn.data_as<float>(), N, HD, D, proj);
+}
+
+// Multi-head latent attention (model/mla_block.h) in double: proj [N, D] =
+// the sublayer's output before the residual, from n [N, D] (the normed
+// input). Written from the formulas, not from the fast path's fused buffer:
+// the per-head keys k_nope_h | k_rope and values v_h are read in place.
+void MlaAttention(const ModelConfig& c, const LayerParams& P, const double* n, double* proj) {
+  const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
+                ql = c.q_lora_rank, kvl = c.kv_lora_rank, nope = c.qk_nope_head_dim,
+                r = c.qk_rope_head_dim, vd = c.v_head_dim, qk = nope + r, KB = nope + vd;
+  std::vector<double> q(static_cast<size_t>(N * H * qk)), kv_a(static_cast<size_t>(N * (kvl + r))),
+      latent(static_cast<size_t>(N * kvl)), kv_b(static_cast<size_t>(N * H * KB));
+  if (ql == 0) {
+    MatMul(n, P.wq.data_as<float>(), N, D, H * qk, q.data());
+  } else {
+    std::vector<double> qa(static_cast<size_t>(N * ql));
+    MatMul(n, P.wq_a.data_as<float>(), N, D, ql, qa.data());
+    RmsNorm(qa.data(), ToDouble(P.q_a_norm).data(), N, ql, c.norm_eps, qa.data());
+    MatMul(qa.data(), P.wq_b.data_as<float>(), N, ql, H * qk, q.data());
+  }
+  MatMul(n, P.wkv_a.data_as<float>(), N, D, kvl + r, kv_a.data());
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t i = 0; i < kvl; ++i) latent[t * kvl + i] = kv_a[t * (kvl + r) + i];
+  }
+  RmsNorm(latent.data(), ToDouble(P.kv_a_norm).data(), N, kvl, c.norm_eps, latent.data());
+  MatMul(latent.data(), P.wkv_b.data_as<float>(), N, kvl, H * KB, kv_b.data());
+  // RoPE of one rope part v [r] at position p: pair i is (2i, 2i+1)
+  // interleaved, else (i, i + r/2); angle p / timescale^(2i / r).
+  auto rotate = [&](double* v, int64_t p) {
+    for (int64_t i = 0; i < r / 2; ++i) {
+      const double angle = static_cast<double>(p) /
+                           std::pow(c.rope_max_timescale, 2.0 * static_cast<double>(i) /
+                                                              static_cast<double>(r));
+      double& a = v[c.rope_interleave ? 2 * i : i];
+      double& b = v[c.rope_interleave ? 2 * i + 1 : i + r / 2];
+      const double a0 = a, b0 = b;
+      a = a0 * std::cos(angle) - b0 * std::sin(angle);
+      b = b0 * std::cos(angle) + a0 * std::sin(angle);
+    }
+  };
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t h = 0; h < H; ++h) rotate(&q[(t * H + h) * qk + nope], t % S);
+    rotate(&kv_a[t * (kvl + r) + kvl], t % S);  // the one k_rope of every head
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(qk));
+  std::vector<double> attn(static_cast<size_t>(N * H * vd), 0.0), s(static_cast<size_t>(S));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < S; ++i) {
+        const double* qi = &q[((b * S + i) * H + h) * qk];
+        double mx = -INFINITY;
+        for (int64_t j = 0; j <= i; ++j) {
+          const double* k_nope = &kv_b[((b * S + j) * H + h) * KB];
+          const double* k_rope = &kv_a[(b * S + j) * (kvl + r) + kvl];
+          double dot = 0;
+          for (int64_t t = 0; t < nope; ++t) dot += qi[t] * k_nope[t];
+          for (int64_t t = 0; t < r; ++t) dot += qi[nope + t] * k_rope[t];
+          s[static_cast<size_t>(j)] = dot * scale;
+          mx = std::max(mx, s[static_cast<size_t>(j)]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[static_cast<size_t>(j)] - mx);
+        double* o = &attn[((b * S + i) * H + h) * vd];
+        for (int64_t j = 0; j <= i; ++j) {
+          const double w = std::exp(s[static_cast<size_t>(j)] - mx) / sum;
+          const double* v = &kv_b[((b * S + j) * H + h) * KB + nope];
+          for (int64_t t = 0; t < vd; ++t) o[t] += w * v[t];
+        }
+      }
+    }
+  }
+  MatMul(attn.data(), P.wo_attn.data_as<float>(), N, H * vd, D, proj);
+}
+
 }  // namespace
 
 Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const int32_t* inputs,
@@ -197,19 +290,11 @@ Result<double> ModelLoss(const ModelConfig& c, const ModelParams& params, const 
   double aux = 0;
   for (const LayerParams& P : params.layers) {
     RmsNorm(x.data(), ToDouble(P.attn_norm).data(), N, D, c.norm_eps, n.data());
-    MatMul(n.data(), P.wqkv.data_as<float>(), N, D, QKV, qkv.data());
-    if (c.use_qk_norm) {  // every q head with q_norm, every k head with k_norm, in place
-      const std::vector<double> gq = ToDouble(P.q_norm), gk = ToDouble(P.k_norm);
-      for (int64_t r = 0; r < N; ++r) {
-        for (int64_t h = 0; h < H + Hkv; ++h) {
-          double* head = qkv.data() + r * QKV + h * hd;
-          RmsNorm(head, h < H ? gq.data() : gk.data(), 1, hd, c.norm_eps, head);
-        }
-      }
+    if (IsMla(c)) {
+      MlaAttention(c, P, n.data(), proj.data());
+    } else {
+      GlobalAttention(c, P, n.data(), qkv.data(), attn.data(), proj.data());
     }
-    Rope(qkv.data(), B, S, H, Hkv, hd, c.rope_max_timescale);
-    Attention(qkv.data(), B, S, H, Hkv, hd, attn.data());
-    MatMul(attn.data(), P.wo_attn.data_as<float>(), N, HD, D, proj.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += proj[i];
     RmsNorm(x.data(), ToDouble(P.mlp_norm).data(), N, D, c.norm_eps, n.data());
     if (P.dense) {  // first_num_dense_layers: the dense MLP instead of MoE

@@ -93,6 +93,19 @@ BAD_FLAGS = [
     (["routed_bias=true"], "routed_bias=true biases the sigmoid scores"),
     (["first_num_dense_layers=2", "routed_score_func=sigmoid", "routed_bias=true"],
      "MoE-only flags are set: routed_bias=true"),
+    # Multi-head latent attention (issue 36).
+    (["attention_type=local_sliding"], "attention_type=local_sliding is not implemented"),
+    (["attention_type=mla", "kv_lora_rank=0"], "kv_lora_rank=0 must be in [1, 2^31)"),
+    (["attention_type=mla", "qk_nope_head_dim=0"], "qk_nope_head_dim=0"),
+    (["attention_type=mla", "qk_rope_head_dim=-2"], "qk_rope_head_dim=-2"),
+    (["attention_type=mla", "qk_rope_head_dim=7"], "qk_rope_head_dim=7 is odd"),
+    (["attention_type=mla", "v_head_dim=0"], "v_head_dim=0"),
+    (["attention_type=mla", "q_lora_rank=-1"], "q_lora_rank=-1"),
+    (["attention_type=mla", "base_num_kv_heads=1"], "base_num_kv_heads=1 with attention_type=mla"),
+    (["attention_type=mla", "use_qk_norm=true"], "use_qk_norm=true with attention_type=mla"),
+    (["attention_type=mla", "v_head_dim=1000"], "v_head_dim=1000 exceeds"),
+    (["rope_type=yarn"], "YaRN RoPE scaling is not implemented yet"),
+    (["rope_type=llama3.1"], "rope_type=llama3.1 is not implemented"),
 ]
 
 
@@ -252,6 +265,9 @@ def test_checkpoint_of_another_config_or_a_future_step_exits_2(fp8moe_bin, tmp_p
                           (["steps=8", "base_num_kv_heads=1"], "base_num_kv_heads=1"),
                           (["steps=8", "logits_via_embedding=true"], "logits_via_embedding=true"),
                           (["steps=8", "use_qk_norm=true"], "use_qk_norm=true"),
+                          (["steps=8", "attention_type=mla", "kv_lora_rank=8",
+                            "qk_nope_head_dim=8", "qk_rope_head_dim=4", "v_head_dim=8"],
+                           "attention_type=mla"),
                           (["steps=8", "fp8_moe_native_bwd_dlhs=false"], "QAT mode"),
                           (["steps=2"], "past this run's steps=2")):
         before = {c.name: c.read_bytes() for c in (tmp_path / "seed" / "checkpoints").iterdir()}
