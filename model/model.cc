@@ -38,7 +38,22 @@ void ValidateMla(const ModelConfig& c, std::vector<std::string>* problems) {
     problems->push_back("attention_type=" + c.attention_type +
                         " is not implemented; set attention_type=global or attention_type=mla");
   }
-  if (!IsMla(c)) return;  // the MLA sizes are unread otherwise, as in MaxText
+  if (!IsMla(c)) {
+    // The MLA sizes are unread otherwise; MaxText still types them as
+    // non-negative ints, and so does this.
+    for (const auto& [v, flag] : {std::pair{c.q_lora_rank, "q_lora_rank"},
+                                  {c.kv_lora_rank, "kv_lora_rank"},
+                                  {c.qk_nope_head_dim, "qk_nope_head_dim"},
+                                  {c.qk_rope_head_dim, "qk_rope_head_dim"},
+                                  {c.v_head_dim, "v_head_dim"}}) {
+      if (v < 0) {
+        problems->push_back(std::string(flag) + "=" + std::to_string(v) +
+                            " is negative; set it to a size >= 0 (read only by "
+                            "attention_type=mla)");
+      }
+    }
+    return;
+  }
   auto positive = [&](int64_t v, const char* flag) {
     if (v < 1 || v > std::numeric_limits<int32_t>::max()) {
       problems->push_back(std::string(flag) + "=" + std::to_string(v) +

@@ -1018,11 +1018,15 @@ TEST(Model, MlaBadFlagsAreClearErrors) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << b.says;
     EXPECT_NE(s.message().find(b.says), std::string::npos) << s.message();
   }
-  // Without mla the MLA sizes are unread (as in MaxText): no error.
+  // Without mla the MLA sizes are unread (as in MaxText): no error, but a
+  // negative one (MaxText types them as non-negative ints).
   ModelConfig global = Tiny();
   global.kv_lora_rank = 0;
   global.qk_rope_head_dim = 3;
   EXPECT_TRUE(ValidateModelConfig(global).ok());
+  global.v_head_dim = -1;
+  EXPECT_NE(ValidateModelConfig(global).message().find("v_head_dim=-1 is negative"),
+            std::string::npos);
 }
 
 }  // namespace
