@@ -140,6 +140,26 @@ Status KeyValueBackward(Context& ctx, const ModelConfig& c, const ConstTensorVie
                   g->wkv_a.data_as<float>());
 }
 
+// InvalidArgument unless p holds the MLA tensors of c (ParamShapes): weights
+// of another attention layout would be read out of bounds.
+Status CheckMlaParams(const ModelConfig& c, const LayerParams& p, const char* what) {
+  const Dims d(c);
+  const std::pair<const Tensor*, Shape> want[] = {
+      {&p.wkv_a, {d.D, d.kv_a()}},         {&p.kv_a_norm, {d.kvl}},
+      {&p.wkv_b, {d.kvl, d.kv_b()}},       {&p.wo_attn, {d.H * d.vd, d.D}},
+      {d.ql > 0 ? &p.wq_b : &p.wq, d.ql > 0 ? Shape{d.ql, d.H * d.qk} : Shape{d.D, d.H * d.qk}},
+      {&p.wq_a, d.ql > 0 ? Shape{d.D, d.ql} : Shape{}},
+      {&p.q_a_norm, d.ql > 0 ? Shape{d.ql} : Shape{}}};
+  for (const auto& [t, shape] : want) {
+    if (shape.empty() || t->shape() == shape) continue;
+    return InvalidArgument(std::string("the ") + what + " do not hold attention_type=mla's " +
+                           "tensors of this config (a tensor is " + ShapeToString(t->shape()) +
+                           ", not " + ShapeToString(shape) +
+                           "); allocate them with AllocateParams of this config");
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Status AllocateMla(const ModelConfig& c, MlaShared* s) {
@@ -179,6 +199,7 @@ Status MlaSublayerForward(Context& ctx, const ModelConfig& c, const ConstTensorV
                           MlaShared* s, const LayerParams& p, const float* x, MlaActivations* a,
                           float* x1) {
   const Dims d(c);
+  FP8MOE_RETURN_IF_ERROR(CheckMlaParams(c, p, "parameters"));
   const float eps = static_cast<float>(c.norm_eps);
   float* n1 = a->n1.data_as<float>();
   FP8MOE_RETURN_IF_ERROR(RmsNormForward(ctx, x, p.attn_norm.data_as<float>(), d.N, d.D, eps, n1,
@@ -215,6 +236,7 @@ Status MlaSublayerBackward(Context& ctx, const ModelConfig& c, const ConstTensor
                            MlaShared* s, const LayerParams& p, const float* x,
                            const MlaActivations& a, LayerParams* g, float* dx, float* dtmp) {
   const Dims d(c);
+  FP8MOE_RETURN_IF_ERROR(CheckMlaParams(c, *g, "gradients"));
   const int64_t HV = d.H * d.vd;
   float* dattn = s->dattn.data_as<float>();
   float* dattn_pad = s->attn_pad.data_as<float>();

@@ -988,6 +988,39 @@ TEST(Model, MlaRopeInterleaveMattersAndRunsEveryQatMode) {
 // A steady-state MLA step (compressed q) allocates nothing.
 TEST(Model, SteadyStateMlaStepAllocatesNothing) { ExpectSteadyStepsAllocateNothing(TinyMla(6, true)); }
 
+// Parameters of the global attention layout given to an mla model (and
+// the reverse's MLA-only check on the gradients) are an error naming the
+// layout, not a read out of bounds.
+TEST(Model, MlaStepRefusesParametersOfAnotherLayout) {
+  const ModelConfig mla = TinyMla(6, true);
+  const ModelConfig global = Tiny();
+  auto wrong = AllocateParams(global);
+  auto right = AllocateParams(mla);
+  ASSERT_TRUE(wrong.ok() && right.ok());
+  ASSERT_TRUE(InitParams(global, 1, &*wrong).ok());
+  ASSERT_TRUE(InitParams(mla, 1, &*right).ok());
+  auto grads = AllocateParams(mla);
+  ASSERT_TRUE(grads.ok());
+  const Tokens tok(mla, 2);
+  Context ctx;
+  Model model(mla);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *right, &prepared).ok());
+  ModelStepInfo info;
+  const Status s =
+      model.Step(ctx, *wrong, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("do not hold attention_type=mla's tensors"), std::string::npos)
+      << s.message();
+  auto wrong_grads = AllocateParams(global);
+  ASSERT_TRUE(wrong_grads.ok());
+  const Status g =
+      model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*wrong_grads, &info);
+  EXPECT_NE(g.message().find("the gradients do not hold"), std::string::npos) << g.message();
+  EXPECT_TRUE(
+      model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info).ok());
+}
+
 // The MLA flags that make no sense are refused, each naming its flags and
 // the fix.
 TEST(Model, MlaBadFlagsAreClearErrors) {
