@@ -38,7 +38,7 @@ enum class Op : uint8_t {
   kRope,                 // rotation of q and k (inverse: its backward)
   kAttentionForward,     // causal softmax attention
   kAttentionBackward,
-  kCopyColumns,          // blocks of columns between row buffers (MLA's splits, its shared rope key)
+  kCopyColumns,          // column blocks between row buffers (MLA's splits, its shared k_rope)
   kCrossEntropy,         // mean loss and its gradient
   kAdamW,                // the optimizer update
   // The MoE layer: routing and row permutation
@@ -134,7 +134,8 @@ struct AttentionBackwardArgs : OpArgs {
 };
 struct CopyColumnsArgs : OpArgs {
   const float* src;        // [rows, src_cols]
-  int64_t rows, src_cols, src_offset, src_step;  // block b: columns src_offset + b src_step + [0, width)
+  // Block b: src columns src_offset + b src_step + [0, width).
+  int64_t rows, src_cols, src_offset, src_step;
   int64_t blocks, width;
   float* dst;              // [rows, dst_cols]; overlaps no part of src
   int64_t dst_cols, dst_offset, dst_step;  // block b: columns dst_offset + b dst_step + [0, width)

@@ -239,7 +239,8 @@ Status CopyColumns(Context& ctx, const float* src, int64_t rows, int64_t src_col
     if (blocks > 1 && dst_step > 0 && dst_step < width) return bad("dst blocks overlap");
     const auto* s0 = reinterpret_cast<const char*>(src);
     const auto* d0 = reinterpret_cast<const char*>(dst);
-    const size_t sn = static_cast<size_t>(rows * src_cols) * 4, dn = static_cast<size_t>(rows * dst_cols) * 4;
+    const size_t sn = static_cast<size_t>(rows * src_cols) * 4;
+    const size_t dn = static_cast<size_t>(rows * dst_cols) * 4;
     if (rows > 0 && s0 < d0 + dn && d0 < s0 + sn) return bad("dst overlaps src");
   }
   return Run(ctx,
