@@ -118,19 +118,25 @@ struct RopeArgs : OpArgs {
   bool inverse;
   int64_t rope_dim;        // the last rope_dim columns of each q and k head rotate (even, <= hd)
   bool interleaved;        // pairs (2i, 2i+1) of them; false: (i, i + rope_dim/2)
+  int64_t vd;              // the value heads' width (rows (heads + kv_heads) hd + kv_heads vd)
 };
+// The value heads may have their own width vd (MLA's v_head_dim; vd = hd
+// otherwise): qkv rows are then [(heads + kv_heads) hd + kv_heads vd] and the
+// output [heads vd].
 struct AttentionForwardArgs : OpArgs {
-  const float* qkv;        // [batch*seq, (heads + 2*kv_heads)*hd]
+  const float* qkv;        // [batch*seq, (heads + kv_heads)*hd + kv_heads*vd]
   int64_t batch, seq, heads, kv_heads, hd;  // kv_heads >= 1 divides heads
   float* probs;            // [batch, heads, seq, seq]
-  float* out;              // [batch*seq, heads*hd]
+  float* out;              // [batch*seq, heads*vd]
+  int64_t vd;              // the value heads' width
 };
 struct AttentionBackwardArgs : OpArgs {
-  const float* qkv;        // [batch*seq, (heads + 2*kv_heads)*hd]
+  const float* qkv;        // [batch*seq, (heads + kv_heads)*hd + kv_heads*vd]
   const float* probs;      // [batch, heads, seq, seq]
-  const float* dout;       // [batch*seq, heads*hd]
+  const float* dout;       // [batch*seq, heads*vd]
   int64_t batch, seq, heads, kv_heads, hd;  // kv_heads >= 1 divides heads
   float* dqkv;             // like qkv (overwritten); dk, dv summed over a kv head's query heads
+  int64_t vd;              // the value heads' width
 };
 struct CopyColumnsArgs : OpArgs {
   const float* src;        // [rows, src_cols]

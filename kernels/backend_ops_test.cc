@@ -222,19 +222,24 @@ void CheckRmsNorm(std::mt19937& rng, bool edges) {
 // (1 of 3) rows, whose v heads stay as they are; and MLA's partial rotation
 // (only the last rope_dim columns of each head, halves or interleaved pairs).
 void CheckRope(std::mt19937& rng, bool edges) {
-  for (auto [batch, seq, heads, kv, hd, rope_dim] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4, 4},
-        {1, 19, 2, 2, 10, 10},
-        {0, 3, 1, 1, 2, 2},
-        {1, 1, 1, 1, 2, 2},
-        {2, 3, 1, 1, 0, 0},
-        {2, 5, 4, 2, 6, 6},
-        {1, 7, 3, 1, 10, 10},
-        {2, 5, 3, 3, 10, 4},
-        {1, 9, 2, 2, 8, 2},
-        {1, 4, 2, 1, 6, 0}}) {
-    const std::string what = "rope " + Dims({batch, seq, heads, kv, hd, rope_dim});
-    const std::vector<float> qkv = Values(rng, batch * seq * (heads + 2 * kv) * hd, edges);
+  for (auto [batch, seq, heads, kv, hd, rope_dim, vd] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4,
+                                                                                   4, 4},
+        {1, 19, 2, 2, 10, 10, 10},
+        {0, 3, 1, 1, 2, 2, 2},
+        {1, 1, 1, 1, 2, 2, 2},
+        {2, 3, 1, 1, 0, 0, 0},
+        {2, 5, 4, 2, 6, 6, 6},
+        {1, 7, 3, 1, 10, 10, 10},
+        {2, 5, 3, 3, 10, 4, 10},
+        {1, 9, 2, 2, 8, 2, 8},
+        {1, 4, 2, 1, 6, 0, 6},
+        // MLA's rows: value heads of their own width, untouched.
+        {2, 5, 3, 3, 10, 4, 7},
+        {1, 6, 2, 2, 6, 2, 13}}) {
+    const std::string what = "rope " + Dims({batch, seq, heads, kv, hd, rope_dim, vd});
+    const std::vector<float> qkv =
+        Values(rng, batch * seq * ((heads + kv) * hd + kv * vd), edges);
     const std::vector<float> cos = Values(rng, seq * rope_dim / 2, false),
                              sin = Values(rng, seq * rope_dim / 2, false);
     for (bool interleaved : {false, true}) {
@@ -244,7 +249,7 @@ void CheckRope(std::mt19937& rng, bool edges) {
                         [&](Context& ctx, Outputs& o) {
                           return internal::RopeApply(ctx, o[0].data(), batch, seq, heads, kv, hd,
                                                      cos.data(), sin.data(), inverse, rope_dim,
-                                                     interleaved);
+                                                     interleaved, vd);
                         });
       }
     }
@@ -322,19 +327,20 @@ std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
                                                const std::vector<float>& probs,
                                                const std::vector<float>& dout, int64_t batch,
                                                int64_t seq, int64_t heads, int64_t kv_heads,
-                                               int64_t hd) {
-  const int64_t S = seq, width = (heads + 2 * kv_heads) * hd;
+                                               int64_t hd, int64_t vd) {
+  const int64_t S = seq, width = (heads + kv_heads) * hd + kv_heads * vd;
   const double scale = hd > 0 ? 1.0 / std::sqrt(static_cast<double>(hd)) : 0.0;
   std::vector<double> size(static_cast<size_t>(batch * S * width), 0.0);
   // Column of query head h's q (part 0), or of the k (1) or v (2) it reads.
   auto col = [&](int64_t part, int64_t h) {
-    return part == 0 ? h * hd : (heads + (part - 1) * kv_heads + h / (heads / kv_heads)) * hd;
+    const int64_t g = h / (heads / kv_heads);
+    return part == 0 ? h * hd : part == 1 ? (heads + g) * hd : (heads + kv_heads) * hd + g * vd;
   };
   auto x = [&](int64_t row, int64_t part, int64_t h, int64_t t) {
     return std::fabs(static_cast<double>(qkv[static_cast<size_t>(row * width + col(part, h) + t)]));
   };
   auto dO = [&](int64_t row, int64_t h, int64_t t) {
-    return std::fabs(static_cast<double>(dout[static_cast<size_t>(row * heads * hd + h * hd + t)]));
+    return std::fabs(static_cast<double>(dout[static_cast<size_t>(row * heads * vd + h * vd + t)]));
   };
   std::vector<double> ds(static_cast<size_t>(S * S));
   for (int64_t b = 0; b < batch; ++b) {
@@ -344,7 +350,7 @@ std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
         double pdp = 0;
         for (int64_t j = 0; j <= i; ++j) {
           double dp = 0;
-          for (int64_t t = 0; t < hd; ++t) dp += dO(b * S + i, h, t) * x(b * S + j, 2, h, t);
+          for (int64_t t = 0; t < vd; ++t) dp += dO(b * S + i, h, t) * x(b * S + j, 2, h, t);
           ds[static_cast<size_t>(i * S + j)] = dp;
           pdp += std::fabs(P[i * S + j]) * dp;
         }
@@ -354,16 +360,19 @@ std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
         }
       }
       for (int64_t n = 0; n < S; ++n) {
+        double* row = size.data() + (b * S + n) * width;
         for (int64_t t = 0; t < hd; ++t) {
-          double q = 0, k = 0, v = 0;
+          double q = 0, k = 0;
           for (int64_t j = 0; j <= n; ++j) q += ds[static_cast<size_t>(n * S + j)] * x(b * S + j, 1, h, t);
           for (int64_t i = n; i < S; ++i) {
             k += ds[static_cast<size_t>(i * S + n)] * x(b * S + i, 0, h, t);
-            v += std::fabs(P[i * S + n]) * dO(b * S + i, h, t);
           }
-          double* row = size.data() + (b * S + n) * width;
           row[col(0, h) + t] = q;
           row[col(1, h) + t] += k;  // a kv head's: the sum over its query heads
+        }
+        for (int64_t t = 0; t < vd; ++t) {
+          double v = 0;
+          for (int64_t i = n; i < S; ++i) v += std::fabs(P[i * S + n]) * dO(b * S + i, h, t);
           row[col(2, h) + t] += v;
         }
       }
@@ -377,22 +386,22 @@ std::vector<double> AttentionBackwardTermSizes(const std::vector<float>& qkv,
 std::vector<double> AttentionOutputTermSizes(const std::vector<float>& qkv,
                                              const std::vector<float>& probs, int64_t batch,
                                              int64_t seq, int64_t heads, int64_t kv_heads,
-                                             int64_t hd) {
-  const int64_t width = (heads + 2 * kv_heads) * hd;
-  std::vector<double> size(static_cast<size_t>(batch * seq * heads * hd), 0.0);
+                                             int64_t hd, int64_t vd) {
+  const int64_t width = (heads + kv_heads) * hd + kv_heads * vd;
+  std::vector<double> size(static_cast<size_t>(batch * seq * heads * vd), 0.0);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
       const float* P = probs.data() + (b * heads + h) * seq * seq;
       for (int64_t i = 0; i < seq; ++i) {
-        for (int64_t t = 0; t < hd; ++t) {
+        for (int64_t t = 0; t < vd; ++t) {
           double sum = 0;
           for (int64_t j = 0; j <= i; ++j) {
             const int64_t kv = h / (heads / kv_heads);
             const float v = qkv[static_cast<size_t>((b * seq + j) * width +
-                                                    (heads + kv_heads + kv) * hd + t)];
+                                                    (heads + kv_heads) * hd + kv * vd + t)];
             sum += std::fabs(static_cast<double>(P[i * seq + j])) * std::fabs(v);
           }
-          size[static_cast<size_t>((b * seq + i) * heads * hd + h * hd + t)] = sum;
+          size[static_cast<size_t>((b * seq + i) * heads * vd + h * vd + t)] = sum;
         }
       }
     }
@@ -404,24 +413,29 @@ std::vector<double> AttentionOutputTermSizes(const std::vector<float>& qkv,
 // head width with a scalar tail) and multi-query ones (1 of 3, 1 of 1 at
 // a single position) beside multi-head ones (kv = heads).
 void CheckAttention(std::mt19937& rng, bool edges) {
-  for (auto [batch, seq, heads, kv, hd] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4},
-        {1, 37, 2, 2, 12},
-        {1, 1, 1, 1, 8},
-        {0, 5, 2, 2, 4},
-        {1, 9, 1, 1, 0},
-        {2, 7, 4, 2, 4},
-        {1, 13, 6, 2, 20},
-        {1, 11, 3, 1, 8},
-        {0, 3, 4, 1, 4}}) {
-    const int64_t rows = batch * seq, width = (heads + 2 * kv) * hd;
+  for (auto [batch, seq, heads, kv, hd, vd] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>{2, 7, 3, 3, 4, 4},
+        {1, 37, 2, 2, 12, 12},
+        {1, 1, 1, 1, 8, 8},
+        {0, 5, 2, 2, 4, 4},
+        {1, 9, 1, 1, 0, 0},
+        {2, 7, 4, 2, 4, 4},
+        {1, 13, 6, 2, 20, 20},
+        {1, 11, 3, 1, 8, 8},
+        {0, 3, 4, 1, 4, 4},
+        // MLA's value heads of their own width (v_head_dim), narrower or
+        // wider than hd, with scalar tails, and none.
+        {2, 9, 3, 3, 12, 5},
+        {1, 13, 4, 2, 6, 19},
+        {1, 7, 2, 2, 8, 0}}) {
+    const int64_t rows = batch * seq, width = (heads + kv) * hd + kv * vd;
     for (int part = 0; part < (edges ? 3 : 1); ++part) {
-      const std::string what = "attention " + Dims({batch, seq, heads, kv, hd}) +
+      const std::string what = "attention " + Dims({batch, seq, heads, kv, hd, vd}) +
                                (edges ? " edges in " + std::string(1, "qkv"[part]) : "");
       std::vector<float> qkv = Values(rng, rows * width, false);
       // The edges into part `part` (q, k or v heads) of every row.
       const int64_t first = part == 0 ? 0 : (heads + (part - 1) * kv) * hd;
-      const int64_t count = (part == 0 ? heads : kv) * hd;
+      const int64_t count = part == 0 ? heads * hd : part == 1 ? kv * hd : kv * vd;
       if (edges && count > 0) {
         const std::vector<float> e = Values(rng, rows * count, true);
         for (int64_t r = 0; r < rows; ++r) {
@@ -429,45 +443,48 @@ void CheckAttention(std::mt19937& rng, bool edges) {
                       static_cast<size_t>(count) * sizeof(float));
         }
       }
-      const std::vector<float> dout = Values(rng, rows * heads * hd, false);
+      const std::vector<float> dout = Values(rng, rows * heads * vd, false);
       const int64_t nprobs = batch * heads * seq * seq;
-      std::vector<float> probs = Poisoned(nprobs), out = Poisoned(rows * heads * hd);
+      std::vector<float> probs = Poisoned(nprobs), out = Poisoned(rows * heads * vd);
       ASSERT_TRUE(internal::AttentionForward(Ctx(BackendKind::kReference), qkv.data(), batch, seq,
-                                             heads, kv, hd, probs.data(), out.data())
+                                             heads, kv, hd, probs.data(), out.data(), vd)
                       .ok());
       // The probabilities within 2e-5; each output within that of the size
       // of its terms sum_j P_ij |v_j| (the cpu's own P carries 2e-5), plus
       // (seq + 4) u of it for the f32 sum, which cancels where v holds 1e30.
       std::vector<double> out_abs =
-          AttentionOutputTermSizes(qkv, probs, batch, seq, heads, kv, hd);
+          AttentionOutputTermSizes(qkv, probs, batch, seq, heads, kv, hd, vd);
       for (double& a : out_abs) {
         a = std::isfinite(a) ? 2e-5 + (2e-5 + static_cast<double>(seq + 4) * 0x1p-24) * a : a;
       }
       test::ForEachTarget([&] {
-        std::vector<float> got_probs = Poisoned(nprobs), got_out = Poisoned(rows * heads * hd);
+        std::vector<float> got_probs = Poisoned(nprobs), got_out = Poisoned(rows * heads * vd);
         ASSERT_TRUE(internal::AttentionForward(Ctx(BackendKind::kCpu), qkv.data(), batch, seq,
-                                               heads, kv, hd, got_probs.data(), got_out.data())
+                                               heads, kv, hd, got_probs.data(), got_out.data(),
+                                               vd)
                         .ok());
         ExpectClose(got_probs, probs, 2e-5, 2e-5, what + " forward probabilities");
         ExpectCloseWithin(got_out, out, out_abs, 2e-5, what + " forward output");
       });
-      // Within 2e-5 relative, or (seq + hd + 4) u of the size of its terms
+      // Within 2e-5 relative, or (seq + max(hd, vd) + 4) u of the size of its terms
       // (a NaN or infinite size, from an infinite input, accepts any value:
       // the forward's check has held those rows).
       std::vector<double> abs =
-          AttentionBackwardTermSizes(qkv, probs, dout, batch, seq, heads, kv, hd);
+          AttentionBackwardTermSizes(qkv, probs, dout, batch, seq, heads, kv, hd, vd);
       // dK and dV sum heads / kv heads' sums: that many more terms.
-      const double terms_u = static_cast<double>(seq * (kv > 0 ? heads / kv : 1) + hd + 4) * 0x1p-24;
+      const double terms_u =
+          static_cast<double>(seq * (kv > 0 ? heads / kv : 1) + std::max(hd, vd) + 4) * 0x1p-24;
       for (double& a : abs) a = std::isfinite(a) ? 2e-5 + terms_u * a : a;
       std::vector<float> want = Poisoned(rows * width);
       ASSERT_TRUE(internal::AttentionBackward(Ctx(BackendKind::kReference), qkv.data(),
                                               probs.data(), dout.data(), batch, seq, heads, kv, hd,
-                                              want.data())
+                                              want.data(), vd)
                       .ok());
       test::ForEachTarget([&] {
         std::vector<float> got = Poisoned(rows * width);
         ASSERT_TRUE(internal::AttentionBackward(Ctx(BackendKind::kCpu), qkv.data(), probs.data(),
-                                                dout.data(), batch, seq, heads, kv, hd, got.data())
+                                                dout.data(), batch, seq, heads, kv, hd, got.data(),
+                                                vd)
                         .ok());
         ExpectCloseWithin(got, want, abs, 2e-5, what + " backward");
       });

@@ -158,10 +158,31 @@ Status KvHeads(Op op, int64_t heads, int64_t kv_heads) {
 
 }  // namespace
 
+namespace {
+
+// Attention's qkv operand: [batch, seq, heads + 2 kv_heads, hd] where the
+// value heads are hd wide (the check every caller had before vd), else its
+// q and k heads [batch, seq, heads + kv_heads, hd] and its v heads [batch,
+// seq, kv_heads, vd], each checked for overflow, and their sum.
+Status QkvOperand(Op op, const char* what, const float* qkv, int64_t batch, int64_t seq,
+                  int64_t heads, int64_t kv_heads, int64_t hd, int64_t vd) {
+  if (vd == hd) return Operand(op, what, qkv, {batch, seq, heads + 2 * kv_heads, hd});
+  if (vd < 0) {
+    return InvalidArgument(std::string(OpName(op)) + ": value head width " + std::to_string(vd) +
+                           " is negative");
+  }
+  FP8MOE_RETURN_IF_ERROR(Operand(op, what, qkv, {batch, seq, heads + kv_heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, what, qkv, {batch, seq, kv_heads, vd}));
+  return Operand(op, what, qkv, {batch, seq, (heads + kv_heads) * hd + kv_heads * vd});
+}
+
+}  // namespace
+
 Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
                  int64_t kv_heads, int64_t hd, const float* cos, const float* sin,
-                 bool inverse, int64_t rope_dim, bool interleaved) {
+                 bool inverse, int64_t rope_dim, bool interleaved, int64_t vd) {
   const Op op = Op::kRope;
+  if (vd == -1) vd = hd;
   if (hd % 2 != 0) {
     return InvalidArgument("rope: head dimension " + std::to_string(hd) +
                            " is odd; RoPE rotates pairs of dimensions");
@@ -172,37 +193,42 @@ Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t h
                            " must be even and at most the head dimension " + std::to_string(hd));
   }
   FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, heads + 2 * kv_heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(QkvOperand(op, "qkv", qkv, batch, seq, heads, kv_heads, hd, vd));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "cos", cos, {seq, rope_dim / 2}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "sin", sin, {seq, rope_dim / 2}));
   return Run(ctx,
              RopeArgs{{op}, qkv, batch, seq, heads, kv_heads, hd, cos, sin, inverse, rope_dim,
-                      interleaved},
+                      interleaved, vd},
              &Backend::Rope);
 }
 
 Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq,
-                        int64_t heads, int64_t kv_heads, int64_t hd, float* probs, float* out) {
+                        int64_t heads, int64_t kv_heads, int64_t hd, float* probs, float* out,
+                        int64_t vd) {
   const Op op = Op::kAttentionForward;
+  if (vd == -1) vd = hd;
   FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, heads + 2 * kv_heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(QkvOperand(op, "qkv", qkv, batch, seq, heads, kv_heads, hd, vd));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {batch, seq, heads, hd}));
-  return Run(ctx, AttentionForwardArgs{{op}, qkv, batch, seq, heads, kv_heads, hd, probs, out},
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {batch, seq, heads, vd}));
+  return Run(ctx,
+             AttentionForwardArgs{{op}, qkv, batch, seq, heads, kv_heads, hd, probs, out, vd},
              &Backend::AttentionForward);
 }
 
 Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
                          int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd,
-                         float* dqkv) {
+                         float* dqkv, int64_t vd) {
   const Op op = Op::kAttentionBackward;
+  if (vd == -1) vd = hd;
   FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "qkv", qkv, {batch, seq, heads + 2 * kv_heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(QkvOperand(op, "qkv", qkv, batch, seq, heads, kv_heads, hd, vd));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "dout", dout, {batch, seq, heads, hd}));
-  FP8MOE_RETURN_IF_ERROR(Operand(op, "dqkv", dqkv, {batch, seq, heads + 2 * kv_heads, hd}));
+  FP8MOE_RETURN_IF_ERROR(Operand(op, "dout", dout, {batch, seq, heads, vd}));
+  FP8MOE_RETURN_IF_ERROR(QkvOperand(op, "dqkv", dqkv, batch, seq, heads, kv_heads, hd, vd));
   return Run(ctx,
-             AttentionBackwardArgs{{op}, qkv, probs, dout, batch, seq, heads, kv_heads, hd, dqkv},
+             AttentionBackwardArgs{{op}, qkv, probs, dout, batch, seq, heads, kv_heads, hd, dqkv,
+                                   vd},
              &Backend::AttentionBackward);
 }
 

@@ -45,21 +45,25 @@ Status RmsNormBackward(Context& ctx, const float* x, const float* g, const float
 // rotated. With rope_dim (-1: hd) only the last rope_dim columns of each q
 // and k head rotate (MLA's rope part; rope_dim even, <= hd), pairs (i, i +
 // rope_dim/2) of them, or with `interleaved` pairs (2i, 2i + 1) (DeepSeek's
-// layout), by angle(s, i) of tables [S, rope_dim/2].
+// layout), by angle(s, i) of tables [S, rope_dim/2]. vd (-1: hd): the
+// value heads' width, as AttentionForward's.
 Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
                  int64_t kv_heads, int64_t hd, const float* cos, const float* sin, bool inverse,
-                 int64_t rope_dim = -1, bool interleaved = false);
+                 int64_t rope_dim = -1, bool interleaved = false, int64_t vd = -1);
 
 // Causal softmax attention per (batch, query head) on qkv (q and k already
 // rotated), scale 1/sqrt(hd): probs [B, H, S, S] (zero above the diagonal),
-// out [B*S, H*hd].
+// out [B*S, H*vd]. vd (-1: hd) is the value heads' width (MLA's
+// v_head_dim): qkv rows are then (H + Hkv) hd + Hkv vd wide, the v heads
+// after the k heads.
 Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq,
-                        int64_t heads, int64_t kv_heads, int64_t hd, float* probs, float* out);
-// dqkv (qkv's shape, overwritten) from dout [B*S, H*hd]: dK and dV of a kv
+                        int64_t heads, int64_t kv_heads, int64_t hd, float* probs, float* out,
+                        int64_t vd = -1);
+// dqkv (qkv's shape, overwritten) from dout [B*S, H*vd]: dK and dV of a kv
 // head are the sums over the query heads that share it, in head order.
 Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, const float* dout,
                          int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t hd,
-                         float* dqkv);
+                         float* dqkv, int64_t vd = -1);
 
 // Copies `blocks` blocks of `width` columns per row between row buffers
 // src [rows, src_cols] and dst [rows, dst_cols]: block b is src columns

@@ -24,7 +24,7 @@ struct Dims {
       : B(c.batch), S(c.seq_len), N(c.batch * c.seq_len), D(c.emb_dim), H(c.num_heads),
         ql(c.q_lora_rank), kvl(c.kv_lora_rank), nope(c.qk_nope_head_dim),
         r(c.qk_rope_head_dim), vd(c.v_head_dim), qk(c.qk_nope_head_dim + c.qk_rope_head_dim) {}
-  int64_t qkv() const { return 3 * H * qk; }       // the fused q | k | v width
+  int64_t qkv() const { return 2 * H * qk + H * vd; }  // the fused q | k | v width
   int64_t kv_a() const { return kvl + r; }         // latent | k_rope
   int64_t kv_b() const { return H * (nope + vd); }  // per head k_nope | v
 };
@@ -46,9 +46,8 @@ Status QueryForward(Context& ctx, const ModelConfig& c, const ConstTensorView& g
                 d.H * d.qk, q);
 }
 
-// a->qkv [N, 3 H qk] = q | k | v heads from shared->q, kv_a and kv_b: key
-// head h is k_nope_h | k_rope, v_h in the first vd columns of its head (the
-// rest stays zero from the allocation).
+// a->qkv [N, 2 H qk + H vd] = q | k | v heads from shared->q, kv_a and
+// kv_b: key head h is k_nope_h | k_rope, value head h v_h.
 Status AssembleHeads(Context& ctx, const Dims& d, MlaShared* s, MlaActivations* a) {
   float* qkv = a->qkv.data_as<float>();
   const int64_t W = d.qkv(), Hqk = d.H * d.qk;
@@ -60,7 +59,7 @@ Status AssembleHeads(Context& ctx, const Dims& d, MlaShared* s, MlaActivations* 
   FP8MOE_RETURN_IF_ERROR(CopyColumns(ctx, s->kv_a.data_as<float>(), d.N, d.kv_a(), d.kvl, 0, d.H,
                                      d.r, qkv, W, Hqk + d.nope, d.qk, false));
   return CopyColumns(ctx, kv_b, d.N, d.kv_b(), d.nope, d.nope + d.vd, d.H, d.vd, qkv, W, 2 * Hqk,
-                     d.qk, false);
+                     d.vd, false);
 }
 
 // The backward of AssembleHeads: shared->q, kv_b and kv_a's k_rope columns
@@ -74,7 +73,7 @@ Status AssembleHeadsBackward(Context& ctx, const Dims& d, MlaShared* s) {
   float* dkv_b = s->kv_b.data_as<float>();
   FP8MOE_RETURN_IF_ERROR(CopyColumns(ctx, dqkv, d.N, W, Hqk, d.qk, d.H, d.nope, dkv_b, d.kv_b(), 0,
                                      d.nope + d.vd, false));
-  FP8MOE_RETURN_IF_ERROR(CopyColumns(ctx, dqkv, d.N, W, 2 * Hqk, d.qk, d.H, d.vd, dkv_b, d.kv_b(),
+  FP8MOE_RETURN_IF_ERROR(CopyColumns(ctx, dqkv, d.N, W, 2 * Hqk, d.vd, d.H, d.vd, dkv_b, d.kv_b(),
                                      d.nope, d.nope + d.vd, false));
   float* dkv_a = s->kv_a.data_as<float>();
   FP8MOE_RETURN_IF_ERROR(CopyColumns(ctx, dqkv, d.N, W, Hqk + d.nope, 0, 1, d.r, dkv_a, d.kv_a(),
@@ -170,7 +169,6 @@ Status AllocateMla(const ModelConfig& c, MlaShared* s) {
   FP8MOE_RETURN_IF_ERROR(Create(&s->q, {d.N, d.H * d.qk}));
   FP8MOE_RETURN_IF_ERROR(Create(&s->kv_a, {d.N, d.kv_a()}));
   FP8MOE_RETURN_IF_ERROR(Create(&s->kv_b, {d.N, d.kv_b()}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->attn_pad, {d.N, d.H * d.qk}));
   FP8MOE_RETURN_IF_ERROR(Create(&s->dqkv, {d.N, d.qkv()}));
   FP8MOE_RETURN_IF_ERROR(Create(&s->dattn, {d.N, d.H * d.vd}));
   FP8MOE_RETURN_IF_ERROR(Create(&s->dlatent, {d.N, d.kvl}));
@@ -190,7 +188,7 @@ Status AllocateMla(const ModelConfig& c, MlaActivations* a) {
   FP8MOE_RETURN_IF_ERROR(Create(&a->latent, {d.N, d.kvl}));
   FP8MOE_RETURN_IF_ERROR(Create(&a->latent_inv, {d.N}));
   FP8MOE_RETURN_IF_ERROR(Create(&a->latent_n, {d.N, d.kvl}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->qkv, {d.N, d.qkv()}));  // v's padding: zero, never written
+  FP8MOE_RETURN_IF_ERROR(Create(&a->qkv, {d.N, d.qkv()}));
   FP8MOE_RETURN_IF_ERROR(Create(&a->probs, {d.B, d.H, d.S, d.S}));
   return Create(&a->attn, {d.N, d.H * d.vd});
 }
@@ -220,13 +218,10 @@ Status MlaSublayerForward(Context& ctx, const ModelConfig& c, const ConstTensorV
   float* qkv = a->qkv.data_as<float>();
   FP8MOE_RETURN_IF_ERROR(RopeApply(ctx, qkv, d.B, d.S, d.H, d.H, d.qk, s->cos.data_as<float>(),
                                    s->sin.data_as<float>(), /*inverse=*/false, d.r,
-                                   c.rope_interleave));
+                                   c.rope_interleave, d.vd));
   FP8MOE_RETURN_IF_ERROR(AttentionForward(ctx, qkv, d.B, d.S, d.H, d.H, d.qk,
-                                          a->probs.data_as<float>(),
-                                          s->attn_pad.data_as<float>()));
-  FP8MOE_RETURN_IF_ERROR(CopyColumns(ctx, s->attn_pad.data_as<float>(), d.N, d.H * d.qk, 0, d.qk,
-                                     d.H, d.vd, a->attn.data_as<float>(), d.H * d.vd, 0, d.vd,
-                                     false));
+                                          a->probs.data_as<float>(), a->attn.data_as<float>(),
+                                          d.vd));
   FP8MOE_RETURN_IF_ERROR(Linear(ctx, group, a->attn.data_as<float>(), p.wo_attn.data_as<float>(),
                                 d.N, d.H * d.vd, d.D, x1));
   return Add(ctx, x1, x, d.N * d.D, x1);
@@ -239,23 +234,18 @@ Status MlaSublayerBackward(Context& ctx, const ModelConfig& c, const ConstTensor
   FP8MOE_RETURN_IF_ERROR(CheckMlaParams(c, *g, "gradients"));
   const int64_t HV = d.H * d.vd;
   float* dattn = s->dattn.data_as<float>();
-  float* dattn_pad = s->attn_pad.data_as<float>();
   // Output projection: dx is the gradient of x1 (and, through the residual,
   // already of x).
   FP8MOE_RETURN_IF_ERROR(LinearDx(ctx, group, dx, p.wo_attn.data_as<float>(), d.N, HV, d.D,
                                   dattn));
   FP8MOE_RETURN_IF_ERROR(LinearDw(ctx, group, a.attn.data_as<float>(), dx, d.N, HV, d.D,
                                   g->wo_attn.data_as<float>()));
-  // The padding columns of dattn_pad hold the forward's zeros: v's padding
-  // is zero, so they reach only the padding's own (unread) gradient.
-  FP8MOE_RETURN_IF_ERROR(CopyColumns(ctx, dattn, d.N, HV, 0, d.vd, d.H, d.vd, dattn_pad,
-                                     d.H * d.qk, 0, d.qk, false));
   FP8MOE_RETURN_IF_ERROR(AttentionBackward(ctx, a.qkv.data_as<float>(), a.probs.data_as<float>(),
-                                           dattn_pad, d.B, d.S, d.H, d.H, d.qk,
-                                           s->dqkv.data_as<float>()));
+                                           dattn, d.B, d.S, d.H, d.H, d.qk,
+                                           s->dqkv.data_as<float>(), d.vd));
   FP8MOE_RETURN_IF_ERROR(RopeApply(ctx, s->dqkv.data_as<float>(), d.B, d.S, d.H, d.H, d.qk,
                                    s->cos.data_as<float>(), s->sin.data_as<float>(),
-                                   /*inverse=*/true, d.r, c.rope_interleave));
+                                   /*inverse=*/true, d.r, c.rope_interleave, d.vd));
   FP8MOE_RETURN_IF_ERROR(AssembleHeadsBackward(ctx, d, s));
   FP8MOE_RETURN_IF_ERROR(KeyValueBackward(ctx, c, group, s, p, a, g, dtmp));
   FP8MOE_RETURN_IF_ERROR(QueryBackward(ctx, c, group, s, p, a, g));

@@ -11,10 +11,9 @@
 //   (2i, 2i+1), else halves; angle p / rope_max_timescale^(2i / r));
 //   attn = causal softmax attention, scale 1/sqrt(qk)                [N, H vd]
 //   x1   = x + attn @ wo_attn
-// The attention op runs on one fused buffer q | k | v of H heads of qk
-// columns each, v's columns past vd zero (v_head_dim <= qk; the cost is
-// (qk - vd) / qk of the value work and of that buffer). model/reference/ has
-// the float64 twin (reference::ModelLoss).
+// The attention op runs on one fused buffer q | k | v: H query and H key
+// heads of qk columns, H value heads of vd (its value head width).
+// model/reference/ has the float64 twin (reference::ModelLoss).
 #ifndef FP8MOE_MODEL_MLA_BLOCK_H_
 #define FP8MOE_MODEL_MLA_BLOCK_H_
 
@@ -32,8 +31,7 @@ struct MlaShared {
   Tensor q;          // [N, H qk] the q projection (backward: its gradient)
   Tensor kv_a;       // [N, kvl + r] (backward: its gradient)
   Tensor kv_b;       // [N, H (nope + vd)] (backward: its gradient)
-  Tensor attn_pad;   // [N, H qk] the attention's output, v padded (backward: its gradient)
-  Tensor dqkv;       // [N, 3 H qk]
+  Tensor dqkv;       // [N, 2 H qk + H vd]
   Tensor dattn;      // [N, H vd]
   Tensor dlatent;    // [N, kvl] the gradient of the normed latent
   Tensor dlatent_in;  // [N, kvl] the gradient of the latent
@@ -52,7 +50,7 @@ struct MlaActivations {
   Tensor latent;      // [N, kvl]
   Tensor latent_inv;  // [N] its 1 / rms
   Tensor latent_n;    // [N, kvl] RMSNorm(latent) * kv_a_norm
-  Tensor qkv;         // [N, 3 H qk] q | k | v heads, rope columns rotated, v zero past vd
+  Tensor qkv;         // [N, 2 H qk + H vd] q | k | v heads, rope columns rotated
   Tensor probs;       // [B, H, S, S]
   Tensor attn;        // [N, H vd]
 };

@@ -85,23 +85,16 @@ void ValidateMla(const ModelConfig& c, std::vector<std::string>* problems) {
     problems->push_back("use_qk_norm=true with attention_type=mla (MLA normalizes the "
                         "compressed q and kv instead); set use_qk_norm=false");
   }
-  if (problems->empty() && c.v_head_dim > c.qk_nope_head_dim + c.qk_rope_head_dim) {
-    problems->push_back("v_head_dim=" + std::to_string(c.v_head_dim) +
-                        " exceeds qk_nope_head_dim + qk_rope_head_dim = " +
-                        std::to_string(c.qk_nope_head_dim + c.qk_rope_head_dim) +
-                        " (the attention op runs v padded to the query/key width); lower "
-                        "v_head_dim");
-  }
   const __int128 qk = static_cast<__int128>(c.qk_nope_head_dim) + c.qk_rope_head_dim;
   if (problems->empty() &&
-      (3 * c.num_heads * qk > std::numeric_limits<int32_t>::max() ||
+      (c.num_heads * (2 * qk + c.v_head_dim) > std::numeric_limits<int32_t>::max() ||
        c.num_heads * (static_cast<__int128>(c.qk_nope_head_dim) + c.v_head_dim) >
            std::numeric_limits<int32_t>::max() ||
        static_cast<__int128>(c.kv_lora_rank) + c.qk_rope_head_dim >
            std::numeric_limits<int32_t>::max())) {
-    problems->push_back("the MLA widths (3 x base_num_query_heads x (qk_nope_head_dim + "
-                        "qk_rope_head_dim), kv_lora_rank + qk_rope_head_dim) exceed 2^31 - 1; "
-                        "lower the head count or the head dims");
+    problems->push_back("the MLA widths (base_num_query_heads x (2 (qk_nope_head_dim + "
+                        "qk_rope_head_dim) + v_head_dim), kv_lora_rank + qk_rope_head_dim) "
+                        "exceed 2^31 - 1; lower the head count or the head dims");
   }
 }
 

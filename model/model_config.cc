@@ -70,8 +70,7 @@ const FlagTable<ModelConfig>& ModelConfigFlags() {
            "mla: rotated query columns of a head, and the width of the one rotated key all "
            "heads share. Even, range [2, 2^31).");
     t->Int("v_head_dim", &M::v_head_dim,
-           "mla: value columns of a head (wo_attn [H v_head_dim, D]); at most "
-           "qk_nope_head_dim + qk_rope_head_dim here. Range [1, 2^31).");
+           "mla: value columns of a head (wo_attn [H v_head_dim, D]). Range [1, 2^31).");
     t->Bool("rope_interleave", &M::rope_interleave,
             "mla: RoPE rotates pairs (2i, 2i+1) of the rope columns (DeepSeek's layout, Hugging "
             "Face's rope_interleave); false: pairs (i, i + qk_rope_head_dim/2). Unread by "

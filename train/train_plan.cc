@@ -63,11 +63,11 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U local_experts = experts / Pe;
   const U SF = Pos(m.shared_experts) * F;  // the shared experts' fused width
   // attention_type=mla (model/mla_block.h): its projections instead of wqkv;
-  // per layer and token it keeps qkv [3 H qk], q_a and q_a_n [ql], latent
-  // and latent_n [kvl], two 1/rms, attn [H vd]; the layers share per token
-  // q and attn_pad [H qk], kv_a [kvl + r], kv_b [H (nope + vd)], dqkv
-  // [3 H qk], dattn [H vd], two [kvl], two [ql], dn1 [D], and the RoPE
-  // tables [S, r/2] twice.
+  // per layer and token it keeps qkv [2 H qk + H vd], q_a and q_a_n [ql],
+  // latent and latent_n [kvl], two 1/rms, attn [H vd]; the layers share per
+  // token q [H qk], kv_a [kvl + r], kv_b [H (nope + vd)], dqkv [2 H qk +
+  // H vd], dattn [H vd], two [kvl], two [ql], dn1 [D], and the RoPE tables
+  // [S, r/2] twice.
   const bool mla = IsMla(m);
   const U ql = Pos(m.q_lora_rank), kvl = Pos(m.kv_lora_rank), nope = Pos(m.qk_nope_head_dim),
           rope = Pos(m.qk_rope_head_dim), vd = Pos(m.v_head_dim), qk = nope + rope;
@@ -138,11 +138,11 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U tied_global =
       !m.logits_via_embedding ? 0
       : 4 * (V * D + (m.normalize_embedding_logits ? Nl * V + Nl : 0));
-  const U kept_qkv = mla ? 3 * H * qk + 2 * ql + 2 * kvl + 2 : QKV;  // per token
+  const U kept_qkv = mla ? 2 * H * qk + H * vd + 2 * ql + 2 * kvl + 2 : QKV;  // per token
   const U kept_attn = mla ? H * vd : HD;
   const U attention_global =
-      mla ? Nl * (2 * H * qk + kvl + rope + H * (nope + vd) + 3 * H * qk + H * vd + 2 * kvl +
-                  2 * ql + D) + S * rope
+      mla ? Nl * (H * qk + kvl + rope + H * (nope + vd) + 2 * H * qk + H * vd + H * vd +
+                  2 * kvl + 2 * ql + D) + S * rope
           : Nl * QKV + Nl * HD + S * Pos(m.head_dim);
   const U per_layer = qk_norm_layer +
                       4 * (4 * Nl * D + 2 * Nl + Nl * kept_qkv + Bl * H * S * S +

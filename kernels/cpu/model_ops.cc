@@ -91,7 +91,7 @@ void CpuOps::Rope(Context& ctx, const RopeArgs& a) {
   // each, the last rope_dim columns (pairs (i, i + half), or (2i, 2i + 1)
   // interleaved).
   const int64_t rotated = a.heads + a.kv_heads, hd = a.hd, seq = a.seq;
-  const int64_t half = a.rope_dim / 2, width = (a.heads + 2 * a.kv_heads) * hd;
+  const int64_t half = a.rope_dim / 2, width = (a.heads + a.kv_heads) * hd + a.kv_heads * a.vd;
   const int64_t first = hd - a.rope_dim;
   const int64_t step = a.interleaved ? 2 : 1, other = a.interleaved ? 1 : half;
   const float sign = a.inverse ? -1.0f : 1.0f;

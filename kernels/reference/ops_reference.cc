@@ -70,7 +70,7 @@ void ReferenceOps::RmsNormBackward(Context&, const RmsNormBackwardArgs& a) {
 void ReferenceOps::Rope(Context&, const RopeArgs& a) {
   // The q heads and then the k heads: the first heads + kv_heads heads of a
   // row; v is not rotated. Of each head the last rope_dim columns rotate.
-  const int64_t half = a.rope_dim / 2, width = (a.heads + 2 * a.kv_heads) * a.hd;
+  const int64_t half = a.rope_dim / 2, width = (a.heads + a.kv_heads) * a.hd + a.kv_heads * a.vd;
   for (int64_t b = 0; b < a.batch; ++b) {
     for (int64_t p = 0; p < a.seq; ++p) {
       for (int64_t h = 0; h < a.heads + a.kv_heads; ++h) {
@@ -104,24 +104,30 @@ void ReferenceOps::CopyColumns(Context&, const CopyColumnsArgs& a) {
 namespace {
 
 // The heads of one attention call: query head h reads kv head h / group.
+// The value heads are vd wide, after the q and k heads of hd.
 struct Heads {
-  int64_t q, kv, hd;
-  int64_t width() const { return (q + 2 * kv) * hd; }
+  int64_t q, kv, hd, vd;
+  int64_t width() const { return (q + kv) * hd + kv * vd; }
   int64_t group() const { return q / kv; }
+  // Column of query head h (part 0), or of the key (1) or value (2) head
+  // that query head h reads.
+  int64_t Column(int64_t part, int64_t h) const {
+    if (part == 0) return h * hd;
+    return part == 1 ? (q + h / group()) * hd : (q + kv) * hd + h / group() * vd;
+  }
 };
 
 // Element t of query head h (part 0), or of the key (1) or value (2) head
 // that query head h reads, at row `row` of qkv.
 double Qkv(const float* qkv, const Heads& n, int64_t row, int64_t part, int64_t h, int64_t t) {
-  const int64_t col = part == 0 ? h * n.hd : (n.q + (part - 1) * n.kv + h / n.group()) * n.hd;
-  return qkv[row * n.width() + col + t];
+  return qkv[row * n.width() + n.Column(part, h) + t];
 }
 
 }  // namespace
 
 void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
-  const int64_t S = a.seq, H = a.heads, hd = a.hd;
-  const Heads n{H, a.kv_heads, hd};
+  const int64_t S = a.seq, H = a.heads, hd = a.hd, vd = a.vd;
+  const Heads n{H, a.kv_heads, hd, vd};
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   std::vector<double> p(static_cast<size_t>(S));
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -146,12 +152,12 @@ void ReferenceOps::AttentionForward(Context&, const AttentionForwardArgs& a) {
         for (int64_t j = 0; j < S; ++j) {
           prow[j] = j <= i ? static_cast<float>(p[static_cast<size_t>(j)] / sum) : 0.0f;
         }
-        for (int64_t t = 0; t < hd; ++t) {
+        for (int64_t t = 0; t < vd; ++t) {
           double o = 0;
           for (int64_t j = 0; j <= i; ++j) {
             o += p[static_cast<size_t>(j)] / sum * Qkv(a.qkv, n, b * S + j, 2, h, t);
           }
-          a.out[(b * S + i) * H * hd + h * hd + t] = static_cast<float>(o);
+          a.out[(b * S + i) * H * vd + h * vd + t] = static_cast<float>(o);
         }
       }
     }
@@ -164,12 +170,12 @@ void ReferenceOps::AttentionBackward(Context&, const AttentionBackwardArgs& a) {
   // dS_ij = P_ij (dP_ij - sum_j' P_ij' dP_ij') * scale; dQ_i = sum_j dS_ij K_j;
   // dK_j = sum_i dS_ij Q_i. A kv head's dK and dV sum those of its query
   // heads, in head order. Each in double, rounded once.
-  const int64_t S = a.seq, H = a.heads, hd = a.hd;
-  const Heads n{H, a.kv_heads, hd};
+  const int64_t S = a.seq, H = a.heads, hd = a.hd, vd = a.vd;
+  const Heads n{H, a.kv_heads, hd, vd};
   const int64_t width = n.width();
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   std::vector<double> ds(static_cast<size_t>(S * S)), dk(static_cast<size_t>(S * hd)),
-      dv(static_cast<size_t>(S * hd));
+      dv(static_cast<size_t>(S * vd));
   for (int64_t b = 0; b < a.batch; ++b) {
     for (int64_t g = 0; g < n.kv; ++g) {
       std::fill(dk.begin(), dk.end(), 0.0);
@@ -177,14 +183,14 @@ void ReferenceOps::AttentionBackward(Context&, const AttentionBackwardArgs& a) {
       for (int64_t h = g * n.group(); h < (g + 1) * n.group(); ++h) {
         const float* P = a.probs + (b * H + h) * S * S;
         auto dO = [&](int64_t i, int64_t t) {
-          return static_cast<double>(a.dout[(b * S + i) * H * hd + h * hd + t]);
+          return static_cast<double>(a.dout[(b * S + i) * H * vd + h * vd + t]);
         };
         std::fill(ds.begin(), ds.end(), 0.0);
         for (int64_t i = 0; i < S; ++i) {
           double pdp = 0;
           for (int64_t j = 0; j <= i; ++j) {
             double dp = 0;
-            for (int64_t t = 0; t < hd; ++t) dp += dO(i, t) * Qkv(a.qkv, n, b * S + j, 2, h, t);
+            for (int64_t t = 0; t < vd; ++t) dp += dO(i, t) * Qkv(a.qkv, n, b * S + j, 2, h, t);
             ds[static_cast<size_t>(i * S + j)] = dp;
             pdp += P[i * S + j] * dp;
           }
@@ -195,17 +201,20 @@ void ReferenceOps::AttentionBackward(Context&, const AttentionBackwardArgs& a) {
         }
         for (int64_t r = 0; r < S; ++r) {
           for (int64_t t = 0; t < hd; ++t) {
-            double q = 0, k = 0, v = 0;
+            double q = 0, k = 0;
             for (int64_t j = 0; j <= r; ++j) {  // row r as a query
               q += ds[static_cast<size_t>(r * S + j)] * Qkv(a.qkv, n, b * S + j, 1, h, t);
             }
-            for (int64_t i = r; i < S; ++i) {  // row r as a key and a value
+            for (int64_t i = r; i < S; ++i) {  // row r as a key
               k += ds[static_cast<size_t>(i * S + r)] * Qkv(a.qkv, n, b * S + i, 0, h, t);
-              v += P[i * S + r] * dO(i, t);
             }
             a.dqkv[(b * S + r) * width + h * hd + t] = static_cast<float>(q);
             dk[static_cast<size_t>(r * hd + t)] += k;
-            dv[static_cast<size_t>(r * hd + t)] += v;
+          }
+          for (int64_t t = 0; t < vd; ++t) {
+            double v = 0;
+            for (int64_t i = r; i < S; ++i) v += P[i * S + r] * dO(i, t);  // row r as a value
+            dv[static_cast<size_t>(r * vd + t)] += v;
           }
         }
       }
@@ -213,7 +222,10 @@ void ReferenceOps::AttentionBackward(Context&, const AttentionBackwardArgs& a) {
         float* row = a.dqkv + (b * S + r) * width;
         for (int64_t t = 0; t < hd; ++t) {
           row[(H + g) * hd + t] = static_cast<float>(dk[static_cast<size_t>(r * hd + t)]);
-          row[(H + n.kv + g) * hd + t] = static_cast<float>(dv[static_cast<size_t>(r * hd + t)]);
+        }
+        for (int64_t t = 0; t < vd; ++t) {
+          const double v = dv[static_cast<size_t>(r * vd + t)];
+          row[(H + n.kv) * hd + g * vd + t] = static_cast<float>(v);
         }
       }
     }
