@@ -3,7 +3,8 @@
 // panels: training and eval loss of every run (with the synthetic entropy
 // floor), step times, the per-expert router load of the first run's first
 // layer, and the FP8 health (saturated / flushed fractions) of its quantized
-// tensors.
+// tensors; when the first run has routed_bias, two more: its first MoE
+// layer's bias per expert and every run's load imbalance (max/mean load).
 #include <unistd.h>
 
 #include <algorithm>
@@ -99,6 +100,39 @@ std::string FirstMoeLayerPlot(const Run& run, const char* key, const fs::path& f
   return plot;
 }
 
+// A curve per run of its load imbalance over the steps: the largest
+// max/mean of the expert loads over its MoE layers (a dense layer logs an
+// empty load and is left out), the data written to tmp / "imbalance<r>", with
+// the 1.2 line DeepSeek-style balancing is judged by. Returns gnuplot's plot
+// list, or "" when no run logs a load.
+std::string LoadImbalancePlot(const std::vector<Run>& runs, const fs::path& tmp) {
+  std::string plot;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const fs::path file = tmp / ("imbalance" + std::to_string(r));
+    std::ofstream data(file);
+    bool any = false;
+    for (const json& j : runs[r].steps) {
+      if (!j.contains("expert_load")) continue;
+      double worst = 0;
+      for (const json& layer : j["expert_load"]) {
+        double sum = 0, max = 0;
+        for (const json& v : layer) {
+          sum += v.get<double>();
+          max = std::max(max, v.get<double>());
+        }
+        if (sum > 0) worst = std::max(worst, max * static_cast<double>(layer.size()) / sum);
+      }
+      if (worst == 0) continue;
+      data << j["step"].get<int64_t>() << " " << worst << "\n";
+      any = true;
+    }
+    if (!any) continue;
+    plot += std::string(plot.empty() ? "" : ", ") + Quote(file.string()) + " with lines lc " +
+            std::to_string(r + 1) + " title " + Quote(runs[r].name);
+  }
+  return plot.empty() ? plot : plot + ", 1.2 with lines dt 2 lc rgb 'black' title '1.2'";
+}
+
 int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) {
   std::vector<Run> runs(dirs.size());
   for (size_t i = 0; i < dirs.size(); ++i) {
@@ -187,7 +221,8 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
       }
     }
   }
-  // routed_bias runs: a fifth panel, each expert's bias of that layer.
+  // routed_bias runs: a third row, each expert's bias of that layer and the
+  // load imbalance of every run (so a run without the bias can be compared).
   const std::string bias_plot = FirstMoeLayerPlot(runs[0], "router_bias", tmp / "bias");
   std::ostringstream gp;
   // pngcairo: the libgd png terminal draws every dash type solid.
@@ -213,6 +248,9 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
   if (!bias_plot.empty()) {
     gp << "unset label 1\nset title " << Quote("router bias (routed_bias), first MoE layer of " + runs[0].name)
        << "\nplot " << bias_plot << "\n";
+    const std::string imbalance_plot = LoadImbalancePlot(runs, tmp);
+    gp << "set title 'load imbalance: max/mean expert load, worst MoE layer, of each run'\nplot "
+       << (imbalance_plot.empty() ? "0 notitle" : imbalance_plot) << "\n";
   }
   gp << "unset multiplot\n";
   const fs::path script = tmp / "report.gp";

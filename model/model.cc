@@ -27,9 +27,12 @@ namespace {
 // to problems.
 void ValidateMla(const ModelConfig& c, std::vector<std::string>* problems) {
   if (c.rope_type == "yarn") {
+    // YaRN changes the model at any length (interpolated low frequencies,
+    // a larger softmax scale), so plain RoPE is not a stand-in for it.
     problems->push_back("rope_type=yarn: YaRN RoPE scaling is not implemented yet; set "
-                        "rope_type=default (MaxText's deepseek3 configs set yarn for long "
-                        "contexts; at the short max_target_length here default RoPE applies)");
+                        "rope_type=default to train with plain RoPE instead (a different "
+                        "model from YaRN's at any length; with a model_name preset that "
+                        "sets yarn, add override_model_config=true)");
   } else if (c.rope_type != "default") {
     problems->push_back("rope_type=" + c.rope_type +
                         " is not implemented; set rope_type=default");

@@ -787,7 +787,9 @@ TEST(Model, RoutedBiasIsStateStartingAtZeroLeavingTheOtherInitialWeights) {
   EXPECT_EQ(added, (std::vector<std::string>{"layers.1.router_bias", "layers.2.router_bias"}));
   const auto names = ParamShapes(on);
   for (size_t k = 0; k + 1 < names.size(); ++k) {
-    if (IsModelState(names[k + 1].first)) EXPECT_TRUE(names[k].first.ends_with(".router"));
+    if (IsModelState(names[k + 1].first)) {
+      EXPECT_TRUE(names[k].first.ends_with(".router"));
+    }
   }
   EXPECT_EQ(ModelParamCount(on), ModelParamCount(off) + 2 * static_cast<uint64_t>(on.moe.num_experts));
   // A routed_bias model refuses parameters without the bias (it would route

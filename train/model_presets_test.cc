@@ -148,7 +148,7 @@ TEST(ModelPresets, TheResolvedConfigIsAConfigFileForTheSameRun) {
 TEST(ModelPresets, AFullSizePresetIsRefusedByTheMemoryPlanBeforeAllocating) {
   test::CapGuard guard;
   SetMemoryCap(uint64_t{16} << 30, "test");
-  for (const std::string name : {"mixtral-8x7b", "qwen3-30b-a3b"}) {
+  for (const std::string name : {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek3-671b"}) {
     ResetMemoryPeak();
     const int64_t before = GetMemoryStats().in_use;
     auto s = RunTiny({"model_name=" + name, "base_output_directory=" + TestDir(),

@@ -508,7 +508,9 @@ TEST(Train, RoutedBiasMovesAfterEachStepByItsLoadsAndNotOnASkippedStep) {
     }
     auto s = RunTiny(f, {}, true);
     ASSERT_EQ(s.ok(), !skip) << s.status().ToString();
-    if (!skip) EXPECT_EQ(s->allocations_per_step, 0.0);  // the update allocates nothing
+    if (!skip) {
+      EXPECT_EQ(s->allocations_per_step, 0.0);  // the update allocates nothing
+    }
     std::ifstream in(TestDir() + "/" + (skip ? "bias_skip" : "bias_steps") + "/metrics.jsonl");
     std::string line;
     std::vector<std::vector<float>> before(2, std::vector<float>(4, 0.0f));  // E = 4

@@ -3,6 +3,8 @@ oracle: PyYAML must read every file our flat reader accepts to the same string,
 and every file PyYAML refuses must be refused by ours too (exit 2, naming the
 line and column). The value comes back through `fp8moe train`: a string flag
 with choices echoes the value it was given in its error message, exactly."""
+import json
+import math
 import os
 import re
 import subprocess
@@ -123,7 +125,8 @@ def print_config(fp8moe_bin, *args):
 
 
 def test_there_are_presets():
-    assert {"mixtral-small", "mixtral-8x7b", "qwen3-moe-small", "qwen3-30b-a3b"} <= set(PRESETS)
+    assert {"mixtral-small", "mixtral-8x7b", "qwen3-moe-small", "qwen3-30b-a3b", "deepseek3-small",
+            "deepseek3-tiny", "deepseek3-671b"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -164,7 +167,7 @@ def test_a_preset_flag_changes_only_with_override_model_config(fp8moe_bin):
     assert "did you mean model_name=mixtral-small?" in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek3-671b"])
 def test_a_full_size_preset_is_refused_by_the_memory_plan(fp8moe_bin, tmp_path, name):
     p = subprocess.run([fp8moe_bin, "--memory-cap", "16G", "train", f"model_name={name}",
                         f"base_output_directory={tmp_path}"], capture_output=True, text=True,
@@ -172,3 +175,29 @@ def test_a_full_size_preset_is_refused_by_the_memory_plan(fp8moe_bin, tmp_path, 
     assert p.returncode == 2, p.stderr
     assert "memory cap is 17179869184 bytes" in p.stderr, p.stderr
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["mixtral-small", "qwen3-moe-small", "deepseek3-small"])
+def test_a_small_preset_trains(fp8moe_bin, tmp_path, name):
+    """Each small preset trains (native FP8, the default mode) with finite losses; the
+    DeepSeek one logs its first layer dense (no load, no bias) and moves its MoE layers'
+    routing biases by the rate, 0.001 per step, from zero."""
+    p = subprocess.run([fp8moe_bin, "train", f"model_name={name}", "steps=4", "log_period=1",
+                        "eval_interval=4", "enable_checkpointing=false",
+                        f"base_output_directory={tmp_path}", "run_name=r"],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr
+    with open(tmp_path / "r" / "metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert len(lines) == 4
+    assert all(math.isfinite(m["loss"]) for m in lines)
+    if name != "deepseek3-small":
+        assert "router_bias" not in lines[-1]
+        return
+    bias = lines[-1]["router_bias"]
+    assert bias[0] == [] and lines[-1]["expert_load"][0] == []
+    for layer in bias[1:]:
+        assert len(layer) == 16
+        # four updates of +-0.001 or 0 each: a multiple of 0.001 in [-0.004, 0.004]
+        assert all(abs(b) <= 0.004 + 1e-9 for b in layer)
+        assert any(b != 0 for b in layer)

@@ -183,7 +183,8 @@ def test_text_data_trains_and_report_draws_a_png(fp8moe_bin, tmp_path):
 
 def test_report_draws_the_router_bias_of_a_routed_bias_run(fp8moe_bin, tmp_path):
     """routed_bias: metrics.jsonl has every MoE layer's bias at the log steps, and the
-    report adds a fifth panel (a curve per expert of the first MoE layer)."""
+    report adds a third row (a curve per expert of the first MoE layer; the load imbalance of
+    every run: drawn here with a run without the bias beside it)."""
     p = train(fp8moe_bin, tmp_path, "bias", "steps=10", "log_period=2",
               "routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.01",
               "first_num_dense_layers=1", "base_num_decoder_layers=3", "base_mlp_dim=16")
@@ -196,8 +197,12 @@ def test_report_draws_the_router_bias_of_a_routed_bias_run(fp8moe_bin, tmp_path)
         assert [len(b) for b in l["router_bias"][1:]] == [4, 4]
     assert any(b != 0 for b in logged[-1]["router_bias"][1])
     out = tmp_path / "report.png"
-    r = subprocess.run([fp8moe_bin, "report", str(tmp_path / "bias"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=60)
+    q = train(fp8moe_bin, tmp_path, "nobias", "steps=10", "log_period=2",
+              "routed_score_func=sigmoid", "first_num_dense_layers=1",
+              "base_num_decoder_layers=3", "base_mlp_dim=16")
+    assert q.returncode == 0, q.stderr
+    r = subprocess.run([fp8moe_bin, "report", str(tmp_path / "bias"), str(tmp_path / "nobias"),
+                        "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
