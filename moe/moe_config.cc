@@ -372,6 +372,13 @@ void CheckRoutedBias(const MoeConfig& c, std::vector<std::string>* out) {
     out->push_back("routed_bias_update_rate=" + Num(rate) +
                    " must be a finite number >= 0; set routed_bias_update_rate=0.001 "
                    "(DeepSeek-V3) or 0 (the bias stays fixed)");
+  } else if (rate != 0 && (static_cast<float>(rate) == 0 ||
+                           !std::isfinite(static_cast<float>(rate)))) {
+    // The bias moves in f32 (UpdateRoutedBias): a rate that rounds to 0
+    // would never move it, one past f32's range would make it inf.
+    out->push_back("routed_bias_update_rate=" + Num(rate) +
+                   " is outside float32's range (the bias moves in float32: about 1.4e-45 to "
+                   "3.4e38); set routed_bias_update_rate=0.001 (DeepSeek-V3)");
   } else if (rate != 0 && !c.routed_bias) {
     out->push_back("routed_bias_update_rate=" + Num(rate) +
                    " is set but routed_bias=false, so there is no bias to update; set "

@@ -568,6 +568,14 @@ TEST(MoeConfigRulesTest, RoutedBias) {
     c.routed_bias_update_rate = bad;
     EXPECT_CONTAINS(ValidateMoeConfig(c).message(), "must be a finite number >= 0") << bad;
   }
+  // The bias moves in f32: a rate that rounds to 0 or past f32's range is
+  // refused (it would never move the bias, or make it inf).
+  for (const char* bad : {"routed_bias_update_rate=1e-50", "routed_bias_update_rate=1e39"}) {
+    EXPECT_CONTAINS(Problem({"routed_score_func=sigmoid", "routed_bias=true", bad}),
+                    "is outside float32's range") << bad;
+  }
+  EXPECT_TRUE(Load({"routed_score_func=sigmoid", "routed_bias=true",
+                    "routed_bias_update_rate=1e-40"}).ok());  // an f32 subnormal still moves it
   // The bias is of sigmoid scores (the route op refuses it with softmax).
   const std::string softmax = Problem({"routed_bias=true"});
   EXPECT_CONTAINS(softmax, "routed_bias=true biases the sigmoid scores");

@@ -26,6 +26,43 @@ uint64_t Saturate(U v) {
                                                   : static_cast<uint64_t>(v);
 }
 
+// The attention sublayer's share of the plan (model/attention_block.h,
+// model/mla_block.h) for Nl tokens of sequence length S.
+struct AttentionPlan {
+  U largest;       // elements of its largest parameter tensor
+  U layer_bytes;   // kept per layer for the backward
+  U global_bytes;  // shared by the layers
+};
+AttentionPlan PlanAttention(const ModelConfig& m, U Nl, U S) {
+  const U D = Pos(m.emb_dim), H = Pos(m.num_heads), hd = Pos(m.head_dim), Hkv = Pos(KvHeads(m)),
+          HD = H * hd, QKV = (H + 2 * Hkv) * hd;  // q | k | v heads
+  if (IsMla(m)) {
+    // attention_type=mla: its projections instead of wqkv; per layer and
+    // token it keeps qkv [2 H qk + H vd], q_a and q_a_n [ql], latent and
+    // latent_n [kvl], two 1/rms, attn [H vd]; the layers share per token
+    // q [H qk], kv_a [kvl + r], kv_b [H (nope + vd)], dqkv [2 H qk + H vd],
+    // dattn [H vd], two [kvl], two [ql], dn1 [D], and the RoPE tables
+    // [S, r/2] twice.
+    const U ql = Pos(m.q_lora_rank), kvl = Pos(m.kv_lora_rank), nope = Pos(m.qk_nope_head_dim),
+            rope = Pos(m.qk_rope_head_dim), vd = Pos(m.v_head_dim), qk = nope + rope;
+    const U largest = std::max({D * H * qk, ql * H * qk, D * (kvl + rope),
+                                kvl * H * (nope + vd), H * vd * D});
+    const U kept = 2 * H * qk + H * vd + 2 * ql + 2 * kvl + 2 + H * vd;
+    const U shared = Nl * (H * qk + kvl + rope + H * (nope + vd) + 2 * H * qk + H * vd +
+                           H * vd + 2 * kvl + 2 * ql + D) + S * rope;
+    return {largest, 4 * Nl * kept, 4 * shared};
+  }
+  // Global attention keeps qkv [N, (H + 2 Hkv) hd] and attn [N, H hd] per
+  // layer; use_qk_norm also the q and k heads before their norm and their
+  // 1/rms per layer, and shares the projection, its head-major rows and two
+  // I64 row maps.
+  const U heads_qk = H + Hkv, heads_all = heads_qk + Hkv;
+  const U qk_norm_layer = m.use_qk_norm ? 4 * (Nl * heads_qk * hd + Nl * heads_qk) : 0;
+  const U qk_norm_global = m.use_qk_norm ? 4 * 2 * Nl * QKV + 16 * Nl * heads_all : 0;
+  return {D * QKV, qk_norm_layer + 4 * Nl * (QKV + HD),
+          4 * (Nl * QKV + Nl * HD + S * hd) + qk_norm_global};
+}
+
 }  // namespace
 
 TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expert) {
@@ -40,9 +77,7 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U B = Pos(global_batch < 9e18 ? static_cast<int64_t>(std::max(global_batch, 0.0))
                                  : std::numeric_limits<int64_t>::max()),
           S = Pos(m.seq_len), N = B * S, D = Pos(m.emb_dim),
-          H = Pos(m.num_heads), HD = H * Pos(m.head_dim), V = Pos(m.vocab_size),
-          QKV = (H + 2 * Pos(KvHeads(m))) * Pos(m.head_dim),  // q | k | v heads
-          F = Pos(m.mlp_dim), E = Pos(m.moe.num_experts), L = Pos(m.num_layers),
+          H = Pos(m.num_heads), V = Pos(m.vocab_size), F = Pos(m.mlp_dim), E = Pos(m.moe.num_experts), L = Pos(m.num_layers),
           k = Pos(m.moe.num_experts_per_tok);
   TrainMemoryPlan plan;
   // f32 sets of the parameters (train/trainer.cc, train/fsdp.h):
@@ -62,19 +97,8 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U dense = params - std::min(params, experts);
   const U local_experts = experts / Pe;
   const U SF = Pos(m.shared_experts) * F;  // the shared experts' fused width
-  // attention_type=mla (model/mla_block.h): its projections instead of wqkv;
-  // per layer and token it keeps qkv [2 H qk + H vd], q_a and q_a_n [ql],
-  // latent and latent_n [kvl], two 1/rms, attn [H vd]; the layers share per
-  // token q [H qk], kv_a [kvl + r], kv_b [H (nope + vd)], dqkv [2 H qk +
-  // H vd], dattn [H vd], two [kvl], two [ql], dn1 [D], and the RoPE tables
-  // [S, r/2] twice.
-  const bool mla = IsMla(m);
-  const U ql = Pos(m.q_lora_rank), kvl = Pos(m.kv_lora_rank), nope = Pos(m.qk_nope_head_dim),
-          rope = Pos(m.qk_rope_head_dim), vd = Pos(m.v_head_dim), qk = nope + rope;
-  const U mla_largest =
-      !mla ? 0 : std::max({D * H * qk, ql * H * qk, D * (kvl + rope), kvl * H * (nope + vd),
-                           H * vd * D});
-  const U largest = std::max({V * D, mla ? mla_largest : D * QKV, E * D * 2 * F, D * E,
+  const AttentionPlan attention = PlanAttention(m, std::min(Pos(m.batch), B) * S, S);  // Nl tokens
+  const U largest = std::max({V * D, attention.largest, E * D * 2 * F, D * E,
                               D * 2 * SF, Ld > 0 ? D * 2 * Fd : 0});
   // routed_bias's router_bias [E] per MoE layer: in `dense` (params and
   // gradient), and its FSDP unit replicated whole on every rank, not 1/ranks.
@@ -126,34 +150,19 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   const U C = std::max(D, F), G = std::max(2 * F, D);
   const U recipe = qp.mode == MoeQatMode::kRecipeFp8Full ? rows * (5 * G + 5 * C + 8) : 0;
   const U health = qp.fwd.lhs.has_value() ? rows * (5 * C + 4 * (C / 128 + 1)) : 0;
-  // use_qk_norm keeps the q and k heads before their norm and their 1/rms
-  // per layer, and shares the projection, its head-major rows and two I64
-  // row maps (model/attention_block.h); tied logits keep the embedding's
-  // part of its gradient and, normalized, the raw logits and a row scale
-  // (model/logits_block.h).
-  const U heads_qk = H + Pos(KvHeads(m)), heads_all = heads_qk + Pos(KvHeads(m));
-  const U qk_norm_layer =
-      m.use_qk_norm ? 4 * (Nl * heads_qk * Pos(m.head_dim) + Nl * heads_qk) : 0;
-  const U qk_norm_global = m.use_qk_norm ? 4 * 2 * Nl * QKV + 16 * Nl * heads_all : 0;
+  // Tied logits keep the embedding's part of its gradient and, normalized,
+  // the raw logits and a row scale (model/logits_block.h).
   const U tied_global =
       !m.logits_via_embedding ? 0
       : 4 * (V * D + (m.normalize_embedding_logits ? Nl * V + Nl : 0));
-  const U kept_qkv = mla ? 2 * H * qk + H * vd + 2 * ql + 2 * kvl + 2 : QKV;  // per token
-  const U kept_attn = mla ? H * vd : HD;
-  const U attention_global =
-      mla ? Nl * (H * qk + kvl + rope + H * (nope + vd) + 2 * H * qk + H * vd + H * vd +
-                  2 * kvl + 2 * ql + D) + S * rope
-          : Nl * QKV + Nl * HD + S * Pos(m.head_dim);
-  const U per_layer = qk_norm_layer +
-                      4 * (4 * Nl * D + 2 * Nl + Nl * kept_qkv + Bl * H * S * S +
-                           Nl * kept_attn + Nl * E) +
+  const U per_layer = attention.layer_bytes +
+                      4 * (4 * Nl * D + 2 * Nl + Bl * H * S * S + Nl * E) +
                       24 * pairs + act * rows * (D + 2 * F + F + D) + ring +
                       act * rows * (D + 2 * F) + 4 * rows * D + 4 * (Nl * E + pairs) + recipe +
                       health;
   // The token ids of the whole global batch (every rank reads it).
   const U global =
-      4 * (5 * Nl * D + Nl + 2 * Nl * V + attention_global) + 8 * N +
-      qk_norm_global + tied_global;
+      4 * (5 * Nl * D + Nl + 2 * Nl * V) + attention.global_bytes + 8 * N + tied_global;
   // The dense MLPs (model/ffn_block.h: the shared experts, width SF, of an
   // MoE layer, a dense layer's, width Fd), per layer: h [N, 2W] and a [N, W]
   // in the activation dtype, and in bfloat16 the bf16 copies of the input

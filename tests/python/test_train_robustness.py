@@ -90,6 +90,8 @@ BAD_FLAGS = [
     (["routed_bias_update_rate=0.001"],
      "routed_bias_update_rate=0.001 is set but routed_bias=false"),
     (["routed_bias_update_rate=-1"], "routed_bias_update_rate=-1 must be a finite number"),
+    (["routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=1e39"],
+     "routed_bias_update_rate=1e+39 is outside float32's range"),
     (["routed_bias=true"], "routed_bias=true biases the sigmoid scores"),
     (["first_num_dense_layers=2", "routed_score_func=sigmoid", "routed_bias=true"],
      "MoE-only flags are set: routed_bias=true"),
