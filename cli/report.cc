@@ -100,35 +100,58 @@ std::string FirstMoeLayerPlot(const Run& run, const char* key, const fs::path& f
   return plot;
 }
 
-// A curve per run of its load imbalance over the steps: the largest
-// max/mean of the expert loads over its MoE layers (a dense layer logs an
-// empty load and is left out), the data written to tmp / "imbalance<r>", with
-// the 1.2 line DeepSeek-style balancing is judged by. Returns gnuplot's plot
-// list, or "" when no run logs a load.
+// The largest max/mean expert load over the MoE layers of loads [layer][e]
+// (a dense layer, first_num_dense_layers, logs an empty load and is left
+// out); 0 when there is none.
+double WorstImbalance(const std::vector<std::vector<double>>& loads) {
+  double worst = 0;
+  for (const std::vector<double>& layer : loads) {
+    double sum = 0, max = 0;
+    for (double v : layer) {
+      sum += v;
+      max = std::max(max, v);
+    }
+    if (sum > 0) worst = std::max(worst, max * static_cast<double>(layer.size()) / sum);
+  }
+  return worst;
+}
+
+// Two curves per run of its load imbalance (WorstImbalance): of each step's
+// loads (thin: a small batch's loads vary from step to step however
+// balanced the router is) and of the loads summed over the last
+// kImbalanceWindow steps (thick), with the 1.2 line balancing is judged by;
+// data in tmp / "imbalance<r>". Returns gnuplot's plot list, or "" when no
+// run logs a load.
+constexpr size_t kImbalanceWindow = 50;
 std::string LoadImbalancePlot(const std::vector<Run>& runs, const fs::path& tmp) {
   std::string plot;
   for (size_t r = 0; r < runs.size(); ++r) {
     const fs::path file = tmp / ("imbalance" + std::to_string(r));
     std::ofstream data(file);
+    std::vector<std::vector<std::vector<double>>> window;  // the last steps' loads
     bool any = false;
     for (const json& j : runs[r].steps) {
       if (!j.contains("expert_load")) continue;
-      double worst = 0;
-      for (const json& layer : j["expert_load"]) {
-        double sum = 0, max = 0;
-        for (const json& v : layer) {
-          sum += v.get<double>();
-          max = std::max(max, v.get<double>());
+      window.push_back(j["expert_load"].get<std::vector<std::vector<double>>>());
+      if (window.size() > kImbalanceWindow) window.erase(window.begin());
+      std::vector<std::vector<double>> sum = window.back();
+      for (size_t w = 0; w + 1 < window.size(); ++w) {
+        for (size_t l = 0; l < sum.size() && l < window[w].size(); ++l) {
+          for (size_t e = 0; e < sum[l].size() && e < window[w][l].size(); ++e) {
+            sum[l][e] += window[w][l][e];
+          }
         }
-        if (sum > 0) worst = std::max(worst, max * static_cast<double>(layer.size()) / sum);
       }
-      if (worst == 0) continue;
-      data << j["step"].get<int64_t>() << " " << worst << "\n";
+      const double step = WorstImbalance(window.back());
+      if (step == 0) continue;
+      data << j["step"].get<int64_t>() << " " << step << " " << WorstImbalance(sum) << "\n";
       any = true;
     }
     if (!any) continue;
-    plot += std::string(plot.empty() ? "" : ", ") + Quote(file.string()) + " with lines lc " +
-            std::to_string(r + 1) + " title " + Quote(runs[r].name);
+    const std::string f = Quote(file.string()), lc = " lc " + std::to_string(r + 1);
+    plot += std::string(plot.empty() ? "" : ", ") + f + " using 1:2 with lines lw 0.5" + lc +
+            " notitle, " + f + " using 1:3 with lines lw 2.5" + lc + " title " +
+            Quote(runs[r].name);
   }
   return plot.empty() ? plot : plot + ", 1.2 with lines dt 2 lc rgb 'black' title '1.2'";
 }
@@ -239,7 +262,7 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
      << "plot " << loss_plot << "\nunset logscale y\nset yrange [*:*]\nset ytics autofreq\n"
      << "set mytics default\n"
      << "set title 'step time (s)'\nplot " << time_plot << "\n"
-     << "set title " << Quote("router load, layer 0 of " + runs[0].name + " (fraction of token-expert pairs)")
+     << "set title " << Quote("router load, first MoE layer of " + runs[0].name + " (fraction of token-expert pairs)")
      << "\n" << (load_plot.empty() ? "plot 0 notitle" : "plot " + load_plot) << "\n"
      << "set title " << Quote("FP8 health of " + runs[health_run].name + " (solid: saturated, dashed: flushed to zero)")
      << "\n" << (health_plot.empty() ? "set label 1 'no quantized tensors' at graph 0.4,0.5\nplot 0 notitle"
@@ -249,7 +272,8 @@ int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) 
     gp << "unset label 1\nset title " << Quote("router bias (routed_bias), first MoE layer of " + runs[0].name)
        << "\nplot " << bias_plot << "\n";
     const std::string imbalance_plot = LoadImbalancePlot(runs, tmp);
-    gp << "set title 'load imbalance: max/mean expert load, worst MoE layer, of each run'\nplot "
+    gp << "set title 'load imbalance: max/mean expert load, worst MoE layer (thin: each step; "
+          "thick: the last " << kImbalanceWindow << " steps)'\nplot "
        << (imbalance_plot.empty() ? "0 notitle" : imbalance_plot) << "\n";
   }
   gp << "unset multiplot\n";
