@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["MAGIC", "VERSION", "HEADER", "Corpus", "write_corpus", "read_corpus",
+__all__ = ["MAGIC", "VERSION", "HEADER", "DataError", "Corpus", "Tokenizer", "write_corpus", "read_corpus",
            "split_documents", "join_documents", "load_tokenizer", "encode_files",
            "decode_corpus", "main"]
 
@@ -110,11 +110,16 @@ def write_corpus(path: str, documents: Iterable[Sequence[int]], vocab_size: int,
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype)
     offs = np.asarray(offsets, dtype="<u8")
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(_header(vocab_size, eos_id, len(offsets) - 1, int(ids.size)))
-        f.write(offs.tobytes())
-        f.write(ids.tobytes())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_header(vocab_size, eos_id, len(offsets) - 1, int(ids.size)))
+            f.write(offs.tobytes())
+            f.write(ids.tobytes())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     return Corpus(vocab_size, eos_id, offs, ids)
 
 

@@ -5,6 +5,7 @@ a byte-level BPE of the `tokenizers` package and a byte-fallback BPE of
 The file is read here by an independent struct parser of the documented
 layout, and `fp8moe train dataset_type=tokens` trains on it and resumes with
 the bits of an uninterrupted run."""
+import io
 import json
 import math
 import os
@@ -156,6 +157,18 @@ def test_the_package_imports_without_the_tokenizer_packages(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
     assert "needs the `tokenizers` package: pip install tokenizers" in p.stderr
+
+
+def test_big_inputs_report_progress(hf_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(fd, "PROGRESS_BYTES", 100)
+    txt = tmp_path / "t.txt"
+    txt.write_text(TEXT, encoding="utf-8")
+    log = io.StringIO()
+    tok = fd.load_tokenizer(str(hf_dir), "huggingface")
+    fd.encode_files(tok, [str(txt)], str(tmp_path / "o.tok"), progress=log)
+    lines = log.getvalue().splitlines()
+    assert len(lines) >= 3 and all(l.startswith("fp8moe.data: ") for l in lines), lines
+    assert "documents" in lines[0] and lines[-1].startswith(f"fp8moe.data: wrote {tmp_path}")
 
 
 def test_uint32_ids_above_65536(tmp_path):
