@@ -473,11 +473,16 @@ Status CheckTokenBody(const DataConfig& c, const TokenHeader& h, const std::stri
   return OkStatus();
 }
 
+// f as printf's %g writes it (0.1, 1e-05).
+std::string Shortest(double f) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", f);
+  return text;
+}
+
 Status CheckEvalFraction(double f) {
   if (f > 0 && f < 1) return OkStatus();
-  char frac[32];
-  std::snprintf(frac, sizeof frac, "%g", f);
-  return InvalidArgument(std::string("eval_split_fraction=") + frac +
+  return InvalidArgument("eval_split_fraction=" + Shortest(f) +
                          " must be between 0 and 1 (exclusive): the share of the text held "
                          "out for eval");
 }
@@ -518,11 +523,9 @@ Result<std::unique_ptr<Dataset>> OpenTokensDataset(const DataConfig& c) {
   const int64_t eval_tokens = static_cast<int64_t>(h.num_tokens) - train_tokens;
   if (train_docs < 1 || eval_docs < 1 || train_tokens < c.seq_len + 1 ||
       eval_tokens < c.seq_len + 1) {
-    char frac[32];
-    std::snprintf(frac, sizeof frac, "%g", c.eval_fraction);
     return InvalidArgument(
         "dataset_path '" + c.path + "' has " + std::to_string(D) + " documents (" +
-        std::to_string(h.num_tokens) + " tokens); eval_split_fraction=" + frac + " keeps " +
+        std::to_string(h.num_tokens) + " tokens); eval_split_fraction=" + Shortest(c.eval_fraction) + " keeps " +
         std::to_string(train_docs) + " for training (" + std::to_string(train_tokens) +
         " tokens) and " + std::to_string(eval_docs) + " for eval (" +
         std::to_string(eval_tokens) + " tokens), but each split needs one document and "
@@ -650,12 +653,10 @@ Result<std::unique_ptr<Dataset>> OpenDataset(const DataConfig& c) {
         2 * need, static_cast<int64_t>(need / std::min(c.eval_fraction, 1 - c.eval_fraction)) - 4);
     while (!fits(least)) ++least;
     while (least > 2 * need && fits(least - 1)) --least;
-    char frac[32];
-    std::snprintf(frac, sizeof frac, "%g", c.eval_fraction);
     return InvalidArgument(
         "dataset_path '" + c.path + "' has " + std::to_string(n) +
         " bytes, shorter than one sequence per split: with max_target_length=" +
-        std::to_string(c.seq_len) + " and eval_split_fraction=" + frac + " it needs at least " +
+        std::to_string(c.seq_len) + " and eval_split_fraction=" + Shortest(c.eval_fraction) + " it needs at least " +
         std::to_string(least) + " bytes; use a longer file or a smaller max_target_length");
   }
   return std::unique_ptr<Dataset>(new TextDataset(c, std::move(bytes), train));

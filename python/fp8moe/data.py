@@ -35,6 +35,7 @@ exit 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -182,20 +183,36 @@ class Tokenizer:
     decode: Callable[[List[int]], str]
 
 
-def _hf_tokenizer(path: str) -> Tokenizer:
+def _import(package: str, tokenizer_type: str):
+    """The tokenizer package, imported only now (fp8moe does not depend on it)."""
     try:
-        from tokenizers import Tokenizer as HfTokenizer
+        return importlib.import_module(package)
     except ImportError:
-        raise DataError("--tokenizer-type huggingface needs the `tokenizers` package: "
-                        "pip install tokenizers") from None
-    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        raise DataError(f"--tokenizer-type {tokenizer_type} needs the `{package}` package: "
+                        f"pip install {package}") from None
+
+
+def _tokenizer_file(path: str, name: str, what: str) -> str:
+    """path, or path/name for a directory; it must exist."""
+    file = os.path.join(path, name) if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise DataError(f"tokenizer '{file}' does not exist; give a tokenizer.json or a "
-                        "Hugging Face model directory holding one")
+        raise DataError(f"tokenizer '{file}' does not exist; give {what}")
+    return file
+
+
+def _load(file: str, package: str, load: Callable[[str], object]):
+    # Both packages raise plain Exception / RuntimeError / OSError on a bad file.
     try:
-        tok = HfTokenizer.from_file(file)
-    except Exception as e:  # tokenizers raises plain Exceptions on bad JSON
-        raise DataError(f"tokenizer '{file}' cannot be read by tokenizers: {e}") from None
+        return load(file)
+    except Exception as e:
+        raise DataError(f"tokenizer '{file}' cannot be read by {package}: {e}") from None
+
+
+def _hf_tokenizer(path: str) -> Tokenizer:
+    tokenizers = _import("tokenizers", "huggingface")
+    file = _tokenizer_file(path, "tokenizer.json",
+                           "a tokenizer.json or a Hugging Face model directory holding one")
+    tok = _load(file, "tokenizers", tokenizers.Tokenizer.from_file)
     # EOS: the model directory's tokenizer_config.json names it; else the
     # usual names, if the vocabulary has one.
     names = []
@@ -214,19 +231,10 @@ def _hf_tokenizer(path: str) -> Tokenizer:
 
 
 def _sp_tokenizer(path: str) -> Tokenizer:
-    try:
-        import sentencepiece as spm
-    except ImportError:
-        raise DataError("--tokenizer-type sentencepiece needs the `sentencepiece` package: "
-                        "pip install sentencepiece") from None
-    file = os.path.join(path, "tokenizer.model") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise DataError(f"tokenizer '{file}' does not exist; give a sentencepiece .model file "
-                        "or a directory holding tokenizer.model")
-    try:
-        sp = spm.SentencePieceProcessor(model_file=file)
-    except Exception as e:  # sentencepiece raises RuntimeError/OSError
-        raise DataError(f"tokenizer '{file}' cannot be read by sentencepiece: {e}") from None
+    spm = _import("sentencepiece", "sentencepiece")
+    file = _tokenizer_file(path, "tokenizer.model",
+                           "a sentencepiece .model file or a directory holding tokenizer.model")
+    sp = _load(file, "sentencepiece", lambda f: spm.SentencePieceProcessor(model_file=f))
     eos = sp.eos_id()
     return Tokenizer(sp.get_piece_size(), eos if eos >= 0 else None,
                      lambda s: list(sp.encode(s)), lambda ids: sp.decode(ids))
