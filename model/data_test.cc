@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <fstream>
 #include <string>
@@ -13,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "fp8moe/data.h"
+#include "fp8moe/memory.h"
 
 namespace fp8moe {
 namespace {
@@ -356,6 +358,29 @@ TEST(Data, TokensRefuseEveryDamagedFile) {
   d = OpenDataset(c);
   ASSERT_FALSE(d.ok());
   EXPECT_NE(d.status().message().find("cannot read dataset_path"), std::string::npos);
+}
+
+// A token file past the memory cap is refused from its size before it is
+// read: a 400 MB sparse file whose header is consistent with that size.
+TEST(Data, TokensPastTheMemoryCapAreRefusedBeforeTheRead) {
+  const uint64_t n = 200'000'000;
+  std::string head = TokenFile(64, 0, {});
+  const uint64_t one = 1;
+  std::memcpy(head.data() + 32, &one, 8);  // D = 1 (its offsets are never read)
+  std::memcpy(head.data() + 40, &n, 8);
+  DataConfig c = Tokens("fp8moe_tokens_big.bin", head + std::string(8, '\0'));
+  std::filesystem::resize_file(c.path, 48 + 16 + 2 * n);
+  const uint64_t cap = MemoryCap();
+  const std::string source = MemoryCapSource();
+  SetMemoryCap(100 << 20, "test");
+  auto d = OpenDataset(c);
+  SetMemoryCap(cap, source);
+  std::filesystem::remove(c.path);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kResourceExhausted) << d.status().ToString();
+  EXPECT_NE(d.status().message().find("fp8moe_tokens_big.bin' and its window order needs"),
+            std::string::npos)
+      << d.status().message();
 }
 
 }  // namespace

@@ -48,7 +48,7 @@ def hf_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus_lines(), trainer)
@@ -157,6 +157,30 @@ def test_the_package_imports_without_the_tokenizer_packages(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
     assert "needs the `tokenizers` package: pip install tokenizers" in p.stderr
+
+
+def test_eos_comes_from_tokenizer_config_json_else_the_usual_names(hf_dir, tmp_path):
+    from tokenizers import Tokenizer
+    ids = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert fd.load_tokenizer(str(hf_dir), "huggingface").eos_id == ids.token_to_id("<|endoftext|>")
+    d = tmp_path / "model"
+    shutil.copytree(hf_dir, d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    txt = tmp_path / "t.txt"
+    txt.write_text(TEXT, encoding="utf-8")
+    p = data_cli("encode", "--tokenizer", d, "--tokenizer-type", "huggingface", "--in", txt,
+                 "--out", tmp_path / "c.tok")
+    assert p.returncode == 0, p.stderr
+    _, eos, docs = parse(tmp_path / "c.tok")
+    assert eos == ids.token_to_id("<|im_end|>") != ids.token_to_id("<|endoftext|>")
+    assert all(doc[-1] == eos for doc in docs)
+    # --eos-id wins; a tokenizer that names none needs it.
+    p = data_cli("encode", "--tokenizer", d, "--tokenizer-type", "huggingface", "--in", txt,
+                 "--out", tmp_path / "e.tok", "--eos-id", "7")
+    assert p.returncode == 0 and parse(tmp_path / "e.tok")[1] == 7, p.stderr
+    tok = fd.Tokenizer(300, None, lambda s: [1], lambda i: "")
+    with pytest.raises(fd.DataError, match="names no EOS token .* give --eos-id N"):
+        fd.encode_files(tok, [str(txt)], str(tmp_path / "n.tok"))
 
 
 def test_big_inputs_report_progress(hf_dir, tmp_path, monkeypatch):
