@@ -179,11 +179,14 @@ TrainMemoryPlan PlanTrainMemory(const TrainConfig& c, int64_t fsdp, int64_t expe
   plan.activation_bytes =
       Saturate(L * per_layer + (L - Ld) * mlp(SF) + Ld * mlp(Fd) + global + mlp_once);
   // The data: the synthetic corpus's transition tables (doubles), or the
-  // whole text file.
-  if (c.data.type == "text") {
+  // whole text file, or the whole token file and its window order (8 bytes
+  // a window of max_target_length ids of at least 2 bytes each).
+  if (c.data.type == "text" || c.data.type == "tokens") {
     std::error_code ec;
     const auto size = std::filesystem::file_size(c.data.path, ec);
-    plan.data_bytes = ec ? 0 : static_cast<uint64_t>(size);
+    const U file = ec ? 0 : static_cast<U>(size);
+    plan.data_bytes =
+        Saturate(c.data.type == "text" ? file : file + 4 * file / std::max<U>(S, 1));
   } else {
     const U M = Pos(c.data.num_sources), A = Pos(c.data.alphabet_size);
     plan.data_bytes = Saturate(8 * (M * A * A + M * A + 3 * A));

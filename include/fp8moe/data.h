@@ -14,6 +14,14 @@
 //  text       the bytes of a file as tokens (vocab_size >= 256); the last
 //             eval_split_fraction of the file is the eval split; training
 //             windows start at random offsets of the train split.
+//  tokens     the token file of `python -m fp8moe.data encode` (docs/train.md,
+//             Data: header, document offsets, ids; every document ends with
+//             EOS). The last ceil(eval_split_fraction x documents) documents
+//             are the eval split. Each split's token stream is cut into
+//             windows of S + 1 tokens that overlap by one (inputs the first
+//             S, targets the last S); training draws the windows in a new
+//             seeded order each epoch. Documents are packed back to back,
+//             separated only by EOS: no segment ids or attention mask.
 #ifndef FP8MOE_DATA_H_
 #define FP8MOE_DATA_H_
 
@@ -32,8 +40,8 @@ namespace fp8moe {
 // (DataConfigFlags reads them). seq_len, batch and vocab_size have no flag of
 // their own: the trainer copies them from the model and the global batch.
 struct DataConfig {
-  std::string type = "synthetic";  // dataset_type: synthetic or text
-  std::string path;                // dataset_path (text)
+  std::string type = "synthetic";  // dataset_type: synthetic, text or tokens
+  std::string path;                // dataset_path (text, tokens)
   int64_t seq_len = 64;            // S (max_target_length)
   int64_t batch = 16;              // B: sequences of one NextTrainBatch
   int64_t vocab_size = 256;
@@ -41,7 +49,7 @@ struct DataConfig {
   int64_t num_sources = 4;         // synthetic_num_sources (M)
   int64_t alphabet_size = 32;      // synthetic_alphabet_size (A)
   int64_t branching = 4;           // synthetic_branching: successors per symbol
-  double eval_fraction = 0.1;      // eval_split_fraction (text)
+  double eval_fraction = 0.1;      // eval_split_fraction (text, tokens)
 };
 
 // The flags of the data (dataset_type, dataset_path, data_shuffle_seed, the
@@ -67,7 +75,9 @@ class Dataset {
 
 // Opens the dataset; every problem (unknown type, unreadable file, a file
 // shorter than one sequence per split, a vocabulary too small for the
-// tokens) is an InvalidArgument / NotFound naming the flag and the fix.
+// tokens, a damaged token file) is an InvalidArgument / NotFound naming the
+// flag, the file, the numbers and the fix. A token file is checked whole
+// (header, size, offsets, every id) before it is used.
 Result<std::unique_ptr<Dataset>> OpenDataset(const DataConfig& config);
 
 }  // namespace fp8moe

@@ -7,6 +7,7 @@ import os
 import pathlib
 import random
 import shutil
+import struct
 import subprocess
 
 import pytest
@@ -72,6 +73,8 @@ BAD_FLAGS = [
     # Hung before (a loop of branching draws per symbol).
     (["synthetic_branching=1000000000000"], "synthetic_branching"),
     (["dataset_type=csv"], "dataset_type"), (["dataset_type=text"], "dataset_path"),
+    (["dataset_type=tokens"], "dataset_type=tokens needs dataset_path=FILE"),
+    (["dataset_type=tokens", "dataset_path=/no/such.tok"], "cannot read dataset_path '/no/such.tok'"),
     (["dataset_type=text", "vocab_size=40", "dataset_path=/etc/hostname"], "vocab_size"),
     (["dataset_type=text", "vocab_size=256", "dataset_path=/etc/hostname", "eval_split_fraction=1"],
      "eval_split_fraction"),
@@ -190,6 +193,61 @@ def test_datasets_that_are_not_regular_files_exit_2(fp8moe_bin, tmp_path):
     data.write_bytes(bytes(random.Random(1).randrange(256) for _ in range(4000)))
     p = train(fp8moe_bin, tmp_path, "binary", "steps=2", "dataset_type=text", "vocab_size=256",
               f"dataset_path={data}")
+    assert p.returncode == 0, p.stderr
+
+
+def token_file(vocab=40, eos=0, docs=None, width=None, version=1, magic=b"FP8MTOKS"):
+    """A token file by docs/train.md's table (header, offsets, ids; each
+    document ends with EOS): 20 documents of 9 ids + EOS by default."""
+    docs = docs if docs is not None else [[1 + (d + i) % 30 for i in range(9)] for d in range(20)]
+    ids, offs = [], [0]
+    for d in docs:
+        ids += d + [eos]
+        offs.append(len(ids))
+    width = width or (2 if vocab <= 65536 else 4)
+    return (struct.pack("<8sIIQQQQ", magic, version, width, vocab, eos, len(docs), len(ids)) +
+            struct.pack(f"<{len(offs)}Q", *offs) +
+            struct.pack(f"<{len(ids)}{'H' if width == 2 else 'I'}", *ids))
+
+
+GOOD_TOKENS = token_file()
+# (name, the file's bytes, phrases the message must hold: the numbers)
+BAD_TOKEN_FILES = [
+    ("magic", token_file(magic=b"GGUF\0\0\0\0"), ["is not a token file"]),
+    ("text", b"hello world\n" * 40, ["is not a token file"]),
+    ("version", token_file(version=7), ["token file version 7", "reads version 1"]),
+    ("truncated", GOOD_TOKENS[:-3],
+     [f"has {len(GOOD_TOKENS) - 3} bytes", f"makes it {len(GOOD_TOKENS)} bytes",
+      "the file is truncated"]),
+    ("header cut", GOOD_TOKENS[:20], ["has 20 bytes, fewer than the 48-byte header"]),
+    ("width", token_file(width=4), ["stores ids in 4 bytes, but its vocab_size 40 takes 2"]),
+    ("vocab", token_file(vocab=41), ["a vocabulary of 41 ids but the model's vocab_size=40",
+                                     "set vocab_size=41"]),
+    ("eos", token_file(eos=40), ["EOS id 40 outside its vocabulary of 40"]),
+    ("id", token_file(docs=[[1, 2, 39]] * 10 + [[1, 45, 2]] + [[3] * 9] * 9),
+     ["id 41 is 45, outside its vocabulary of 40"]),
+    ("split", token_file(docs=[[1, 2]] * 5), ["each split needs one document and "
+                                              "max_target_length + 1 = 17 tokens"]),
+]
+
+
+@pytest.mark.parametrize("name,data,needles", BAD_TOKEN_FILES, ids=[c[0] for c in BAD_TOKEN_FILES])
+def test_bad_token_files_exit_2_naming_the_file_and_the_numbers(fp8moe_bin, tmp_path, name,
+                                                                data, needles):
+    path = tmp_path / "corpus.tok"
+    path.write_bytes(data)
+    p = train(fp8moe_bin, tmp_path, "bad", "steps=2", "dataset_type=tokens",
+              f"dataset_path={path}")
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.startswith("error: "), p.stderr[-2000:]
+    assert str(path) in p.stderr, p.stderr
+    for needle in needles:
+        assert needle in p.stderr, p.stderr
+    assert not (tmp_path / "bad").exists()
+    # The good file trains.
+    path.write_bytes(GOOD_TOKENS)
+    p = train(fp8moe_bin, tmp_path, "good", "steps=2", "dataset_type=tokens",
+              f"dataset_path={path}")
     assert p.returncode == 0, p.stderr
 
 
