@@ -236,7 +236,11 @@ void CheckRope(std::mt19937& rng, bool edges) {
         {1, 4, 2, 1, 6, 0, 6},
         // MLA's rows: value heads of their own width, untouched.
         {2, 5, 3, 3, 10, 4, 7},
-        {1, 6, 2, 2, 6, 2, 13}}) {
+        {1, 6, 2, 2, 6, 2, 13},
+        // An odd head (MLA's qk_nope_head_dim odd) whose even rope span
+        // rotates.
+        {2, 5, 3, 3, 7, 4, 5},
+        {1, 4, 1, 1, 5, 2, 5}}) {
     const std::string what = "rope " + Dims({batch, seq, heads, kv, hd, rope_dim, vd});
     const std::vector<float> qkv =
         Values(rng, batch * seq * ((heads + kv) * hd + kv * vd), edges);
@@ -1515,6 +1519,43 @@ TEST(BackendOps, CopyColumnsAndPartialRopeRefuseBadLayouts) {
     EXPECT_NE(s.message().find("rope_dim " + std::to_string(rope_dim) + " must be even"),
               std::string::npos)
         << s.message();
+  }
+  // Only -1 means the whole head; another negative rope_dim is refused, and
+  // an odd head is refused only when the whole of it rotates.
+  const std::vector<float> before = qkv;
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    const Status neg = internal::RopeApply(Ctx(kind), qkv.data(), 1, 1, 1, 1, 8, cos.data(),
+                                           sin.data(), false, -2, true);
+    EXPECT_EQ(neg.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(neg.message().find("rope_dim -2 is negative"), std::string::npos) << neg.message();
+    const Status odd = internal::RopeApply(Ctx(kind), qkv.data(), 1, 1, 1, 1, 7, cos.data(),
+                                           sin.data(), false);
+    EXPECT_NE(odd.message().find("head dimension 7 is odd"), std::string::npos) << odd.message();
+  }
+  EXPECT_EQ(qkv, before);
+}
+
+// hd 0 with value heads: the scores' scale 1/sqrt(0) would be NaN; both
+// attention ops refuse it by name before writing anything.
+TEST(BackendOps, AttentionRefusesAZeroHeadDimensionWithValues) {
+  const int64_t seq = 3, heads = 2, vd = 4;
+  const std::vector<float> qkv(seq * heads * vd, 1.0f), dout(seq * heads * vd, 1.0f);
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    std::vector<float> probs = Poisoned(heads * seq * seq), out = Poisoned(seq * heads * vd),
+                       dqkv = Poisoned(seq * heads * vd);
+    const Status st[] = {
+        internal::AttentionForward(Ctx(kind), qkv.data(), 1, seq, heads, heads, 0, probs.data(),
+                                   out.data(), vd),
+        internal::AttentionBackward(Ctx(kind), qkv.data(), probs.data(), dout.data(), 1, seq,
+                                    heads, heads, 0, dqkv.data(), vd)};
+    for (const Status& s : st) {
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+      EXPECT_NE(s.message().find("head dimension 0 with value width 4"), std::string::npos)
+          << s.message();
+    }
+    for (float v : probs) EXPECT_TRUE(std::isnan(v));
+    for (float v : out) EXPECT_TRUE(std::isnan(v));
+    for (float v : dqkv) EXPECT_TRUE(std::isnan(v));
   }
 }
 

@@ -176,6 +176,15 @@ Status QkvOperand(Op op, const char* what, const float* qkv, int64_t batch, int6
   return Operand(op, what, qkv, {batch, seq, (heads + kv_heads) * hd + kv_heads * vd});
 }
 
+// Scores q.k / sqrt(hd) need hd >= 1 where there are values to weigh:
+// with hd 0 the scale 1/sqrt(0) makes every score NaN. hd = vd = 0 (no
+// heads' columns at all) stays as it was.
+Status ScoreWidth(Op op, int64_t hd, int64_t vd) {
+  if (hd != 0 || vd <= 0) return OkStatus();
+  return InvalidArgument(std::string(OpName(op)) + ": head dimension 0 with value width " +
+                         std::to_string(vd) + "; the scores q.k / sqrt(hd) need hd >= 1");
+}
+
 }  // namespace
 
 Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t heads,
@@ -183,11 +192,19 @@ Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t h
                  bool inverse, int64_t rope_dim, bool interleaved, int64_t vd) {
   const Op op = Op::kRope;
   if (vd == -1) vd = hd;
-  if (hd % 2 != 0) {
-    return InvalidArgument("rope: head dimension " + std::to_string(hd) +
-                           " is odd; RoPE rotates pairs of dimensions");
+  // Only the rotated span must pair up: an MLA head's nope part (hd -
+  // rope_dim) may be odd.
+  if (rope_dim == -1) {
+    if (hd % 2 != 0) {
+      return InvalidArgument("rope: head dimension " + std::to_string(hd) +
+                             " is odd; RoPE rotates pairs of dimensions");
+    }
+    rope_dim = hd;
   }
-  if (rope_dim < 0) rope_dim = hd;
+  if (rope_dim < 0) {
+    return InvalidArgument("rope: rope_dim " + std::to_string(rope_dim) +
+                           " is negative; pass -1 for the whole head or a width in [0, hd]");
+  }
   if (rope_dim % 2 != 0 || rope_dim > hd) {
     return InvalidArgument("rope: rope_dim " + std::to_string(rope_dim) +
                            " must be even and at most the head dimension " + std::to_string(hd));
@@ -208,6 +225,7 @@ Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t s
   const Op op = Op::kAttentionForward;
   if (vd == -1) vd = hd;
   FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
+  FP8MOE_RETURN_IF_ERROR(ScoreWidth(op, hd, vd));
   FP8MOE_RETURN_IF_ERROR(QkvOperand(op, "qkv", qkv, batch, seq, heads, kv_heads, hd, vd));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "out", out, {batch, seq, heads, vd}));
@@ -222,6 +240,7 @@ Status AttentionBackward(Context& ctx, const float* qkv, const float* probs, con
   const Op op = Op::kAttentionBackward;
   if (vd == -1) vd = hd;
   FP8MOE_RETURN_IF_ERROR(KvHeads(op, heads, kv_heads));
+  FP8MOE_RETURN_IF_ERROR(ScoreWidth(op, hd, vd));
   FP8MOE_RETURN_IF_ERROR(QkvOperand(op, "qkv", qkv, batch, seq, heads, kv_heads, hd, vd));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "probs", probs, {batch, heads, seq, seq}));
   FP8MOE_RETURN_IF_ERROR(Operand(op, "dout", dout, {batch, seq, heads, vd}));

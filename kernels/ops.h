@@ -41,9 +41,10 @@ Status RmsNormBackward(Context& ctx, const float* x, const float* g, const float
 
 // Rotates the q and k heads of qkv in place: pairs (i, i + hd/2) of each
 // head at position s by angle(s, i) of the tables cos, sin [S, hd/2];
-// inverse rotates back (the backward of the rotation). hd even; v is not
-// rotated. With rope_dim (-1: hd) only the last rope_dim columns of each q
-// and k head rotate (MLA's rope part; rope_dim even, <= hd), pairs (i, i +
+// inverse rotates back (the backward of the rotation). v is not rotated.
+// With rope_dim (-1: hd, which must then be even; any other negative is
+// refused) only the last rope_dim columns of each q and k head rotate (MLA's
+// rope part; rope_dim even, <= hd; hd itself may be odd), pairs (i, i +
 // rope_dim/2) of them, or with `interleaved` pairs (2i, 2i + 1) (DeepSeek's
 // layout), by angle(s, i) of tables [S, rope_dim/2]. vd (-1: hd): the
 // value heads' width, as AttentionForward's.
@@ -55,7 +56,7 @@ Status RopeApply(Context& ctx, float* qkv, int64_t batch, int64_t seq, int64_t h
 // rotated), scale 1/sqrt(hd): probs [B, H, S, S] (zero above the diagonal),
 // out [B*S, H*vd]. vd (-1: hd) is the value heads' width (MLA's
 // v_head_dim): qkv rows are then (H + Hkv) hd + Hkv vd wide, the v heads
-// after the k heads.
+// after the k heads. hd 0 with vd > 0 is refused (the scale would be NaN).
 Status AttentionForward(Context& ctx, const float* qkv, int64_t batch, int64_t seq,
                         int64_t heads, int64_t kv_heads, int64_t hd, float* probs, float* out,
                         int64_t vd = -1);

@@ -30,7 +30,9 @@ struct Architecture {
 // covers logits_via_embedding), and routed_bias's choice bias moved by
 // 0.01 a step (a trainer's update; the model reads the bias alone).
 // DeepSeek-V3: the same FFN with multi-head latent attention (compressed q,
-// v_head_dim below qk, interleaved RoPE: the default) and an untied LM head.
+// qk_nope_head_dim != qk_rope_head_dim as in the real model, so their column
+// offsets cannot be mixed up unseen, v_head_dim below qk, interleaved RoPE:
+// the default) and an untied LM head.
 inline const std::vector<Architecture>& Architectures() {
   static const std::vector<Architecture> rows = {
       {"mixtral",
@@ -49,7 +51,7 @@ inline const std::vector<Architecture>& Architectures() {
       {"deepseek3",
        {"base_num_query_heads=2", "base_num_decoder_layers=3", "first_num_dense_layers=1",
         "base_mlp_dim=10", "shared_experts=1", "attention_type=mla", "q_lora_rank=6",
-        "kv_lora_rank=5", "qk_nope_head_dim=4", "qk_rope_head_dim=4", "v_head_dim=3"},
+        "kv_lora_rank=5", "qk_nope_head_dim=6", "qk_rope_head_dim=4", "v_head_dim=3"},
        {"num_experts=8", "num_experts_per_tok=3", "routed_score_func=sigmoid",
         "n_routing_groups=4", "topk_routing_group=2", "routed_scaling_factor=2.5",
         "norm_topk_prob=true", "routed_bias=true", "routed_bias_update_rate=0.01"}},

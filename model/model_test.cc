@@ -894,13 +894,14 @@ TEST(Model, UpdateRoutedBiasFollowsMaxTextsRule) {
 
 // ---- Multi-head latent attention (attention_type=mla) ----
 
-// Tiny() with MLA: H 2, nope 4, r 4 (qk 8), vd 3, kvl 5, q_lora_rank ql.
+// Tiny() with MLA: H 2, nope 6, r 4 (qk 10), vd 3, kvl 5, q_lora_rank ql.
+// nope != r, so a k_nope / k_rope column offset mixed up shows.
 ModelConfig TinyMla(int64_t ql, bool interleave) {
   ModelConfig c = Tiny();
   c.attention_type = "mla";
   c.q_lora_rank = ql;
   c.kv_lora_rank = 5;
-  c.qk_nope_head_dim = 4;
+  c.qk_nope_head_dim = 6;
   c.qk_rope_head_dim = 4;
   c.v_head_dim = 3;
   c.rope_interleave = interleave;
@@ -911,30 +912,81 @@ ModelConfig TinyMla(int64_t ql, bool interleave) {
 // Every MLA tensor (and every other) against finite differences of the
 // float64 twin, whose loss the f32 step matches within 1e-5 (CheckGradients):
 // a plain and a compressed q projection, interleaved and half RoPE pairs,
-// value heads narrower (3) and wider (11) than qk (8).
+// value heads narrower (3) and wider (11) than qk (10), an odd head (nope 3,
+// r 2: qk 5) and one head (H 1).
 TEST(Model, MlaGradientsMatchFiniteDifferences) {
   FP8MOE_RANDOM_SEED(seed);
-  for (int64_t ql : {0, 6}) {
-    for (bool interleave : {true, false}) {
-      SCOPED_TRACE("q_lora_rank " + std::to_string(ql) + " rope_interleave " +
-                   std::to_string(interleave));
-      ModelConfig c = TinyMla(ql, interleave);
-      if (ql == 0 && !interleave) c.v_head_dim = 11;
-      std::vector<std::string> names;
-      for (const auto& [name, shape] : ParamShapes(c)) {
-        if (name.rfind("layers.0.", 0) == 0) names.push_back(name.substr(9));
-      }
-      const std::vector<std::string> want =
-          ql == 0 ? std::vector<std::string>{"attn_norm", "wq", "wkv_a", "kv_a_norm", "wkv_b",
+  struct Case {
+    int64_t ql;
+    bool interleave;
+    int64_t nope, r, vd, heads;
+  };
+  for (const Case& k : {Case{0, true, 6, 4, 3, 2}, Case{0, false, 6, 4, 11, 2},
+                        Case{6, true, 6, 4, 3, 2}, Case{6, false, 3, 2, 3, 2},
+                        Case{0, true, 3, 2, 4, 1}}) {
+    SCOPED_TRACE("q_lora_rank " + std::to_string(k.ql) + " rope_interleave " +
+                 std::to_string(k.interleave) + " nope " + std::to_string(k.nope) + " rope " +
+                 std::to_string(k.r) + " v_head_dim " + std::to_string(k.vd) + " heads " +
+                 std::to_string(k.heads));
+    ModelConfig c = TinyMla(k.ql, k.interleave);
+    c.qk_nope_head_dim = k.nope;
+    c.qk_rope_head_dim = k.r;
+    c.v_head_dim = k.vd;
+    c.num_heads = k.heads;
+    ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c).ToString();
+    std::vector<std::string> names;
+    for (const auto& [name, shape] : ParamShapes(c)) {
+      if (name.rfind("layers.0.", 0) == 0) names.push_back(name.substr(9));
+    }
+    const std::vector<std::string> want =
+        k.ql == 0 ? std::vector<std::string>{"attn_norm", "wq", "wkv_a", "kv_a_norm", "wkv_b",
                                              "wo_attn", "mlp_norm", "router", "wi", "wo"}
                   : std::vector<std::string>{"attn_norm", "wq_a", "q_a_norm", "wq_b", "wkv_a",
                                              "kv_a_norm", "wkv_b", "wo_attn", "mlp_norm",
                                              "router", "wi", "wo"};
-      EXPECT_EQ(names, want);
-      CheckGradientsOfADrawWithoutTies(c, seed);
-      if (HasFatalFailure()) return;
+    EXPECT_EQ(names, want);
+    CheckGradientsOfADrawWithoutTies(c, seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// An odd head (qk_nope_head_dim 3, qk_rope_head_dim 2: qk 5) is a valid
+// config that trains: plain gradient descent on one batch lowers the loss
+// with finite steps throughout (the rope op once refused any odd head).
+TEST(Model, MlaWithAnOddHeadTrains) {
+  FP8MOE_RANDOM_SEED(seed);
+  ModelConfig c = TinyMla(0, true);
+  c.qk_nope_head_dim = 3;
+  c.qk_rope_head_dim = 2;
+  ASSERT_TRUE(ValidateModelConfig(c).ok()) << ValidateModelConfig(c).ToString();
+  auto params = AllocateParams(c);
+  auto grads = AllocateParams(c);
+  ASSERT_TRUE(params.ok() && grads.ok());
+  ASSERT_TRUE(InitParams(c, seed, &*params).ok());
+  const Tokens tok(c, seed + 1);
+  Context ctx;
+  Model model(c);
+  std::vector<double> losses;
+  for (int step = 0; step < 20; ++step) {
+    std::vector<PreparedMoeWeights> prepared;
+    ASSERT_TRUE(model.PrepareExperts(ctx, *params, &prepared).ok());
+    ModelStepInfo info;
+    const Status s =
+        model.Step(ctx, *params, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    ASSERT_TRUE(std::isfinite(info.loss)) << "step " << step;
+    losses.push_back(info.loss);
+    auto named = params->Named();
+    auto named_grads = grads->Named();
+    for (size_t p = 0; p < named.size(); ++p) {
+      if (IsModelState(named[p].first)) continue;
+      float* w = named[p].second->data_as<float>();
+      const float* g = named_grads[p].second->data_as<float>();
+      for (size_t i = 0; i < named[p].second->num_elements(); ++i) w[i] -= 0.5f * g[i];
     }
   }
+  EXPECT_LT(losses.back(), 0.9 * losses.front())
+      << "first " << losses.front() << ", last " << losses.back();
 }
 
 // The Hugging Face layouts (transposed): wq_b [ql, H qk], wkv_a [D, kvl + r],
@@ -949,10 +1001,10 @@ TEST(Model, MlaShapesAreTheHuggingFaceTensorsTransposed) {
   }
   EXPECT_EQ(shapes["layers.1.wq_a"], (Shape{8, 6}));
   EXPECT_EQ(shapes["layers.1.q_a_norm"], (Shape{6}));
-  EXPECT_EQ(shapes["layers.1.wq_b"], (Shape{6, 2 * 8}));
+  EXPECT_EQ(shapes["layers.1.wq_b"], (Shape{6, 2 * 10}));
   EXPECT_EQ(shapes["layers.1.wkv_a"], (Shape{8, 5 + 4}));
   EXPECT_EQ(shapes["layers.1.kv_a_norm"], (Shape{5}));
-  EXPECT_EQ(shapes["layers.1.wkv_b"], (Shape{5, 2 * (4 + 3)}));
+  EXPECT_EQ(shapes["layers.1.wkv_b"], (Shape{5, 2 * (6 + 3)}));
   EXPECT_EQ(shapes["layers.1.wo_attn"], (Shape{2 * 3, 8}));
   EXPECT_EQ(shapes.count("layers.0.wqkv"), 0u);
   EXPECT_EQ(ModelParamCount(c), total);
