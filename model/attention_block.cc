@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "model/layers.h"
@@ -91,6 +92,29 @@ Status QkNormBackward(Context& ctx, const ModelConfig& c, AttentionShared* s,
                      N * R, s->raw.data_as<float>(), DType::kF32);
 }
 
+// InvalidArgument unless p holds attention_type=global's tensors of c
+// (ParamShapes): wqkv [D, (H + 2 Hkv) hd], wo_attn [H hd, D] and, with
+// use_qk_norm, q_norm and k_norm [hd]. The mirror of mla_block.cc's
+// CheckMlaParams: MLA-layout weights (no wqkv) are named here instead of
+// failing in a matmul's generic shape check.
+Status CheckGlobalParams(const ModelConfig& c, const LayerParams& p, const char* what) {
+  const int64_t D = c.emb_dim, hd = c.head_dim;
+  const Shape norm = c.use_qk_norm ? Shape{hd} : Shape{};
+  const std::pair<const Tensor*, Shape> want[] = {{&p.wqkv, {D, QkvWidth(c)}},
+                                                  {&p.wo_attn, {c.num_heads * hd, D}},
+                                                  {&p.q_norm, norm},
+                                                  {&p.k_norm, norm}};
+  for (const auto& [t, shape] : want) {
+    if (shape.empty() || t->shape() == shape) continue;
+    return InvalidArgument(std::string("the ") + what + " do not hold attention_type=global's " +
+                           "tensors of this config (wqkv, wo_attn" +
+                           (c.use_qk_norm ? ", q_norm, k_norm" : "") + "; a tensor is " +
+                           ShapeToString(t->shape()) + ", not " + ShapeToString(shape) +
+                           "); allocate them with AllocateParams of this config");
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Status AllocateAttention(const ModelConfig& c, AttentionShared* shared) {
@@ -125,6 +149,7 @@ Status AttentionSublayerForward(Context& ctx, const ModelConfig& c, const ConstT
   if (IsMla(c)) return MlaSublayerForward(ctx, c, group, &shared->mla, p, x, &a->mla, x1);
   const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
                 Hkv = KvHeads(c), hd = c.head_dim;
+  FP8MOE_RETURN_IF_ERROR(CheckGlobalParams(c, p, "parameters"));
   float* qkv = a->qkv.data_as<float>();
   FP8MOE_RETURN_IF_ERROR(RmsNormForward(ctx, x, p.attn_norm.data_as<float>(), N, D,
                                         static_cast<float>(c.norm_eps), a->n1.data_as<float>(),
@@ -151,6 +176,7 @@ Status AttentionSublayerBackward(Context& ctx, const ModelConfig& c, const Const
   }
   const int64_t B = c.batch, S = c.seq_len, N = B * S, D = c.emb_dim, H = c.num_heads,
                 Hkv = KvHeads(c), hd = c.head_dim, HD = H * hd;
+  FP8MOE_RETURN_IF_ERROR(CheckGlobalParams(c, *g, "gradients"));
   float* dqkv = shared->dqkv.data_as<float>();
   float* dattn = shared->dattn.data_as<float>();
   // Output projection: dx is the gradient of x1 (and, through the residual,

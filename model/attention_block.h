@@ -55,7 +55,9 @@ Status AllocateAttention(const ModelConfig& c, AttentionActivations* a);
 // x1 [N, D] = x [N, D] + the sublayer of x; group: I32 [1] holding N (the
 // dense matmuls' single group). attention_type=mla runs MlaSublayerForward
 // (model/mla_block.h) on the buffers' mla members, and the backward its
-// backward: the one place the attention type is chosen.
+// backward: the one place the attention type is chosen. Parameters (and,
+// in the backward, gradients) not holding this attention type's tensors of
+// c are an InvalidArgument naming the type, before anything is read.
 Status AttentionSublayerForward(Context& ctx, const ModelConfig& c, const ConstTensorView& group,
                                 AttentionShared* shared, const LayerParams& p, const float* x,
                                 AttentionActivations* a, float* x1);

@@ -1076,6 +1076,42 @@ TEST(Model, MlaStepRefusesParametersOfAnotherLayout) {
       model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info).ok());
 }
 
+// The mirror: MLA-layout parameters (no wqkv) or gradients given to a
+// global-attention model are an error naming attention_type=global's
+// tensors, not a matmul's generic shape error.
+TEST(Model, GlobalStepRefusesParametersOfTheMlaLayout) {
+  const ModelConfig global = Tiny();
+  const ModelConfig mla = TinyMla(6, true);
+  auto right = AllocateParams(global);
+  auto wrong = AllocateParams(mla);
+  auto grads = AllocateParams(global);
+  auto wrong_grads = AllocateParams(mla);
+  ASSERT_TRUE(right.ok() && wrong.ok() && grads.ok() && wrong_grads.ok());
+  ASSERT_TRUE(InitParams(global, 1, &*right).ok());
+  ASSERT_TRUE(InitParams(mla, 1, &*wrong).ok());
+  const Tokens tok(global, 2);
+  Context ctx;
+  Model model(global);
+  std::vector<PreparedMoeWeights> prepared;
+  ASSERT_TRUE(model.PrepareExperts(ctx, *right, &prepared).ok());
+  ModelStepInfo info;
+  const Status s =
+      model.Step(ctx, *wrong, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("the parameters do not hold attention_type=global's tensors "
+                             "of this config (wqkv, wo_attn"),
+            std::string::npos)
+      << s.message();
+  const Status g =
+      model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*wrong_grads, &info);
+  EXPECT_EQ(g.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(g.message().find("the gradients do not hold attention_type=global's"),
+            std::string::npos)
+      << g.message();
+  EXPECT_TRUE(
+      model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info).ok());
+}
+
 // The MLA flags that make no sense are refused, each naming its flags and
 // the fix.
 TEST(Model, MlaBadFlagsAreClearErrors) {
