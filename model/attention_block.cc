@@ -12,11 +12,6 @@ namespace fp8moe::internal {
 
 namespace {
 
-Status Create(Tensor* t, Shape s) {
-  FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(DType::kF32, std::move(s)));
-  return OkStatus();
-}
-
 // The fused q | k | v width (H + 2 Hkv) hd.
 int64_t QkvWidth(const ModelConfig& c) { return (c.num_heads + 2 * KvHeads(c)) * c.head_dim; }
 
@@ -25,8 +20,8 @@ int64_t QkvWidth(const ModelConfig& c) { return (c.num_heads + 2 * KvHeads(c)) *
 // (q rows n H + h, then k rows N H + n Hkv + g, then v rows).
 Status AllocateQkNorm(const ModelConfig& c, AttentionShared* s) {
   const int64_t N = c.batch * c.seq_len, H = c.num_heads, Hkv = KvHeads(c), R = H + 2 * Hkv;
-  FP8MOE_RETURN_IF_ERROR(Create(&s->raw, {N, QkvWidth(c)}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->head_rows, {N * R, c.head_dim}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->raw, {N, QkvWidth(c)}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->head_rows, {N * R, c.head_dim}));
   FP8MOE_ASSIGN_OR_RETURN(s->to_head_major, Tensor::Create(DType::kI64, {N * R}));
   FP8MOE_ASSIGN_OR_RETURN(s->to_token_major, Tensor::Create(DType::kI64, {N * R}));
   int64_t* head_major = s->to_head_major.data_as<int64_t>();
@@ -120,27 +115,27 @@ Status CheckGlobalParams(const ModelConfig& c, const LayerParams& p, const char*
 Status AllocateAttention(const ModelConfig& c, AttentionShared* shared) {
   if (IsMla(c)) return AllocateMla(c, &shared->mla);
   const int64_t N = c.batch * c.seq_len, S = c.seq_len;
-  FP8MOE_RETURN_IF_ERROR(Create(&shared->cos, {S, c.head_dim / 2}));
-  FP8MOE_RETURN_IF_ERROR(Create(&shared->sin, {S, c.head_dim / 2}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&shared->cos, {S, c.head_dim / 2}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&shared->sin, {S, c.head_dim / 2}));
   RopeTables(S, c.head_dim, c.rope_max_timescale, shared->cos.data_as<float>(),
              shared->sin.data_as<float>());
-  FP8MOE_RETURN_IF_ERROR(Create(&shared->dqkv, {N, QkvWidth(c)}));
-  FP8MOE_RETURN_IF_ERROR(Create(&shared->dattn, {N, c.num_heads * c.head_dim}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&shared->dqkv, {N, QkvWidth(c)}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&shared->dattn, {N, c.num_heads * c.head_dim}));
   return c.use_qk_norm ? AllocateQkNorm(c, shared) : OkStatus();
 }
 
 Status AllocateAttention(const ModelConfig& c, AttentionActivations* a) {
   if (IsMla(c)) return AllocateMla(c, &a->mla);
   const int64_t N = c.batch * c.seq_len, S = c.seq_len;
-  FP8MOE_RETURN_IF_ERROR(Create(&a->n1, {N, c.emb_dim}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->inv1, {N}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->qkv, {N, QkvWidth(c)}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->probs, {c.batch, c.num_heads, S, S}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->attn, {N, c.num_heads * c.head_dim}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->n1, {N, c.emb_dim}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->inv1, {N}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->qkv, {N, QkvWidth(c)}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->probs, {c.batch, c.num_heads, S, S}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->attn, {N, c.num_heads * c.head_dim}));
   if (!c.use_qk_norm) return OkStatus();
   const int64_t qk = N * (c.num_heads + KvHeads(c));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->qk_in, {qk, c.head_dim}));
-  return Create(&a->qk_inv, {qk});
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->qk_in, {qk, c.head_dim}));
+  return CreateZeroed(&a->qk_inv, {qk});
 }
 
 Status AttentionSublayerForward(Context& ctx, const ModelConfig& c, const ConstTensorView& group,

@@ -8,6 +8,7 @@
 
 #include "fp8moe/numerics.h"
 #include "kernels/ops.h"
+#include "model/layers.h"
 #include "moe/gmm_ctx.h"
 
 namespace fp8moe::internal {
@@ -17,11 +18,6 @@ namespace {
 // configured dtype (the routed experts' in QAT mode none).
 DType ActOf(const ModelConfig& c) {
   return c.moe.dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
-}
-
-Status Make(Tensor* t, DType d, Shape s) {
-  FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(d, std::move(s)));
-  return OkStatus();
 }
 
 // f32 data [shape] as the GMMs read it in act: itself (float32), or its bf16
@@ -135,21 +131,21 @@ Status AllocateFfn(const ModelConfig& c, std::vector<DenseMlpState>* layers,
     if (W == 0) continue;
     widest = std::max(widest, W);
     DenseMlpState& st = (*layers)[static_cast<size_t>(l)];
-    FP8MOE_RETURN_IF_ERROR(Make(&st.h, act, {N, 2 * W}));
-    FP8MOE_RETURN_IF_ERROR(Make(&st.a, act, {N, W}));
+    FP8MOE_RETURN_IF_ERROR(CreateZeroed(&st.h, {N, 2 * W}, act));
+    FP8MOE_RETURN_IF_ERROR(CreateZeroed(&st.a, {N, W}, act));
     if (bf16) {
-      FP8MOE_RETURN_IF_ERROR(Make(&st.x_act, act, {N, D}));
-      FP8MOE_RETURN_IF_ERROR(Make(&st.wi_act, act, {1, D, 2 * W}));
-      FP8MOE_RETURN_IF_ERROR(Make(&st.wo_act, act, {1, W, D}));
+      FP8MOE_RETURN_IF_ERROR(CreateZeroed(&st.x_act, {N, D}, act));
+      FP8MOE_RETURN_IF_ERROR(CreateZeroed(&st.wi_act, {1, D, 2 * W}, act));
+      FP8MOE_RETURN_IF_ERROR(CreateZeroed(&st.wo_act, {1, W, D}, act));
     }
   }
   if (widest == 0) return OkStatus();
-  FP8MOE_RETURN_IF_ERROR(Make(&scratch->group, DType::kI32, {1}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&scratch->group, {1}, DType::kI32));
   scratch->group.data_as<int32_t>()[0] = static_cast<int32_t>(N);
-  FP8MOE_RETURN_IF_ERROR(Make(&scratch->y, DType::kF32, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&scratch->dx, DType::kF32, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&scratch->dh, act, {N, 2 * widest}));
-  if (bf16) FP8MOE_RETURN_IF_ERROR(Make(&scratch->dy_act, act, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&scratch->y, {N, D}, DType::kF32));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&scratch->dx, {N, D}, DType::kF32));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&scratch->dh, {N, 2 * widest}, act));
+  if (bf16) FP8MOE_RETURN_IF_ERROR(CreateZeroed(&scratch->dy_act, {N, D}, act));
   return OkStatus();
 }
 

@@ -4,11 +4,17 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe/gmm_ctx.h"
 
 namespace fp8moe::internal {
+
+Status CreateZeroed(Tensor* t, Shape shape, DType dtype) {
+  FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Zeros(dtype, std::move(shape)));
+  return OkStatus();
+}
 
 void RopeTables(int64_t seq, int64_t hd, double max_timescale, float* cos, float* sin) {
   const int64_t half = hd / 2;

@@ -15,6 +15,11 @@
 
 namespace fp8moe::internal {
 
+// *t = a zero-filled tensor of dtype and shape (the model's buffers,
+// allocated once per Model; zeros, so a buffer no op has written yet reads
+// as 0, never as leftover memory).
+Status CreateZeroed(Tensor* t, Shape shape, DType dtype = DType::kF32);
+
 // cos, sin [seq, hd/2]: angle(p, i) = p / max_timescale^(2i / hd).
 void RopeTables(int64_t seq, int64_t hd, double max_timescale, float* cos, float* sin);
 // Dense f32 matmuls on the GMM kernel with one group of m rows

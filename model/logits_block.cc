@@ -12,11 +12,6 @@ namespace fp8moe::internal {
 
 namespace {
 
-Status Create(Tensor* t, Shape s) {
-  FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(DType::kF32, std::move(s)));
-  return OkStatus();
-}
-
 bool Normalized(const ModelConfig& c) {
   return c.logits_via_embedding && c.normalize_embedding_logits;
 }
@@ -36,10 +31,10 @@ Status HasLmHead(const ModelConfig& c, const ModelParams& p, const char* what) {
 Status AllocateLogits(const ModelConfig& c, LogitsBuffers* b) {
   if (!c.logits_via_embedding) return OkStatus();
   const int64_t N = c.batch * c.seq_len, V = c.vocab_size, D = c.emb_dim;
-  FP8MOE_RETURN_IF_ERROR(Create(&b->dembed, {V, D}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&b->dembed, {V, D}));
   if (!Normalized(c)) return OkStatus();
-  FP8MOE_RETURN_IF_ERROR(Create(&b->raw, {N, V}));
-  FP8MOE_RETURN_IF_ERROR(Create(&b->row_scale, {N}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&b->raw, {N, V}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&b->row_scale, {N}));
   const float s = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   float* r = b->row_scale.data_as<float>();
   for (int64_t i = 0; i < N; ++i) r[i] = s;

@@ -11,12 +11,6 @@ namespace fp8moe::internal {
 
 namespace {
 
-Status Create(Tensor* t, Shape s) {
-  FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(DType::kF32, std::move(s)));
-  std::fill(t->data_as<float>(), t->data_as<float>() + t->num_elements(), 0.0f);
-  return OkStatus();
-}
-
 // The sizes of a config's MLA.
 struct Dims {
   int64_t B, S, N, D, H, ql, kvl, nope, r, vd, qk;
@@ -163,34 +157,34 @@ Status CheckMlaParams(const ModelConfig& c, const LayerParams& p, const char* wh
 
 Status AllocateMla(const ModelConfig& c, MlaShared* s) {
   const Dims d(c);
-  FP8MOE_RETURN_IF_ERROR(Create(&s->cos, {d.S, d.r / 2}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->sin, {d.S, d.r / 2}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->cos, {d.S, d.r / 2}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->sin, {d.S, d.r / 2}));
   RopeTables(d.S, d.r, c.rope_max_timescale, s->cos.data_as<float>(), s->sin.data_as<float>());
-  FP8MOE_RETURN_IF_ERROR(Create(&s->q, {d.N, d.H * d.qk}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->kv_a, {d.N, d.kv_a()}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->kv_b, {d.N, d.kv_b()}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->dqkv, {d.N, d.qkv()}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->dattn, {d.N, d.H * d.vd}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->dlatent, {d.N, d.kvl}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->dlatent_in, {d.N, d.kvl}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->dq_a_n, {d.N, d.ql}));
-  FP8MOE_RETURN_IF_ERROR(Create(&s->dq_a, {d.N, d.ql}));
-  return Create(&s->dn1, {d.N, d.D});
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->q, {d.N, d.H * d.qk}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->kv_a, {d.N, d.kv_a()}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->kv_b, {d.N, d.kv_b()}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->dqkv, {d.N, d.qkv()}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->dattn, {d.N, d.H * d.vd}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->dlatent, {d.N, d.kvl}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->dlatent_in, {d.N, d.kvl}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->dq_a_n, {d.N, d.ql}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&s->dq_a, {d.N, d.ql}));
+  return CreateZeroed(&s->dn1, {d.N, d.D});
 }
 
 Status AllocateMla(const ModelConfig& c, MlaActivations* a) {
   const Dims d(c);
-  FP8MOE_RETURN_IF_ERROR(Create(&a->n1, {d.N, d.D}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->inv1, {d.N}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->q_a, {d.N, d.ql}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->q_a_inv, {d.ql > 0 ? d.N : 0}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->q_a_n, {d.N, d.ql}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->latent, {d.N, d.kvl}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->latent_inv, {d.N}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->latent_n, {d.N, d.kvl}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->qkv, {d.N, d.qkv()}));
-  FP8MOE_RETURN_IF_ERROR(Create(&a->probs, {d.B, d.H, d.S, d.S}));
-  return Create(&a->attn, {d.N, d.H * d.vd});
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->n1, {d.N, d.D}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->inv1, {d.N}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->q_a, {d.N, d.ql}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->q_a_inv, {d.ql > 0 ? d.N : 0}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->q_a_n, {d.N, d.ql}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->latent, {d.N, d.kvl}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->latent_inv, {d.N}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->latent_n, {d.N, d.kvl}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->qkv, {d.N, d.qkv()}));
+  FP8MOE_RETURN_IF_ERROR(CreateZeroed(&a->probs, {d.B, d.H, d.S, d.S}));
+  return CreateZeroed(&a->attn, {d.N, d.H * d.vd});
 }
 
 Status MlaSublayerForward(Context& ctx, const ModelConfig& c, const ConstTensorView& group,

@@ -490,33 +490,28 @@ Model::~Model() = default;
 
 namespace {
 
-Status Make(Tensor* t, Shape s, DType d = DType::kF32) {
-  FP8MOE_ASSIGN_OR_RETURN(*t, Tensor::Create(d, std::move(s)));
-  return OkStatus();
-}
-
 Status Allocate(const ModelConfig& c, Model::Buffers* b) {
   const int64_t N = c.batch * c.seq_len, D = c.emb_dim, V = c.vocab_size;
-  FP8MOE_RETURN_IF_ERROR(Make(&b->group, {1}, DType::kI32));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->group, {1}, DType::kI32));
   b->group.data_as<int32_t>()[0] = static_cast<int32_t>(N);
   FP8MOE_RETURN_IF_ERROR(internal::AllocateAttention(c, &b->attention));
   b->layers.resize(static_cast<size_t>(c.num_layers));
   for (auto& L : b->layers) {
-    FP8MOE_RETURN_IF_ERROR(Make(&L.x, {N, D}));
+    FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&L.x, {N, D}));
     FP8MOE_RETURN_IF_ERROR(internal::AllocateAttention(c, &L.attention));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.x1, {N, D}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.n2, {N, D}));
-    FP8MOE_RETURN_IF_ERROR(Make(&L.inv2, {N}));
+    FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&L.x1, {N, D}));
+    FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&L.n2, {N, D}));
+    FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&L.inv2, {N}));
   }
-  FP8MOE_RETURN_IF_ERROR(Make(&b->xf, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->nf, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->invf, {N}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->logits, {N, V}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->dlogits, {N, V}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->xf, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->nf, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->invf, {N}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->logits, {N, V}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->dlogits, {N, V}));
   FP8MOE_RETURN_IF_ERROR(internal::AllocateLogits(c, &b->tied));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->dx, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->dtmp, {N, D}));
-  FP8MOE_RETURN_IF_ERROR(Make(&b->moe_y, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->dx, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->dtmp, {N, D}));
+  FP8MOE_RETURN_IF_ERROR(internal::CreateZeroed(&b->moe_y, {N, D}));
   FP8MOE_RETURN_IF_ERROR(internal::AllocateFfn(c, &b->ffn, &b->ffn_scratch));
   b->ready = true;
   return OkStatus();
