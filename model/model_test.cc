@@ -1043,73 +1043,52 @@ TEST(Model, SteadyStateMlaStepAllocatesNothing) {
   ExpectSteadyStepsAllocateNothing(TinyMla(6, true));
 }
 
-// Parameters of the global attention layout given to an mla model (and
-// the reverse's MLA-only check on the gradients) are an error naming the
-// layout, not a read out of bounds.
-TEST(Model, MlaStepRefusesParametersOfAnotherLayout) {
-  const ModelConfig mla = TinyMla(6, true);
-  const ModelConfig global = Tiny();
-  auto wrong = AllocateParams(global);
-  auto right = AllocateParams(mla);
-  ASSERT_TRUE(wrong.ok() && right.ok());
-  ASSERT_TRUE(InitParams(global, 1, &*wrong).ok());
-  ASSERT_TRUE(InitParams(mla, 1, &*right).ok());
-  auto grads = AllocateParams(mla);
-  ASSERT_TRUE(grads.ok());
-  const Tokens tok(mla, 2);
-  Context ctx;
-  Model model(mla);
-  std::vector<PreparedMoeWeights> prepared;
-  ASSERT_TRUE(model.PrepareExperts(ctx, *right, &prepared).ok());
-  ModelStepInfo info;
-  const Status s =
-      model.Step(ctx, *wrong, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("do not hold attention_type=mla's tensors"), std::string::npos)
-      << s.message();
-  auto wrong_grads = AllocateParams(global);
-  ASSERT_TRUE(wrong_grads.ok());
-  const Status g =
-      model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*wrong_grads, &info);
-  EXPECT_NE(g.message().find("the gradients do not hold"), std::string::npos) << g.message();
-  EXPECT_TRUE(
-      model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info).ok());
-}
-
-// The mirror: MLA-layout parameters (no wqkv) or gradients given to a
-// global-attention model are an error naming attention_type=global's
-// tensors, not a matmul's generic shape error.
-TEST(Model, GlobalStepRefusesParametersOfTheMlaLayout) {
-  const ModelConfig global = Tiny();
-  const ModelConfig mla = TinyMla(6, true);
-  auto right = AllocateParams(global);
-  auto wrong = AllocateParams(mla);
-  auto grads = AllocateParams(global);
-  auto wrong_grads = AllocateParams(mla);
+// A step of c given parameters, then gradients, of the other attention
+// layout `other` is an InvalidArgument naming attention_type=`type`'s
+// tensors (not a read out of bounds or a matmul's generic shape error);
+// c's own step runs.
+void ExpectAStepRefusesTheOtherLayout(const ModelConfig& c, const ModelConfig& other,
+                                      const std::string& type) {
+  auto right = AllocateParams(c);
+  auto wrong = AllocateParams(other);
+  auto grads = AllocateParams(c);
+  auto wrong_grads = AllocateParams(other);
   ASSERT_TRUE(right.ok() && wrong.ok() && grads.ok() && wrong_grads.ok());
-  ASSERT_TRUE(InitParams(global, 1, &*right).ok());
-  ASSERT_TRUE(InitParams(mla, 1, &*wrong).ok());
-  const Tokens tok(global, 2);
+  ASSERT_TRUE(InitParams(c, 1, &*right).ok());
+  ASSERT_TRUE(InitParams(other, 1, &*wrong).ok());
+  const Tokens tok(c, 2);
   Context ctx;
-  Model model(global);
+  Model model(c);
   std::vector<PreparedMoeWeights> prepared;
   ASSERT_TRUE(model.PrepareExperts(ctx, *right, &prepared).ok());
   ModelStepInfo info;
   const Status s =
       model.Step(ctx, *wrong, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("the parameters do not hold attention_type=global's tensors "
-                             "of this config (wqkv, wo_attn"),
+  EXPECT_NE(s.message().find("the parameters do not hold attention_type=" + type + "'s tensors"),
             std::string::npos)
       << s.message();
   const Status g =
       model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*wrong_grads, &info);
   EXPECT_EQ(g.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(g.message().find("the gradients do not hold attention_type=global's"),
+  EXPECT_NE(g.message().find("the gradients do not hold attention_type=" + type + "'s tensors"),
             std::string::npos)
       << g.message();
   EXPECT_TRUE(
       model.Step(ctx, *right, prepared, tok.in.data(), tok.tgt.data(), &*grads, &info).ok());
+}
+
+// Parameters or gradients of the global attention layout given to an mla
+// model.
+TEST(Model, MlaStepRefusesParametersOfAnotherLayout) {
+  ExpectAStepRefusesTheOtherLayout(TinyMla(6, true), Tiny(), "mla");
+}
+
+// The mirror: MLA-layout parameters (no wqkv) or gradients given to a
+// global-attention model; the message lists the global layout's tensors.
+TEST(Model, GlobalStepRefusesParametersOfTheMlaLayout) {
+  ExpectAStepRefusesTheOtherLayout(Tiny(), TinyMla(6, true), "global");
+  ExpectAStepRefusesTheOtherLayout(Tiny(), TinyMla(0, false), "global");
 }
 
 // The MLA flags that make no sense are refused, each naming its flags and
