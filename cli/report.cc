@@ -71,8 +71,6 @@ std::string Quote(const std::string& s) {
   return out + "\"";
 }
 
-}  // namespace
-
 // A curve per expert of `key` ("expert_load", or routed_bias's
 // "router_bias") of the first MoE layer of `run` over its steps (a dense
 // layer, first_num_dense_layers, logs an empty list; a step without `key` is
@@ -155,6 +153,8 @@ std::string LoadImbalancePlot(const std::vector<Run>& runs, const fs::path& tmp)
   }
   return plot.empty() ? plot : plot + ", 1.2 with lines dt 2 lc rgb 'black' title '1.2'";
 }
+
+}  // namespace
 
 int RunReport(const std::vector<std::string>& dirs, const std::string& out_arg) {
   std::vector<Run> runs(dirs.size());
